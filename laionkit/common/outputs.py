@@ -1,0 +1,77 @@
+"""Crash-safe outputs: everything is written under a temporary name and renamed when complete.
+
+A file or folder with its final name is therefore always complete, which is what every stage's
+resume logic relies on: "exists" means "done". Temporary names start with a dot and end in
+``.partial`` so they never match a stage's output glob, and a rerun simply overwrites them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+PARTIAL_SUFFIX = ".partial"
+
+VERSIONED_PACKAGES = (
+    "laionkit", "torch", "torchvision", "pyarrow", "pandas", "duckdb", "webdataset", "img2dataset",
+    "diffusers", "transformers", "accelerate", "open_clip_torch",
+)
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path to write a file or folder into; rename it to ``path`` on success.
+
+    On any exception the temporary is removed and ``path`` is left untouched. After a kill -9 the
+    temporary stays behind under a dot-name and is replaced by the next attempt.
+    """
+    final = Path(path)
+    tmp = partial_path(final)
+    if tmp.exists():
+        _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        if tmp.exists():
+            _remove(tmp)
+        raise
+    if final.is_dir() and tmp.is_dir():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the packages that shape outputs, recorded in every manifest."""
+    found = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found

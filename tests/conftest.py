@@ -1,0 +1,31 @@
+"""Shared fixtures: the real files in ../shared/realdata and the laionkit entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REALDATA = REPO.parent / "shared" / "realdata"
+
+
+@pytest.fixture(scope="session")
+def realdata() -> Path:
+    if not REALDATA.is_dir():
+        pytest.fail(f"real test data not found at {REALDATA} (see DEVELOPERS.md: ../shared/realdata)")
+    return REALDATA
+
+
+def run_cli(*args: str, check: bool = True, env: dict | None = None, timeout: float = 600):
+    """Run the real `laionkit` entry point in a subprocess, as a user would."""
+    result = subprocess.run(
+        [sys.executable, "-m", "laionkit.cli", *map(str, args)],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"laionkit {' '.join(map(str, args))} failed ({result.returncode}):\n"
+                             f"{result.stdout}\n{result.stderr}")
+    return result
