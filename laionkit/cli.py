@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -45,6 +47,42 @@ def _root(
     ] = False,
 ) -> None:
     """From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> encode -> train."""
+
+
+@app.command(epilog="""Examples:
+
+    laionkit doctor
+
+    laionkit doctor --allreduce                 # NCCL bus bandwidth across all visible GPUs
+
+    laionkit doctor --shards data/latents --json
+""")
+def doctor(
+    allreduce: Annotated[bool, typer.Option(help="Time an all-reduce across GPUs (NCCL bus bandwidth).")] = False,
+    processes: Annotated[Optional[int], typer.Option(help="Processes for --allreduce (default: GPUs).")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="nccl or gloo (default: nccl when GPUs).")] = None,
+    megabytes: Annotated[int, typer.Option(help="All-reduce message size in MB.")] = 256,
+    shards: Annotated[Optional[Path], typer.Option(help="Time reading the tar shards in this folder.")] = None,
+    min_busbw: Annotated[float, typer.Option(help="GB/s under which the link verdict is 'slow'.")] = 40.0,
+    min_read: Annotated[float, typer.Option(help="MB/s under which the shard-read verdict is 'slow'.")] = 200.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Versions, GPUs, and optional NCCL all-reduce and shard-read checks, each with a plain verdict."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from laionkit import doctor as doctor_stage
+
+    rows = doctor_stage.run(allreduce, processes, backend, megabytes, shards, min_busbw, min_read)
+    if as_json:
+        typer.echo(json.dumps([asdict(row) for row in rows], indent=2))
+        return
+    table = Table("check", "value", "verdict", title="laionkit doctor")
+    for row in rows:
+        style = "green" if row.verdict.startswith("ok") else "yellow"
+        table.add_row(row.name, row.value, f"[{style}]{row.verdict}[/]")
+    Console().print(table)
 
 
 def main() -> None:
