@@ -85,6 +85,31 @@ def doctor(
     Console().print(table)
 
 
+models_app = typer.Typer(help="Model folders: tiny random-init models for offline tests and demos.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("tiny", epilog="""Examples:
+
+    laionkit models tiny --output models/tiny
+
+    laionkit encode shards/ --model models/tiny --output latents/ --resolution 64
+""")
+def models_tiny(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+) -> None:
+    """Write tiny random-init SD-style models (vae/, unet/, text_encoder/, tokenizer/, scheduler/) in the
+    real diffusers / transformers formats, with the real CLIP BPE vocabulary, so everything runs offline."""
+    from laionkit.common import atomic_output
+    from laionkit.common.models import write_tiny_models
+
+    with atomic_output(output) as tmp:
+        write_tiny_models(tmp, seed=seed)
+    typer.echo(f"wrote tiny models to {output}")
+
+
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
     try:

@@ -29,3 +29,7 @@ def run_cli(*args: str, check: bool = True, env: dict | None = None, timeout: fl
         raise AssertionError(f"laionkit {' '.join(map(str, args))} failed ({result.returncode}):\n"
                              f"{result.stdout}\n{result.stderr}")
     return result
+
+
+# Session fixtures other stages reuse: tiny_models, image_shards, latent_shards (see tests/fixtures.py).
+from fixtures import image_shards, latent_shards, tiny_models  # noqa: E402,F401

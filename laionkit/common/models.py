@@ -1,0 +1,285 @@
+"""Model loading shared by encode and train: presets, hub ids and local folders, all through from_pretrained.
+
+A model *source* is one string, resolved per component (``vae``, ``text_encoder``, ``tokenizer``,
+``unet``, ``scheduler``) in this order:
+
+1. a preset name (``sd15``, ``sd2``): a hub pipeline repo, component in its subfolder;
+2. a local folder: ``DIR/<component>/`` if it exists (a pipeline folder such as the one
+   ``laionkit models tiny`` writes), else ``DIR`` itself (a bare component folder);
+3. a hub id: ``owner/name`` is a pipeline repo (component in its subfolder) unless the component is
+   given explicitly as ``owner/name/subfolder``; ``owner/name:root`` means the repo root
+   (e.g. ``stabilityai/sd-vae-ft-mse:root`` for a standalone VAE repo).
+
+``write_tiny_models`` saves tiny random-init models in the same formats, so tests and the offline demo
+go through exactly the loading code users run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from laionkit.common.errors import LaionkitError
+
+COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A known model family: where its components live and how its text conditioning is taken."""
+
+    repo: str
+    text_layer: str
+    resolution: int
+    note: str
+
+
+# The SD2 checkpoint on the hub already drops OpenCLIP ViT-H's last block (23 of 24 layers), so its
+# "last" hidden state is the penultimate layer SD2 was trained on.
+PRESETS = {
+    "sd15": Preset("stable-diffusion-v1-5/stable-diffusion-v1-5", "last", 512,
+                   "SD 1.5 VAE + CLIP ViT-L/14 text encoder, last hidden state"),
+    "sd2": Preset("stabilityai/stable-diffusion-2-base", "last", 512,
+                  "SD 2 VAE + OpenCLIP ViT-H text encoder, penultimate layer (the hub checkpoint has 23 layers)"),
+}
+
+
+@dataclass(frozen=True)
+class ComponentSource:
+    """Where one component is loaded from: ``from_pretrained(location, subfolder=subfolder)``."""
+
+    given: str
+    location: str
+    subfolder: str | None
+    local: bool
+
+    def describe(self) -> dict:
+        return {"source": self.given, "location": self.location, "subfolder": self.subfolder,
+                "local": self.local}
+
+
+def resolve_source(source: str, component: str) -> ComponentSource:
+    """Turn a user's ``--model``/``--vae``/... string into a from_pretrained location for one component."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown component {component!r}")
+    if not source:
+        raise LaionkitError(f"empty model source for {component}")
+    if source in PRESETS:
+        return ComponentSource(source, PRESETS[source].repo, component, local=False)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if (path / component).is_dir():
+            return ComponentSource(source, str(path.resolve()), component, local=True)
+        if any(path.glob("*.json")):
+            return ComponentSource(source, str(path.resolve()), None, local=True)
+        raise LaionkitError(
+            f"model folder {path} has neither a {component}/ subfolder nor a config file for {component}"
+        )
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise LaionkitError(f"model path {source} for {component} is not a folder")
+    repo, _, root = source.partition(":")
+    if root and root != "root":
+        raise LaionkitError(f"model source {source!r}: only ':root' may follow a hub id")
+    parts = repo.split("/")
+    if len(parts) < 2 or not all(parts):
+        raise LaionkitError(
+            f"model source {source!r} for {component} is not a preset ({', '.join(PRESETS)}), "
+            "an existing folder, or a hub id owner/name[/subfolder]"
+        )
+    if root:
+        return ComponentSource(source, repo, None, local=False)
+    if len(parts) > 2:
+        return ComponentSource(source, "/".join(parts[:2]), "/".join(parts[2:]), local=False)
+    return ComponentSource(source, repo, component, local=False)
+
+
+def _from_pretrained(cls, source: str, component: str, **kwargs):
+    where = resolve_source(source, component)
+    try:
+        return cls.from_pretrained(where.location, subfolder=where.subfolder, **kwargs)
+    except OSError as error:
+        sub = f" (subfolder {where.subfolder})" if where.subfolder else ""
+        raise LaionkitError(f"cannot load {component} from {where.location}{sub}: {error}") from error
+
+
+def load_vae(source: str, dtype=None):
+    """A diffusers AutoencoderKL (SD-style: 4 latent channels, 8x downsampling for the SD VAEs)."""
+    from diffusers import AutoencoderKL
+
+    return _from_pretrained(AutoencoderKL, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
+
+
+def load_text_encoder(source: str, dtype=None):
+    """A transformers CLIP text model (CLIP ViT-L/14 for SD 1.5, OpenCLIP ViT-H for SD 2)."""
+    from transformers import CLIPTextModel
+
+    model = _from_pretrained(CLIPTextModel, source, "text_encoder", dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(source: str):
+    """The CLIP BPE tokenizer matching the text encoder (window = model_max_length, 77 for SD)."""
+    from transformers import CLIPTokenizer
+
+    return _from_pretrained(CLIPTokenizer, source, "tokenizer")
+
+
+def load_unet(source: str, dtype=None):
+    """Pretrained UNet2DConditionModel weights (fine-tuning); see load_unet_config for training from scratch."""
+    from diffusers import UNet2DConditionModel
+
+    return _from_pretrained(UNet2DConditionModel, source, "unet", torch_dtype=dtype)
+
+
+def load_unet_config(source: str) -> dict:
+    """The UNet2DConditionModel config alone, for ``UNet2DConditionModel.from_config`` (random init)."""
+    from diffusers import UNet2DConditionModel
+
+    return _load_config(UNet2DConditionModel, source, "unet")
+
+
+def _load_config(cls, source: str, component: str) -> dict:
+    where = resolve_source(source, component)
+    try:
+        return dict(cls.load_config(where.location, subfolder=where.subfolder))
+    except OSError as error:
+        raise LaionkitError(f"cannot read the {component} config from {where.location}: {error}") from error
+
+
+def load_scheduler(source: str):
+    """The training noise scheduler (DDPM with the model's beta schedule and prediction type)."""
+    from diffusers import DDPMScheduler
+
+    return _from_pretrained(DDPMScheduler, source, "scheduler")
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(source: str, component: str) -> dict:
+    """Where a component came from and the sha256 of its files, for manifests (lineage of every output).
+
+    Hub components are hashed from the local hub cache that from_pretrained just filled; when the cache
+    cannot be found the hashes are recorded as missing rather than guessed.
+    """
+    where = resolve_source(source, component)
+    record = where.describe()
+    folder: Path | None = Path(where.location) if where.local else None
+    if folder is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            pattern = f"{where.subfolder}/*" if where.subfolder else "*"
+            folder = Path(snapshot_download(where.location, allow_patterns=[pattern], local_files_only=True))
+        except Exception as error:  # noqa: BLE001 - any cache miss means "no hashes", recorded as such
+            record["files"] = None
+            record["files_missing_reason"] = f"{type(error).__name__}: {error}"
+            return record
+    if where.subfolder:
+        folder = folder / where.subfolder
+    record["files"] = {
+        file.name: sha256_file(file)
+        for file in sorted(folder.iterdir())
+        if file.is_file() and file.name.endswith(WEIGHT_SUFFIXES)
+    }
+    return record
+
+
+# --- tiny random-init models in the real formats -------------------------------------------------
+
+TINY_TEXT_HIDDEN = 32
+CLIP_VOCAB_SIZE = 49408
+CLIP_WINDOW = 77
+
+
+def clip_bpe() -> tuple[dict[str, int], list[str]]:
+    """The OpenAI CLIP BPE that open_clip ships, as (vocab, merges) in Hugging Face's layout.
+
+    Same construction as OpenAI's / open_clip's SimpleTokenizer (256 byte tokens, the same with
+    ``</w>``, 48,894 merges, two specials), which is exactly openai/clip-vit-large-patch14's vocabulary.
+    """
+    import open_clip.tokenizer as oc
+
+    lines = gzip.open(oc.default_bpe()).read().decode("utf-8").split("\n")
+    merges = lines[1 : 49152 - 256 - 2 + 1]
+    byte_symbols = list(oc.bytes_to_unicode().values())
+    tokens = byte_symbols + [symbol + "</w>" for symbol in byte_symbols]
+    tokens += ["".join(merge.split()) for merge in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    assert len(tokens) == CLIP_VOCAB_SIZE, len(tokens)
+    return {token: i for i, token in enumerate(tokens)}, merges
+
+
+def clip_tokenizer(folder: Path):
+    """A CLIPTokenizer with the real vocabulary, also saved as vocab.json / merges.txt for older readers."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = clip_bpe()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return CLIPTokenizer(vocab=vocab, merges=[tuple(m.split()) for m in merges], model_max_length=CLIP_WINDOW)
+
+
+def write_tiny_models(output: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random-init StableDiffusionPipeline folder: vae/, unet/, text_encoder/, tokenizer/, scheduler/.
+
+    The VAE has SD's 4 latent channels and 8x downsampling (4 blocks, 3 downsamples), the text encoder
+    CLIP's 77-token window and real 49,408-token vocabulary (hidden size 32), the UNet cross-attends to
+    it, and the scheduler is SD 1.5's. Everything loads with the same from_pretrained calls as SD 1.5.
+    """
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    output = Path(output)
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16, 32, 32),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=8,
+        latent_channels=4,
+        sample_size=64,
+        scaling_factor=0.18215,
+    )
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=CLIP_VOCAB_SIZE, hidden_size=TINY_TEXT_HIDDEN, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=CLIP_WINDOW,
+        hidden_act="quick_gelu", projection_dim=TINY_TEXT_HIDDEN,
+        bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+    ))
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=1,
+        cross_attention_dim=TINY_TEXT_HIDDEN,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        clip_sample=False, steps_offset=1, prediction_type="epsilon",
+    )
+    tokenizer_dir = output / "tokenizer"
+    tokenizer = clip_tokenizer(tokenizer_dir)
+    pipeline = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(output, safe_serialization=True)
+    return output
