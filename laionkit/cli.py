@@ -110,6 +110,132 @@ def models_tiny(
     typer.echo(f"wrote tiny models to {output}")
 
 
+@app.command(epilog="""Examples:
+
+    laionkit pack filtered/ --output shards/
+
+    laionkit pack laion2B-en-part-00000.parquet --output shards/ --image-size 256 --resize-mode keep_ratio
+
+    torchrun --nproc-per-node 4 -m laionkit.cli pack filtered/ --output shards/ --processes 8
+
+Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
+""")
+def pack(
+    inputs: Annotated[list[Path], typer.Argument(help="Parquet files or folders of them (filter's output).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the WebDataset tar shards.")],
+    image_size: Annotated[int, typer.Option(help="Output image side in pixels.")] = 512,
+    resize_mode: Annotated[str, typer.Option(help="center_crop, keep_ratio, border or no.")] = "center_crop",
+    min_image_size: Annotated[int, typer.Option(help="Drop images whose shorter side is smaller.")] = 0,
+    max_aspect_ratio: Annotated[
+        Optional[float], typer.Option(help="Drop images with a longer/shorter side ratio above this.")
+    ] = None,
+    max_image_area: Annotated[
+        int, typer.Option(help="Refuse images with more pixels, from their header (decompression bombs); 0: off.")
+    ] = 89_478_485,
+    encode_format: Annotated[str, typer.Option(help="jpg or webp.")] = "jpg",
+    encode_quality: Annotated[int, typer.Option(help="Encoder quality, 0-100.")] = 95,
+    processes: Annotated[Optional[int], typer.Option(help="Download processes (default: CPU count).")] = None,
+    threads: Annotated[int, typer.Option(help="Download threads per process.")] = 64,
+    timeout: Annotated[float, typer.Option(help="Seconds before a download gives up.")] = 10.0,
+    retries: Annotated[int, typer.Option(help="Extra attempts per failed download.")] = 0,
+    shard_size: Annotated[int, typer.Option(help="Input rows per tar shard.")] = 10_000,
+    url_column: Annotated[Optional[str], typer.Option(help="URL column (default: URL or url).")] = None,
+    caption_column: Annotated[
+        Optional[str], typer.Option(help="Caption column (default: TEXT, caption or text).")
+    ] = None,
+    respect_optout: Annotated[
+        bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
+    ] = True,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Download the URLs of parquet rows with img2dataset into WebDataset shards (`key.jpg/.txt/.json`),
+    keeping every input column in each sample's json; writes DIR/manifest.json."""
+    import os
+
+    from laionkit.pack import PackConfig, run
+
+    config = PackConfig(
+        inputs=tuple(inputs), output=output, image_size=image_size, resize_mode=resize_mode,
+        min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio, max_image_area=max_image_area,
+        encode_format=encode_format, encode_quality=encode_quality, processes=processes or os.cpu_count() or 1,
+        threads=threads, timeout=timeout, retries=retries, shard_size=shard_size, url_column=url_column,
+        caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
+        quiet=quiet,
+    )
+    manifest = run(config)
+    if not quiet:
+        typer.echo(
+            f"{output}: {len(manifest['shards'])}/{manifest['planned_shards']} shards, "
+            f"{manifest['samples']:,} samples of {manifest['rows']:,} rows ({manifest['success_rate']:.1%})"
+        )
+
+
+@app.command("filter", epilog="""Examples:
+
+    laionkit filter laionkit/data/laion-sample.parquet --preset laion-safe --output out/filtered
+
+    laionkit filter laion2B-en-aesthetic/ --preset sd1 --where "WIDTH / HEIGHT <= 2" --output out/sd1
+
+    laionkit filter metadata/ --embeddings img_emb/ --score aes=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --where "aes >= 6" --output out/aes6
+
+    laionkit filter metadata/ --embeddings img_emb/ --score anime="prompt:an anime drawing|a manga page" --where "anime > 0.3" --output out/anime
+
+    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
+""")
+def filter_command(
+    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder.")],
+    where: Annotated[Optional[list[str]], typer.Option(
+        "--where", help="A DuckDB SQL test, e.g. 'punsafe < 0.5' or 'length(caption) >= 5'; repeatable, AND-ed.")] = None,
+    preset: Annotated[Optional[list[str]], typer.Option(
+        "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
+    rename: Annotated[Optional[list[str]], typer.Option(
+        "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
+    dedup: Annotated[Optional[str], typer.Option(
+        help="Drop rows whose COLUMN value was already kept (global, first occurrence; needs --world-size 1).")] = None,
+    embeddings: Annotated[Optional[list[str]], typer.Option(
+        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder.")] = None,
+    score: Annotated[Optional[list[str]], typer.Option(
+        "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
+    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
+    clip_pretrained: Annotated[str, typer.Option(
+        help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
+    unit_rows: Annotated[int, typer.Option(
+        help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
+    skip_bad: Annotated[bool, typer.Option(
+        "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Keep the LAION rows that pass SQL rules, presets and custom CLIP scores; parquet parts + per-rule stats."""
+    from laionkit import filter as filter_stage
+
+    config = filter_stage.FilterConfig(
+        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
+        rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
+        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, rank=rank,
+        world_size=world_size, skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
+    )
+    stats = filter_stage.run(config)
+    if not quiet:
+        err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
+
+
+@app.command("stats", epilog="""Examples:
+
+    laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
+""")
+def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder of a laionkit stage.")]) -> None:
+    """Print a readable summary of a stage's output folder, merged across ranks."""
+    from laionkit import stats as stats_stage
+
+    stats_stage.run(stats_stage.StatsConfig(folder=folder))
+
+
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
     try:
