@@ -236,6 +236,70 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     stats_stage.run(stats_stage.StatsConfig(folder=folder))
 
 
+@app.command("filter", epilog="""Examples:
+
+    laionkit filter laionkit/data/laion-sample.parquet --preset laion-safe --output out/filtered
+
+    laionkit filter laion2B-en-aesthetic/ --preset sd1 --where "WIDTH / HEIGHT <= 2" --output out/sd1
+
+    laionkit filter metadata/ --embeddings img_emb/ --score aes=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --where "aes >= 6" --output out/aes6
+
+    laionkit filter metadata/ --embeddings img_emb/ --score anime="prompt:an anime drawing|a manga page" --where "anime > 0.3" --output out/anime
+
+    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
+""")
+def filter_command(
+    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder.")],
+    where: Annotated[Optional[list[str]], typer.Option(
+        "--where", help="A DuckDB SQL test, e.g. 'punsafe < 0.5' or 'length(caption) >= 5'; repeatable, AND-ed.")] = None,
+    preset: Annotated[Optional[list[str]], typer.Option(
+        "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
+    rename: Annotated[Optional[list[str]], typer.Option(
+        "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
+    dedup: Annotated[Optional[str], typer.Option(
+        help="Drop rows whose COLUMN value was already kept (global, first occurrence; needs --world-size 1).")] = None,
+    embeddings: Annotated[Optional[list[str]], typer.Option(
+        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder.")] = None,
+    score: Annotated[Optional[list[str]], typer.Option(
+        "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
+    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
+    clip_pretrained: Annotated[str, typer.Option(
+        help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
+    unit_rows: Annotated[int, typer.Option(
+        help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
+    skip_bad: Annotated[bool, typer.Option(
+        "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Keep the LAION rows that pass SQL rules, presets and custom CLIP scores; parquet parts + per-rule stats."""
+    from laionkit import filter as filter_stage
+
+    config = filter_stage.FilterConfig(
+        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
+        rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
+        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, rank=rank,
+        world_size=world_size, skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
+    )
+    stats = filter_stage.run(config)
+    if not quiet:
+        err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
+
+
+@app.command("stats", epilog="""Examples:
+
+    laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
+""")
+def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder of a laionkit stage.")]) -> None:
+    """Print a readable summary of a stage's output folder, merged across ranks."""
+    from laionkit import stats as stats_stage
+
+    stats_stage.run(stats_stage.StatsConfig(folder=folder))
+
+
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
     try:

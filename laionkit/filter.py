@@ -1,0 +1,611 @@
+"""Stage 1: stream LAION parquet and keep the rows that pass SQL rules and custom CLIP-score thresholds.
+
+Work units are (input file, contiguous row groups) in sorted-path order, split round-robin by rank.
+Each unit is read one row group at a time, in two steps (late materialisation): first only the columns
+the rules name, evaluated by DuckDB as one boolean column per rule; then, only if any row survives,
+the remaining columns, of which only the kept rows are written. Peak memory is one row group.
+
+Invariants: the union of ``part-*-<unit>.parquet`` over ranks equals a one-rank run row for row; a
+unit is done iff its part file exists (written atomically, its stats in the parquet footer), so a
+killed run is simply rerun; ``filter-plan.json`` pins inputs, units and rules so a rerun with other
+arguments is refused instead of mixing outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from laionkit.common import LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions, write_json
+from laionkit.common.columns import COLUMN_ALIASES
+from laionkit.scores import ClipChoice, Scorer, ScoreSpec, build_scorer, score_embeddings
+
+# Rule sets used in practice (LAION's advice; Stable Diffusion 1.x and 2.0 training sets). Names are
+# canonical: ALIASES makes them work on every LAION release's spelling.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "laion-safe": ("punsafe < 0.5", "pwatermark < 0.8"),
+    "sd1": ("pwatermark < 0.5", "aesthetic >= 5", "width >= 512", "height >= 512"),
+    "sd2": ("punsafe < 0.1", "aesthetic >= 4.5"),
+}
+
+# Groups of names for one column across LAION releases (the shared table in laionkit.common.columns).
+# DuckDB matches names case-insensitively, so only names differing in more than case need an alias.
+ALIASES: tuple[tuple[str, ...], ...] = tuple(
+    tuple(dict.fromkeys(name.lower() for name in (canonical, *spellings)))
+    for canonical, spellings in COLUMN_ALIASES.items()
+)
+
+PLAN_NAME = "filter-plan.json"
+STATS_KEY = b"laionkit.filter.unit"
+PART_NAME = re.compile(r"^part-(\d{5})-(\d{6})\.parquet$")
+DEFAULT_UNIT_ROWS = 1_000_000
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    inputs: tuple[str, ...]
+    output: str
+    where: tuple[str, ...] = ()
+    presets: tuple[str, ...] = ()
+    rename: tuple[str, ...] = ()
+    dedup: str | None = None
+    embeddings: tuple[str, ...] = ()
+    scores: tuple[str, ...] = ()
+    clip_model: str = "ViT-L-14"
+    clip_pretrained: str = "openai"
+    unit_rows: int = DEFAULT_UNIT_ROWS
+    rank: int | None = None
+    world_size: int | None = None
+    skip_bad: bool = False
+    overwrite: bool = False
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    expr: str
+    source: str  # "--where" or "preset <name>"
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str
+    rows: int
+    row_group_rows: tuple[int, ...]
+    schema: pa.Schema = field(compare=False, repr=False)
+    embeddings: str | None = None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Row groups [start, stop) of input file ``file``; ``offset`` = the file row of its first row."""
+
+    index: int
+    file: int
+    start: int
+    stop: int
+    offset: int
+    rows: int
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+
+
+def preset_rules(presets: Sequence[str], where: Sequence[str]) -> list[Rule]:
+    rules = []
+    for name in presets:
+        if name not in PRESETS:
+            raise LaionkitError(f"unknown --preset {name!r}; known: {', '.join(PRESETS)}")
+        rules += [Rule(expr, f"preset {name}") for expr in PRESETS[name]]
+    rules += [Rule(expr, "--where") for expr in where]
+    unique = {rule.expr: rule for rule in reversed(rules)}  # a rule given twice is tested (and counted) once
+    return [rule for rule in rules if unique[rule.expr] is rule]
+
+
+def parse_renames(pairs: Sequence[str]) -> dict[str, str]:
+    renames = {}
+    for pair in pairs:
+        old, eq, new = pair.partition("=")
+        if not eq or not old or not new:
+            raise LaionkitError(f"--rename {pair!r}: expected OLD=NEW")
+        renames[old] = new
+    return renames
+
+
+def make_units(files: Sequence[InputFile], unit_rows: int) -> list[Unit]:
+    """Cut each file into runs of row groups holding at least ``unit_rows`` rows (the last run may be
+    smaller); a file without row groups still gets one empty unit, so it leaves a record."""
+    units: list[Unit] = []
+    for file_index, file in enumerate(files):
+        start, rows, offset = 0, 0, 0
+        for group, group_rows in enumerate(file.row_group_rows):
+            rows += group_rows
+            if rows >= unit_rows or group == len(file.row_group_rows) - 1:
+                units.append(Unit(len(units), file_index, start, group + 1, offset, rows))
+                start, offset, rows = group + 1, offset + rows, 0
+        if not file.row_group_rows:
+            units.append(Unit(len(units), file_index, 0, 0, 0, 0))
+    return units
+
+
+def alias_names(columns: Sequence[str]) -> dict[str, str]:
+    """Extra names -> present column, for each alias group member missing from ``columns``."""
+    present = {name.lower(): name for name in columns}
+    extra = {}
+    for group in ALIASES:
+        found = next((present[name] for name in group if name in present), None)
+        if found is not None:
+            extra.update({name: found for name in group if name not in present})
+    return extra
+
+
+def referenced_columns(expr: str) -> set[str]:
+    """Column names an expression mentions, from DuckDB's own parse tree (never by regex or eval)."""
+    tree = json.loads(duckdb.sql("SELECT json_serialize_sql(?)", params=[f"SELECT ({expr})"]).fetchall()[0][0])
+    if tree.get("error"):
+        raise LaionkitError(f"--where {expr!r}: {tree.get('error_message', 'cannot parse')}")
+    found: set[str] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if node.get("class") == "COLUMN_REF":
+                found.add(node["column_names"][-1])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(tree)
+    return found
+
+
+def nan_to_null(array: pa.ChunkedArray) -> pa.ChunkedArray:
+    """DuckDB orders NaN above every number (NaN >= 5 is true); a NaN score must fail its rule instead."""
+    if pa.types.is_floating(array.type) and array.length():
+        return pc.if_else(pc.is_nan(array), pa.scalar(None, array.type), array)
+    return array
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+def find_inputs(paths: Sequence[str]) -> list[Path]:
+    """Files given, plus every ``*.parquet`` under folders given; sorted by path (the unit order)."""
+    found: set[Path] = set()
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            found.update(p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
+        elif path.is_file():
+            found.add(path)
+        else:
+            raise LaionkitError(f"input not found: {given}")
+    if not found:
+        raise LaionkitError(f"no parquet files in {', '.join(paths)}")
+    return sorted((p.resolve() for p in found), key=str)
+
+
+def read_footer(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise LaionkitError(f"{path}: not a readable parquet file ({error})") from None
+
+
+def embeddings_by_number(paths: Sequence[str]) -> list[Path]:
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            found += sorted(path.glob("*.npy"))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise LaionkitError(f"--embeddings not found: {given}")
+    if not found:
+        raise LaionkitError(f"no .npy files in --embeddings {', '.join(paths)}")
+    return found
+
+
+def trailing_number(path: Path) -> str | None:
+    match = re.search(r"(\d+)$", path.stem)
+    return str(int(match.group(1))) if match else None
+
+
+def match_embeddings(inputs: Sequence[Path], npys: Sequence[Path]) -> dict[Path, Path]:
+    """LAION's layout: img_emb_0003.npy <-> metadata_0003.parquet by number; one file <-> one file."""
+    if len(inputs) == 1 and len(npys) == 1:
+        return {inputs[0]: npys[0]}
+    by_number: dict[str, Path] = {}
+    for npy in npys:
+        number = trailing_number(npy)
+        if number is None or number in by_number:
+            raise LaionkitError(f"--embeddings {npy}: cannot pair it with an input by its number")
+        by_number[number] = npy
+    pairs = {}
+    for parquet in inputs:
+        number = trailing_number(parquet)
+        if number is None or number not in by_number:
+            raise LaionkitError(f"no embeddings file for {parquet} (looked for a .npy numbered {number})")
+        pairs[parquet] = by_number[number]
+    return pairs
+
+
+def check_embeddings(npy: Path, parquet: Path, rows: int) -> None:
+    try:
+        array = np.load(npy, mmap_mode="r")
+    except (ValueError, OSError) as error:
+        raise LaionkitError(f"{npy}: not a readable .npy file ({error})") from None
+    if array.ndim != 2 or array.dtype not in (np.float16, np.float32):
+        raise LaionkitError(f"{npy}: expected a float16/float32 N x D array, got {array.dtype} {array.shape}")
+    if array.shape[0] != rows:
+        raise LaionkitError(f"{npy} has {array.shape[0]} rows but {parquet} has {rows}: they must align row by row")
+
+
+@dataclass
+class Plan:
+    files: list[InputFile]
+    bad_inputs: list[dict]
+    units: list[Unit]
+    rules: list[Rule]
+    scores: list[ScoreSpec]
+    renames: dict[str, str]
+    record: dict  # what filter-plan.json holds; equal records = interchangeable runs
+
+    @property
+    def plan_id(self) -> str:
+        return plan_id(self.record)
+
+
+def plan_id(record: dict) -> str:
+    """Names a plan in every rank's stats, so stats of another (older) plan in the folder are ignored."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_plan(config: FilterConfig) -> Plan:
+    rules = preset_rules(config.presets, config.where)
+    renames = parse_renames(config.rename)
+    scores = [ScoreSpec.parse(text) for text in config.scores]
+    if scores and not config.embeddings:
+        raise LaionkitError("--score needs --embeddings (the CLIP image embeddings the scores are computed from)")
+    if config.unit_rows < 1:
+        raise LaionkitError(f"--unit-rows must be >= 1, got {config.unit_rows}")
+    paths = find_inputs(config.inputs)
+    npys = match_embeddings(paths, embeddings_by_number(config.embeddings)) if config.embeddings else {}
+    files, bad = [], []
+    for path in paths:
+        try:
+            footer = read_footer(path)
+        except LaionkitError as error:
+            if not config.skip_bad:
+                raise
+            bad.append({"path": str(path), "error": str(error)})
+            continue
+        meta = footer.metadata
+        rows = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+        npy = npys.get(path)
+        if npy is not None:
+            check_embeddings(npy, path, meta.num_rows)
+        files.append(InputFile(str(path), meta.num_rows, rows, footer.schema_arrow, npy and str(npy)))
+    if not files:
+        raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
+    check_columns(files, rules, renames, scores, config.dedup)
+    units = make_units(files, config.unit_rows)
+    uses_clip = any(spec.kind == "prompt" for spec in scores)
+    record = {
+        "inputs": [{"path": f.path, "rows": f.rows, "row_groups": len(f.row_group_rows), "embeddings": f.embeddings}
+                   for f in files],
+        "bad_inputs": bad,
+        "units": [[u.file, u.start, u.stop, u.rows] for u in units],
+        "rules": [asdict(rule) for rule in rules],
+        "scores": [asdict(spec) for spec in scores],
+        "clip": [config.clip_model, config.clip_pretrained] if uses_clip else None,
+        "rename": renames,
+        "dedup": config.dedup,
+    }
+    return Plan(files, bad, units, rules, scores, renames, record)
+
+
+def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> pa.Schema:
+    names = [renames.get(name, name) for name in schema.names]
+    taken = {name.lower() for name in names}
+    for spec in scores:
+        if spec.name.lower() in taken:
+            raise LaionkitError(f"--score {spec.name}: the input already has a column named {spec.name}")
+        taken.add(spec.name.lower())
+    fields = [schema.field(i).with_name(name) for i, name in enumerate(names)]
+    # pandas' metadata describes the input frame (its index, its names); it would mislead on the output.
+    metadata = {k: v for k, v in (schema.metadata or {}).items() if k != b"pandas"}
+    return pa.schema(fields + [pa.field(spec.name, pa.float32()) for spec in scores], metadata=metadata or None)
+
+
+def check_columns(
+    files: Sequence[InputFile], rules: Sequence[Rule], renames: dict[str, str], scores: Sequence[ScoreSpec],
+    dedup: str | None,
+) -> None:
+    """Bind every rule against every distinct input schema before anything is written."""
+    for old in renames:
+        if not any(old in f.schema.names for f in files):
+            raise LaionkitError(f"--rename {old}=...: no input has a column {old!r}")
+    seen: set[pa.Schema] = set()
+    for file in files:
+        schema = renamed_schema(file.schema, renames, scores)
+        if schema in seen:
+            continue
+        seen.add(schema)
+        available = ", ".join(schema.names)
+        if dedup is not None and dedup not in schema.names:
+            raise LaionkitError(f"--dedup {dedup}: {file.path} has no such column; available columns: {available}")
+        empty = eval_table(schema.empty_table())
+        for rule in rules:
+            try:
+                types = duckdb.from_arrow(empty).select(duckdb.SQLExpression(rule.expr)).types
+            except duckdb.Error as error:
+                message = str(error).splitlines()[0]
+                raise LaionkitError(
+                    f"{rule.source} {rule.expr!r} on {file.path}: {message}; available columns: {available}"
+                ) from None
+            if str(types[0]) != "BOOLEAN":
+                raise LaionkitError(f"{rule.source} {rule.expr!r} is not a true/false test (it gives {types[0]})")
+
+
+def eval_table(table: pa.Table) -> pa.Table:
+    """The table rules see: NaN as null, plus alias names pointing at the same arrays (zero-copy)."""
+    columns = {name: nan_to_null(table.column(name)) for name in table.column_names}
+    for alias, name in alias_names(table.column_names).items():
+        columns[alias] = columns[name]
+    return pa.table(columns)
+
+
+def rule_input_columns(file: InputFile, plan: Plan) -> list[str]:
+    """The input columns (original names) to read before deciding which rows survive."""
+    originals = {plan.renames.get(name, name).lower(): name for name in file.schema.names}
+    renamed = [plan.renames.get(name, name) for name in file.schema.names]
+    aliases = {alias.lower(): name.lower() for alias, name in alias_names(renamed).items()}
+    wanted = {name.lower() for rule in plan.rules for name in referenced_columns(rule.expr)}
+    if plan.record["dedup"]:
+        wanted.add(plan.record["dedup"].lower())
+    wanted = {aliases.get(name, name) for name in wanted}
+    return [originals[name] for name in sorted(wanted) if name in originals]
+
+
+# ----------------------------------------------------------------------------------------- the work
+
+
+@dataclass
+class RuleCounts:
+    """Per rule: rows it rejected (false) and rows it could not test (null / NaN), counted independently."""
+
+    dropped: int = 0
+    nulls: int = 0
+
+
+class UnitFilter:
+    """Filters one unit, row group by row group, into one part file; holds what all units share."""
+
+    def __init__(self, plan: Plan, clip: ClipChoice, skip_bad: bool, seen: set | None):
+        self.plan = plan
+        self.scorers: list[Scorer] = [build_scorer(spec, clip) for spec in plan.scores]
+        self.expressions = [duckdb.SQLExpression(rule.expr).alias(f"r{i}") for i, rule in enumerate(plan.rules)]
+        self.rule_names = [rule.expr for rule in plan.rules] + ([f"dedup({plan.record['dedup']})"] if seen is not None else [])
+        self.skip_bad = skip_bad
+        self.seen = seen
+        self.connection = duckdb.connect()
+
+    def run(self, unit: Unit, part: Path, progress: tqdm) -> dict:
+        file = self.plan.files[unit.file]
+        started = time.perf_counter()
+        counts = {name: RuleCounts() for name in self.rule_names}
+        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": 0,
+                 "rows_out": 0}
+        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
+        try:
+            with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+                for kept in self.row_groups(unit, file, counts, stats, progress):
+                    writer.write_table(kept.cast(schema))
+                stats["rules"] = {name: asdict(count) for name, count in counts.items()}
+                stats["seconds"] = round(time.perf_counter() - started, 3)
+                writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
+        except (pa.ArrowException, OSError) as error:
+            if not self.skip_bad:
+                raise LaionkitError(f"{file.path}: cannot read row groups {unit.start}-{unit.stop - 1}: {error}") from None
+            return self.record_bad_unit(unit, part, schema, file, error, started)
+        return stats
+
+    def record_bad_unit(self, unit: Unit, part: Path, schema: pa.Schema, file: InputFile, error: Exception,
+                        started: float) -> dict:
+        """--skip-bad: an empty part marks the unit done; its footer says why, so the skip is counted."""
+        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": 0,
+                 "rows_out": 0, "rules": {}, "bad": f"{type(error).__name__}: {error}", "bad_rows": unit.rows,
+                 "seconds": round(time.perf_counter() - started, 3)}
+        with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+            writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
+        return stats
+
+    def row_groups(self, unit: Unit, file: InputFile, counts: dict[str, RuleCounts], stats: dict,
+                   progress: tqdm) -> Iterator[pa.Table]:
+        reader = pq.ParquetFile(file.path)
+        rule_columns = rule_input_columns(file, self.plan)
+        other_columns = [name for name in file.schema.names if name not in rule_columns]
+        embeddings = np.load(file.embeddings, mmap_mode="r") if file.embeddings else None
+        offset = unit.offset
+        for group in range(unit.start, unit.stop):
+            head = reader.read_row_group(group, columns=rule_columns, use_threads=True)
+            rows = reader.metadata.row_group(group).num_rows
+            head = head.rename_columns([self.plan.renames.get(n, n) for n in head.column_names])
+            scores = {}
+            if embeddings is not None:
+                block = embeddings[offset : offset + rows]
+                scores = {s.spec.name: pa.array(score_embeddings(s, block, file.embeddings)) for s in self.scorers}
+            mask = self.mask(head, scores, rows, counts)
+            kept = pc.sum(mask).as_py() or 0
+            stats["rows_in"] += rows
+            stats["rows_out"] += kept
+            if kept:
+                yield self.materialise(reader, group, head, other_columns, scores, mask)
+            offset += rows
+            progress.update(rows)
+
+    def mask(self, head: pa.Table, scores: dict, rows: int, counts: dict[str, RuleCounts]) -> pa.Array:
+        keep = pa.array(np.ones(rows, dtype=bool))
+        if self.expressions:
+            table = eval_table(pa.table({**{n: head.column(n) for n in head.column_names}, **scores})
+                               if head.num_columns or scores else pa.table({"_": keep}))
+            results = self.connection.from_arrow(table).select(*self.expressions).to_arrow_table()
+            for name, result in zip(self.rule_names, results.columns):
+                counts[name].nulls += result.null_count
+                counts[name].dropped += result.length() - result.null_count - (pc.sum(result).as_py() or 0)
+                keep = pc.and_(keep, pc.fill_null(result, False))
+        if self.seen is not None:
+            keep = self.dedup(head.column(self.plan.record["dedup"]), keep, counts[self.rule_names[-1]])
+        return keep.combine_chunks() if isinstance(keep, pa.ChunkedArray) else keep
+
+    def dedup(self, values: pa.ChunkedArray, keep: pa.Array, count: RuleCounts) -> pa.Array:
+        """Keep the first occurrence in global unit order among rows passing every other rule."""
+        flags = np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool).copy()
+        for row in np.flatnonzero(flags):
+            value = values[int(row)].as_py()
+            if value is None:
+                count.nulls += 1
+                flags[row] = False
+            elif value in self.seen:
+                count.dropped += 1
+                flags[row] = False
+            else:
+                self.seen.add(value)
+        return pa.array(flags)
+
+    def materialise(self, reader: pq.ParquetFile, group: int, head: pa.Table, other_columns: list[str],
+                    scores: dict, mask: pa.Array) -> pa.Table:
+        rest = reader.read_row_group(group, columns=other_columns, use_threads=True) if other_columns else None
+        columns = {}
+        for name in reader.schema_arrow.names:
+            new = self.plan.renames.get(name, name)
+            columns[new] = head.column(new) if name not in other_columns else rest.column(name)
+        columns.update(scores)
+        return pa.table(columns).filter(mask)
+
+
+# ------------------------------------------------------------------------------------------ the folder
+
+
+def existing_parts(output: Path) -> dict[int, Path]:
+    parts = {}
+    for path in output.glob("part-*.parquet"):
+        match = PART_NAME.match(path.name)
+        if match:
+            parts[int(match.group(2))] = path
+    return parts
+
+
+def unit_stats_from_part(path: Path) -> dict:
+    metadata = pq.read_metadata(path).metadata or {}
+    if STATS_KEY not in metadata:
+        raise LaionkitError(f"{path}: no laionkit stats in its footer (not written by laionkit filter?)")
+    return json.loads(metadata[STATS_KEY])
+
+
+def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> None:
+    """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
+    plan_path = output / PLAN_NAME
+    if plan_path.exists() and not overwrite:
+        previous = read_json(plan_path)
+        if previous != plan.record:
+            changed = sorted(key for key in set(previous) | set(plan.record) if previous.get(key) != plan.record.get(key))
+            raise LaionkitError(
+                f"{output} holds a filter run with other {', '.join(changed)}; "
+                "use --overwrite to redo it, or another --output"
+            )
+    output.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        for unit, path in existing_parts(output).items():
+            if unit % rank.world_size == rank.rank:
+                path.unlink()
+        for path in output.glob("stats-*.json"):
+            if int(path.stem.split("-")[1]) % rank.world_size == rank.rank:
+                path.unlink()
+    write_json(plan_path, plan.record)
+
+
+def part_path(output: Path, rank: Rank, unit: Unit) -> Path:
+    return output / f"part-{rank.rank:05d}-{unit.index:06d}.parquet"
+
+
+def seed_seen(part: Path, column: str, seen: set) -> None:
+    seen.update(v for v in pq.read_table(part, columns=[column]).column(0).to_pylist() if v is not None)
+
+
+def run(config: FilterConfig) -> dict:
+    """Filter this rank's units into ``config.output``; return (and write) this rank's stats."""
+    started = time.perf_counter()
+    rank = resolve_rank(config.rank, config.world_size)
+    if config.dedup is not None and rank.world_size > 1:
+        raise LaionkitError(
+            f"--dedup {config.dedup} keeps the first occurrence across ALL inputs, which one rank cannot know "
+            f"while {rank.world_size} ranks filter in parallel; run the dedup with --world-size 1 "
+            "(e.g. as a second pass over the filtered output)"
+        )
+    plan = make_plan(config)
+    output = Path(config.output)
+    prepare_output(output, plan, rank, config.overwrite)
+    clip = ClipChoice(config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained)
+    seen: set | None = set() if config.dedup is not None else None
+    worker = UnitFilter(plan, clip, config.skip_bad, seen)
+    mine = split(plan.units, rank)
+    done = existing_parts(output)
+    todo_rows = sum(u.rows for u in mine if u.index not in done)
+    if not config.quiet:
+        tqdm.write(f"laionkit filter: rank {rank.rank}/{rank.world_size}, {len(mine)} of {len(plan.units)} units "
+                   f"({len(mine) - len([u for u in mine if u.index not in done])} already done), "
+                   f"{len(plan.rules)} rules, {len(plan.scores)} scores -> {output}")
+    unit_records = []
+    with tqdm(total=todo_rows, unit="rows", unit_scale=True, disable=config.quiet, desc="filter") as progress:
+        for unit in mine:
+            if unit.index in done:
+                unit_records.append(unit_stats_from_part(done[unit.index]))
+                if seen is not None:
+                    seed_seen(done[unit.index], config.dedup, seen)
+                continue
+            unit_records.append(worker.run(unit, part_path(output, rank, unit), progress))
+    stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
+    write_json(output / f"stats-{rank.rank:05d}.json", stats)
+    return stats
+
+
+def rank_stats(units: list[dict], plan: Plan, rank: Rank, config: FilterConfig, seconds: float) -> dict:
+    rules: dict[str, RuleCounts] = {}
+    for unit in units:
+        for name, count in unit["rules"].items():
+            total = rules.setdefault(name, RuleCounts())
+            total.dropped += count["dropped"]
+            total.nulls += count["nulls"]
+    return {
+        "stage": "filter",
+        "plan_id": plan.plan_id,
+        "rank": rank.rank,
+        "world_size": rank.world_size,
+        "units_total": len(plan.units),
+        "rows_in": sum(u["rows_in"] for u in units),
+        "rows_out": sum(u["rows_out"] for u in units),
+        "rules": {name: asdict(count) for name, count in rules.items()},
+        "bad_inputs": plan.bad_inputs,
+        "bad_units": [{"unit": u["unit"], "input": u["input"], "rows": u["bad_rows"], "error": u["bad"]}
+                      for u in units if "bad" in u],
+        "seconds": round(seconds, 3),
+        "units": units,
+        "arguments": asdict(config),
+        "versions": versions(),
+    }

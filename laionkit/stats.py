@@ -1,0 +1,106 @@
+"""`laionkit stats DIR`: a readable summary of a stage's output folder, merged across ranks.
+
+What the folder holds decides the summary (SUMMARIES: marker glob -> summariser), so each stage adds
+its own entry. Filter: every rank's ``stats-<rank>.json`` carries per-unit records; they are merged by
+unit index and only those of the folder's current plan count, so stale files from an earlier world
+size or a resumed run never count twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from laionkit.common import LaionkitError, read_json
+
+
+@dataclass(frozen=True)
+class StatsConfig:
+    folder: Path
+
+
+def filter_totals(folder: Path) -> dict:
+    """Merge a filter folder's rank stats: one record per unit, totals, per-rank and per-rule counts."""
+    from laionkit.filter import PLAN_NAME, plan_id
+
+    plan_path = folder / PLAN_NAME
+    if not plan_path.is_file():
+        raise LaionkitError(f"{folder}: no {PLAN_NAME}, so not a laionkit filter folder")
+    plan_record = read_json(plan_path)
+    current = plan_id(plan_record)
+    units: dict[int, dict] = {}
+    ranks = []
+    for path in sorted(folder.glob("stats-*.json")):
+        stats = read_json(path)
+        if stats.get("plan_id") != current:
+            continue
+        ranks.append(stats)
+        for unit in stats["units"]:
+            units[unit["unit"]] = unit
+    rules: dict[str, dict[str, int]] = {}
+    for unit in units.values():
+        for name, count in unit["rules"].items():
+            total = rules.setdefault(name, {"dropped": 0, "nulls": 0})
+            total["dropped"] += count["dropped"]
+            total["nulls"] += count["nulls"]
+    return {
+        "units_done": len(units),
+        "units_total": len(plan_record["units"]),
+        "rows_in": sum(u["rows_in"] for u in units.values()),
+        "rows_out": sum(u["rows_out"] for u in units.values()),
+        "rules": rules,
+        "ranks": ranks,
+        "bad_inputs": plan_record["bad_inputs"],
+        "bad_units": [u for u in units.values() if "bad" in u],
+    }
+
+
+def percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def print_filter_summary(folder: Path, console: Console) -> None:
+    totals = filter_totals(folder)
+    rows_in = totals["rows_in"]
+    ranks = Table("rank", "world", "rows in", "rows out", "kept", "seconds", "rows/s",
+                  title=f"laionkit filter: {folder}")
+    for stats in sorted(totals["ranks"], key=lambda s: (s["world_size"], s["rank"])):
+        rate = f"{stats['rows_in'] / stats['seconds']:,.0f}" if stats["seconds"] else "-"
+        ranks.add_row(f"{stats['rank']}", f"{stats['world_size']}", f"{stats['rows_in']:,}", f"{stats['rows_out']:,}",
+                      percent(stats["rows_out"], stats["rows_in"]), f"{stats['seconds']:.2f}", rate)
+    ranks.add_row("all", "", f"{rows_in:,}", f"{totals['rows_out']:,}", percent(totals["rows_out"], rows_in), "", "",
+                  style="bold")
+    console.print(ranks)
+    rules = Table("rule", "dropped", "nulls (failed)", "of rows in", title="rows failing each rule (counted independently)")
+    for name, count in totals["rules"].items():
+        rules.add_row(name, f"{count['dropped']:,}", f"{count['nulls']:,}",
+                      percent(count["dropped"] + count["nulls"], rows_in))
+    console.print(rules)
+    status = "complete" if totals["units_done"] == totals["units_total"] else "INCOMPLETE: rerun to finish"
+    console.print(f"units: {totals['units_done']} of {totals['units_total']} done ({status})")
+    for bad in totals["bad_inputs"]:
+        console.print(f"[yellow]skipped input[/] {bad['path']}: {bad['error']}", highlight=False)
+    for bad in totals["bad_units"]:
+        console.print(f"[yellow]skipped {bad['bad_rows']:,} rows[/] of {bad['input']} "
+                      f"(row groups {bad['row_groups'][0]}-{bad['row_groups'][1] - 1}): {bad['bad']}", highlight=False)
+
+
+# Marker glob -> summary; the first whose marker the folder holds wins.
+SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
+    "stats-*.json": print_filter_summary,
+}
+
+
+def run(config: StatsConfig) -> None:
+    folder = Path(config.folder)
+    if not folder.is_dir():
+        raise LaionkitError(f"not a folder: {folder}")
+    for marker, summarise in SUMMARIES.items():
+        if any(folder.glob(marker)):
+            summarise(folder, Console(width=max(Console().width, 120)))
+            return
+    raise LaionkitError(f"{folder}: nothing laionkit stats knows how to summarise (looked for {', '.join(SUMMARIES)})")

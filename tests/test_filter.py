@@ -1,0 +1,285 @@
+"""laionkit filter on the real LAION sample (real URLs and captions, score columns added here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from laionkit.common import LaionkitError
+from laionkit.filter import FilterConfig, InputFile, make_units, run
+
+ROWS = 1000
+RULES = ("--where", "punsafe < 0.5", "--where", "AESTHETIC_SCORE >= 4.5", "--where", "WIDTH / HEIGHT <= 2")
+
+
+def laion_columns(rows: int, seed: int) -> dict[str, pa.Array]:
+    rng = np.random.default_rng(seed)
+    punsafe = rng.beta(0.35, 3.0, rows)
+    punsafe[::97] = np.nan  # NaN must fail the rule, like null
+    return {
+        "WIDTH": pa.array(rng.integers(100, 1500, rows)),
+        "HEIGHT": pa.array(rng.integers(100, 1500, rows)),
+        "punsafe": pa.array(punsafe, mask=np.arange(rows) % 89 == 0),  # nulls too
+        "pwatermark": pa.array(rng.beta(0.6, 2.2, rows).astype(np.float32)),
+        "AESTHETIC_SCORE": pa.array(rng.normal(4.9, 0.75, rows).astype(np.float32)),
+    }
+
+
+@pytest.fixture
+def sample(realdata: Path, tmp_path: Path) -> Path:
+    """The 1000 real rows plus LAION score columns, in 10 row groups of 100."""
+    table = pq.read_table(realdata / "laion-sample" / "test_1000.parquet")
+    for name, column in laion_columns(table.num_rows, 0).items():
+        table = table.append_column(name, column)
+    path = tmp_path / "in" / "laion_0000.parquet"
+    path.parent.mkdir()
+    pq.write_table(table, path, row_group_size=100)
+    return path
+
+
+def read_parts(folder: Path) -> pa.Table:
+    """Every part in global unit order (the rank in the name does not matter)."""
+    parts = sorted(folder.glob("part-*.parquet"), key=lambda p: p.name.split("-")[2])
+    return pa.concat_tables(pq.read_table(p) for p in parts)
+
+
+def stats_of(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("stats-*.json"))]
+
+
+def test_rules_keep_the_right_rows_and_count_nulls_and_nans(sample: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "300", "--quiet")
+    source = pq.read_table(sample).to_pandas()
+    punsafe_ok = source.punsafe < 0.5  # NaN and None compare False in pandas
+    expected = source[punsafe_ok & (source.AESTHETIC_SCORE >= 4.5) & (source.WIDTH / source.HEIGHT <= 2)]
+    kept = read_parts(out).to_pandas()
+    assert kept.URL.tolist() == expected.URL.tolist()
+    assert read_parts(out).column_names == pq.read_schema(sample).names
+    [stats] = stats_of(out)
+    nulls = int(source.punsafe.isna().sum())
+    assert nulls > 10
+    assert stats["rules"]["punsafe < 0.5"] == {"nulls": nulls, "dropped": int((source.punsafe >= 0.5).sum())}
+    assert stats["rules"]["AESTHETIC_SCORE >= 4.5"]["dropped"] == int((source.AESTHETIC_SCORE < 4.5).sum())
+    assert (stats["rows_in"], stats["rows_out"]) == (ROWS, len(expected))
+    assert len(list(out.glob("part-*.parquet"))) == 4  # 300-row units over 100-row groups: 3+3+3+1
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_union_of_ranks_equals_one_rank_row_for_row(sample: Path, tmp_path: Path, world_size: int):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_cli("filter", sample, "--output", single, *RULES, "--unit-rows", "100", "-q")
+    for rank in range(world_size):
+        run_cli("filter", sample, "--output", multi, *RULES, "--unit-rows", "100", "-q",
+                "--rank", rank, "--world-size", world_size)
+    assert read_parts(multi).equals(read_parts(single))
+    units = lambda folder: sorted(p.name.split("-")[2] for p in folder.glob("part-*.parquet"))  # noqa: E731
+    assert units(multi) == units(single) and len(units(single)) == 10
+    ranks = {p.name.split("-")[1] for p in multi.glob("part-*.parquet")}
+    assert len(ranks) == world_size
+    assert sum(s["rows_out"] for s in stats_of(multi)) == stats_of(single)[0]["rows_out"]
+
+
+def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_path: Path):
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run_cli("filter", sample, "--output", reference, *RULES, "--unit-rows", "100", "-q")
+    run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "100", "-q")
+    # Simulate a kill -9: two units never finished, one left a half-written temporary behind.
+    (out / "part-00000-000004.parquet").unlink()
+    (out / "part-00000-000007.parquet").rename(out / ".part-00000-000007.parquet.partial")
+    (out / "stats-00000.json").unlink()
+    before = {p: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "100", "-q")
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in before.items())  # finished units not redone
+    assert read_parts(out).equals(read_parts(reference))
+    assert not list(out.glob(".*partial"))
+    resumed, full = stats_of(out)[0], stats_of(reference)[0]
+    assert (resumed["rows_in"], resumed["rows_out"], resumed["rules"]) == (full["rows_in"], full["rows_out"], full["rules"])
+
+
+def test_rerun_with_other_rules_is_refused_unless_overwrite(sample: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--output", out, "--where", "punsafe < 0.5", "-q")
+    result = run_cli("filter", sample, "--output", out, "--where", "punsafe < 0.1", "-q", check=False)
+    assert result.returncode == 2 and "other rules" in result.stderr and "--overwrite" in result.stderr
+    run_cli("filter", sample, "--output", out, "--where", "punsafe < 0.1", "-q", "--overwrite")
+    assert read_parts(out).column("punsafe").to_numpy().max() < 0.1
+
+
+def test_missing_column_names_the_available_columns_before_writing(sample: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    result = run_cli("filter", sample, "--output", out, "--where", "aesthetic_v3 > 5", check=False)
+    assert result.returncode == 2
+    assert "aesthetic_v3" in result.stderr and "available columns" in result.stderr
+    assert "URL, TEXT" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where, message", [
+    ("WIDTH + 1", "not a true/false test"),
+    ("punsafe < ", "syntax error"),
+    ("1); DROP TABLE x; SELECT (1", "syntax error"),  # one expression, never several statements
+])
+def test_bad_expressions_are_refused(sample: Path, tmp_path: Path, where: str, message: str):
+    with pytest.raises(LaionkitError, match=message):
+        run(FilterConfig(inputs=(str(sample),), output=str(tmp_path / "out"), where=(where,), quiet=True))
+
+
+def test_presets_work_on_every_release_spelling_and_with_rename(realdata: Path, tmp_path: Path):
+    base = pq.read_table(realdata / "laion-sample" / "test_1000.parquet").select(["URL", "TEXT"])
+    columns = laion_columns(ROWS, 1)
+    upper = base
+    for name in ("WIDTH", "HEIGHT", "pwatermark", "AESTHETIC_SCORE"):
+        upper = upper.append_column(name, columns[name])
+    lower = upper.rename_columns(["url", "caption", "width", "height", "pwatermark", "aesthetic"])
+    odd = upper.rename_columns(["URL", "TEXT", "W", "H", "watermark", "AESTHETIC_SCORE"])
+    for name, table in {"upper": upper, "lower": lower, "odd": odd}.items():
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    outputs = {}
+    for name in ("upper", "lower"):
+        run_cli("filter", tmp_path / f"{name}.parquet", "--preset", "sd1", "--where", "length(caption) >= 10",
+                "--output", tmp_path / f"out-{name}", "-q")
+        outputs[name] = read_parts(tmp_path / f"out-{name}")
+    run_cli("filter", tmp_path / "odd.parquet", "--preset", "sd1", "--where", "length(caption) >= 10",
+            "--rename", "W=WIDTH", "--rename", "H=HEIGHT", "--rename", "watermark=pwatermark",
+            "--output", tmp_path / "out-odd", "-q")
+    outputs["odd"] = read_parts(tmp_path / "out-odd")
+    frame = upper.to_pandas()
+    expected = frame[(frame.pwatermark < 0.5) & (frame.AESTHETIC_SCORE >= 5) & (frame.WIDTH >= 512)
+                     & (frame.HEIGHT >= 512) & (frame.TEXT.str.len() >= 10)]
+    assert 0 < len(expected) < ROWS
+    for name, kept in outputs.items():
+        assert kept.column(0).to_pylist() == expected.URL.tolist(), name
+    assert outputs["odd"].column_names == upper.column_names  # --rename renames the output too
+
+
+def test_dedup_keeps_first_occurrence_globally_and_refuses_several_ranks(realdata: Path, tmp_path: Path):
+    table = pq.read_table(realdata / "laion-sample" / "test_1000.parquet").select(["URL", "TEXT"])
+    first, second = tmp_path / "in" / "a.parquet", tmp_path / "in" / "b.parquet"
+    first.parent.mkdir()
+    pq.write_table(table, first, row_group_size=100)
+    pq.write_table(pa.concat_tables([table.slice(500, 300), table.slice(0, 50)]), second, row_group_size=100)
+    out = tmp_path / "out"
+    run_cli("filter", first.parent, "--dedup", "URL", "--unit-rows", "100", "--output", out, "-q")
+    kept = read_parts(out).column("URL").to_pylist()
+    urls = table.column("URL").to_pylist()
+    assert kept == list(dict.fromkeys(urls))  # the sample's own duplicates, then all of b.parquet dropped
+    [stats] = stats_of(out)
+    assert stats["rules"]["dedup(URL)"]["dropped"] == 1350 - len(kept)
+    # Resume: the first occurrences in finished units are remembered.
+    (out / "part-00000-000012.parquet").unlink()
+    (out / "part-00000-000005.parquet").unlink()
+    run_cli("filter", first.parent, "--dedup", "URL", "--unit-rows", "100", "--output", out, "-q")
+    assert read_parts(out).column("URL").to_pylist() == kept
+    result = run_cli("filter", first.parent, "--dedup", "URL", "--output", tmp_path / "multi",
+                     "--rank", "0", "--world-size", "2", check=False)
+    assert result.returncode == 2 and "--world-size 1" in result.stderr
+
+
+def test_bad_inputs_are_named_or_skipped_and_counted(sample: Path, tmp_path: Path):
+    corrupt = sample.parent / "laion_0001.parquet"
+    data = sample.read_bytes()
+    corrupt.write_bytes(data[: len(data) // 2])  # truncated: no footer
+    text = sample.parent / "notes.parquet"
+    text.write_text("url,caption\nhttp://x,y\n")
+    result = run_cli("filter", sample.parent, "--output", tmp_path / "out", "-q", check=False)
+    assert result.returncode == 2 and "laion_0001.parquet" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    run_cli("filter", sample.parent, "--output", tmp_path / "out", "-q", "--skip-bad", *RULES)
+    [stats] = stats_of(tmp_path / "out")
+    assert sorted(Path(b["path"]).name for b in stats["bad_inputs"]) == ["laion_0001.parquet", "notes.parquet"]
+    assert stats["rows_in"] == ROWS
+    summary = run_cli("stats", tmp_path / "out")
+    assert "skipped input" in summary.stdout and "notes.parquet" in summary.stdout
+
+
+def test_corrupt_row_group_is_an_error_or_a_counted_skip(sample: Path, tmp_path: Path):
+    pq.write_table(pq.read_table(sample), sample, row_group_size=100, compression="zstd")
+    meta = pq.read_metadata(sample)
+    column = meta.row_group(3).column(1)  # TEXT of row group 3
+    data = bytearray(sample.read_bytes())
+    start = column.data_page_offset + 40
+    data[start : start + 200] = b"\xff" * 200
+    sample.write_bytes(bytes(data))
+    result = run_cli("filter", sample, "--output", tmp_path / "out", "--unit-rows", "100", "-q", check=False)
+    assert result.returncode == 2 and "laion_0000.parquet" in result.stderr and "row groups 3-3" in result.stderr
+    run_cli("filter", sample, "--output", tmp_path / "out", "--unit-rows", "100", "-q", "--skip-bad")
+    [stats] = stats_of(tmp_path / "out")
+    assert [(b["unit"], b["rows"]) for b in stats["bad_units"]] == [(3, 100)]
+    assert stats["rows_in"] == ROWS - 100
+
+
+def test_zero_row_inputs_and_odd_captions_pass_through(tmp_path: Path):
+    captions = [b"\xff\xfe not utf-8 \x00 nul", "emoji 🦙 RTL \u202e txt \n\ttabs".encode(), b"", None]
+    table = pa.table({"URL": ["http://a", "http://b", "http://c", "http://d"],
+                      "TEXT": pa.array(captions, pa.binary()),
+                      "alt": ["é\u0301 combining", "\ud7ff edge", "zero\u200bwidth", None],
+                      "punsafe": [0.1, 0.2, 0.3, 0.4]})
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(table, folder / "a.parquet")
+    pq.write_table(table.schema.empty_table(), folder / "b.parquet")
+    out = tmp_path / "out"
+    run_cli("filter", folder, "--where", "punsafe < 0.5", "--output", out, "-q")
+    assert read_parts(out).equals(table)
+    assert pq.read_table(out / "part-00000-000001.parquet").num_rows == 0
+    assert stats_of(out)[0]["rows_in"] == 4
+
+
+def test_embeddings_row_mismatch_is_a_clear_error(sample: Path, tmp_path: Path, realdata: Path):
+    npy = tmp_path / "img_emb_0000.npy"
+    np.save(npy, np.zeros((ROWS - 1, 768), np.float16))
+    weights = realdata / "aesthetic" / "sa_0_4_vit_l_14_linear.pth"
+    result = run_cli("filter", sample, "--embeddings", npy, "--score", f"aes=aesthetic-v1:{weights}",
+                     "--output", tmp_path / "out", check=False)
+    assert result.returncode == 2 and "999 rows" in result.stderr and "laion_0000.parquet" in result.stderr
+
+
+def test_score_columns_from_embeddings_matched_by_number(sample: Path, tmp_path: Path, realdata: Path):
+    from laionkit.scores import ScoreSpec, build_scorer, score_embeddings
+
+    second = sample.parent / "laion_0001.parquet"
+    pq.write_table(pq.read_table(sample).slice(0, 300), second, row_group_size=100)
+    rng = np.random.default_rng(3)
+    emb = tmp_path / "emb"
+    emb.mkdir()
+    arrays = {n: rng.standard_normal((rows, 768)).astype(np.float16) for n, rows in ((0, ROWS), (1, 300))}
+    for n, array in arrays.items():
+        np.save(emb / f"img_emb_{n:04d}.npy", array)
+    weights = realdata / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"
+    expected = np.concatenate([score_embeddings(build_scorer(ScoreSpec("aes", "aesthetic-v2", str(weights))), a)
+                               for a in arrays.values()])
+    # A threshold no score sits next to, so float32-vs-double comparison details cannot matter.
+    threshold = next(t for t in np.round(np.median(expected) + np.arange(100) / 1000, 3)
+                     if np.abs(expected - t).min() > 1e-4)
+    out = tmp_path / "out"
+    run_cli("filter", sample.parent, "--embeddings", emb, "--score", f"aes=aesthetic-v2:{weights}",
+            "--where", f"aes >= {threshold}", "--unit-rows", "200", "--output", out, "-q")
+    kept = read_parts(out)
+    assert kept.schema.field("aes").type == pa.float32()
+    passed = expected >= threshold
+    assert 0 < passed.sum() < len(expected)
+    np.testing.assert_allclose(kept.column("aes").to_numpy(), expected[passed], rtol=0, atol=1e-6)
+    [stats] = stats_of(out)
+    assert stats["rules"][f"aes >= {threshold}"]["dropped"] == int((~passed).sum())
+
+
+@pytest.mark.parametrize("rows, unit_rows, expected", [
+    ((100, 100, 100), 1, [(0, 1), (1, 2), (2, 3)]),
+    ((100, 100, 100), 150, [(0, 2), (2, 3)]),
+    ((100, 100, 100), 10**6, [(0, 3)]),
+    ((), 100, [(0, 0)]),
+])
+def test_units_merge_row_groups_up_to_unit_rows(rows, unit_rows, expected):
+    files = [InputFile("a", sum(rows), rows, pa.schema([])), InputFile("b", 5, (5,), pa.schema([]))]
+    units = make_units(files, unit_rows)
+    assert [(u.start, u.stop) for u in units if u.file == 0] == expected
+    assert [u.index for u in units] == list(range(len(units)))
+    assert [u.offset for u in units if u.file == 0] == [sum(rows[:start]) for start, _ in expected]
+    assert sum(u.rows for u in units if u.file == 0) == sum(rows)
