@@ -300,6 +300,52 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     stats_stage.run(stats_stage.StatsConfig(folder=folder))
 
 
+@app.command(epilog="""Examples:
+
+    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
+
+    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
+
+    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
+
+    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
+""")
+def encode(
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder: one latent tar per input tar.")],
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2), diffusers folder or hub id for all components.")] = "sd15",
+    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
+    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
+    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
+    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
+    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
+    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu, gpu (nvjpeg) or auto (gpu if CUDA).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
+    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
+    from laionkit import encode as encode_stage
+
+    config = encode_stage.EncodeConfig(
+        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
+        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
+        rank=rank, world_size=world_size, quiet=quiet,
+    )
+    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
+    if not quiet:
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped) "
+                          f"from {summary['shards']} shards into {output}", highlight=False)
+
+
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
     try:

@@ -1,0 +1,795 @@
+"""laionkit encode: pack's image shards -> VAE posterior moments + text hidden states (docs/FORMATS.md section 3).
+
+Data flows one way through four stages, each bounded so memory stays flat:
+
+    DataLoader workers      read tars, decode + resize on CPU (or pass JPEG bytes on), tokenize, batch by size
+    -> prepare thread       host->GPU copy, nvjpeg decode + resize on its own CUDA stream
+    -> main thread          VAE encode + text encode (bf16/fp16, channels_last, optionally compiled)
+    -> writer thread        GPU->host copy lands, one tar per input shard, renamed when complete
+
+The shard is the unit of work, of resume and of record: each worker owns whole shards, so every batch
+belongs to one shard and each output tar is written sequentially. Batch composition depends only on
+the shard and the options, never on ranks or workers, so outputs are identical for any split.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import math
+import os
+import queue
+import tarfile
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils.data
+import webdataset as wds
+from braceexpand import braceexpand
+from PIL import Image
+from tqdm import tqdm
+
+from laionkit.common import LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions
+from laionkit.common.models import (
+    PRESETS, fingerprint, load_text_encoder, load_tokenizer, load_vae,
+)
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
+TEXT_LAYERS = ("last", "penultimate")
+DECODE_MODES = ("auto", "cpu", "gpu")
+COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+RECORD_SUFFIX = ".stats.json"
+MANIFEST = "manifest.json"
+EMPTY_CAPTION = "empty_caption.npy"
+FORMAT = "laionkit-latents/1"
+# Samples in flight between stages (in batches); bounds host and GPU memory.
+QUEUE_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    shards: tuple[str, ...]
+    output: Path
+    model: str = "sd15"
+    vae: str | None = None
+    text_encoder: str | None = None
+    tokenizer: str | None = None
+    text_layer: str | None = None
+    resolution: int = 512
+    buckets: bool = False
+    batch_size: int = 32
+    workers: int = 4
+    decode: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    device: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES}
+        if self.text_layer is not None:
+            choices["text_layer"] = TEXT_LAYERS
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise LaionkitError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                    f"got {getattr(self, name)!r}")
+        if self.resolution < 8 or self.resolution % 8:
+            raise LaionkitError(f"--resolution must be a positive multiple of 8, got {self.resolution}")
+        if self.batch_size < 1 or self.workers < 0:
+            raise LaionkitError("--batch-size must be >= 1 and --workers >= 0")
+
+    def source(self, component: str) -> str:
+        return getattr(self, component) or self.model
+
+    @property
+    def layer(self) -> str:
+        if self.text_layer:
+            return self.text_layer
+        return PRESETS[self.model].text_layer if self.model in PRESETS else "last"
+
+
+# --- geometry: pure functions ------------------------------------------------------------------
+
+def bucket_sizes(resolution: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
+    """Aspect-ratio buckets of (about) resolution**2 pixels: sides step by resolution/8, rounded to 8 px.
+
+    Each width gets the tallest height that keeps the area within resolution**2, as in NovelAI's
+    bucketing; the square bucket is always present. Sorted by aspect ratio (w/h).
+    """
+    step = max(8, resolution // 8 // 8 * 8)
+    area = resolution * resolution
+    sizes = {(resolution, resolution)}
+    for width in range(step, int(resolution * math.sqrt(max_ratio)) + 1, step):
+        height = area // width // step * step
+        if height >= step and 1 / max_ratio <= width / height <= max_ratio:
+            sizes.add((width, height))
+    return sorted(sizes, key=lambda size: (size[0] / size[1], size[0]))
+
+
+def target_size(width: int, height: int, resolution: int, buckets: Sequence[tuple[int, int]] | None
+                ) -> tuple[int, int]:
+    """Square resolution, or the bucket nearest in log aspect ratio (ties go to the first)."""
+    if not buckets:
+        return resolution, resolution
+    ratio = math.log(width / height)
+    return min(buckets, key=lambda size: abs(math.log(size[0] / size[1]) - ratio))
+
+
+def center_crop_box(width: int, height: int, out_width: int, out_height: int) -> tuple[int, int, int, int]:
+    """The centred (left, top, width, height) region of the original with the output's aspect ratio,
+    the largest that fits: resizing it to the output size is "resize the short side, centre-crop"."""
+    scale = max(out_width / width, out_height / height)
+    crop_width = min(width, round(out_width / scale))
+    crop_height = min(height, round(out_height / scale))
+    return (width - crop_width) // 2, (height - crop_height) // 2, crop_width, crop_height
+
+
+# --- input shards ------------------------------------------------------------------------------
+
+def find_shards(specs: Sequence[str]) -> list[Path]:
+    """Tar shards from folders (all *.tar), files, globs and brace patterns, in sorted order."""
+    found: list[Path] = []
+    for spec in specs:
+        path = Path(spec)
+        if path.is_dir():
+            tars = sorted(path.glob("*.tar"))
+            if not tars:
+                raise LaionkitError(f"no *.tar shards in {path}")
+            found += tars
+            continue
+        matches = [Path(name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
+        if not matches:
+            raise LaionkitError(f"input shard {spec} does not exist")
+        found += matches
+    found = sorted(set(found))
+    names = Counter(path.name for path in found)
+    clashes = [name for name, count in names.items() if count > 1]
+    if clashes:
+        raise LaionkitError(f"input shards share the name {clashes[0]} (outputs are named after inputs)")
+    return found
+
+
+def count_samples(path: Path) -> int:
+    """Samples (distinct keys) in a tar, from its headers alone."""
+    try:
+        with tarfile.open(path, "r:") as tar:
+            return len({member.name.split(".", 1)[0] for member in tar
+                        if member.isfile() and not member.name.startswith("__")})
+    except tarfile.TarError as error:
+        raise LaionkitError(f"cannot read shard {path}: {error}") from error
+
+
+# --- DataLoader side: decode, resize, tokenize, batch --------------------------------------------
+
+@dataclass
+class ShardDone:
+    """End-of-shard marker: travels behind the shard's last batch through every stage."""
+
+    shard: str
+    samples_in: int
+    skips: list[dict] = field(default_factory=list)
+
+
+def caption_of(sample: dict, meta: dict | None) -> str:
+    if "txt" in sample:
+        return sample["txt"].decode("utf-8", errors="replace")
+    return str((meta or {}).get("caption") or "")
+
+
+def resize_rgb(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
+    """Decode on CPU (JPEG at a reduced DCT scale when the crop is >= 2x the output) -> (H, W, 3) uint8."""
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, _ = image.size
+        left, top, crop_width, crop_height = box
+        image.draft("RGB", (math.ceil(image.size[0] * size[0] / crop_width),
+                            math.ceil(image.size[1] * size[1] / crop_height)))
+        scale = image.size[0] / width
+        image = image.convert("RGB")
+        if image.size == size and (crop_width, crop_height) == size:
+            return np.asarray(image)
+        scaled = (left * scale, top * scale, (left + crop_width) * scale, (top + crop_height) * scale)
+        return np.asarray(image.resize(size, Image.Resampling.BICUBIC, box=scaled))
+
+
+class ShardBatches(torch.utils.data.IterableDataset):
+    """Iterable over batches of one rank's shards; DataLoader workers each take whole shards.
+
+    Yields dicts (one size, one shard, <= batch_size samples) and a ShardDone after each shard.
+    Per-sample problems (no image, undecodable) become recorded skips; a broken tar is an error.
+    """
+
+    def __init__(self, shards: Sequence[Path], tokenizer, resolution: int,
+                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool) -> None:
+        super().__init__()
+        self.shards = list(shards)
+        self.tokenizer = tokenizer
+        self.resolution = resolution
+        self.buckets = list(buckets) if buckets else None
+        self.batch_size = batch_size
+        self.gpu_decode = gpu_decode
+
+    def __iter__(self) -> Iterator[dict | ShardDone]:
+        worker = torch.utils.data.get_worker_info()
+        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
+        for shard in mine:
+            yield from self.shard_batches(shard)
+
+    def shard_batches(self, shard: Path) -> Iterator[dict | ShardDone]:
+
+        pending: dict[tuple[int, int], list[dict]] = {}
+        done = ShardDone(shard.name, 0)
+        try:
+            for sample in wds.tariterators.tarfile_samples([{"url": str(shard)}]):
+                done.samples_in += 1
+                try:
+                    item = self.prepare(sample)
+                except Exception as error:  # noqa: BLE001 - any decode failure is a recorded skip
+                    done.skips.append({"key": sample["__key__"], "reason": getattr(error, "reason", "undecodable"),
+                                       "error": f"{type(error).__name__}: {error}"})
+                    continue
+                group = pending.setdefault(item["size"], [])
+                group.append(item)
+                if len(group) == self.batch_size:
+                    yield self.collate(shard.name, pending.pop(item["size"]))
+        except (OSError, ValueError, tarfile.TarError) as error:
+            raise LaionkitError(f"cannot read shard {shard}: {error}") from error
+        for size in sorted(pending):
+            yield self.collate(shard.name, pending[size])
+        yield done
+
+    def prepare(self, sample: dict) -> dict:
+
+        extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+        meta = json.loads(sample["json"]) if "json" in sample else None
+        if extension is None:
+            error = ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)})")
+            error.reason = "no_image"
+            raise error
+        data = sample[extension]
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            on_gpu = self.gpu_decode and image.format == "JPEG" and image.mode in ("RGB", "L")
+        size = target_size(width, height, self.resolution, self.buckets)
+        box = center_crop_box(width, height, *size)
+        item = {
+            "key": sample["__key__"], "size": size, "box": box, "original_size": (width, height),
+            "caption": caption_of(sample, meta), "source": meta,
+        }
+        if on_gpu:
+            item["jpeg"] = data
+        else:
+            item["pixels"] = resize_rgb(data, size, box)
+        return item
+
+    def collate(self, shard: str, items: list[dict]) -> dict:
+        captions = [item["caption"] for item in items]
+        window = self.tokenizer.model_max_length
+        ids = self.tokenizer(captions, truncation=False, padding=False, verbose=False).input_ids
+        input_ids = torch.full((len(items), window), self.tokenizer.pad_token_id, dtype=torch.long)
+        records = []
+        for row, (item, tokens) in enumerate(zip(items, ids)):
+            truncated = len(tokens) > window
+            if truncated:
+                tokens = tokens[: window - 1] + [self.tokenizer.eos_token_id]
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            records.append({
+                "caption": item["caption"], "num_tokens": len(tokens), "truncated": truncated,
+                "original_size": list(item["original_size"]), "crop": list(item["box"]),
+                "size": list(item["size"]), "bucket": list(item["size"]) if self.buckets else None,
+                "source": item["source"],
+            })
+        cpu_rows = [row for row, item in enumerate(items) if "pixels" in item]
+        gpu_rows = [row for row, item in enumerate(items) if "jpeg" in item]
+        return {
+            "shard": shard, "size": items[0]["size"], "keys": [item["key"] for item in items],
+            "records": records, "input_ids": input_ids,
+            "cpu_rows": cpu_rows,
+            "pixels": torch.from_numpy(np.stack([items[row]["pixels"] for row in cpu_rows])) if cpu_rows else None,
+            "gpu_rows": gpu_rows,
+            "jpegs": [torch.frombuffer(bytearray(items[row]["jpeg"]), dtype=torch.uint8) for row in gpu_rows],
+            "boxes": [items[row]["box"] for row in gpu_rows],
+        }
+
+
+# --- GPU side ----------------------------------------------------------------------------------
+
+def _resize_gpu(image, box, size):
+
+    left, top, crop_width, crop_height = box
+    crop = image[:, top : top + crop_height, left : left + crop_width].float()
+    if (crop_width, crop_height) != size:
+        crop = F.interpolate(crop[None], size=(size[1], size[0]), mode="bicubic", antialias=True)[0]
+    return crop.clamp_(0, 255).round_()
+
+
+def _decode_jpegs(batch: dict, device) -> tuple[list, list[dict]]:
+    """nvjpeg-decode a batch's JPEGs; ones nvjpeg refuses fall back to PIL, and failures become skips."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    images: list = [None] * len(batch["jpegs"])
+    skips = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            decoded = decode_jpeg(batch["jpegs"], mode=ImageReadMode.RGB, device=device)
+            return [_resize_gpu(img, box, batch["size"]) for img, box in zip(decoded, batch["boxes"])], skips
+        except RuntimeError:
+            pass
+        for index, (data, box) in enumerate(zip(batch["jpegs"], batch["boxes"])):
+            try:
+                images[index] = _resize_gpu(decode_jpeg(data, mode=ImageReadMode.RGB, device=device), box,
+                                            batch["size"])
+            except RuntimeError:
+                try:
+                    pixels = resize_rgb(data.numpy().tobytes(), batch["size"], box)
+                    images[index] = torch.from_numpy(pixels).to(device).permute(2, 0, 1).float()
+                except Exception as error:  # noqa: BLE001 - undecodable everywhere: a recorded skip
+                    row = batch["gpu_rows"][index]
+                    skips.append({"key": batch["keys"][row], "reason": "undecodable",
+                                  "error": f"{type(error).__name__}: {error}"})
+    return images, skips
+
+
+def _gpu_batch(batch: dict, device, dtype) -> dict:
+    """Pixels of a batch on the device as (B, 3, H, W) in [-1, 1], channels_last; drops rows that failed."""
+    width, height = batch["size"]
+    count = len(batch["keys"])
+    pixels = torch.empty((count, 3, height, width), device=device, dtype=torch.float32)
+    if batch["pixels"] is not None:
+        rows = torch.tensor(batch["cpu_rows"], device=device)
+        cpu = batch["pixels"].to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+        pixels.index_copy_(0, rows, cpu)
+    keep = list(range(count))
+    if batch["jpegs"]:
+        images, skips = _decode_jpegs(batch, device)
+        for row, image in zip(batch["gpu_rows"], images):
+            if image is not None:
+                pixels[row] = image
+        failed = {batch["keys"].index(skip["key"]) for skip in skips}
+        keep = [row for row in keep if row not in failed]
+        batch["skips"] = skips
+    if len(keep) != count:
+        pixels = pixels[keep]
+        batch["keys"] = [batch["keys"][row] for row in keep]
+        batch["records"] = [batch["records"][row] for row in keep]
+        batch["input_ids"] = batch["input_ids"][keep]
+    batch["pixels"] = (pixels / 127.5 - 1).to(dtype).contiguous(memory_format=torch.channels_last)
+    batch["input_ids"] = batch["input_ids"].to(device, non_blocking=True)
+    return batch
+
+
+class Encoders:
+    """The VAE and text encoder of one run, on one device, and the facts the manifest records."""
+
+    def __init__(self, config: EncodeConfig, device) -> None:
+        self.device = device
+        self.dtype = _compute_dtype(config.dtype, device)
+        self.layer = config.layer
+        self.vae = load_vae(config.source("vae"), dtype=self.dtype).to(device, memory_format=torch.channels_last)
+        self.text_encoder = load_text_encoder(config.source("text_encoder"), dtype=self.dtype).to(device)
+        self.tokenizer = load_tokenizer(config.source("tokenizer"))
+        self.encode_images = self._encode_images
+        self.encode_text = self._encode_text
+        if config.compile:
+            self.encode_images = torch.compile(self._encode_images, dynamic=False)
+            self.encode_text = torch.compile(self._encode_text, dynamic=False)
+
+    def _encode_images(self, pixels):
+        return self.vae.encode(pixels).latent_dist.parameters
+
+    def _encode_text(self, input_ids):
+        if self.layer == "last":
+            return self.text_encoder(input_ids).last_hidden_state
+        hidden = self.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+        return self.text_encoder.text_model.final_layer_norm(hidden)
+
+    def facts(self) -> dict:
+        vae, text = self.vae.config, self.text_encoder.config
+        return {
+            "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.get("shift_factor"),
+                    "latent_channels": vae.latent_channels,
+                    "downsample_factor": 2 ** (len(vae.block_out_channels) - 1)},
+            "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
+                     "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
+        }
+
+    def empty_caption(self) -> np.ndarray:
+        window = self.tokenizer.model_max_length
+        ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
+                             return_tensors="pt").input_ids
+        with torch.inference_mode():
+            return self._encode_text(ids.to(self.device))[0].to(torch.float16).cpu().numpy()
+
+
+def _compute_dtype(name: str, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def _background(items: Iterator, depth: int, name: str) -> Iterator:
+    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        box.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            box.put(end)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
+            box.put(error)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := box.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+# --- output side -------------------------------------------------------------------------------
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+class ShardOutput:
+    """One output tar, written under a temporary name and renamed by ``finish`` (webdataset.TarWriter)."""
+
+    def __init__(self, path: Path) -> None:
+
+        self.path = path
+        self.stack = ExitStack()
+        tmp = self.stack.enter_context(atomic_output(path))
+        self.sink = wds.TarWriter(str(tmp), encoder=False, mtime=0.0)
+        self.samples = 0
+        self.truncated = 0
+        self.sizes: Counter = Counter()
+        self.skips: list[dict] = []
+        self.started = time.perf_counter()
+
+    def write(self, keys: list[str], records: list[dict], moments: np.ndarray, text: np.ndarray) -> None:
+        for key, record, sample_moments, sample_text in zip(keys, records, moments, text):
+            self.sink.write({
+                "__key__": key,
+                "moments.npy": npy_bytes(sample_moments),
+                "text.npy": npy_bytes(sample_text),
+                "json": json.dumps(record, sort_keys=True).encode(),
+            })
+            self.samples += 1
+            self.truncated += record["truncated"]
+            self.sizes["x".join(map(str, record["size"]))] += 1
+
+    def finish(self) -> None:
+        self.sink.close()
+        self.stack.close()
+
+    def abort(self, error: BaseException) -> None:
+        self.sink.close()
+        self.stack.__exit__(type(error), error, error.__traceback__)
+
+
+def record_path(output: Path, shard: str) -> Path:
+    return output / (shard.removesuffix(".tar") + RECORD_SUFFIX)
+
+
+def shard_complete(output: Path, shard: Path, settings: dict) -> bool:
+    """Output tar and record exist, the record matches this run's settings and the input's sample count."""
+    record_file = record_path(output, shard.name)
+    if not (output / shard.name).exists() or not record_file.exists():
+        return False
+    record = read_json(record_file)
+    _check_settings(record_file, record["settings"], settings)
+    return record["samples_in"] == count_samples(shard)
+
+
+def _check_settings(where: Path, found: dict, wanted: dict) -> None:
+    for name in wanted:
+        if found.get(name) != wanted[name]:
+            raise LaionkitError(
+                f"{where} was encoded with different {name} ({json.dumps(found.get(name))[:200]}) than this "
+                f"run ({json.dumps(wanted[name])[:200]}); write to a new --output or remove the old shards"
+            )
+
+
+def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
+    """The folder manifest as the merge of every shard record present (no coordinator needed)."""
+    records = [read_json(path) for path in sorted(output.glob("*" + RECORD_SUFFIX))]
+    if not records:
+        raise LaionkitError(f"no encode records (*{RECORD_SUFFIX}) in {output}")
+    settings = records[0]["settings"]
+    skips: Counter = Counter()
+    sizes: Counter = Counter()
+    for record in records:
+        skips.update(record["skipped"])
+        sizes.update(record["sizes"])
+    done = sorted(record["shard"] for record in records)
+    manifest = {
+        "format": FORMAT,
+        **settings,
+        "stored_dtype": "float16",
+        "empty_caption": EMPTY_CAPTION,
+        "shards": {"done": len(done), "expected": len(expected) if expected is not None else None,
+                   "missing": sorted(set(expected or ()) - set(done))},
+        "counts": {"samples_in": sum(r["samples_in"] for r in records),
+                   "samples_out": sum(r["samples_out"] for r in records),
+                   "skipped": sum(skips.values()), "truncated_captions": sum(r["truncated"] for r in records)},
+        "skips": dict(sorted(skips.items())),
+        "sizes": dict(sorted(sizes.items())),
+        "records": {record["shard"]: record_path(output, record["shard"]).name for record in records},
+        "versions": versions(),
+    }
+    manifest["complete"] = expected is not None and not manifest["shards"]["missing"]
+    return manifest
+
+
+def publish_json(path: Path, obj: dict, rank: Rank) -> None:
+    """write_json for files several ranks rewrite: a per-rank temporary, then one atomic rename."""
+    staged = path.with_name(f".{path.name}.rank{rank.rank}")
+    with atomic_output(staged) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(staged, path)
+
+
+def publish_npy(path: Path, array: np.ndarray, rank: Rank) -> None:
+    staged = path.with_name(f".{path.name}.rank{rank.rank}")
+    with atomic_output(staged) as tmp:
+        tmp.write_bytes(npy_bytes(array))
+    os.replace(staged, path)
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+def _device(config: EncodeConfig, rank: Rank):
+    if config.device:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count()))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _settings(config: EncodeConfig, encoders: Encoders, buckets) -> dict:
+    """What every shard of one folder must share; a rerun with other settings is refused."""
+    return {
+        "models": {component: fingerprint(config.source(component), component)
+                   for component in ("vae", "text_encoder", "tokenizer")},
+        **encoders.facts(),
+        "resolution": config.resolution,
+        "buckets": [list(size) for size in buckets] if buckets else None,
+        "compute_dtype": str(encoders.dtype).removeprefix("torch."),
+    }
+
+
+def run(config: EncodeConfig, log: Callable[[str], None] = print) -> dict:
+    """Encode this rank's shards that are not complete yet; rewrite the manifest; return this rank's counts."""
+
+    rank = resolve_rank(config.rank, config.world_size)
+    shards = find_shards(config.shards)
+    config.output.mkdir(parents=True, exist_ok=True)
+    device = _device(config, rank)
+    encoders = Encoders(config, device)
+    gpu_decode = config.decode == "gpu" or (config.decode == "auto" and device.type == "cuda")
+    if gpu_decode and device.type != "cuda":
+        raise LaionkitError("--decode gpu needs a CUDA device")
+    buckets = bucket_sizes(config.resolution) if config.buckets else None
+    settings = _settings(config, encoders, buckets)
+    for record_file in sorted(config.output.glob("*" + RECORD_SUFFIX)):
+        _check_settings(record_file, read_json(record_file)["settings"], settings)
+    empty_path = config.output / EMPTY_CAPTION
+    if not empty_path.exists():
+        publish_npy(empty_path, encoders.empty_caption(), rank)
+
+    mine = split(shards, rank)
+    todo = [shard for shard in mine if not shard_complete(config.output, shard, settings)]
+    if not config.quiet:
+        log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
+            f"device {device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
+            f"config {json.dumps(asdict(config), default=str)}")
+    summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0,
+               "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
+    if todo:
+        total = sum(count_samples(shard) for shard in todo)
+        progress = tqdm(total=total, desc=f"encode rank {rank.rank}", unit="img", disable=config.quiet)
+        with progress:
+            summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, progress))
+    publish_json(config.output / MANIFEST, merge_records(config.output, [s.name for s in shards]), rank)
+    return summary
+
+
+def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, progress) -> dict:
+    device = encoders.device
+    on_cuda = device.type == "cuda"
+    batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode)
+    workers = min(config.workers, len(todo))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None, num_workers=workers, pin_memory=on_cuda,
+        prefetch_factor=QUEUE_DEPTH if workers else None,
+    )
+    prep_stream = torch.cuda.Stream(device) if on_cuda else None
+
+    def prepared() -> Iterator:
+        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders."""
+        for item in loader:
+            if isinstance(item, ShardDone):
+                yield item
+                continue
+            if prep_stream is None:
+                yield _gpu_batch(item, device, encoders.dtype), None
+                continue
+            with torch.cuda.stream(prep_stream):
+                batch = _gpu_batch(item, device, encoders.dtype)
+                ready = torch.cuda.Event()
+                ready.record(prep_stream)
+            yield batch, ready
+
+    writer = _Writer(config.output, settings, rank, progress)
+    started = None
+    try:
+        with torch.inference_mode():
+            if config.compile and not buckets:
+                _warm_up(encoders, config)
+            for item in _background(prepared(), QUEUE_DEPTH, "laionkit-prepare"):
+                started = started or time.perf_counter()
+                if isinstance(item, ShardDone):
+                    writer.put(item)
+                    continue
+                batch, ready = item
+                if ready is not None:
+                    torch.cuda.current_stream(device).wait_event(ready)
+                    batch["pixels"].record_stream(torch.cuda.current_stream(device))
+                    batch["input_ids"].record_stream(torch.cuda.current_stream(device))
+                writer.put(_encode_batch(encoders, batch, config))
+        writer.close()
+    except BaseException as error:
+        writer.abort(error)
+        raise
+    return {"samples_out": writer.samples_out, "skipped": writer.skipped,
+            "seconds": time.perf_counter() - started if started else 0.0}
+
+
+def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
+    """Compile for the one batch shape before the loader starts, so compile time is not encode time."""
+    pixels = torch.zeros((config.batch_size, 3, config.resolution, config.resolution), device=encoders.device,
+                         dtype=encoders.dtype).contiguous(memory_format=torch.channels_last)
+    ids = torch.zeros((config.batch_size, encoders.tokenizer.model_max_length), dtype=torch.long,
+                      device=encoders.device)
+    encoders.encode_images(pixels)
+    encoders.encode_text(ids)
+
+
+def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict:
+    """VAE moments and text hidden states for one batch, copied to host without waiting for the copy."""
+    pixels, input_ids = batch["pixels"], batch["input_ids"]
+    count = pixels.shape[0]
+    if config.compile and 0 < count < config.batch_size:
+        # One shape per compiled graph: pad the shard's last batch and drop the padding after.
+        pad = config.batch_size - count
+        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
+            memory_format=torch.channels_last)
+        input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
+    moments = text = None
+    if count:
+        moments = encoders.encode_images(pixels)[:count].to(torch.float16)
+        text = encoders.encode_text(input_ids)[:count].to(torch.float16)
+        moments = moments.to("cpu", non_blocking=True)
+        text = text.to("cpu", non_blocking=True)
+    done = None
+    if encoders.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(encoders.device))
+    return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
+            "moments": moments, "text": text, "done": done, "skips": batch.get("skips", [])}
+
+
+class _Writer:
+    """The writer thread: host copies land, samples go into their shard's tar, finished shards are renamed."""
+
+    def __init__(self, output: Path, settings: dict, rank: Rank, progress) -> None:
+        self.output = output
+        self.settings = settings
+        self.rank = rank
+        self.progress = progress
+        self.open: dict[str, ShardOutput] = {}
+        self.samples_out = 0
+        self.skipped = 0
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="laionkit-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        while self.thread.is_alive():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise self.error or RuntimeError("encode writer thread stopped")
+
+    def close(self) -> None:
+        self.put(None)
+        self.thread.join()
+        if self.error:
+            raise self.error
+
+    def abort(self, error: BaseException) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        for shard in self.open.values():
+            shard.abort(error)
+        self.open.clear()
+
+    def _loop(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                if isinstance(item, ShardDone):
+                    self._finish(item)
+                else:
+                    self._write(item)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            self.error = error
+
+    def _shard(self, name: str) -> ShardOutput:
+        if name not in self.open:
+            self.open[name] = ShardOutput(self.output / name)
+        return self.open[name]
+
+    def _write(self, item: dict) -> None:
+        shard = self._shard(item["shard"])
+        shard.skips += item["skips"]
+        if item["done"] is not None:
+            item["done"].synchronize()
+        if item["moments"] is not None:
+            shard.write(item["keys"], item["records"], item["moments"].numpy(), item["text"].numpy())
+        self.progress.update(len(item["keys"]) + len(item["skips"]))
+
+    def _finish(self, done: ShardDone) -> None:
+        shard = self._shard(done.shard)
+        skips = sorted(shard.skips + done.skips, key=lambda skip: skip["key"])
+        if shard.samples + len(skips) != done.samples_in:
+            raise RuntimeError(f"{done.shard}: {shard.samples} written + {len(skips)} skipped "
+                               f"!= {done.samples_in} read")
+        seconds = time.perf_counter() - shard.started
+        shard.finish()
+        del self.open[done.shard]
+        self.progress.update(len(done.skips))
+        record = {
+            "shard": done.shard, "rank": self.rank.rank, "samples_in": done.samples_in,
+            "samples_out": shard.samples, "truncated": shard.truncated,
+            "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
+            "sizes": dict(shard.sizes), "seconds": round(seconds, 3), "settings": self.settings,
+        }
+        with atomic_output(record_path(self.output, done.shard)) as tmp:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        self.samples_out += shard.samples
+        self.skipped += len(skips)

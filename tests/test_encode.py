@@ -1,0 +1,266 @@
+"""laionkit encode on pack-format shards of the real photos, with the tiny models, on CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+
+from conftest import run_cli
+from fixtures import CAPTIONS, write_image_shards
+from laionkit.common import LaionkitError
+from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
+from laionkit.encode import (
+    EncodeConfig, ShardBatches, _gpu_batch, bucket_sizes, center_crop_box, run, target_size,
+)
+
+
+def encode(shards, output, models, **options):
+    options = {"resolution": 64, "batch_size": 4, "workers": 0, "quiet": True, **options}
+    return run(EncodeConfig(shards=(str(shards),), output=Path(output), model=str(models), **options))
+
+
+def read_shard(path: Path) -> list[dict]:
+    """Plain webdataset, no laionkit: what a user's own training loop would do."""
+    samples = []
+    for sample in wds.WebDataset(str(path), shardshuffle=False):
+        samples.append({
+            "key": sample["__key__"],
+            "moments": np.load(io.BytesIO(sample["moments.npy"])),
+            "text": np.load(io.BytesIO(sample["text.npy"])),
+            "json": json.loads(sample["json"]),
+        })
+    return samples
+
+
+def tar_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("*.tar"))}
+
+
+def input_keys(path: Path) -> list[str]:
+    return [sample["__key__"] for sample in wds.WebDataset(str(path), shardshuffle=False)]
+
+
+# --- geometry ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("resolution", [64, 256, 512, 1024])
+def test_buckets_have_equal_area_and_latent_friendly_sides(resolution):
+    sizes = bucket_sizes(resolution)
+    assert (resolution, resolution) in sizes
+    for width, height in sizes:
+        assert width % 8 == 0 and height % 8 == 0
+        assert 0.75 * resolution**2 <= width * height <= resolution**2
+        assert 0.5 <= width / height <= 2
+    assert len(sizes) == len(set(sizes)) >= 5
+
+
+@pytest.mark.parametrize("width, height", [(123, 456), (456, 123), (389, 535), (524, 316), (500, 500)])
+def test_nearest_bucket_and_center_crop(width, height):
+    sizes = bucket_sizes(256)
+    chosen = target_size(width, height, 256, sizes)
+    distance = lambda size: abs(math.log(size[0] / size[1]) - math.log(width / height))  # noqa: E731
+    assert distance(chosen) == min(distance(size) for size in sizes)
+    left, top, crop_width, crop_height = center_crop_box(width, height, *chosen)
+    assert 0 <= left and 0 <= top and left + crop_width <= width and top + crop_height <= height
+    assert crop_width == width or crop_height == height  # the largest centred crop
+    assert abs(crop_width / crop_height - chosen[0] / chosen[1]) < 0.02
+    assert target_size(width, height, 256, None) == (256, 256)
+
+
+# --- outputs -------------------------------------------------------------------------------------
+
+def test_round_trip_decodes_to_an_image_of_the_right_size(latent_shards, tiny_models):
+    vae = load_vae(str(tiny_models))
+    manifest = json.loads((latent_shards / "manifest.json").read_text())
+    samples = read_shard(latent_shards / "00000.tar")
+    moments = torch.from_numpy(samples[0]["moments"]).float()[None]
+    assert moments.shape == (1, 8, 8, 8)  # 2 x 4 channels, 64 px / 8
+    mean = moments[:, : manifest["vae"]["latent_channels"]]
+    image = vae.decode(mean).sample
+    assert image.shape == (1, 3, 64, 64)
+    # The stored mean is the VAE's own posterior of the photo: encoding the decoded image lands near it.
+    assert torch.isfinite(image).all()
+
+
+def test_lineage_keys_and_sample_fields(latent_shards, image_shards):
+    assert sorted(p.name for p in latent_shards.glob("*.tar")) == ["00000.tar", "00001.tar"]
+    captions = set(CAPTIONS.values())
+    for shard in ("00000.tar", "00001.tar"):
+        samples = read_shard(latent_shards / shard)
+        assert [s["key"] for s in samples] == input_keys(image_shards / shard)
+        for sample in samples:
+            record = sample["json"]
+            assert sample["moments"].dtype == np.float16 and sample["moments"].shape == (8, 8, 8)
+            assert sample["text"].dtype == np.float16 and sample["text"].shape == (77, 32)
+            assert record["caption"] in captions and record["size"] == [64, 64] and record["bucket"] is None
+            assert record["source"]["key"] == sample["key"] and "aesthetic" in record["source"]  # scores survive
+            width, height = record["original_size"]
+            assert record["source"]["width"] == width and record["source"]["height"] == height
+            left, top, crop_width, crop_height = record["crop"]
+            assert crop_width == crop_height == min(width, height)
+            assert record["truncated"] == (record["caption"] == CAPTIONS["416_264.jpg"])
+            assert record["num_tokens"] == (77 if record["truncated"] else record["num_tokens"])
+
+
+def test_manifest_carries_what_training_needs(latent_shards, tiny_models):
+    manifest = json.loads((latent_shards / "manifest.json").read_text())
+    assert manifest["vae"] == {"scaling_factor": pytest.approx(0.18215), "shift_factor": None,
+                               "latent_channels": 4, "downsample_factor": 8}
+    assert manifest["text"] == {"hidden_size": 32, "sequence_length": 77, "layer": "last", "pad_token_id": 49407}
+    assert manifest["resolution"] == 64 and manifest["buckets"] is None and manifest["stored_dtype"] == "float16"
+    assert manifest["counts"] == {"samples_in": 8, "samples_out": 8, "skipped": 0, "truncated_captions": 1}
+    assert manifest["shards"] == {"done": 2, "expected": 2, "missing": []} and manifest["complete"]
+    for component in ("vae", "text_encoder", "tokenizer"):
+        entry = manifest["models"][component]
+        assert entry["source"] == str(tiny_models) and entry["subfolder"] == component
+        assert all(len(digest) == 64 for digest in entry["files"].values()) and entry["files"]
+    assert manifest["versions"]["torch"]
+
+
+def test_empty_caption_embedding_matches_an_encoded_empty_caption(latent_shards, tiny_models):
+    empty = np.load(latent_shards / "empty_caption.npy")
+    assert empty.shape == (77, 32) and empty.dtype == np.float16
+    stored = {s["json"]["caption"]: s["text"] for shard in ("00000.tar", "00001.tar")
+              for s in read_shard(latent_shards / shard)}
+    np.testing.assert_array_equal(stored[""], empty)
+    tokenizer, text_encoder = load_tokenizer(str(tiny_models)), load_text_encoder(str(tiny_models))
+    ids = tokenizer(["a dog running on the beach, golden hour, 35mm film"], padding="max_length",
+                    return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = text_encoder(ids).last_hidden_state[0].half().numpy()
+    np.testing.assert_allclose(stored["a dog running on the beach, golden hour, 35mm film"], expected, atol=2e-3)
+
+
+# --- ranks, resume, determinism ------------------------------------------------------------------
+
+def test_two_ranks_equal_one_rank(tmp_path, image_shards, tiny_models, latent_shards):
+    for rank in (1, 0):
+        summary = encode(image_shards, tmp_path, tiny_models, rank=rank, world_size=2)
+        assert summary["shards"] == 1
+    assert tar_bytes(tmp_path) == tar_bytes(latent_shards)
+    np.testing.assert_array_equal(np.load(tmp_path / "empty_caption.npy"),
+                                  np.load(latent_shards / "empty_caption.npy"))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["counts"]["samples_out"] == 8 and manifest["complete"]
+    assert encode(image_shards, tmp_path, tiny_models)["shards"] == 0  # rerun: nothing left to do
+
+
+def test_kill_9_then_rerun_gives_identical_complete_output(tmp_path, realdata, tiny_models):
+    inputs = tmp_path / "in"
+    write_image_shards(realdata / "images", inputs)
+    for index in (2, 3, 4, 5):  # more shards, so the kill lands mid-run
+        shutil.copy(inputs / f"{index % 2:05d}.tar", inputs / f"{index:05d}.tar")
+    reference = tmp_path / "reference"
+    encode(inputs, reference, tiny_models, batch_size=2)
+
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "laionkit.cli", "encode", str(inputs), "--model", str(tiny_models),
+               "--output", str(killed), "--resolution", "64", "--batch-size", "2", "--workers", "0", "--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (killed / "00001.stats.json").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "manifest.json").exists(), "the run finished before the kill; nothing was tested"
+
+    run_cli(*command[3:])
+    assert tar_bytes(killed) == tar_bytes(reference)
+    assert not list(killed.glob(".*")), "temporaries left behind"
+    manifest = json.loads((killed / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["counts"]["samples_out"] == 24
+
+
+def test_rerun_with_other_settings_is_refused(tmp_path, image_shards, tiny_models, latent_shards):
+    shutil.copytree(latent_shards, tmp_path / "out")
+    result = run_cli("encode", image_shards, "--model", tiny_models, "--output", tmp_path / "out",
+                     "--resolution", "128", "--workers", "0", check=False)
+    assert result.returncode == 2
+    assert "different resolution" in result.stderr and "00000.stats.json" in result.stderr
+
+
+def test_changed_input_shard_is_redone(tmp_path, image_shards, tiny_models, latent_shards, realdata):
+    inputs = tmp_path / "in"
+    shutil.copytree(image_shards, inputs)
+    shutil.copytree(latent_shards, tmp_path / "out")
+    with wds.TarWriter(str(inputs / "00001.tar")) as sink:  # the shard now holds one sample
+        sink.write({"__key__": "000010000", "jpg": (realdata / "images" / "123_456.jpg").read_bytes(),
+                    "txt": "one photo"})
+    summary = encode(inputs, tmp_path / "out", tiny_models)
+    assert summary["shards"] == 1 and summary["samples_out"] == 1
+    assert [s["json"]["caption"] for s in read_shard(tmp_path / "out" / "00001.tar")] == ["one photo"]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_bad_images_are_counted_recorded_skips(tmp_path, realdata, tiny_models):
+    good = (realdata / "images" / "321_421.jpg").read_bytes()
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    with wds.TarWriter(str(inputs / "00000.tar")) as sink:
+        sink.write({"__key__": "000000000", "jpg": good, "txt": "fine"})
+        sink.write({"__key__": "000000001", "jpg": b"this is not a jpeg", "txt": "garbage bytes"})
+        sink.write({"__key__": "000000002", "jpg": good[: len(good) // 3], "txt": "truncated file"})
+        sink.write({"__key__": "000000003", "txt": "no image at all", "json": json.dumps({"caption": "x"})})
+        sink.write({"__key__": "000000004", "png": (realdata / "images" / "original.png").read_bytes(), "txt": ""})
+    encode(inputs, tmp_path / "out", tiny_models)
+    record = json.loads((tmp_path / "out" / "00000.stats.json").read_text())
+    assert record["samples_in"] == 5 and record["samples_out"] == 2
+    assert record["skipped"] == {"undecodable": 2, "no_image": 1}
+    assert [(s["key"], s["reason"]) for s in record["skips"]] == [
+        ("000000001", "undecodable"), ("000000002", "undecodable"), ("000000003", "no_image")]
+    assert [s["key"] for s in read_shard(tmp_path / "out" / "00000.tar")] == ["000000000", "000000004"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["skips"] == {"no_image": 1, "undecodable": 2} and manifest["counts"]["skipped"] == 3
+
+
+def test_missing_input_is_a_clear_error(tmp_path, tiny_models):
+    with pytest.raises(LaionkitError, match="does not exist"):
+        encode(tmp_path / "nope.tar", tmp_path / "out", tiny_models)
+
+
+# --- buckets and the GPU-decode path -------------------------------------------------------------
+
+def test_buckets_record_their_size_and_shape_the_latents(tmp_path, image_shards, tiny_models):
+    encode(image_shards, tmp_path, tiny_models, buckets=True)
+    sizes = [tuple(size) for size in json.loads((tmp_path / "manifest.json").read_text())["buckets"]]
+    seen = set()
+    for shard in ("00000.tar", "00001.tar"):
+        for sample in read_shard(tmp_path / shard):
+            record = sample["json"]
+            width, height = record["bucket"]
+            assert (width, height) in sizes and record["size"] == [width, height]
+            assert record["bucket"] == list(target_size(*record["original_size"], 64, sizes))
+            assert sample["moments"].shape == (8, height // 8, width // 8)
+            seen.add((width, height))
+    assert len(seen) >= 3  # portrait, landscape and near-square photos land in different buckets
+
+
+def test_bytes_path_decode_matches_cpu_decode(image_shards, tiny_models):
+    """The nvjpeg path (run here with torchvision's CPU decoder) gives the pixels the PIL path gives."""
+    tokenizer = load_tokenizer(str(tiny_models))
+    shard = image_shards / "00000.tar"
+    as_pixels = [b for b in ShardBatches([shard], tokenizer, 64, None, 8, gpu_decode=False).shard_batches(shard)]
+    as_bytes = [b for b in ShardBatches([shard], tokenizer, 64, None, 8, gpu_decode=True).shard_batches(shard)]
+    assert len(as_bytes[0]["gpu_rows"]) == 4 and as_bytes[0]["pixels"] is None
+    cpu = _gpu_batch(as_pixels[0], torch.device("cpu"), torch.float32)["pixels"]
+    gpu = _gpu_batch(as_bytes[0], torch.device("cpu"), torch.float32)["pixels"]
+    assert cpu.shape == gpu.shape == (4, 3, 64, 64)
+    # Same crop; PIL decodes at a reduced DCT scale (draft) before its bicubic, so levels differ a little.
+    assert (cpu - gpu).abs().mean() < 0.05
+
+
+def test_help_has_examples():
+    result = run_cli("encode", "--help")
+    assert "Examples" in result.stdout and "--buckets" in result.stdout
