@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,12 +42,11 @@ from tqdm import tqdm
 from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, split, versions, write_json
 from laionkit.common.columns import find_column
 
+if TYPE_CHECKING:
+    from img2dataset.downloader import Downloader
+
 # albumentations (imported by img2dataset) checks PyPI for updates at import time; never do that here.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
-
-from img2dataset.downloader import Downloader  # noqa: E402
-from img2dataset.resizer import Resizer  # noqa: E402
-from img2dataset.writer import WebDatasetSampleWriter  # noqa: E402
 
 RESIZE_MODES = ("center_crop", "keep_ratio", "border", "no")
 ENCODE_FORMATS = ("jpg", "webp")
@@ -299,7 +298,14 @@ class ShardPacker:
 
 
 def make_downloader(config: PackConfig) -> Downloader:
-    """img2dataset's Downloader and Resizer with laionkit's options; output folder set per shard."""
+    """img2dataset's Downloader and Resizer with laionkit's options; output folder set per shard.
+
+    Imported here: img2dataset pulls in OpenCV, albumentations and wandb, which `stats` never needs.
+    """
+    from img2dataset.downloader import Downloader
+    from img2dataset.resizer import Resizer
+    from img2dataset.writer import WebDatasetSampleWriter
+
     max_area = config.max_image_area or math.inf
     resizer = Resizer(
         image_size=config.image_size, resize_mode=config.resize_mode, resize_only_if_bigger=False,
@@ -406,13 +412,6 @@ def merge_records(folder: Path) -> dict:
 
 def _bucket_order(bucket: str) -> int:
     return int(bucket.removeprefix(">=").split("-")[0])
-
-
-def is_pack_folder(folder: Path) -> bool:
-    manifest = folder / "manifest.json"
-    if manifest.is_file():
-        return read_json(manifest).get("stage") == "pack"
-    return any(folder.glob("*_stats.json"))
 
 
 def summarize(folder: Path) -> Group:

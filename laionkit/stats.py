@@ -89,9 +89,16 @@ def print_filter_summary(folder: Path, console: Console) -> None:
                       f"(row groups {bad['row_groups'][0]}-{bad['row_groups'][1] - 1}): {bad['bad']}", highlight=False)
 
 
+def print_pack_summary(folder: Path, console: Console) -> None:
+    from laionkit.pack import summarize
+
+    console.print(summarize(folder))
+
+
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
     "stats-*.json": print_filter_summary,
+    "*_stats.json": print_pack_summary,  # pack: one img2dataset + laionkit record per shard
 }
 
 

@@ -195,6 +195,15 @@ def test_two_ranks_together_produce_exactly_what_one_rank_does(packed, input_par
         assert one[key] == two[key], key
 
 
+def test_stats_summarises_the_shard_folder_and_rebuilds_its_manifest(packed):
+    manifest = read_json(packed / "manifest.json")
+    (packed / "manifest.json").unlink()
+    result = run_cli("stats", packed)
+    assert read_json(packed / "manifest.json") == manifest
+    for text in ("6 / 6 planned", "samples", "36.4%", "size on disk", "http 404", "image too large", "256-511"):
+        assert text in result.stdout, text
+
+
 def test_optout_headers_are_ignored_only_when_asked(site, tmp_path):
     url = site["server"].url("noai.jpg")
     pq.write_table(pa.table({"url": [url], "caption": ["opted out"]}), tmp_path / "noai.parquet")
