@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,7 +48,7 @@ ALIASES: tuple[tuple[str, ...], ...] = tuple(
 )
 
 PLAN_NAME = "filter-plan.json"
-STATS_KEY = b"laionkit.filter.unit"
+STATS_KEY = "laionkit.filter.unit"
 PART_NAME = re.compile(r"^part-(\d{5})-(\d{6})\.parquet$")
 DEFAULT_UNIT_ROWS = 1_000_000
 
@@ -170,13 +170,6 @@ def referenced_columns(expr: str) -> set[str]:
 
     walk(tree)
     return found
-
-
-def nan_to_null(array: pa.ChunkedArray) -> pa.ChunkedArray:
-    """DuckDB orders NaN above every number (NaN >= 5 is true); a NaN score must fail its rule instead."""
-    if pa.types.is_floating(array.type) and array.length():
-        return pc.if_else(pc.is_nan(array), pa.scalar(None, array.type), array)
-    return array
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -363,26 +356,28 @@ def check_columns(
 
 
 def eval_table(table: pa.Table) -> pa.Table:
-    """The table rules see: NaN as null, plus alias names pointing at the same arrays (zero-copy)."""
-    columns = {name: nan_to_null(table.column(name)) for name in table.column_names}
+    """The table rules are checked against: the columns plus alias names for the same arrays."""
+    columns = {name: table.column(name) for name in table.column_names}
     for alias, name in alias_names(table.column_names).items():
         columns[alias] = columns[name]
     return pa.table(columns)
 
 
-def rule_input_columns(file: InputFile, plan: Plan) -> list[str]:
-    """The input columns (original names) to read before deciding which rows survive."""
-    originals = {plan.renames.get(name, name).lower(): name for name in file.schema.names}
-    renamed = [plan.renames.get(name, name) for name in file.schema.names]
-    aliases = {alias.lower(): name.lower() for alias, name in alias_names(renamed).items()}
-    wanted = {name.lower() for rule in plan.rules for name in referenced_columns(rule.expr)}
-    if plan.record["dedup"]:
-        wanted.add(plan.record["dedup"].lower())
-    wanted = {aliases.get(name, name) for name in wanted}
-    return [originals[name] for name in sorted(wanted) if name in originals]
-
-
 # ----------------------------------------------------------------------------------------- the work
+
+
+def quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def nullable(name: str) -> str:
+    """The column as written. DuckDB would mark a column NOT NULL when the input's statistics show no
+    nulls, so parts of one run would get different schemas; a CASE it cannot fold keeps them nullable."""
+    return f"CASE WHEN __laionkit_row >= 0 THEN {quote(name)} END AS {quote(name)}"
 
 
 @dataclass
@@ -394,109 +389,148 @@ class RuleCounts:
 
 
 class UnitFilter:
-    """Filters one unit, row group by row group, into one part file; holds what all units share."""
+    """Filters one unit into one part file with two DuckDB queries over the parquet file itself: per-rule
+    counts (reads only the rule columns), then ``COPY (SELECT ... WHERE all rules)``, which decodes the
+    other columns only for surviving rows (late materialisation) and streams them to the part file."""
 
-    def __init__(self, plan: Plan, clip: ClipChoice, skip_bad: bool, seen: set | None):
+    def __init__(self, plan: Plan, clip: ClipChoice, skip_bad: bool, dedup: str | None):
         self.plan = plan
         self.scorers: list[Scorer] = [build_scorer(spec, clip) for spec in plan.scores]
-        self.expressions = [duckdb.SQLExpression(rule.expr).alias(f"r{i}") for i, rule in enumerate(plan.rules)]
-        self.rule_names = [rule.expr for rule in plan.rules] + ([f"dedup({plan.record['dedup']})"] if seen is not None else [])
+        # DuckDB's own rendering of each parsed expression: exactly one expression, comments gone.
+        self.rules = [str(duckdb.SQLExpression(rule.expr)) for rule in plan.rules]
         self.skip_bad = skip_bad
-        self.seen = seen
+        self.dedup = dedup
         self.connection = duckdb.connect()
+
+    def source_sql(self, unit: Unit, file: InputFile, via_arrow: bool) -> tuple[str, list[str]]:
+        """A query yielding the unit's rows: renamed input columns, score columns, alias columns.
+
+        ``via_arrow``: the unit is read by pyarrow and scanned from memory instead, for files whose
+        string columns hold bytes that are not UTF-8 (DuckDB's parquet reader refuses them; pyarrow
+        and DuckDB's arrow scan pass them through untouched). Costs one unit of memory.
+        """
+        if via_arrow:
+            table = pq.ParquetFile(file.path).read_row_groups(range(unit.start, unit.stop), use_threads=True)
+            rows = pa.array(np.arange(unit.offset, unit.offset + table.num_rows))
+            self.connection.register("unit_rows", table.append_column("__laionkit_row", rows))
+            source = "SELECT * FROM unit_rows"
+        else:
+            whole = unit.start == 0 and unit.stop == len(file.row_group_rows)
+            rows = "" if whole else f" WHERE file_row_number >= {unit.offset} AND file_row_number < {unit.offset + unit.rows}"
+            source = f"SELECT *, file_row_number AS __laionkit_row FROM read_parquet({literal(file.path)}){rows}"
+        if self.scorers:
+            self.connection.register("unit_scores", self.unit_scores(unit, file))
+            source = f"SELECT * FROM ({source}) POSITIONAL JOIN unit_scores"
+        output = [self.plan.renames.get(name, name) for name in file.schema.names] + [s.spec.name for s in self.scorers]
+        columns = [f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names]
+        columns += [quote(s.spec.name) for s in self.scorers] + ["__laionkit_row"]
+        columns += [f"{quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items()]
+        return f"SELECT {', '.join(columns)} FROM ({source})", output
+
+    def unit_scores(self, unit: Unit, file: InputFile) -> pa.Table:
+        embeddings = np.load(file.embeddings, mmap_mode="r")[unit.offset : unit.offset + unit.rows]
+        return pa.table({s.spec.name: score_embeddings(s, embeddings, file.embeddings) for s in self.scorers})
+
+    def tested_rules(self, file: InputFile) -> list[str]:
+        """Each rule as SQL, null where a float column it reads is NaN: NaN fails the rule, as null does
+        (DuckDB orders NaN above every number, so ``NaN >= 5`` would otherwise pass)."""
+        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
+        floats = {f.name.lower() for f in schema if pa.types.is_floating(f.type)}
+        floats |= {alias for alias, name in alias_names(schema.names).items() if name.lower() in floats}
+        tested = []
+        for rule in self.rules:
+            nan_columns = sorted(name for name in referenced_columns(rule) if name.lower() in floats)
+            if nan_columns:
+                test = " OR ".join(f"isnan({quote(name)})" for name in nan_columns)
+                tested.append(f"CASE WHEN {test} THEN NULL ELSE ({rule}) END")
+            else:
+                tested.append(f"({rule})")
+        return tested
 
     def run(self, unit: Unit, part: Path, progress: tqdm) -> dict:
         file = self.plan.files[unit.file]
         started = time.perf_counter()
-        counts = {name: RuleCounts() for name in self.rule_names}
-        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": 0,
-                 "rows_out": 0}
-        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
         try:
-            with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
-                for kept in self.row_groups(unit, file, counts, stats, progress):
-                    writer.write_table(kept.cast(schema))
-                stats["rules"] = {name: asdict(count) for name, count in counts.items()}
-                stats["seconds"] = round(time.perf_counter() - started, 3)
-                writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
-        except (pa.ArrowException, OSError) as error:
+            with atomic_output(part) as tmp:
+                try:
+                    stats = self.write_unit(unit, file, tmp, via_arrow=False)
+                except duckdb.InvalidInputException as error:
+                    if "string encoding" not in str(error):
+                        raise
+                    stats = self.write_unit(unit, file, tmp, via_arrow=True)
+        except duckdb.ProgrammingError:
+            raise  # a bug in the SQL built here, not bad data: keep the traceback
+        except duckdb.Error as error:
+            message = str(error).splitlines()[0]
             if not self.skip_bad:
-                raise LaionkitError(f"{file.path}: cannot read row groups {unit.start}-{unit.stop - 1}: {error}") from None
-            return self.record_bad_unit(unit, part, schema, file, error, started)
+                raise LaionkitError(f"{file.path}: cannot read row groups {unit.start}-{unit.stop - 1}: {message}") from None
+            return self.record_bad_unit(unit, part, file, message)
+        finally:
+            progress.update(unit.rows)
+        return {**stats, "seconds": round(time.perf_counter() - started, 3)}
+
+    def write_unit(self, unit: Unit, file: InputFile, tmp: Path, via_arrow: bool) -> dict:
+        """Count per rule, then COPY the kept rows to ``tmp`` with the unit's stats in the footer."""
+        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": unit.rows}
+        source, output = self.source_sql(unit, file, via_arrow)
+        rules = self.tested_rules(file)
+        keep = " AND ".join(f"coalesce(__laionkit_r{i}, false)" for i in range(len(rules))) or "true"
+        tested = f"(SELECT {', '.join(f'{rule} AS __laionkit_r{i}' for i, rule in enumerate(rules))}" \
+                 f"{', ' if rules else ''}* FROM ({source}))"
+        counts = [f"count(*) FILTER (WHERE NOT __laionkit_r{i}), count(*) FILTER (WHERE __laionkit_r{i} IS NULL)"
+                  for i in range(len(rules))]
+        dedup = quote(self.dedup) if self.dedup else "NULL"
+        counts += [f"count(*) FILTER (WHERE {keep})", f"count(*) FILTER (WHERE {keep} AND {dedup} IS NULL)"]
+        row = self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]
+        stats["rules"] = {rule.expr: asdict(RuleCounts(row[2 * i], row[2 * i + 1]))
+                          for i, rule in enumerate(self.plan.rules)}
+        kept = f"{tested} WHERE {keep}"
+        if self.dedup:
+            selected = self.first_occurrences(kept, output, row[-2], row[-1], stats)
+        else:
+            selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}"
+            stats["rows_out"] = row[-2]
+        metadata = literal(json.dumps(stats))
+        self.connection.execute(
+            f"COPY ({selected}) TO {literal(str(tmp))} (FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}})"
+        ).fetchall()
+        if self.dedup:
+            self.connection.execute(f"INSERT INTO seen SELECT {quote(self.dedup)} FROM unit_kept").fetchall()
         return stats
 
-    def record_bad_unit(self, unit: Unit, part: Path, schema: pa.Schema, file: InputFile, error: Exception,
-                        started: float) -> dict:
+    def first_occurrences(self, kept: str, output: list[str], passing: int, nulls: int, stats: dict) -> str:
+        """--dedup: among rows passing every rule, keep a value's first row in global unit order."""
+        column = quote(self.dedup)
+        self.ensure_seen(f"SELECT {column} AS value FROM {kept}")
+        self.connection.execute("DROP TABLE IF EXISTS unit_kept").fetchall()
+        self.connection.execute(
+            f"CREATE TEMP TABLE unit_kept AS SELECT {', '.join(map(quote, output))}, __laionkit_row FROM {kept} "
+            f"AND {column} IS NOT NULL AND {column} NOT IN (SELECT value FROM seen) "
+            f"QUALIFY row_number() OVER (PARTITION BY {column} ORDER BY __laionkit_row) = 1"
+        ).fetchall()
+        count = self.connection.execute("SELECT count(*) FROM unit_kept").fetchall()[0][0]
+        stats["rules"][f"dedup({self.dedup})"] = asdict(RuleCounts(passing - nulls - count, nulls))
+        stats["rows_out"] = count
+        return f"SELECT {', '.join(map(nullable, output))} FROM unit_kept ORDER BY __laionkit_row"
+
+    def ensure_seen(self, values: str) -> None:
+        """The table of dedup values already kept, typed like the column (created on first use)."""
+        self.connection.execute(f"CREATE TEMP TABLE IF NOT EXISTS seen AS SELECT value FROM ({values}) WHERE false").fetchall()
+
+    def seed_seen(self, part: Path) -> None:
+        """Resume with --dedup: values kept by finished units are already taken."""
+        values = f"SELECT {quote(self.dedup)} AS value FROM read_parquet({literal(str(part))})"
+        self.ensure_seen(values)
+        self.connection.execute(f"INSERT INTO seen {values}").fetchall()
+
+    def record_bad_unit(self, unit: Unit, part: Path, file: InputFile, message: str) -> dict:
         """--skip-bad: an empty part marks the unit done; its footer says why, so the skip is counted."""
         stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": 0,
-                 "rows_out": 0, "rules": {}, "bad": f"{type(error).__name__}: {error}", "bad_rows": unit.rows,
-                 "seconds": round(time.perf_counter() - started, 3)}
+                 "rows_out": 0, "rules": {}, "bad": message, "bad_rows": unit.rows}
+        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
         with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
             writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
         return stats
-
-    def row_groups(self, unit: Unit, file: InputFile, counts: dict[str, RuleCounts], stats: dict,
-                   progress: tqdm) -> Iterator[pa.Table]:
-        reader = pq.ParquetFile(file.path)
-        rule_columns = rule_input_columns(file, self.plan)
-        other_columns = [name for name in file.schema.names if name not in rule_columns]
-        embeddings = np.load(file.embeddings, mmap_mode="r") if file.embeddings else None
-        offset = unit.offset
-        for group in range(unit.start, unit.stop):
-            head = reader.read_row_group(group, columns=rule_columns, use_threads=True)
-            rows = reader.metadata.row_group(group).num_rows
-            head = head.rename_columns([self.plan.renames.get(n, n) for n in head.column_names])
-            scores = {}
-            if embeddings is not None:
-                block = embeddings[offset : offset + rows]
-                scores = {s.spec.name: pa.array(score_embeddings(s, block, file.embeddings)) for s in self.scorers}
-            mask = self.mask(head, scores, rows, counts)
-            kept = pc.sum(mask).as_py() or 0
-            stats["rows_in"] += rows
-            stats["rows_out"] += kept
-            if kept:
-                yield self.materialise(reader, group, head, other_columns, scores, mask)
-            offset += rows
-            progress.update(rows)
-
-    def mask(self, head: pa.Table, scores: dict, rows: int, counts: dict[str, RuleCounts]) -> pa.Array:
-        keep = pa.array(np.ones(rows, dtype=bool))
-        if self.expressions:
-            table = eval_table(pa.table({**{n: head.column(n) for n in head.column_names}, **scores})
-                               if head.num_columns or scores else pa.table({"_": keep}))
-            results = self.connection.from_arrow(table).select(*self.expressions).to_arrow_table()
-            for name, result in zip(self.rule_names, results.columns):
-                counts[name].nulls += result.null_count
-                counts[name].dropped += result.length() - result.null_count - (pc.sum(result).as_py() or 0)
-                keep = pc.and_(keep, pc.fill_null(result, False))
-        if self.seen is not None:
-            keep = self.dedup(head.column(self.plan.record["dedup"]), keep, counts[self.rule_names[-1]])
-        return keep.combine_chunks() if isinstance(keep, pa.ChunkedArray) else keep
-
-    def dedup(self, values: pa.ChunkedArray, keep: pa.Array, count: RuleCounts) -> pa.Array:
-        """Keep the first occurrence in global unit order among rows passing every other rule."""
-        flags = np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool).copy()
-        for row in np.flatnonzero(flags):
-            value = values[int(row)].as_py()
-            if value is None:
-                count.nulls += 1
-                flags[row] = False
-            elif value in self.seen:
-                count.dropped += 1
-                flags[row] = False
-            else:
-                self.seen.add(value)
-        return pa.array(flags)
-
-    def materialise(self, reader: pq.ParquetFile, group: int, head: pa.Table, other_columns: list[str],
-                    scores: dict, mask: pa.Array) -> pa.Table:
-        rest = reader.read_row_group(group, columns=other_columns, use_threads=True) if other_columns else None
-        columns = {}
-        for name in reader.schema_arrow.names:
-            new = self.plan.renames.get(name, name)
-            columns[new] = head.column(new) if name not in other_columns else rest.column(name)
-        columns.update(scores)
-        return pa.table(columns).filter(mask)
 
 
 # ------------------------------------------------------------------------------------------ the folder
@@ -513,9 +547,9 @@ def existing_parts(output: Path) -> dict[int, Path]:
 
 def unit_stats_from_part(path: Path) -> dict:
     metadata = pq.read_metadata(path).metadata or {}
-    if STATS_KEY not in metadata:
+    if STATS_KEY.encode() not in metadata:
         raise LaionkitError(f"{path}: no laionkit stats in its footer (not written by laionkit filter?)")
-    return json.loads(metadata[STATS_KEY])
+    return json.loads(metadata[STATS_KEY.encode()])
 
 
 def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> None:
@@ -544,10 +578,6 @@ def part_path(output: Path, rank: Rank, unit: Unit) -> Path:
     return output / f"part-{rank.rank:05d}-{unit.index:06d}.parquet"
 
 
-def seed_seen(part: Path, column: str, seen: set) -> None:
-    seen.update(v for v in pq.read_table(part, columns=[column]).column(0).to_pylist() if v is not None)
-
-
 def run(config: FilterConfig) -> dict:
     """Filter this rank's units into ``config.output``; return (and write) this rank's stats."""
     started = time.perf_counter()
@@ -562,8 +592,7 @@ def run(config: FilterConfig) -> dict:
     output = Path(config.output)
     prepare_output(output, plan, rank, config.overwrite)
     clip = ClipChoice(config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained)
-    seen: set | None = set() if config.dedup is not None else None
-    worker = UnitFilter(plan, clip, config.skip_bad, seen)
+    worker = UnitFilter(plan, clip, config.skip_bad, config.dedup)
     mine = split(plan.units, rank)
     done = existing_parts(output)
     todo_rows = sum(u.rows for u in mine if u.index not in done)
@@ -576,8 +605,8 @@ def run(config: FilterConfig) -> dict:
         for unit in mine:
             if unit.index in done:
                 unit_records.append(unit_stats_from_part(done[unit.index]))
-                if seen is not None:
-                    seed_seen(done[unit.index], config.dedup, seen)
+                if config.dedup is not None:
+                    worker.seed_seen(done[unit.index])
                 continue
             unit_records.append(worker.run(unit, part_path(output, rank, unit), progress))
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
@@ -600,6 +629,7 @@ def rank_stats(units: list[dict], plan: Plan, rank: Rank, config: FilterConfig, 
         "units_total": len(plan.units),
         "rows_in": sum(u["rows_in"] for u in units),
         "rows_out": sum(u["rows_out"] for u in units),
+        "rows_filtered_now": sum(u["rows_in"] for u in units if "seconds" in u),  # not resumed
         "rules": {name: asdict(count) for name, count in rules.items()},
         "bad_inputs": plan.bad_inputs,
         "bad_units": [{"unit": u["unit"], "input": u["input"], "rows": u["bad_rows"], "error": u["bad"]}

@@ -69,7 +69,7 @@ def print_filter_summary(folder: Path, console: Console) -> None:
     ranks = Table("rank", "world", "rows in", "rows out", "kept", "seconds", "rows/s",
                   title=f"laionkit filter: {folder}")
     for stats in sorted(totals["ranks"], key=lambda s: (s["world_size"], s["rank"])):
-        rate = f"{stats['rows_in'] / stats['seconds']:,.0f}" if stats["seconds"] else "-"
+        rate = f"{stats['rows_filtered_now'] / stats['seconds']:,.0f}" if stats["seconds"] else "-"
         ranks.add_row(f"{stats['rank']}", f"{stats['world_size']}", f"{stats['rows_in']:,}", f"{stats['rows_out']:,}",
                       percent(stats["rows_out"], stats["rows_in"]), f"{stats['seconds']:.2f}", rate)
     ranks.add_row("all", "", f"{rows_in:,}", f"{totals['rows_out']:,}", percent(totals["rows_out"], rows_in), "", "",

@@ -216,18 +216,23 @@ def test_corrupt_row_group_is_an_error_or_a_counted_skip(sample: Path, tmp_path:
 
 
 def test_zero_row_inputs_and_odd_captions_pass_through(tmp_path: Path):
-    captions = [b"\xff\xfe not utf-8 \x00 nul", "emoji 🦙 RTL \u202e txt \n\ttabs".encode(), b"", None]
+    odd = [b"\xff\xfe not utf-8 \x00 nul", "emoji \U0001f999 RTL \u202e txt \n\ttabs".encode(), b"", None]
     table = pa.table({"URL": ["http://a", "http://b", "http://c", "http://d"],
-                      "TEXT": pa.array(captions, pa.binary()),
-                      "alt": ["é\u0301 combining", "\ud7ff edge", "zero\u200bwidth", None],
+                      "TEXT": pa.array(odd, pa.binary()).view(pa.string()),  # a string column, bytes not UTF-8
+                      "raw": pa.array(odd, pa.binary()),
+                      "alt": ["e\u0301 combining", "\ud7ff edge", "zero\u200bwidth", None],
                       "punsafe": [0.1, 0.2, 0.3, 0.4]})
     folder = tmp_path / "in"
     folder.mkdir()
     pq.write_table(table, folder / "a.parquet")
     pq.write_table(table.schema.empty_table(), folder / "b.parquet")
     out = tmp_path / "out"
-    run_cli("filter", folder, "--where", "punsafe < 0.5", "--output", out, "-q")
-    assert read_parts(out).equals(table)
+    run_cli("filter", folder, "--where", "punsafe < 0.5", "--where", "length(alt) > 0 OR alt IS NULL",
+            "--output", out, "-q")
+    kept = read_parts(out)
+    assert kept.schema == table.schema
+    assert kept.column("TEXT").cast(pa.binary()).to_pylist() == odd
+    assert kept.drop_columns(["TEXT"]).equals(table.drop_columns(["TEXT"]))
     assert pq.read_table(out / "part-00000-000001.parquet").num_rows == 0
     assert stats_of(out)[0]["rows_in"] == 4
 
@@ -283,3 +288,20 @@ def test_units_merge_row_groups_up_to_unit_rows(rows, unit_rows, expected):
     assert [u.index for u in units] == list(range(len(units)))
     assert [u.offset for u in units if u.file == 0] == [sum(rows[:start]) for start, _ in expected]
     assert sum(u.rows for u in units if u.file == 0) == sum(rows)
+
+
+def test_prompt_score_through_the_cli_with_a_random_init_clip(sample: Path, tmp_path: Path):
+    from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
+
+    clip = ClipChoice("ViT-S-32", None)
+    scorer = build_scorer(ScoreSpec("anime", "prompt", "an anime drawing|a manga page"), clip)
+    npy = tmp_path / "img_emb_0000.npy"
+    np.save(npy, np.random.default_rng(5).standard_normal((ROWS, scorer.dim)).astype(np.float16))
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--embeddings", npy, "--score", "anime=prompt:an anime drawing|a manga page",
+            "--clip-model", "ViT-S-32", "--clip-pretrained", "none", "--output", out, "-q")
+    expected = score_embeddings(scorer, np.load(npy))
+    np.testing.assert_allclose(read_parts(out).column("anime").to_numpy(), expected, rtol=0, atol=1e-5)
+    result = run_cli("filter", sample, "--embeddings", npy, "--score", "anime=prompt:anime", "--clip-model",
+                     "ViT-B-32", "--clip-pretrained", "none", "--output", tmp_path / "other", check=False)
+    assert result.returncode == 2 and f"shape ({ROWS}, {scorer.dim})" in result.stderr and "512-d" in result.stderr
