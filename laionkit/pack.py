@@ -39,7 +39,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, split, versions, write_json
+from laionkit.common import LaionkitError, read_json, resolve_rank, split, versions, write_json
 from laionkit.common.columns import find_column
 
 if TYPE_CHECKING:
@@ -94,9 +94,13 @@ class PackConfig:
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
-            raise LaionkitError(f"--resize-mode {self.resize_mode!r}: choose one of {', '.join(RESIZE_MODES)}")
+            raise LaionkitError(
+                f"--resize-mode {self.resize_mode!r}: choose one of {', '.join(RESIZE_MODES)}"
+            )
         if self.encode_format not in ENCODE_FORMATS:
-            raise LaionkitError(f"--encode-format {self.encode_format!r}: choose one of {', '.join(ENCODE_FORMATS)}")
+            raise LaionkitError(
+                f"--encode-format {self.encode_format!r}: choose one of {', '.join(ENCODE_FORMATS)}"
+            )
         for name in ("image_size", "processes", "threads", "shard_size"):
             if getattr(self, name) < 1:
                 raise LaionkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -160,7 +164,8 @@ def plan_shards(files: Sequence[Path], config: PackConfig) -> list[ShardTask]:
         names = metadata.schema_arrow.names
         url = find_column(names, "url", config.url_column, source=str(path))
         caption = find_column(names, "caption", config.caption_column, source=str(path))
-        per_file.append((path, metadata.metadata.num_rows, url, caption, carried_columns(names, url, caption)))
+        extra = carried_columns(names, url, caption)
+        per_file.append((path, metadata.metadata.num_rows, url, caption, extra))
     total = sum(math.ceil(rows / config.shard_size) for _, rows, *_ in per_file)
     width = max(MIN_SHARD_NAME_WIDTH, len(str(max(total - 1, 0))))
     tasks = []
@@ -193,7 +198,8 @@ def read_rows(task: ShardTask) -> pa.Table:
             first_row = offset if first_row is None else first_row
         offset += group_rows
     columns = [name for name, _ in task.extra_columns] + [task.caption_column, task.url_column]
-    table = parquet.read_row_groups(groups, columns=columns).slice(task.start - first_row, task.stop - task.start)
+    table = parquet.read_row_groups(groups, columns=columns)
+    table = table.slice(task.start - first_row, task.stop - task.start)
     return table.rename_columns([renamed for _, renamed in task.extra_columns] + ["caption", "url"])
 
 
@@ -277,7 +283,9 @@ class ShardPacker:
             staging / f"{task.name}.parquet",
             columns=["status", "error_message", "original_width", "original_height"],
         ).to_pylist()
-        failures = Counter(failure_reason(row["error_message"]) for row in status if row["status"] != "success")
+        failures = Counter(
+            failure_reason(row["error_message"]) for row in status if row["status"] != "success"
+        )
         sizes = Counter(
             size_bucket(row["original_width"], row["original_height"])
             for row in status if row["status"] == "success"
@@ -306,12 +314,13 @@ def make_downloader(config: PackConfig) -> Downloader:
     from img2dataset.resizer import Resizer
     from img2dataset.writer import WebDatasetSampleWriter
 
-    max_area = config.max_image_area or math.inf
     resizer = Resizer(
         image_size=config.image_size, resize_mode=config.resize_mode, resize_only_if_bigger=False,
         encode_quality=config.encode_quality, encode_format=config.encode_format,
-        min_image_size=config.min_image_size, max_image_area=max_area, max_aspect_ratio=config.max_aspect_ratio or math.inf,
+        min_image_size=config.min_image_size, max_image_area=config.max_image_area or math.inf,
+        max_aspect_ratio=config.max_aspect_ratio or math.inf,
     )
+    # output_folder, column_list and oom_shard_count are set per shard by ShardPacker.
     return Downloader(
         sample_writer_class=WebDatasetSampleWriter, resizer=resizer, thread_count=config.threads,
         save_caption=True, extract_exif=False, output_folder=str(config.output),
@@ -334,7 +343,9 @@ def check_done_record(record_path: Path, task: ShardTask, options: dict[str, Any
     changed = [key for key in OUTPUT_SHAPING_OPTIONS if record.get("options", {}).get(key) != options[key]]
     if changed:
         was = ", ".join(f"{key}={record['options'].get(key)!r}" for key in changed)
-        raise LaionkitError(f"{record_path} was packed with {was}; rerun with the same options or a new --output")
+        raise LaionkitError(
+            f"{record_path} was packed with {was}; rerun with the same options or a new --output"
+        )
 
 
 @contextmanager

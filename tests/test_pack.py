@@ -27,8 +27,10 @@ from laionkit.pack import PackConfig, failure_reason, plan_shards, size_bucket
 
 TIMEOUT_S = 1
 SHARD_SIZE = 4
-PACK_OPTIONS = ("--processes", "1", "--threads", "4", "--timeout", str(TIMEOUT_S), "--shard-size", str(SHARD_SIZE),
-                "--quiet")
+PACK_OPTIONS = (
+    "--processes", "1", "--threads", "4", "--timeout", str(TIMEOUT_S), "--shard-size", str(SHARD_SIZE),
+    "--quiet",
+)
 
 
 def png_header(width: int, height: int) -> bytes:
@@ -51,7 +53,8 @@ def failure_routes(photo: bytes) -> dict[str, tuple[Response, str]]:
         "page.jpg": (Response(b"<html><body>moved</body></html>", content_type="text/html"), "decode error"),
         # Under OpenCV's own 2**30-pixel limit, so only pack's --max-image-area guard names it.
         "bomb-20k.png": (Response(png_header(20_000, 20_000), content_type="image/png"), "image too large"),
-        "bomb-100k.png": (Response(png_header(100_000, 100_000), content_type="image/png"), "image too large"),
+        "bomb-100k.png": (Response(png_header(100_000, 100_000), content_type="image/png"),
+                          "image too large"),
         "noai.jpg": (Response(photo, headers=(("X-Robots-Tag", "noai"),)), "opt-out header"),
     }
 
@@ -72,7 +75,9 @@ def site(realdata):
         yield {
             "server": server, "paths": paths,
             "photos": {name: Image.open(io.BytesIO(response.body)).size for name, response in photos.items()},
-            "reasons": {**{name: reason for name, (_, reason) in failures.items()}, **dict.fromkeys(slow, "timeout")},
+            "reasons": {
+                **{name: reason for name, (_, reason) in failures.items()}, **dict.fromkeys(slow, "timeout")
+            },
         }
 
 
@@ -111,7 +116,8 @@ def tar_members(folder: Path) -> dict[str, dict[str, bytes]]:
 
 
 def statuses(folder: Path) -> dict[str, tuple[str, str | None]]:
-    rows = pa.concat_tables([pq.read_table(path) for path in sorted(folder.glob("[0-9]*.parquet"))]).to_pylist()
+    tables = [pq.read_table(path) for path in sorted(folder.glob("[0-9]*.parquet"))]
+    rows = pa.concat_tables(tables).to_pylist()
     return {row["url"].rsplit("/", 1)[1]: (row["status"], row["error_message"]) for row in rows}
 
 
@@ -128,7 +134,8 @@ def test_every_good_photo_lands_once_and_decodes_with_plain_webdataset(packed, s
         assert meta["similarity"] == pytest.approx(0.25 + index / 100)
         assert (meta["punsafe"], meta["hash"], meta["source_key"]) == (0.01, f"h{index}", index)
         assert "__index_level_0__" not in meta
-        assert (meta["original_width"], meta["original_height"]) == site["photos"][meta["url"].rsplit("/", 1)[1]]
+        original_size = site["photos"][meta["url"].rsplit("/", 1)[1]]
+        assert (meta["original_width"], meta["original_height"]) == original_size
 
 
 def test_every_failure_is_counted_under_its_reason(packed, site):
@@ -149,7 +156,9 @@ def test_killed_run_resumes_to_the_same_result_without_redoing_finished_shards(
     output = tmp_path / "shards"
     command = [sys.executable, "-m", "laionkit.cli", "pack", str(input_parquet), "--output", str(output),
                *PACK_OPTIONS]
-    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 120
     while not (list(output.glob("*_stats.json")) and list(output.glob(".*.partial/*.tar"))):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()
@@ -160,8 +169,9 @@ def test_killed_run_resumes_to_the_same_result_without_redoing_finished_shards(
 
     finished = {path.name: path.read_bytes() for path in output.glob("*_stats.json")}
     assert 0 < len(finished) < 6
-    assert {path.stem for path in output.glob("*.tar")} == {name.removesuffix("_stats.json") for name in finished}
-    urls_done = {row for name in finished for row in statuses_of_shard(output, name.removesuffix("_stats.json"))}
+    done_shards = {name.removesuffix("_stats.json") for name in finished}
+    assert {path.stem for path in output.glob("*.tar")} == done_shards  # no tar without its record
+    urls_done = {path for shard in done_shards for path in shard_paths(output, shard)}
     hits_before = Counter(site["server"].hits)
 
     run_cli("pack", input_parquet, "--output", output, *PACK_OPTIONS)
@@ -173,15 +183,18 @@ def test_killed_run_resumes_to_the_same_result_without_redoing_finished_shards(
     assert not list(output.glob(".*"))
 
 
-def statuses_of_shard(folder: Path, shard: str) -> list[str]:
+def shard_paths(folder: Path, shard: str) -> list[str]:
     return [url.rsplit("/", 1)[1] for url in pq.read_table(folder / f"{shard}.parquet")["url"].to_pylist()]
 
 
 def test_two_ranks_together_produce_exactly_what_one_rank_does(packed, input_parquet, tmp_path):
     output = tmp_path / "shards"
     processes = [
-        subprocess.Popen([sys.executable, "-m", "laionkit.cli", "pack", str(input_parquet), "--output", str(output),
-                          *PACK_OPTIONS, "--rank", str(rank), "--world-size", "2"], stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-m", "laionkit.cli", "pack", str(input_parquet), "--output", str(output),
+             *PACK_OPTIONS, "--rank", str(rank), "--world-size", "2"],
+            stderr=subprocess.PIPE,
+        )
         for rank in range(2)
     ]
     for process in processes:
@@ -200,7 +213,8 @@ def test_stats_summarises_the_shard_folder_and_rebuilds_its_manifest(packed):
     (packed / "manifest.json").unlink()
     result = run_cli("stats", packed)
     assert read_json(packed / "manifest.json") == manifest
-    for text in ("6 / 6 planned", "samples", "36.4%", "size on disk", "http 404", "image too large", "256-511"):
+    expected = ("6 / 6 planned", "samples", "36.4%", "size on disk", "http 404", "image too large", "256-511")
+    for text in expected:
         assert text in result.stdout, text
 
 
@@ -213,7 +227,9 @@ def test_optout_headers_are_ignored_only_when_asked(site, tmp_path):
 
 
 def test_resume_with_other_options_is_refused(packed, input_parquet):
-    result = run_cli("pack", input_parquet, "--output", packed, *PACK_OPTIONS, "--image-size", "256", check=False)
+    result = run_cli(
+        "pack", input_parquet, "--output", packed, *PACK_OPTIONS, "--image-size", "256", check=False
+    )
     assert result.returncode == 2
     assert "00000_stats.json was packed with image_size=512" in result.stderr
 
@@ -242,7 +258,9 @@ def test_failure_reason(message, reason):
     assert failure_reason(message) == reason
 
 
-@pytest.mark.parametrize("size, bucket", [((100, 900), "0-127"), ((512, 512), "512-1023"), ((4000, 3000), ">=2048")])
+@pytest.mark.parametrize(
+    "size, bucket", [((100, 900), "0-127"), ((512, 512), "512-1023"), ((4000, 3000), ">=2048")]
+)
 def test_size_bucket(size, bucket):
     assert size_bucket(*size) == bucket
 
@@ -251,7 +269,8 @@ def test_size_bucket(size, bucket):
 def test_shards_are_split_into_disjoint_rank_slices_that_cover_the_input(input_parquet, tmp_path, world_size):
     second = tmp_path / "second.parquet"
     pq.write_table(pq.read_table(input_parquet).slice(0, 9), second)
-    tasks = plan_shards([input_parquet, second], PackConfig(inputs=(), output=tmp_path, shard_size=SHARD_SIZE))
+    config = PackConfig(inputs=(), output=tmp_path, shard_size=SHARD_SIZE)
+    tasks = plan_shards([input_parquet, second], config)
     assert [task.name for task in tasks] == [f"{i:05d}" for i in range(len(tasks))]
     rows = [(task.input, row) for task in tasks for row in range(task.start, task.stop)]
     assert len(rows) == len(set(rows)) == 22 + 9  # shards never span files and cover every row

@@ -53,6 +53,11 @@ def folder_routes(folder: str | os.PathLike[str]) -> dict[str, Response]:
     return routes
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # downloaders open many connections at once; the default 5 drops some
+
+
 def _handler(routes: Mapping[str, Response], hits: Counter, lock: threading.Lock) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -86,8 +91,7 @@ def _handler(routes: Mapping[str, Response], hits: Counter, lock: threading.Lock
 def serve(routes: Mapping[str, Response]) -> Iterator[ServedImages]:
     """Serve ``routes`` on 127.0.0.1 (a free port) from a background thread until the block exits."""
     hits: Counter = Counter()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(dict(routes), hits, threading.Lock()))
-    server.daemon_threads = True
+    server = _Server(("127.0.0.1", 0), _handler(dict(routes), hits, threading.Lock()))
     thread = threading.Thread(target=server.serve_forever, name="laionkit-imageserver", daemon=True)
     thread.start()
     try:
