@@ -116,7 +116,7 @@ def models_tiny(
 
     laionkit pack laion2B-en-part-00000.parquet --output shards/ --image-size 256 --resize-mode keep_ratio
 
-    torchrun --nproc-per-node 4 -m laionkit.cli pack filtered/ --output shards/ --processes 8
+    srun --ntasks 4 laionkit pack filtered/ --output shards/   # 4 ranks (SLURM_PROCID / SLURM_NTASKS)
 
 Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
 """)
