@@ -322,7 +322,7 @@ def encode(
     buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
     batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
     workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
-    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu, gpu (nvjpeg) or auto (gpu if CUDA).")] = "auto",
+    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
     dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,

@@ -54,6 +54,9 @@ EMPTY_CAPTION = "empty_caption.npy"
 FORMAT = "laionkit-latents/1"
 # Samples in flight between stages (in batches); bounds host and GPU memory.
 QUEUE_DEPTH = 4
+# --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
+# nvjpeg decode, whose per-image resize runs in the main process (docs/BENCHMARKS.md, encode).
+GPU_DECODE_BELOW_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -353,8 +356,10 @@ def _gpu_batch(batch: dict, device, dtype) -> dict:
         cpu = batch["pixels"].to(device, non_blocking=True).permute(0, 3, 1, 2).float()
         pixels.index_copy_(0, rows, cpu)
     keep = list(range(count))
+    batch["decoded"] = Counter(cpu=len(batch["cpu_rows"]))
     if batch["jpegs"]:
         images, skips = _decode_jpegs(batch, device)
+        batch["decoded"]["gpu"] += len(images) - len(skips)
         for row, image in zip(batch["gpu_rows"], images):
             if image is not None:
                 pixels[row] = image
@@ -588,15 +593,19 @@ def _settings(config: EncodeConfig, encoders: Encoders, buckets) -> dict:
     }
 
 
-def run(config: EncodeConfig, log: Callable[[str], None] = print) -> dict:
-    """Encode this rank's shards that are not complete yet; rewrite the manifest; return this rank's counts."""
+def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Encoders | None = None) -> dict:
+    """Encode this rank's shards that are not complete yet; rewrite the manifest; return this rank's counts.
+
+    ``encoders`` lets a caller that already loaded (and compiled) the models for this config reuse them.
+    """
 
     rank = resolve_rank(config.rank, config.world_size)
     shards = find_shards(config.shards)
     config.output.mkdir(parents=True, exist_ok=True)
-    device = _device(config, rank)
-    encoders = Encoders(config, device)
-    gpu_decode = config.decode == "gpu" or (config.decode == "auto" and device.type == "cuda")
+    encoders = encoders or Encoders(config, _device(config, rank))
+    device = encoders.device
+    gpu_decode = config.decode == "gpu" or (
+        config.decode == "auto" and device.type == "cuda" and config.workers < GPU_DECODE_BELOW_WORKERS)
     if gpu_decode and device.type != "cuda":
         raise LaionkitError("--decode gpu needs a CUDA device")
     buckets = bucket_sizes(config.resolution) if config.buckets else None
@@ -614,7 +623,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print) -> dict:
             f"device {device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
             f"config {json.dumps(asdict(config), default=str)}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0,
-               "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
+               "decoded": {}, "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
     if todo:
         total = sum(count_samples(shard) for shard in todo)
         progress = tqdm(total=total, desc=f"encode rank {rank.rank}", unit="img", disable=config.quiet)
@@ -633,6 +642,9 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, 
     loader = torch.utils.data.DataLoader(
         batches, batch_size=None, num_workers=workers, pin_memory=on_cuda,
         prefetch_factor=QUEUE_DEPTH if workers else None,
+        # Batches carry their shard, and each worker's own batches stay in order, so outputs do not
+        # depend on which worker answers first; a slow worker then never stalls the others.
+        in_order=False,
     )
     prep_stream = torch.cuda.Stream(device) if on_cuda else None
 
@@ -672,7 +684,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, 
     except BaseException as error:
         writer.abort(error)
         raise
-    return {"samples_out": writer.samples_out, "skipped": writer.skipped,
+    return {"samples_out": writer.samples_out, "skipped": writer.skipped, "decoded": dict(writer.decoded),
             "seconds": time.perf_counter() - started if started else 0.0}
 
 
@@ -707,7 +719,8 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(encoders.device))
     return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
-            "moments": moments, "text": text, "done": done, "skips": batch.get("skips", [])}
+            "moments": moments, "text": text, "done": done, "skips": batch.get("skips", []),
+            "decoded": batch["decoded"]}
 
 
 class _Writer:
@@ -721,6 +734,7 @@ class _Writer:
         self.open: dict[str, ShardOutput] = {}
         self.samples_out = 0
         self.skipped = 0
+        self.decoded: Counter = Counter()
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="laionkit-writer", daemon=True)
@@ -767,6 +781,7 @@ class _Writer:
     def _write(self, item: dict) -> None:
         shard = self._shard(item["shard"])
         shard.skips += item["skips"]
+        self.decoded.update(item["decoded"])
         if item["done"] is not None:
             item["done"].synchronize()
         if item["moments"] is not None:

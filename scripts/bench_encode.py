@@ -1,0 +1,208 @@
+"""Benchmark `laionkit encode` against the bare-encoder ceiling (not a test; results in docs/BENCHMARKS.md).
+
+For each resolution, in one process: (a) the ceiling, VAE + text encode on tensors already on the GPU,
+at the same batch size and resolution; (b) `laionkit encode` (its run()) on photo-like JPEG shards
+generated here, eager and with --compile. Prints img/s, the ratio b/a, the CPU workers used and where
+the JPEGs were decoded. Models are random-init at real sizes: the SD VAE (block_out_channels
+128,256,512,512) and CLIP ViT-L/14's text encoder (12 layers, 768 wide, 77 tokens).
+
+    python scripts/bench_encode.py --out results/            # on the GPU machine (about 5 minutes)
+    python scripts/bench_encode.py --smoke --out /tmp/bench  # CPU, tiny models, minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+import traceback
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from laionkit.common.models import clip_tokenizer, write_tiny_models
+from laionkit.encode import EncodeConfig, Encoders, run
+
+WORDS = ("a photo of the red old small city house dog cat river mountain at sunset in snow with a "
+         "portrait close-up view blue sky tree garden street night light film painting detailed").split()
+SHARD_SIZE = 256  # small shards keep all workers busy to the end
+
+
+def write_real_size_models(folder: Path) -> Path:
+    """SD-VAE-size AutoencoderKL and CLIP-L-size CLIPTextModel, random init, in the real folder layout."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    AutoencoderKL(
+        block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4, sample_size=512,
+    ).save_pretrained(folder / "vae")
+    CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+        bos_token_id=49406, eos_token_id=49407, pad_token_id=49407,
+    )).save_pretrained(folder / "text_encoder")
+    clip_tokenizer(folder / "tokenizer").save_pretrained(folder / "tokenizer")
+    return folder
+
+
+def photo_like(seed: int, resolution: int) -> tuple[bytes, str]:
+    """A JPEG with photo statistics (smooth shapes, gradients, fine noise), short side 1-1.5x resolution,
+    aspect 3:4..4:3, as img2dataset leaves images with a minimum side; plus a random caption."""
+    rng = np.random.default_rng(seed)
+    short = int(resolution * rng.uniform(1.0, 1.5))
+    aspect = rng.uniform(0.75, 1.333)
+    width, height = (int(short * aspect), short) if aspect >= 1 else (short, int(short / aspect))
+    coarse = rng.uniform(0, 255, size=(rng.integers(3, 9), rng.integers(3, 9), 3)).astype(np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
+    ramp = np.linspace(-40, 40, width, dtype=np.float32)[None, :, None]
+    image = image + ramp + rng.normal(0, 12, size=image.shape).astype(np.float32)
+    buffer = __import__("io").BytesIO()
+    Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+    caption = " ".join(random.Random(seed).choices(WORDS, k=int(rng.integers(5, 25))))
+    return buffer.getvalue(), caption
+
+
+def _write_shard(args: tuple[Path, int, int]) -> None:
+    import webdataset as wds
+
+    path, shard, resolution = args
+    with wds.TarWriter(str(path)) as sink:
+        for index in range(SHARD_SIZE):
+            key = f"{shard:05d}{index:04d}"
+            data, caption = photo_like(shard * SHARD_SIZE + index, resolution)
+            sink.write({"__key__": key, "jpg": data, "txt": caption,
+                        "json": json.dumps({"key": key, "caption": caption, "status": "success"})})
+
+
+def make_shards(folder: Path, images: int, resolution: int, processes: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs = [(folder / f"{shard:05d}.tar", shard, resolution) for shard in range(max(1, images // SHARD_SIZE))]
+    with Pool(processes) as pool:
+        pool.map(_write_shard, jobs)
+    return folder
+
+
+def ceiling(encoders: Encoders, batch_size: int, resolution: int, seconds: float) -> float:
+    """img/s of VAE + text encode on in-GPU tensors (fp16 outputs, as stored), no data movement."""
+    device = encoders.device
+    pixels = torch.randn((batch_size, 3, resolution, resolution), device=device).to(encoders.dtype)
+    pixels = pixels.contiguous(memory_format=torch.channels_last)
+    ids = torch.randint(0, 49406, (batch_size, 77), device=device)
+
+    def step():
+        encoders.encode_images(pixels).to(torch.float16)
+        encoders.encode_text(ids).to(torch.float16)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        sync()
+        started, steps = time.perf_counter(), 0
+        while time.perf_counter() - started < seconds:
+            step()
+            steps += 1
+        sync()
+        return steps * batch_size / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="results folder (bench_encode.json)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_encode"), help="scratch folder")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--images", type=int, nargs="+", default=[15360, 3840], help="per resolution")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=min(15, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
+    parser.add_argument("--decodes", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"],
+                        help="encode's --decode values to run in every mode (gpu needs CUDA)")
+    parser.add_argument("--ceiling-seconds", type=float, default=4.0)
+    parser.add_argument("--smoke", action="store_true", help="tiny models, tiny images, CPU: checks the script")
+    args = parser.parse_args()
+    if args.smoke:
+        args.resolutions, args.images, args.batch_size, args.ceiling_seconds = [64], [1024], 16, 1.0
+        args.workers = min(args.workers, 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    started = time.perf_counter()
+    models = (write_tiny_models(args.work / "models") if args.smoke
+              else write_real_size_models(args.work / "models"))
+    results = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
+               else platform.processor() or "cpu", "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+               "batch_size": args.batch_size, "workers": args.workers, "smoke": args.smoke, "runs": []}
+    print(f"models ready in {time.perf_counter() - started:.0f}s; {results['device']}, {os.cpu_count()} cores",
+          flush=True)
+
+    def save():
+        (args.out / "bench_encode.json").write_text(json.dumps(results, indent=2) + "\n")
+
+    for resolution, images in zip(args.resolutions, args.images):
+        t0 = time.perf_counter()
+        shards = make_shards(args.work / f"shards-{resolution}", images, resolution, os.cpu_count() or 2)
+        print(f"{resolution}px: {images} JPEGs generated in {time.perf_counter() - t0:.0f}s", flush=True)
+        for mode in args.modes:
+            compiled = mode == "compile"
+            config = EncodeConfig(shards=(str(shards),), output=args.work / "out", model=str(models),
+                                  resolution=resolution, batch_size=args.batch_size, workers=args.workers,
+                                  compile=compiled, quiet=True)
+            row = {"resolution": resolution, "mode": mode, "images": images}
+            try:
+                t0 = time.perf_counter()
+                encoders = Encoders(config, torch.device(device))
+                row["ceiling_img_s"] = ceiling(encoders, args.batch_size, resolution, args.ceiling_seconds)
+                row["load_and_compile_s"] = time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - record and go on: one GPU call must return every number it can
+                row["error"] = traceback.format_exc()
+                print(row["error"], file=sys.stderr, flush=True)
+                results["runs"].append(row)
+                save()
+                continue
+            for decode in args.decodes if device == "cuda" else ["cpu"]:
+                try:
+                    shutil.rmtree(config.output, ignore_errors=True)
+                    summary = run(EncodeConfig(**{**config.__dict__, "decode": decode}), encoders=encoders)
+                    assert summary["samples_out"] == images, summary
+                    where, rate = summary["decode"], summary["samples_out"] / summary["seconds"]
+                    row.update({f"encode_{where}_img_s": rate, f"ratio_{where}": rate / row["ceiling_img_s"],
+                                f"decoded_{where}": summary["decoded"], "workers": summary["workers"]})
+                    print(f"{resolution}px {mode:8s} decode={where}: ceiling {row['ceiling_img_s']:.0f} img/s, "
+                          f"encode {rate:.0f} img/s, ratio {rate / row['ceiling_img_s']:.3f}, "
+                          f"workers {summary['workers']}, decoded {summary['decoded']}", flush=True)
+                except Exception:  # noqa: BLE001 - as above
+                    row[f"error_{decode}"] = traceback.format_exc()
+                    print(row[f"error_{decode}"], file=sys.stderr, flush=True)
+            results["runs"].append(row)
+            save()
+            del encoders
+            torch.cuda.empty_cache() if device == "cuda" else None
+        shutil.rmtree(shards, ignore_errors=True)
+        shutil.rmtree(args.work / "out", ignore_errors=True)
+
+    print("\n| res | mode | ceiling img/s | encode img/s (decode) | b/a | workers |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in results["runs"]:
+        for decode in ("gpu", "cpu"):
+            if f"encode_{decode}_img_s" in row:
+                print(f"| {row['resolution']} | {row['mode']} | {row['ceiling_img_s']:.0f} | "
+                      f"{row[f'encode_{decode}_img_s']:.0f} ({decode}) | {row[f'ratio_{decode}']:.3f} | "
+                      f"{row['workers']} |")
+    print(f"total {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
