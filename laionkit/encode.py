@@ -256,7 +256,11 @@ class ShardBatches(torch.utils.data.IterableDataset):
     def prepare(self, sample: dict) -> dict:
 
         extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
-        meta = json.loads(sample["json"]) if "json" in sample else None
+        try:
+            meta = json.loads(sample["json"]) if "json" in sample else None
+        except ValueError as error:
+            error.reason = "bad_json"
+            raise
         if extension is None:
             error = ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)})")
             error.reason = "no_image"
@@ -389,6 +393,8 @@ class Encoders:
         self.encode_images = self._encode_images
         self.encode_text = self._encode_text
         if config.compile:
+            # One graph per batch shape: with --buckets that is one per bucket, more than dynamo's default.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.encode_images = torch.compile(self._encode_images, dynamic=False)
             self.encode_text = torch.compile(self._encode_text, dynamic=False)
 
@@ -601,6 +607,12 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
 
     rank = resolve_rank(config.rank, config.world_size)
     shards = find_shards(config.shards)
+    if config.quiet:
+        import diffusers.utils.logging
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
     config.output.mkdir(parents=True, exist_ok=True)
     encoders = encoders or Encoders(config, _device(config, rank))
     device = encoders.device

@@ -214,15 +214,18 @@ def test_bad_images_are_counted_recorded_skips(tmp_path, realdata, tiny_models):
         sink.write({"__key__": "000000002", "jpg": good[: len(good) // 3], "txt": "truncated file"})
         sink.write({"__key__": "000000003", "txt": "no image at all", "json": json.dumps({"caption": "x"})})
         sink.write({"__key__": "000000004", "png": (realdata / "images" / "original.png").read_bytes(), "txt": ""})
+        sink.write({"__key__": "000000005", "jpg": good, "txt": "broken metadata", "json": b"{not json"})
     encode(inputs, tmp_path / "out", tiny_models)
     record = json.loads((tmp_path / "out" / "00000.stats.json").read_text())
-    assert record["samples_in"] == 5 and record["samples_out"] == 2
-    assert record["skipped"] == {"undecodable": 2, "no_image": 1}
+    assert record["samples_in"] == 6 and record["samples_out"] == 2
+    assert record["skipped"] == {"undecodable": 2, "no_image": 1, "bad_json": 1}
     assert [(s["key"], s["reason"]) for s in record["skips"]] == [
-        ("000000001", "undecodable"), ("000000002", "undecodable"), ("000000003", "no_image")]
+        ("000000001", "undecodable"), ("000000002", "undecodable"), ("000000003", "no_image"),
+        ("000000005", "bad_json")]
     assert [s["key"] for s in read_shard(tmp_path / "out" / "00000.tar")] == ["000000000", "000000004"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["skips"] == {"no_image": 1, "undecodable": 2} and manifest["counts"]["skipped"] == 3
+    assert manifest["skips"] == {"bad_json": 1, "no_image": 1, "undecodable": 2}
+    assert manifest["counts"]["skipped"] == 4
 
 
 def test_missing_input_is_a_clear_error(tmp_path, tiny_models):
