@@ -24,11 +24,19 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions, write_json
+from laionkit.common import (
+    LaionkitError,
+    Rank,
+    atomic_output,
+    read_json,
+    resolve_rank,
+    split,
+    versions,
+    write_json,
+)
 from laionkit.common.columns import COLUMN_ALIASES
 from laionkit.scores import ClipChoice, Scorer, ScoreSpec, build_scorer, score_embeddings
 
@@ -153,7 +161,9 @@ def alias_names(columns: Sequence[str]) -> dict[str, str]:
 
 def referenced_columns(expr: str) -> set[str]:
     """Column names an expression mentions, from DuckDB's own parse tree (never by regex or eval)."""
-    tree = json.loads(duckdb.sql("SELECT json_serialize_sql(?)", params=[f"SELECT ({expr})"]).fetchall()[0][0])
+    tree = json.loads(
+        duckdb.sql("SELECT json_serialize_sql(?)", params=[f"SELECT ({expr})"]).fetchall()[0][0]
+    )
     if tree.get("error"):
         raise LaionkitError(f"--where {expr!r}: {tree.get('error_message', 'cannot parse')}")
     found: set[str] = set()
@@ -245,7 +255,9 @@ def check_embeddings(npy: Path, parquet: Path, rows: int) -> None:
     if array.ndim != 2 or array.dtype not in (np.float16, np.float32):
         raise LaionkitError(f"{npy}: expected a float16/float32 N x D array, got {array.dtype} {array.shape}")
     if array.shape[0] != rows:
-        raise LaionkitError(f"{npy} has {array.shape[0]} rows but {parquet} has {rows}: they must align row by row")
+        raise LaionkitError(
+            f"{npy} has {array.shape[0]} rows but {parquet} has {rows}: they must align row by row"
+        )
 
 
 @dataclass
@@ -273,7 +285,9 @@ def make_plan(config: FilterConfig) -> Plan:
     renames = parse_renames(config.rename)
     scores = [ScoreSpec.parse(text) for text in config.scores]
     if scores and not config.embeddings:
-        raise LaionkitError("--score needs --embeddings (the CLIP image embeddings the scores are computed from)")
+        raise LaionkitError(
+            "--score needs --embeddings (the CLIP image embeddings the scores are computed from)"
+        )
     if config.unit_rows < 1:
         raise LaionkitError(f"--unit-rows must be >= 1, got {config.unit_rows}")
     paths = find_inputs(config.inputs)
@@ -299,8 +313,10 @@ def make_plan(config: FilterConfig) -> Plan:
     units = make_units(files, config.unit_rows)
     uses_clip = any(spec.kind == "prompt" for spec in scores)
     record = {
-        "inputs": [{"path": f.path, "rows": f.rows, "row_groups": len(f.row_group_rows), "embeddings": f.embeddings}
-                   for f in files],
+        "inputs": [
+            {"path": f.path, "rows": f.rows, "row_groups": len(f.row_group_rows), "embeddings": f.embeddings}
+            for f in files
+        ],
         "bad_inputs": bad,
         "units": [[u.file, u.start, u.stop, u.rows] for u in units],
         "rules": [asdict(rule) for rule in rules],
@@ -322,11 +338,16 @@ def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[
     fields = [schema.field(i).with_name(name) for i, name in enumerate(names)]
     # pandas' metadata describes the input frame (its index, its names); it would mislead on the output.
     metadata = {k: v for k, v in (schema.metadata or {}).items() if k != b"pandas"}
-    return pa.schema(fields + [pa.field(spec.name, pa.float32()) for spec in scores], metadata=metadata or None)
+    return pa.schema(
+        fields + [pa.field(spec.name, pa.float32()) for spec in scores], metadata=metadata or None
+    )
 
 
 def check_columns(
-    files: Sequence[InputFile], rules: Sequence[Rule], renames: dict[str, str], scores: Sequence[ScoreSpec],
+    files: Sequence[InputFile],
+    rules: Sequence[Rule],
+    renames: dict[str, str],
+    scores: Sequence[ScoreSpec],
     dedup: str | None,
 ) -> None:
     """Bind every rule against every distinct input schema before anything is written."""
@@ -341,7 +362,9 @@ def check_columns(
         seen.add(schema)
         available = ", ".join(schema.names)
         if dedup is not None and dedup not in schema.names:
-            raise LaionkitError(f"--dedup {dedup}: {file.path} has no such column; available columns: {available}")
+            raise LaionkitError(
+                f"--dedup {dedup}: {file.path} has no such column; available columns: {available}"
+            )
         empty = eval_table(schema.empty_table())
         for rule in rules:
             try:
@@ -352,7 +375,9 @@ def check_columns(
                     f"{rule.source} {rule.expr!r} on {file.path}: {message}; available columns: {available}"
                 ) from None
             if str(types[0]) != "BOOLEAN":
-                raise LaionkitError(f"{rule.source} {rule.expr!r} is not a true/false test (it gives {types[0]})")
+                raise LaionkitError(
+                    f"{rule.source} {rule.expr!r} is not a true/false test (it gives {types[0]})"
+                )
 
 
 def eval_table(table: pa.Table) -> pa.Table:
@@ -416,13 +441,23 @@ class UnitFilter:
             source = "SELECT * FROM unit_rows"
         else:
             whole = unit.start == 0 and unit.stop == len(file.row_group_rows)
-            rows = "" if whole else f" WHERE file_row_number >= {unit.offset} AND file_row_number < {unit.offset + unit.rows}"
-            source = f"SELECT *, file_row_number AS __laionkit_row FROM read_parquet({literal(file.path)}){rows}"
+            rows = (
+                ""
+                if whole
+                else f" WHERE file_row_number BETWEEN {unit.offset} AND {unit.offset + unit.rows - 1}"
+            )
+            source = (
+                f"SELECT *, file_row_number AS __laionkit_row FROM read_parquet({literal(file.path)}){rows}"
+            )
         if self.scorers:
             self.connection.register("unit_scores", self.unit_scores(unit, file))
             source = f"SELECT * FROM ({source}) POSITIONAL JOIN unit_scores"
-        output = [self.plan.renames.get(name, name) for name in file.schema.names] + [s.spec.name for s in self.scorers]
-        columns = [f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names]
+        output = [self.plan.renames.get(name, name) for name in file.schema.names] + [
+            s.spec.name for s in self.scorers
+        ]
+        columns = [
+            f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names
+        ]
         columns += [quote(s.spec.name) for s in self.scorers] + ["__laionkit_row"]
         columns += [f"{quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items()]
         return f"SELECT {', '.join(columns)} FROM ({source})", output
@@ -463,7 +498,9 @@ class UnitFilter:
         except duckdb.Error as error:
             message = str(error).splitlines()[0]
             if not self.skip_bad:
-                raise LaionkitError(f"{file.path}: cannot read row groups {unit.start}-{unit.stop - 1}: {message}") from None
+                raise LaionkitError(
+                    f"{file.path}: cannot read row groups {unit.start}-{unit.stop - 1}: {message}"
+                ) from None
             return self.record_bad_unit(unit, part, file, message)
         finally:
             progress.update(unit.rows)
@@ -471,19 +508,30 @@ class UnitFilter:
 
     def write_unit(self, unit: Unit, file: InputFile, tmp: Path, via_arrow: bool) -> dict:
         """Count per rule, then COPY the kept rows to ``tmp`` with the unit's stats in the footer."""
-        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": unit.rows}
+        stats = {
+            "unit": unit.index,
+            "input": file.path,
+            "row_groups": [unit.start, unit.stop],
+            "rows_in": unit.rows,
+        }
         source, output = self.source_sql(unit, file, via_arrow)
         rules = self.tested_rules(file)
         keep = " AND ".join(f"coalesce(__laionkit_r{i}, false)" for i in range(len(rules))) or "true"
-        tested = f"(SELECT {', '.join(f'{rule} AS __laionkit_r{i}' for i, rule in enumerate(rules))}" \
-                 f"{', ' if rules else ''}* FROM ({source}))"
-        counts = [f"count(*) FILTER (WHERE NOT __laionkit_r{i}), count(*) FILTER (WHERE __laionkit_r{i} IS NULL)"
-                  for i in range(len(rules))]
+        tested = (
+            f"(SELECT {', '.join(f'{rule} AS __laionkit_r{i}' for i, rule in enumerate(rules))}"
+            f"{', ' if rules else ''}* FROM ({source}))"
+        )
+        counts = [
+            f"count(*) FILTER (WHERE NOT __laionkit_r{i}), count(*) FILTER (WHERE __laionkit_r{i} IS NULL)"
+            for i in range(len(rules))
+        ]
         dedup = quote(self.dedup) if self.dedup else "NULL"
         counts += [f"count(*) FILTER (WHERE {keep})", f"count(*) FILTER (WHERE {keep} AND {dedup} IS NULL)"]
         row = self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]
-        stats["rules"] = {rule.expr: asdict(RuleCounts(row[2 * i], row[2 * i + 1]))
-                          for i, rule in enumerate(self.plan.rules)}
+        stats["rules"] = {
+            rule.expr: asdict(RuleCounts(row[2 * i], row[2 * i + 1]))
+            for i, rule in enumerate(self.plan.rules)
+        }
         kept = f"{tested} WHERE {keep}"
         if self.dedup:
             selected = self.first_occurrences(kept, output, row[-2], row[-1], stats)
@@ -491,9 +539,8 @@ class UnitFilter:
             selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}"
             stats["rows_out"] = row[-2]
         metadata = literal(json.dumps(stats))
-        self.connection.execute(
-            f"COPY ({selected}) TO {literal(str(tmp))} (FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}})"
-        ).fetchall()
+        options = f"FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}}"
+        self.connection.execute(f"COPY ({selected}) TO {literal(str(tmp))} ({options})").fetchall()
         if self.dedup:
             self.connection.execute(f"INSERT INTO seen SELECT {quote(self.dedup)} FROM unit_kept").fetchall()
         return stats
@@ -504,7 +551,8 @@ class UnitFilter:
         self.ensure_seen(f"SELECT {column} AS value FROM {kept}")
         self.connection.execute("DROP TABLE IF EXISTS unit_kept").fetchall()
         self.connection.execute(
-            f"CREATE TEMP TABLE unit_kept AS SELECT {', '.join(map(quote, output))}, __laionkit_row FROM {kept} "
+            f"CREATE TEMP TABLE unit_kept AS SELECT {', '.join(map(quote, output))}, __laionkit_row "
+            f"FROM {kept} "
             f"AND {column} IS NOT NULL AND {column} NOT IN (SELECT value FROM seen) "
             f"QUALIFY row_number() OVER (PARTITION BY {column} ORDER BY __laionkit_row) = 1"
         ).fetchall()
@@ -515,7 +563,9 @@ class UnitFilter:
 
     def ensure_seen(self, values: str) -> None:
         """The table of dedup values already kept, typed like the column (created on first use)."""
-        self.connection.execute(f"CREATE TEMP TABLE IF NOT EXISTS seen AS SELECT value FROM ({values}) WHERE false").fetchall()
+        self.connection.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS seen AS SELECT value FROM ({values}) WHERE false"
+        ).fetchall()
 
     def seed_seen(self, part: Path) -> None:
         """Resume with --dedup: values kept by finished units are already taken."""
@@ -525,8 +575,16 @@ class UnitFilter:
 
     def record_bad_unit(self, unit: Unit, part: Path, file: InputFile, message: str) -> dict:
         """--skip-bad: an empty part marks the unit done; its footer says why, so the skip is counted."""
-        stats = {"unit": unit.index, "input": file.path, "row_groups": [unit.start, unit.stop], "rows_in": 0,
-                 "rows_out": 0, "rules": {}, "bad": message, "bad_rows": unit.rows}
+        stats = {
+            "unit": unit.index,
+            "input": file.path,
+            "row_groups": [unit.start, unit.stop],
+            "rows_in": 0,
+            "rows_out": 0,
+            "rules": {},
+            "bad": message,
+            "bad_rows": unit.rows,
+        }
         schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
         with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
             writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
@@ -558,7 +616,9 @@ def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> Non
     if plan_path.exists() and not overwrite:
         previous = read_json(plan_path)
         if previous != plan.record:
-            changed = sorted(key for key in set(previous) | set(plan.record) if previous.get(key) != plan.record.get(key))
+            changed = sorted(
+                key for key in set(previous) | set(plan.record) if previous.get(key) != plan.record.get(key)
+            )
             raise LaionkitError(
                 f"{output} holds a filter run with other {', '.join(changed)}; "
                 "use --overwrite to redo it, or another --output"
@@ -584,22 +644,26 @@ def run(config: FilterConfig) -> dict:
     rank = resolve_rank(config.rank, config.world_size)
     if config.dedup is not None and rank.world_size > 1:
         raise LaionkitError(
-            f"--dedup {config.dedup} keeps the first occurrence across ALL inputs, which one rank cannot know "
-            f"while {rank.world_size} ranks filter in parallel; run the dedup with --world-size 1 "
-            "(e.g. as a second pass over the filtered output)"
+            f"--dedup {config.dedup} keeps the first occurrence across ALL inputs, which one rank "
+            f"cannot know while {rank.world_size} ranks filter in parallel; run the dedup with "
+            "--world-size 1 (e.g. as a second pass over the filtered output)"
         )
     plan = make_plan(config)
     output = Path(config.output)
     prepare_output(output, plan, rank, config.overwrite)
-    clip = ClipChoice(config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained)
+    clip = ClipChoice(
+        config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
+    )
     worker = UnitFilter(plan, clip, config.skip_bad, config.dedup)
     mine = split(plan.units, rank)
     done = existing_parts(output)
     todo_rows = sum(u.rows for u in mine if u.index not in done)
     if not config.quiet:
-        tqdm.write(f"laionkit filter: rank {rank.rank}/{rank.world_size}, {len(mine)} of {len(plan.units)} units "
-                   f"({len(mine) - len([u for u in mine if u.index not in done])} already done), "
-                   f"{len(plan.rules)} rules, {len(plan.scores)} scores -> {output}")
+        tqdm.write(
+            f"laionkit filter: rank {rank.rank}/{rank.world_size}, {len(mine)} of {len(plan.units)} units "
+            f"({len(mine) - len([u for u in mine if u.index not in done])} already done), "
+            f"{len(plan.rules)} rules, {len(plan.scores)} scores -> {output}"
+        )
     unit_records = []
     with tqdm(total=todo_rows, unit="rows", unit_scale=True, disable=config.quiet, desc="filter") as progress:
         for unit in mine:
@@ -632,8 +696,11 @@ def rank_stats(units: list[dict], plan: Plan, rank: Rank, config: FilterConfig, 
         "rows_filtered_now": sum(u["rows_in"] for u in units if "seconds" in u),  # not resumed
         "rules": {name: asdict(count) for name, count in rules.items()},
         "bad_inputs": plan.bad_inputs,
-        "bad_units": [{"unit": u["unit"], "input": u["input"], "rows": u["bad_rows"], "error": u["bad"]}
-                      for u in units if "bad" in u],
+        "bad_units": [
+            {"unit": u["unit"], "input": u["input"], "rows": u["bad_rows"], "error": u["bad"]}
+            for u in units
+            if "bad" in u
+        ],
         "seconds": round(seconds, 3),
         "units": units,
         "arguments": asdict(config),

@@ -47,7 +47,9 @@ class ScoreSpec:
         name, eq, rest = text.partition("=")
         kind, colon, arg = rest.partition(":")
         if not eq or not colon or not arg:
-            raise LaionkitError(f"--score {text!r}: expected NAME=KIND:ARG, e.g. aes=aesthetic-v2:weights.pth")
+            raise LaionkitError(
+                f"--score {text!r}: expected NAME=KIND:ARG, e.g. aes=aesthetic-v2:weights.pth"
+            )
         if not SCORE_NAME.match(name):
             raise LaionkitError(f"--score {text!r}: the name {name!r} must be a plain identifier")
         if kind not in SCORE_KINDS:
@@ -95,7 +97,7 @@ def load_state_dict(path: str) -> dict:
 
 
 def linear_layers(state: dict, path: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(weight, bias) per ``nn.Linear`` in state-dict order; the keys must be ``<prefix>.weight/.bias`` pairs."""
+    """(weight, bias) per ``nn.Linear`` in state-dict order; keys must be ``<prefix>.weight/.bias``."""
     layers: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in state.items():
         prefix, _, leaf = key.rpartition(".")
@@ -109,7 +111,7 @@ def linear_layers(state: dict, path: str) -> list[tuple[np.ndarray, np.ndarray]]
         if weight is None or weight.ndim != 2 or bias.shape != (weight.shape[0],):
             raise LaionkitError(f"{path}: layer {prefix or '(root)'!r} is not a linear layer (weight, bias)")
         chain.append((weight, bias))
-    for (w_prev, _), (w_next, _) in zip(chain, chain[1:]):
+    for (w_prev, _), (w_next, _) in zip(chain[:-1], chain[1:], strict=True):
         if w_next.shape[1] != w_prev.shape[0]:
             raise LaionkitError(f"{path}: layer shapes do not chain: {w_prev.shape} then {w_next.shape}")
     if chain[-1][0].shape[0] != 1:
@@ -122,7 +124,9 @@ def folded_head(spec: ScoreSpec, expected_shapes: tuple[tuple[int, int], ...] | 
     chain = linear_layers(load_state_dict(spec.arg), spec.arg)
     shapes = tuple(weight.shape for weight, _ in chain)
     if expected_shapes is not None and shapes != expected_shapes:
-        raise LaionkitError(f"{spec.arg}: not a {spec.kind} head: layer shapes {shapes}, expected {expected_shapes}")
+        raise LaionkitError(
+            f"{spec.arg}: not a {spec.kind} head: layer shapes {shapes}, expected {expected_shapes}"
+        )
     weight, bias = chain[0]
     for next_weight, next_bias in chain[1:]:
         weight, bias = next_weight @ weight, next_weight @ bias + next_bias

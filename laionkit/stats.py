@@ -70,12 +70,14 @@ def print_filter_summary(folder: Path, console: Console) -> None:
                   title=f"laionkit filter: {folder}")
     for stats in sorted(totals["ranks"], key=lambda s: (s["world_size"], s["rank"])):
         rate = f"{stats['rows_filtered_now'] / stats['seconds']:,.0f}" if stats["seconds"] else "-"
-        ranks.add_row(f"{stats['rank']}", f"{stats['world_size']}", f"{stats['rows_in']:,}", f"{stats['rows_out']:,}",
-                      percent(stats["rows_out"], stats["rows_in"]), f"{stats['seconds']:.2f}", rate)
-    ranks.add_row("all", "", f"{rows_in:,}", f"{totals['rows_out']:,}", percent(totals["rows_out"], rows_in), "", "",
-                  style="bold")
+        ranks.add_row(str(stats["rank"]), str(stats["world_size"]), f"{stats['rows_in']:,}",
+                      f"{stats['rows_out']:,}", percent(stats["rows_out"], stats["rows_in"]),
+                      f"{stats['seconds']:.2f}", rate)
+    ranks.add_row("all", "", f"{rows_in:,}", f"{totals['rows_out']:,}", percent(totals["rows_out"], rows_in),
+                  "", "", style="bold")
     console.print(ranks)
-    rules = Table("rule", "dropped", "nulls (failed)", "of rows in", title="rows failing each rule (counted independently)")
+    rules = Table("rule", "dropped", "nulls (failed)", "of rows in",
+                  title="rows failing each rule (counted independently)")
     for name, count in totals["rules"].items():
         rules.add_row(name, f"{count['dropped']:,}", f"{count['nulls']:,}",
                       percent(count["dropped"] + count["nulls"], rows_in))
@@ -85,8 +87,9 @@ def print_filter_summary(folder: Path, console: Console) -> None:
     for bad in totals["bad_inputs"]:
         console.print(f"[yellow]skipped input[/] {bad['path']}: {bad['error']}", highlight=False)
     for bad in totals["bad_units"]:
+        first, stop = bad["row_groups"]
         console.print(f"[yellow]skipped {bad['bad_rows']:,} rows[/] of {bad['input']} "
-                      f"(row groups {bad['row_groups'][0]}-{bad['row_groups'][1] - 1}): {bad['bad']}", highlight=False)
+                      f"(row groups {first}-{stop - 1}): {bad['bad']}", highlight=False)
 
 
 def print_pack_summary(folder: Path, console: Console) -> None:
@@ -110,4 +113,6 @@ def run(config: StatsConfig) -> None:
         if any(folder.glob(marker)):
             summarise(folder, Console(width=max(Console().width, 120)))
             return
-    raise LaionkitError(f"{folder}: nothing laionkit stats knows how to summarise (looked for {', '.join(SUMMARIES)})")
+    raise LaionkitError(
+        f"{folder}: nothing laionkit stats knows how to summarise (looked for {', '.join(SUMMARIES)})"
+    )

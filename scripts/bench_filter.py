@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 REAL_SAMPLE = REPO.parent / "shared" / "realdata" / "laion-sample" / "test_1000.parquet"
 
 # Rules in the spirit of the SD presets, keeping ~15% of LAION-like rows.
-RULES = ("pwatermark < 0.5", "punsafe < 0.1", "AESTHETIC_SCORE >= 5", "WIDTH >= 512", "HEIGHT >= 512")
+RULES = ("pwatermark < 0.5", "punsafe < 0.1", "AESTHETIC_SCORE >= 4.5", "WIDTH >= 512", "HEIGHT >= 512")
 
 
 def laion_like_columns(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
@@ -55,7 +55,9 @@ def make_sample(path: Path) -> None:
     table = real.append_column("punsafe", punsafe)
     for name, values in columns.items():
         table = table.append_column(name, pa.array(values))
-    table = table.select(["URL", "TEXT", "WIDTH", "HEIGHT", "similarity", "punsafe", "pwatermark", "AESTHETIC_SCORE"])
+    table = table.select(
+        ["URL", "TEXT", "WIDTH", "HEIGHT", "similarity", "punsafe", "pwatermark", "AESTHETIC_SCORE"]
+    )
     pq.write_table(table, path, row_group_size=250, compression="zstd")
     print(f"wrote {path}: {table.num_rows} rows, row groups of 250")
 
@@ -64,8 +66,10 @@ def make_dataset(folder: Path, rows: int, files: int) -> None:
     """LAION-like parquet: 100k-row row groups, URLs and captions of realistic lengths (~90 / ~50 chars)."""
     folder.mkdir(parents=True, exist_ok=True)
     per_file = rows // files
-    words = np.array("the a of photo red vintage dress for sale new woman man dog house garden wooden table blue art "
-                     "poster canvas print black white modern kitchen design wedding car shoes summer 2019".split())
+    words = np.array(
+        "the a of photo red vintage dress for sale new woman man dog house garden wooden table blue art "
+        "poster canvas print black white modern kitchen design wedding car shoes summer 2019".split()
+    )
     for index in range(files):
         path = folder / f"part-{index:05d}.parquet"
         if path.exists() and pq.read_metadata(path).num_rows == per_file:
@@ -75,8 +79,12 @@ def make_dataset(folder: Path, rows: int, files: int) -> None:
             for start in range(0, per_file, 100_000):
                 n = min(100_000, per_file - start)
                 ids = rng.integers(0, 2**62, n)
-                urls = pa.array([f"https://cdn{i % 97}.example-shop.com/images/products/{i:x}/large/{i % 100003}.jpg"
-                                 for i in ids.tolist()])
+                urls = pa.array(
+                    [
+                        f"https://cdn{i % 97}.example-shop.com/images/products/{i:x}/large/{i % 100003}.jpg"
+                        for i in ids.tolist()
+                    ]
+                )
                 picks = words[rng.integers(0, len(words), (n, 8))]
                 captions = pa.array([" ".join(row) for row in picks.tolist()])
                 columns = laion_like_columns(rng, n)
@@ -86,9 +94,18 @@ def make_dataset(folder: Path, rows: int, files: int) -> None:
 
 
 def dataset_schema() -> pa.Schema:
-    return pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("WIDTH", pa.int64()), ("HEIGHT", pa.int64()),
-                      ("similarity", pa.float64()), ("punsafe", pa.float32()), ("pwatermark", pa.float32()),
-                      ("AESTHETIC_SCORE", pa.float32())])
+    return pa.schema(
+        [
+            ("URL", pa.string()),
+            ("TEXT", pa.string()),
+            ("WIDTH", pa.int64()),
+            ("HEIGHT", pa.int64()),
+            ("similarity", pa.float64()),
+            ("punsafe", pa.float32()),
+            ("pwatermark", pa.float32()),
+            ("AESTHETIC_SCORE", pa.float32()),
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------- the timed cases (children)
@@ -105,8 +122,13 @@ def case_pandas(folder: Path, out: Path) -> int:
     import pandas as pd
 
     df = pd.concat([pd.read_parquet(path) for path in sorted(folder.glob("*.parquet"))], ignore_index=True)
-    kept = df[(df.pwatermark < 0.5) & (df.punsafe < 0.1) & (df.AESTHETIC_SCORE >= 5) & (df.WIDTH >= 512)
-              & (df.HEIGHT >= 512)]  # the same RULES, the seeds' way
+    kept = df[
+        (df.pwatermark < 0.5)
+        & (df.punsafe < 0.1)
+        & (df.AESTHETIC_SCORE >= 4.5)
+        & (df.WIDTH >= 512)
+        & (df.HEIGHT >= 512)
+    ]  # the same RULES, the seeds' way
     out.mkdir(parents=True, exist_ok=True)
     kept.to_parquet(out / "filtered.parquet")
     return len(df)
@@ -116,8 +138,15 @@ def case_laionkit(folder: Path, out: Path, *extra: str) -> int:
     from laionkit.filter import FilterConfig, run
 
     where = [] if extra else list(RULES)
-    config = FilterConfig(inputs=(str(folder),), output=str(out), where=tuple(where), quiet=True, overwrite=True,
-                          embeddings=tuple(extra[:1]), scores=tuple(extra[1:]))
+    config = FilterConfig(
+        inputs=(str(folder),),
+        output=str(out),
+        where=tuple(where),
+        quiet=True,
+        overwrite=True,
+        embeddings=tuple(extra[:1]),
+        scores=tuple(extra[1:]),
+    )
     return run(config)["rows_in"]
 
 
@@ -135,8 +164,12 @@ def child(case: str, folder: str, out: str, extra: list[str]) -> None:
 def timed(case: str, folder: Path, out: Path, *extra: str) -> dict:
     if out.exists():
         shutil.rmtree(out)
-    result = subprocess.run([sys.executable, __file__, "--child", case, str(folder), str(out), *extra],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", case, str(folder), str(out), *extra],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -151,17 +184,24 @@ def make_embeddings(folder: Path, rows: int) -> tuple[Path, Path]:
             block = rng.standard_normal((min(100_000, rows - start), 768), dtype=np.float32)
             out[start : start + len(block)] = block / np.linalg.norm(block, axis=1, keepdims=True)
         out.flush()
-        table = pa.table({"url": pa.array([f"https://example.com/{i}.jpg" for i in range(rows)]),
-                          **{k: v for k, v in laion_like_columns(rng, rows).items() if k in ("WIDTH", "HEIGHT")}})
+        table = pa.table(
+            {
+                "url": pa.array([f"https://example.com/{i}.jpg" for i in range(rows)]),
+                **{k: v for k, v in laion_like_columns(rng, rows).items() if k in ("WIDTH", "HEIGHT")},
+            }
+        )
         pq.write_table(table, parquet, row_group_size=100_000)
     return parquet, npy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--files", type=int, default=10)
     parser.add_argument("--embedding-rows", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3, help="Runs per case; the fastest is reported.")
     parser.add_argument("--work", type=Path, default=Path("/tmp/laionkit-bench-filter"))
     parser.add_argument("--make-sample", type=Path, help="Write the shipped sample parquet here and stop.")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -173,31 +213,54 @@ def main() -> None:
         make_sample(args.make_sample)
         return
     data = args.work / f"laion-{args.rows}"
-    print(f"generating {args.rows:,} rows in {args.files} files under {data} (cached between runs)", flush=True)
+    print(
+        f"generating {args.rows:,} rows in {args.files} files under {data} (cached between runs)", flush=True
+    )
     make_dataset(data, args.rows, args.files)
-    results = {}
-    for case in ("floor", "pandas", "laionkit"):
-        results[case] = timed(case, data, args.work / f"out-{case}")
-        print(f"  {case}: {results[case]}", flush=True)
-    kept = pq.ParquetDataset(args.work / "out-laionkit").read(columns=["URL"]).num_rows
-    print(f"\nrules: {' AND '.join(RULES)}  -> kept {kept:,} of {args.rows:,} ({100 * kept / args.rows:.1f}%)\n")
-    print(f"| case | rows/s | wall s | peak RSS GB | vs pandas (speed) | vs pandas (memory) |")
+    results: dict[str, dict] = {}
+    for attempt in range(args.repeat):  # interleaved, best of N: the machine may be shared
+        for case in ("floor", "pandas", "laionkit"):
+            result = timed(case, data, args.work / f"out-{case}")
+            print(f"  {case} #{attempt + 1}: {result}", flush=True)
+            if case not in results or result["seconds"] < results[case]["seconds"]:
+                results[case] = result
+    kept = sum(
+        pq.read_metadata(path).num_rows for path in (args.work / "out-laionkit").glob("part-*.parquet")
+    )
+    print(
+        f"\nrules: {' AND '.join(RULES)}  -> kept {kept:,} of {args.rows:,} ({100 * kept / args.rows:.1f}%)\n"
+    )
+    print("| case | rows/s | wall s | peak RSS GB | vs pandas (speed) | vs pandas (memory) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    names = {"floor": "(a) pyarrow read, all columns (I/O floor)", "pandas": "(b) pandas read+concat+mask+to_parquet",
-             "laionkit": "(c) laionkit filter"}
+    names = {
+        "floor": "(a) pyarrow read, all columns (I/O floor)",
+        "pandas": "(b) pandas read+concat+mask+to_parquet",
+        "laionkit": "(c) laionkit filter",
+    }
     for case, result in results.items():
         speed = results["pandas"]["seconds"] / result["seconds"]
         memory = result["peak_rss"] / results["pandas"]["peak_rss"]
-        print(f"| {names[case]} | {result['rows'] / result['seconds']:,.0f} | {result['seconds']:.2f} | "
-              f"{result['peak_rss'] / 1e9:.2f} | {speed:.1f}x | {memory:.3f} |")
+        print(
+            f"| {names[case]} | {result['rows'] / result['seconds']:,.0f} | {result['seconds']:.2f} | "
+            f"{result['peak_rss'] / 1e9:.2f} | {speed:.1f}x | {memory:.3f} |"
+        )
     print(f"\n(c) / (a) wall: {results['laionkit']['seconds'] / results['floor']['seconds']:.2f}")
 
     weights = REPO.parent / "shared" / "realdata" / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"
     parquet, npy = make_embeddings(args.work / f"emb-{args.embedding_rows}", args.embedding_rows)
-    result = timed("laionkit", parquet, args.work / "out-scores", str(npy), f"aes=aesthetic-v2:{weights}")
-    print(f"\n| score path | rows | rows/s | wall s | peak RSS GB |\n| --- | --- | --- | --- | --- |\n"
-          f"| --embeddings (float16, 768-d) --score aesthetic-v2 | {result['rows']:,} | "
-          f"{result['rows'] / result['seconds']:,.0f} | {result['seconds']:.2f} | {result['peak_rss'] / 1e9:.2f} |")
+    result = min(
+        (
+            timed("laionkit", parquet, args.work / "out-scores", str(npy), f"aes=aesthetic-v2:{weights}")
+            for _ in range(args.repeat)
+        ),
+        key=lambda r: r["seconds"],
+    )
+    print(
+        f"\n| score path | rows | rows/s | wall s | peak RSS GB |\n| --- | --- | --- | --- | --- |\n"
+        f"| --embeddings (float16, 768-d) --score aesthetic-v2 | {result['rows']:,} | "
+        f"{result['rows'] / result['seconds']:,.0f} | {result['seconds']:.2f} | "
+        f"{result['peak_rss'] / 1e9:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,20 @@ def test_union_of_ranks_equals_one_rank_row_for_row(sample: Path, tmp_path: Path
     single, multi = tmp_path / "single", tmp_path / "multi"
     run_cli("filter", sample, "--output", single, *RULES, "--unit-rows", "100", "-q")
     for rank in range(world_size):
-        run_cli("filter", sample, "--output", multi, *RULES, "--unit-rows", "100", "-q",
-                "--rank", rank, "--world-size", world_size)
+        run_cli(
+            "filter",
+            sample,
+            "--output",
+            multi,
+            *RULES,
+            "--unit-rows",
+            "100",
+            "-q",
+            "--rank",
+            rank,
+            "--world-size",
+            world_size,
+        )
     assert read_parts(multi).equals(read_parts(single))
     units = lambda folder: sorted(p.name.split("-")[2] for p in folder.glob("part-*.parquet"))  # noqa: E731
     assert units(multi) == units(single) and len(units(single)) == 10
@@ -100,7 +112,11 @@ def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_pa
     assert read_parts(out).equals(read_parts(reference))
     assert not list(out.glob(".*partial"))
     resumed, full = stats_of(out)[0], stats_of(reference)[0]
-    assert (resumed["rows_in"], resumed["rows_out"], resumed["rules"]) == (full["rows_in"], full["rows_out"], full["rules"])
+    assert (resumed["rows_in"], resumed["rows_out"], resumed["rules"]) == (
+        full["rows_in"],
+        full["rows_out"],
+        full["rules"],
+    )
 
 
 def test_rerun_with_other_rules_is_refused_unless_overwrite(sample: Path, tmp_path: Path):
@@ -121,11 +137,14 @@ def test_missing_column_names_the_available_columns_before_writing(sample: Path,
     assert not out.exists()
 
 
-@pytest.mark.parametrize("where, message", [
-    ("WIDTH + 1", "not a true/false test"),
-    ("punsafe < ", "syntax error"),
-    ("1); DROP TABLE x; SELECT (1", "syntax error"),  # one expression, never several statements
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("WIDTH + 1", "not a true/false test"),
+        ("punsafe < ", "syntax error"),
+        ("1); DROP TABLE x; SELECT (1", "syntax error"),  # one expression, never several statements
+    ],
+)
 def test_bad_expressions_are_refused(sample: Path, tmp_path: Path, where: str, message: str):
     with pytest.raises(LaionkitError, match=message):
         run(FilterConfig(inputs=(str(sample),), output=str(tmp_path / "out"), where=(where,), quiet=True))
@@ -143,16 +162,44 @@ def test_presets_work_on_every_release_spelling_and_with_rename(realdata: Path, 
         pq.write_table(table, tmp_path / f"{name}.parquet")
     outputs = {}
     for name in ("upper", "lower"):
-        run_cli("filter", tmp_path / f"{name}.parquet", "--preset", "sd1", "--where", "length(caption) >= 10",
-                "--output", tmp_path / f"out-{name}", "-q")
+        run_cli(
+            "filter",
+            tmp_path / f"{name}.parquet",
+            "--preset",
+            "sd1",
+            "--where",
+            "length(caption) >= 10",
+            "--output",
+            tmp_path / f"out-{name}",
+            "-q",
+        )
         outputs[name] = read_parts(tmp_path / f"out-{name}")
-    run_cli("filter", tmp_path / "odd.parquet", "--preset", "sd1", "--where", "length(caption) >= 10",
-            "--rename", "W=WIDTH", "--rename", "H=HEIGHT", "--rename", "watermark=pwatermark",
-            "--output", tmp_path / "out-odd", "-q")
+    run_cli(
+        "filter",
+        tmp_path / "odd.parquet",
+        "--preset",
+        "sd1",
+        "--where",
+        "length(caption) >= 10",
+        "--rename",
+        "W=WIDTH",
+        "--rename",
+        "H=HEIGHT",
+        "--rename",
+        "watermark=pwatermark",
+        "--output",
+        tmp_path / "out-odd",
+        "-q",
+    )
     outputs["odd"] = read_parts(tmp_path / "out-odd")
     frame = upper.to_pandas()
-    expected = frame[(frame.pwatermark < 0.5) & (frame.AESTHETIC_SCORE >= 5) & (frame.WIDTH >= 512)
-                     & (frame.HEIGHT >= 512) & (frame.TEXT.str.len() >= 10)]
+    expected = frame[
+        (frame.pwatermark < 0.5)
+        & (frame.AESTHETIC_SCORE >= 5)
+        & (frame.WIDTH >= 512)
+        & (frame.HEIGHT >= 512)
+        & (frame.TEXT.str.len() >= 10)
+    ]
     assert 0 < len(expected) < ROWS
     for name, kept in outputs.items():
         assert kept.column(0).to_pylist() == expected.URL.tolist(), name
@@ -177,8 +224,19 @@ def test_dedup_keeps_first_occurrence_globally_and_refuses_several_ranks(realdat
     (out / "part-00000-000005.parquet").unlink()
     run_cli("filter", first.parent, "--dedup", "URL", "--unit-rows", "100", "--output", out, "-q")
     assert read_parts(out).column("URL").to_pylist() == kept
-    result = run_cli("filter", first.parent, "--dedup", "URL", "--output", tmp_path / "multi",
-                     "--rank", "0", "--world-size", "2", check=False)
+    result = run_cli(
+        "filter",
+        first.parent,
+        "--dedup",
+        "URL",
+        "--output",
+        tmp_path / "multi",
+        "--rank",
+        "0",
+        "--world-size",
+        "2",
+        check=False,
+    )
     assert result.returncode == 2 and "--world-size 1" in result.stderr
 
 
@@ -189,11 +247,16 @@ def test_bad_inputs_are_named_or_skipped_and_counted(sample: Path, tmp_path: Pat
     text = sample.parent / "notes.parquet"
     text.write_text("url,caption\nhttp://x,y\n")
     result = run_cli("filter", sample.parent, "--output", tmp_path / "out", "-q", check=False)
-    assert result.returncode == 2 and "laion_0001.parquet" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        result.returncode == 2 and "laion_0001.parquet" in result.stderr and "Traceback" not in result.stderr
+    )
     assert not (tmp_path / "out").exists()
     run_cli("filter", sample.parent, "--output", tmp_path / "out", "-q", "--skip-bad", *RULES)
     [stats] = stats_of(tmp_path / "out")
-    assert sorted(Path(b["path"]).name for b in stats["bad_inputs"]) == ["laion_0001.parquet", "notes.parquet"]
+    assert sorted(Path(b["path"]).name for b in stats["bad_inputs"]) == [
+        "laion_0001.parquet",
+        "notes.parquet",
+    ]
     assert stats["rows_in"] == ROWS
     summary = run_cli("stats", tmp_path / "out")
     assert "skipped input" in summary.stdout and "notes.parquet" in summary.stdout
@@ -208,7 +271,9 @@ def test_corrupt_row_group_is_an_error_or_a_counted_skip(sample: Path, tmp_path:
     data[start : start + 200] = b"\xff" * 200
     sample.write_bytes(bytes(data))
     result = run_cli("filter", sample, "--output", tmp_path / "out", "--unit-rows", "100", "-q", check=False)
-    assert result.returncode == 2 and "laion_0000.parquet" in result.stderr and "row groups 3-3" in result.stderr
+    assert (
+        result.returncode == 2 and "laion_0000.parquet" in result.stderr and "row groups 3-3" in result.stderr
+    )
     run_cli("filter", sample, "--output", tmp_path / "out", "--unit-rows", "100", "-q", "--skip-bad")
     [stats] = stats_of(tmp_path / "out")
     assert [(b["unit"], b["rows"]) for b in stats["bad_units"]] == [(3, 100)]
@@ -217,18 +282,31 @@ def test_corrupt_row_group_is_an_error_or_a_counted_skip(sample: Path, tmp_path:
 
 def test_zero_row_inputs_and_odd_captions_pass_through(tmp_path: Path):
     odd = [b"\xff\xfe not utf-8 \x00 nul", "emoji \U0001f999 RTL \u202e txt \n\ttabs".encode(), b"", None]
-    table = pa.table({"URL": ["http://a", "http://b", "http://c", "http://d"],
-                      "TEXT": pa.array(odd, pa.binary()).view(pa.string()),  # a string column, bytes not UTF-8
-                      "raw": pa.array(odd, pa.binary()),
-                      "alt": ["e\u0301 combining", "\ud7ff edge", "zero\u200bwidth", None],
-                      "punsafe": [0.1, 0.2, 0.3, 0.4]})
+    table = pa.table(
+        {
+            "URL": ["http://a", "http://b", "http://c", "http://d"],
+            "TEXT": pa.array(odd, pa.binary()).view(pa.string()),  # a string column, bytes not UTF-8
+            "raw": pa.array(odd, pa.binary()),
+            "alt": ["e\u0301 combining", "\ud7ff edge", "zero\u200bwidth", None],
+            "punsafe": [0.1, 0.2, 0.3, 0.4],
+        }
+    )
     folder = tmp_path / "in"
     folder.mkdir()
     pq.write_table(table, folder / "a.parquet")
     pq.write_table(table.schema.empty_table(), folder / "b.parquet")
     out = tmp_path / "out"
-    run_cli("filter", folder, "--where", "punsafe < 0.5", "--where", "length(alt) > 0 OR alt IS NULL",
-            "--output", out, "-q")
+    run_cli(
+        "filter",
+        folder,
+        "--where",
+        "punsafe < 0.5",
+        "--where",
+        "length(alt) > 0 OR alt IS NULL",
+        "--output",
+        out,
+        "-q",
+    )
     kept = read_parts(out)
     assert kept.schema == table.schema
     assert kept.column("TEXT").cast(pa.binary()).to_pylist() == odd
@@ -241,8 +319,17 @@ def test_embeddings_row_mismatch_is_a_clear_error(sample: Path, tmp_path: Path, 
     npy = tmp_path / "img_emb_0000.npy"
     np.save(npy, np.zeros((ROWS - 1, 768), np.float16))
     weights = realdata / "aesthetic" / "sa_0_4_vit_l_14_linear.pth"
-    result = run_cli("filter", sample, "--embeddings", npy, "--score", f"aes=aesthetic-v1:{weights}",
-                     "--output", tmp_path / "out", check=False)
+    result = run_cli(
+        "filter",
+        sample,
+        "--embeddings",
+        npy,
+        "--score",
+        f"aes=aesthetic-v1:{weights}",
+        "--output",
+        tmp_path / "out",
+        check=False,
+    )
     assert result.returncode == 2 and "999 rows" in result.stderr and "laion_0000.parquet" in result.stderr
 
 
@@ -258,14 +345,34 @@ def test_score_columns_from_embeddings_matched_by_number(sample: Path, tmp_path:
     for n, array in arrays.items():
         np.save(emb / f"img_emb_{n:04d}.npy", array)
     weights = realdata / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"
-    expected = np.concatenate([score_embeddings(build_scorer(ScoreSpec("aes", "aesthetic-v2", str(weights))), a)
-                               for a in arrays.values()])
+    expected = np.concatenate(
+        [
+            score_embeddings(build_scorer(ScoreSpec("aes", "aesthetic-v2", str(weights))), a)
+            for a in arrays.values()
+        ]
+    )
     # A threshold no score sits next to, so float32-vs-double comparison details cannot matter.
-    threshold = next(t for t in np.round(np.median(expected) + np.arange(100) / 1000, 3)
-                     if np.abs(expected - t).min() > 1e-4)
+    threshold = next(
+        t
+        for t in np.round(np.median(expected) + np.arange(100) / 1000, 3)
+        if np.abs(expected - t).min() > 1e-4
+    )
     out = tmp_path / "out"
-    run_cli("filter", sample.parent, "--embeddings", emb, "--score", f"aes=aesthetic-v2:{weights}",
-            "--where", f"aes >= {threshold}", "--unit-rows", "200", "--output", out, "-q")
+    run_cli(
+        "filter",
+        sample.parent,
+        "--embeddings",
+        emb,
+        "--score",
+        f"aes=aesthetic-v2:{weights}",
+        "--where",
+        f"aes >= {threshold}",
+        "--unit-rows",
+        "200",
+        "--output",
+        out,
+        "-q",
+    )
     kept = read_parts(out)
     assert kept.schema.field("aes").type == pa.float32()
     passed = expected >= threshold
@@ -275,12 +382,15 @@ def test_score_columns_from_embeddings_matched_by_number(sample: Path, tmp_path:
     assert stats["rules"][f"aes >= {threshold}"]["dropped"] == int((~passed).sum())
 
 
-@pytest.mark.parametrize("rows, unit_rows, expected", [
-    ((100, 100, 100), 1, [(0, 1), (1, 2), (2, 3)]),
-    ((100, 100, 100), 150, [(0, 2), (2, 3)]),
-    ((100, 100, 100), 10**6, [(0, 3)]),
-    ((), 100, [(0, 0)]),
-])
+@pytest.mark.parametrize(
+    "rows, unit_rows, expected",
+    [
+        ((100, 100, 100), 1, [(0, 1), (1, 2), (2, 3)]),
+        ((100, 100, 100), 150, [(0, 2), (2, 3)]),
+        ((100, 100, 100), 10**6, [(0, 3)]),
+        ((), 100, [(0, 0)]),
+    ],
+)
 def test_units_merge_row_groups_up_to_unit_rows(rows, unit_rows, expected):
     files = [InputFile("a", sum(rows), rows, pa.schema([])), InputFile("b", 5, (5,), pa.schema([]))]
     units = make_units(files, unit_rows)
@@ -298,10 +408,40 @@ def test_prompt_score_through_the_cli_with_a_random_init_clip(sample: Path, tmp_
     npy = tmp_path / "img_emb_0000.npy"
     np.save(npy, np.random.default_rng(5).standard_normal((ROWS, scorer.dim)).astype(np.float16))
     out = tmp_path / "out"
-    run_cli("filter", sample, "--embeddings", npy, "--score", "anime=prompt:an anime drawing|a manga page",
-            "--clip-model", "ViT-S-32", "--clip-pretrained", "none", "--output", out, "-q")
+    run_cli(
+        "filter",
+        sample,
+        "--embeddings",
+        npy,
+        "--score",
+        "anime=prompt:an anime drawing|a manga page",
+        "--clip-model",
+        "ViT-S-32",
+        "--clip-pretrained",
+        "none",
+        "--output",
+        out,
+        "-q",
+    )
     expected = score_embeddings(scorer, np.load(npy))
     np.testing.assert_allclose(read_parts(out).column("anime").to_numpy(), expected, rtol=0, atol=1e-5)
-    result = run_cli("filter", sample, "--embeddings", npy, "--score", "anime=prompt:anime", "--clip-model",
-                     "ViT-B-32", "--clip-pretrained", "none", "--output", tmp_path / "other", check=False)
-    assert result.returncode == 2 and f"shape ({ROWS}, {scorer.dim})" in result.stderr and "512-d" in result.stderr
+    result = run_cli(
+        "filter",
+        sample,
+        "--embeddings",
+        npy,
+        "--score",
+        "anime=prompt:anime",
+        "--clip-model",
+        "ViT-B-32",
+        "--clip-pretrained",
+        "none",
+        "--output",
+        tmp_path / "other",
+        check=False,
+    )
+    assert (
+        result.returncode == 2
+        and f"shape ({ROWS}, {scorer.dim})" in result.stderr
+        and "512-d" in result.stderr
+    )

@@ -19,8 +19,14 @@ class ImprovedAestheticMLP(nn.Module):
     def __init__(self, input_size: int = 768):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(input_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+            nn.Linear(input_size, 1024),
+            nn.Dropout(0.2),
+            nn.Linear(1024, 128),
+            nn.Dropout(0.2),
+            nn.Linear(128, 64),
+            nn.Dropout(0.1),
+            nn.Linear(64, 16),
+            nn.Linear(16, 1),
         )
 
     def forward(self, x):
@@ -43,10 +49,13 @@ def embeddings(rows: int, dim: int, dtype) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("kind, weights, module", [
-    ("aesthetic-v2", "sac+logos+ava1-l14-linearMSE.pth", ImprovedAestheticMLP),
-    ("aesthetic-v1", "sa_0_4_vit_l_14_linear.pth", lambda: nn.Linear(768, 1)),
-])
+@pytest.mark.parametrize(
+    "kind, weights, module",
+    [
+        ("aesthetic-v2", "sac+logos+ava1-l14-linearMSE.pth", ImprovedAestheticMLP),
+        ("aesthetic-v1", "sa_0_4_vit_l_14_linear.pth", lambda: nn.Linear(768, 1)),
+    ],
+)
 def test_aesthetic_heads_match_the_reference_module(realdata: Path, kind, weights, module, dtype):
     path = realdata / "aesthetic" / weights
     reference = module()
@@ -68,11 +77,14 @@ def test_any_linear_chain_head(tmp_path: Path):
     np.testing.assert_allclose(scores, reference_scores(head, emb), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("state, message", [
-    ({"weight": torch.zeros(2, 768), "bias": torch.zeros(2)}, "one value per row"),
-    ({"a.weight": torch.zeros(16, 768), "b.weight": torch.zeros(1, 8)}, "do not chain"),
-    ({"norm.running_mean": torch.zeros(3)}, "not a linear layer"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"weight": torch.zeros(2, 768), "bias": torch.zeros(2)}, "one value per row"),
+        ({"a.weight": torch.zeros(16, 768), "b.weight": torch.zeros(1, 8)}, "do not chain"),
+        ({"norm.running_mean": torch.zeros(3)}, "not a linear layer"),
+    ],
+)
 def test_heads_that_are_not_linear_chains_are_refused(tmp_path: Path, state, message):
     torch.save(state, tmp_path / "bad.pth")
     with pytest.raises(LaionkitError, match=message):
@@ -91,19 +103,24 @@ def test_wrong_weights_for_a_kind_and_wrong_dims_are_named(realdata: Path, tmp_p
         build_scorer(ScoreSpec("aes", "head", str(tmp_path / "junk.pth")))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("aes", "NAME=KIND:ARG"),
-    ("aes=aesthetic-v2", "NAME=KIND:ARG"),
-    ("my-score=head:x.pth", "plain identifier"),
-    ("aes=aesthetic-v9:x.pth", "unknown kind"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("aes", "NAME=KIND:ARG"),
+        ("aes=aesthetic-v2", "NAME=KIND:ARG"),
+        ("my-score=head:x.pth", "plain identifier"),
+        ("aes=aesthetic-v9:x.pth", "unknown kind"),
+    ],
+)
 def test_score_spec_errors(text, message):
     with pytest.raises(LaionkitError, match=message):
         ScoreSpec.parse(text)
 
 
 def test_score_spec_keeps_colons_in_the_argument():
-    assert ScoreSpec.parse("anime=prompt:anime: a drawing|manga") == ScoreSpec("anime", "prompt", "anime: a drawing|manga")
+    assert ScoreSpec.parse("anime=prompt:anime: a drawing|manga") == ScoreSpec(
+        "anime", "prompt", "anime: a drawing|manga"
+    )
 
 
 def test_prompt_score_is_the_best_cosine_to_the_clip_text_embeddings():
@@ -115,7 +132,9 @@ def test_prompt_score_is_the_best_cosine_to_the_clip_text_embeddings():
     dim = text.shape[1]
     emb = embeddings(50, dim, np.float16)
     emb[7] = text[1]  # a row that IS the second prompt's embedding scores 1
-    scores = score_embeddings(build_scorer(ScoreSpec("anime", "prompt", "an anime drawing | a manga page"), clip), emb)
+    scores = score_embeddings(
+        build_scorer(ScoreSpec("anime", "prompt", "an anime drawing | a manga page"), clip), emb
+    )
     unit = lambda a: a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)  # noqa: E731
     expected = (unit(emb.astype(np.float32)) @ unit(text).T).max(axis=1)
     np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-4)

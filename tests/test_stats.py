@@ -19,8 +19,23 @@ SAMPLE = Path(__file__).resolve().parents[1] / "laionkit" / "data" / "laion-samp
 def two_rank_run(tmp_path: Path) -> Path:
     out = tmp_path / "out"
     for rank in (0, 1):
-        run_cli("filter", SAMPLE, "--preset", "laion-safe", "--where", "similarity >= 0.3", "--unit-rows", "250",
-                "--output", out, "--rank", rank, "--world-size", 2, "-q")
+        run_cli(
+            "filter",
+            SAMPLE,
+            "--preset",
+            "laion-safe",
+            "--where",
+            "similarity >= 0.3",
+            "--unit-rows",
+            "250",
+            "--output",
+            out,
+            "--rank",
+            rank,
+            "--world-size",
+            2,
+            "-q",
+        )
     return out
 
 
@@ -30,8 +45,10 @@ def test_totals_merge_ranks_and_match_the_data(two_rank_run: Path):
     kept = frame[(frame.punsafe < 0.5) & (frame.pwatermark < 0.8) & (frame.similarity >= 0.3)]
     assert (totals["units_done"], totals["units_total"]) == (4, 4)
     assert (totals["rows_in"], totals["rows_out"]) == (len(frame), len(kept))
-    assert totals["rules"]["punsafe < 0.5"] == {"dropped": int((frame.punsafe >= 0.5).sum()),
-                                                "nulls": int(frame.punsafe.isna().sum())}
+    assert totals["rules"]["punsafe < 0.5"] == {
+        "dropped": int((frame.punsafe >= 0.5).sum()),
+        "nulls": int(frame.punsafe.isna().sum()),
+    }
     assert len(totals["ranks"]) == 2
 
 
@@ -42,7 +59,11 @@ def test_stale_or_duplicate_stats_are_not_counted_twice(two_rank_run: Path):
     (two_rank_run / "stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
     (two_rank_run / "stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
     after = filter_totals(two_rank_run)
-    assert (after["rows_in"], after["rows_out"], after["rules"]) == (before["rows_in"], before["rows_out"], before["rules"])
+    assert (after["rows_in"], after["rows_out"], after["rules"]) == (
+        before["rows_in"],
+        before["rows_out"],
+        before["rules"],
+    )
 
 
 def test_cli_summary_says_what_is_missing(two_rank_run: Path, tmp_path: Path):
