@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import re
 import shutil
-import socket
 import sys
 import traceback
 from collections import Counter
@@ -375,9 +374,7 @@ def write_manifest(folder: Path) -> dict:
     never share (and delete) each other's temporary, and the last rename wins with a full merge.
     """
     manifest = merge_records(folder)
-    tmp = folder / f".manifest.json.{socket.gethostname()}-{os.getpid()}.partial"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, folder / "manifest.json")
+    write_json(folder / "manifest.json", manifest, shared=True)
     return manifest
 
 

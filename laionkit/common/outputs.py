@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +25,8 @@ VERSIONED_PACKAGES = (
 )
 
 
-def partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+def partial_path(path: Path, writer: str = "") -> Path:
+    return path.with_name(f".{path.name}{writer}{PARTIAL_SUFFIX}")
 
 
 def _remove(path: Path) -> None:
@@ -36,14 +37,17 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_output(path: str | os.PathLike[str], shared: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write a file or folder into; rename it to ``path`` on success.
 
     On any exception the temporary is removed and ``path`` is left untouched. After a kill -9 the
-    temporary stays behind under a dot-name and is replaced by the next attempt.
+    temporary stays behind under a dot-name and is replaced by the next attempt. ``shared=True`` is for
+    a file several ranks rewrite (a merged manifest): each writer gets its own temporary name, so two
+    writers never write into one file, and the last rename wins whole.
     """
     final = Path(path)
-    tmp = partial_path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(final, f".{socket.gethostname()}-{os.getpid()}" if shared else "")
     if tmp.exists():
         _remove(tmp)
     try:
@@ -57,8 +61,8 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.replace(tmp, final)
 
 
-def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    with atomic_output(path) as tmp:
+def write_json(path: str | os.PathLike[str], obj: Any, shared: bool = False) -> None:
+    with atomic_output(path, shared) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
