@@ -346,6 +346,128 @@ def encode(
                           f"from {summary['shards']} shards into {output}", highlight=False)
 
 
+@app.command("train", epilog="""Examples:
+
+    laionkit train latents/ --output runs/tiny --unet-config tiny --max-steps 200 --batch-size 8
+
+    accelerate launch --config_file train/ddp.yaml -m laionkit.cli train latents/ --output runs/sd15
+    --unet-config sd15 --epochs 10 --batch-size 64 --mixed-precision bf16 --compile --channels-last
+    --snr-gamma 5 --ema --checkpoint-every 2000 --resume latest
+
+    laionkit train latents/ --output runs/ft --unet stable-diffusion-v1-5/stable-diffusion-v1-5
+    --max-steps 10000 --lr 1e-5 --validate-every 500
+
+Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
+sample count). SIGTERM / SIGINT save a checkpoint at the next log step and exit 128+signal.
+""")
+def train_command(
+    latents: Annotated[Path, typer.Argument(help="An encode output folder (latent shards + manifest.json).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
+    unet: Annotated[Optional[str], typer.Option(help="Fine-tune: a hub id, preset (sd15, sd2) or folder with unet weights.")] = None,
+    unet_config: Annotated[Optional[str], typer.Option(help="From scratch: sd15, sd2-base, tiny, or a config folder/file.")] = None,
+    noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
+    prediction_type: Annotated[Optional[str], typer.Option(help="epsilon or v_prediction (default: the scheduler's).")] = None,
+    timestep_sampling: Annotated[str, typer.Option(help="uniform or logit-normal.")] = "uniform",
+    logit_mean: Annotated[float, typer.Option(help="Mean of the logit-normal timestep density.")] = 0.0,
+    logit_std: Annotated[float, typer.Option(help="Std of the logit-normal timestep density.")] = 1.0,
+    snr_gamma: Annotated[Optional[float], typer.Option(help="Min-SNR loss weighting gamma (5 is common).")] = None,
+    noise_offset: Annotated[float, typer.Option(help="Offset noise strength (0.05-0.1 typical).")] = 0.0,
+    input_perturbation: Annotated[float, typer.Option(help="Input perturbation strength (0.1 typical).")] = 0.0,
+    caption_dropout: Annotated[float, typer.Option(help="Probability of the stored empty-caption embedding.")] = 0.0,
+    batch_size: Annotated[int, typer.Option(help="Samples per GPU per micro-step.")] = 32,
+    grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step (no gradient sync between).")] = 1,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train.")] = None,
+    epochs: Annotated[Optional[float], typer.Option(help="Or: passes over the manifest's samples, as steps.")] = None,
+    lr: Annotated[float, typer.Option(help="Learning rate (per sample under --scale-lr linear/sqrt).")] = 1e-4,
+    scale_lr: Annotated[str, typer.Option(help="none, linear or sqrt: lr x global batch (or its sqrt).")] = "none",
+    lr_schedule: Annotated[str, typer.Option(help="constant or cosine, after --warmup-steps.")] = "constant",
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps.")] = 0,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 1e-2,
+    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm (0: no clipping).")] = 1.0,
+    optimizer: Annotated[str, typer.Option(help="adamw (fused on GPU) or adamw8bit (bitsandbytes).")] = "adamw",
+    mixed_precision: Annotated[Optional[str], typer.Option(help="no, fp16 or bf16 (default: the accelerate config's, else no).")] = None,
+    ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
+    ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Trade compute for activation memory.")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one shape per process).")] = False,
+    compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
+    channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
+    tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed: model init (same on every rank), data order and noise.")] = 0,
+    workers: Annotated[int, typer.Option(help="DataLoader workers per rank.")] = 2,
+    shuffle_buffer: Annotated[int, typer.Option(help="Samples in each worker's shuffle buffer.")] = 1000,
+    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 1000,
+    keep_checkpoints: Annotated[int, typer.Option(help="Keep the last K checkpoints.")] = 3,
+    resume: Annotated[Optional[str], typer.Option(help="latest (newest complete checkpoint, if any) or a checkpoint folder.")] = None,
+    log_every: Annotated[int, typer.Option(help="Log (and check for SIGTERM) every N steps.")] = 10,
+    log_with: Annotated[str, typer.Option(help="tensorboard, wandb or none (metrics.jsonl is always written).")] = "tensorboard",
+    validate_every: Annotated[int, typer.Option(help="Sample images every N steps (0: never).")] = 0,
+    validation_count: Annotated[int, typer.Option(help="Fixed prompts: the first N captions of the first shard.")] = 4,
+    validation_steps: Annotated[int, typer.Option(help="DDIM steps per validation image.")] = 25,
+    guidance_scale: Annotated[float, typer.Option(help="Classifier-free guidance scale for validation.")] = 5.0,
+    peak_tflops: Annotated[float, typer.Option(help="Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")] = 989.0,
+    record_keys: Annotated[bool, typer.Option(help="Write the sample keys of every step to RUN/seen/rank-N.jsonl.")] = False,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Train a latent-diffusion UNet on latent shards with Accelerate (one process, DDP, FSDP or DeepSpeed)."""
+    options = dict(locals())
+    from laionkit.train import TrainConfig, run
+
+    result = run(TrainConfig(**options))
+    if result.stopped_by:
+        typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "
+                   "rerun with --resume latest")
+        raise typer.Exit(128 + result.stopped_by)
+
+
+@app.command(epilog="""Examples:
+
+    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
+
+    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
+
+    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
+
+    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
+""")
+def encode(
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder: one latent tar per input tar.")],
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2), diffusers folder or hub id for all components.")] = "sd15",
+    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
+    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
+    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
+    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
+    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
+    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
+    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
+    from laionkit import encode as encode_stage
+
+    config = encode_stage.EncodeConfig(
+        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
+        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
+        rank=rank, world_size=world_size, quiet=quiet,
+    )
+    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
+    if not quiet:
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped) "
+                          f"from {summary['shards']} shards into {output}", highlight=False)
+
+
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
     try:

@@ -1,0 +1,626 @@
+"""`laionkit train`: one Accelerate loop that trains a UNet on streamed latent shards and resumes exactly.
+
+Reads top to bottom: config → accelerator → data set and model → optimizer → resume → loop (loss,
+step, log, checkpoint, validate) → export. Runs as one process, or under `accelerate launch` /
+`torchrun` with the configs in `train/` (DDP, FSDP, DeepSpeed ZeRO-2). Every rank runs exactly
+``max_steps`` optimizer steps: the data stream (laionkit.latents) never runs dry, so no rank waits.
+
+Invariant of a checkpoint folder ``step-N``: it holds the state *after* N optimizer steps, and every
+rank's data cursor equals ``N * grad_accum`` batches; its name exists only once all ranks wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, versions, write_json
+from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
+
+CHECKPOINT_PREFIX = "step-"
+
+# Architectures for --unet-config (random init). Values not listed are UNet2DConditionModel's defaults,
+# which are SD 1.5's. in/out channels, sample size and cross_attention_dim always come from the data.
+UNET_PRESETS: dict[str, dict] = {
+    "sd15": {"attention_head_dim": 8},
+    "sd2-base": {"attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True},
+    "tiny": {
+        "block_out_channels": [32, 64],
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "layers_per_block": 1,
+        "attention_head_dim": 8,
+    },
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    latents: Path
+    output: Path
+    unet: str | None = None
+    unet_config: str | None = None
+    noise_scheduler: str | None = None
+    prediction_type: str | None = None
+    timestep_sampling: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    snr_gamma: float | None = None
+    noise_offset: float = 0.0
+    input_perturbation: float = 0.0
+    caption_dropout: float = 0.0
+    batch_size: int = 32
+    grad_accum: int = 1
+    max_steps: int | None = None
+    epochs: float | None = None
+    lr: float = 1e-4
+    scale_lr: str = "none"
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 1e-2
+    max_grad_norm: float = 1.0
+    optimizer: str = "adamw"
+    mixed_precision: str | None = None
+    ema: bool = False
+    ema_decay: float = 0.9999
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
+    channels_last: bool = False
+    tf32: bool = True
+    seed: int = 0
+    workers: int = 2
+    shuffle_buffer: int = 1000
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    resume: str | None = None
+    log_every: int = 10
+    log_with: str = "tensorboard"
+    validate_every: int = 0
+    validation_count: int = 4
+    validation_steps: int = 25
+    guidance_scale: float = 5.0
+    peak_tflops: float = 989.0
+    record_keys: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        choices = {
+            "timestep_sampling": ("uniform", "logit-normal"), "scale_lr": ("none", "linear", "sqrt"),
+            "lr_schedule": ("constant", "cosine"), "optimizer": ("adamw", "adamw8bit"),
+            "mixed_precision": (None, "no", "fp16", "bf16"), "log_with": ("tensorboard", "wandb", "none"),
+            "prediction_type": (None, "epsilon", "v_prediction"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise LaionkitError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from "
+                                    f"{', '.join(a for a in allowed if a)}")
+        if (self.unet is None) == (self.unet_config is None):
+            raise LaionkitError("give exactly one of --unet (fine-tune) or --unet-config (from scratch)")
+        if (self.max_steps is None) == (self.epochs is None):
+            raise LaionkitError("give exactly one of --max-steps or --epochs")
+        for name in ("batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise LaionkitError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.caption_dropout <= 1:
+            raise LaionkitError("--caption-dropout is a probability in [0, 1]")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    step: int
+    stopped_by: int | None  # the signal number that ended the run early, else None
+    checkpoint: Path | None
+
+
+# --- the latent set -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LatentSet:
+    """What training needs from an encode output folder (docs/FORMATS.md §3)."""
+
+    shards: tuple[str, ...]
+    samples: int
+    scaling_factor: float
+    shift_factor: float
+    vae_source: str | None
+    moments_shape: tuple[int, ...]
+    text_shape: tuple[int, ...]
+    empty_caption: torch.Tensor
+
+
+def open_latents(latents: Path) -> LatentSet:
+    import numpy as np
+
+    manifest_path = latents / "manifest.json"
+    if not manifest_path.is_file():
+        raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
+    manifest = read_json(manifest_path)
+    try:
+        vae, samples = manifest["vae"], manifest["counts"]["samples_out"]
+        empty_path = latents / manifest["empty_caption"]
+    except KeyError as error:
+        raise LaionkitError(f"{manifest_path} has no {error} (not a laionkit-latents manifest)") from None
+    if manifest.get("buckets"):
+        raise LaionkitError(f"{manifest_path}: bucketed latents are not supported by train yet")
+    if not manifest.get("complete"):
+        missing = manifest.get("shards", {}).get("missing")
+        raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
+    shards = tuple(str(path) for path in shard_paths(latents))
+    first = decode(next(read_unit(Unit(shards[0]))))
+    empty = torch.from_numpy(np.load(empty_path))
+    if tuple(empty.shape) != tuple(first["text"].shape):
+        raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
+                            f"{tuple(first['text'].shape)} in {shards[0]}")
+    return LatentSet(
+        shards=shards,
+        samples=int(samples),
+        scaling_factor=float(vae["scaling_factor"]),
+        shift_factor=float(vae.get("shift_factor") or 0.0),
+        vae_source=(manifest.get("models") or {}).get("vae", {}).get("source"),
+        moments_shape=tuple(first["moments"].shape),
+        text_shape=tuple(first["text"].shape),
+        empty_caption=empty,
+    )
+
+
+# --- model and objective --------------------------------------------------------------------------
+
+def build_unet(config: TrainConfig, data: LatentSet):
+    """A pretrained UNet (--unet) or a fresh one of a preset / config file (--unet-config) fitted to the data."""
+    from diffusers import UNet2DConditionModel
+
+    from laionkit.common.models import load_unet, load_unet_config
+
+    channels, height, _ = data.moments_shape
+    latent_channels, text_dim = channels // 2, data.text_shape[-1]
+    if config.unet is not None:
+        unet = load_unet(config.unet)
+        if unet.config.in_channels != latent_channels or unet.config.cross_attention_dim != text_dim:
+            raise LaionkitError(
+                f"--unet {config.unet}: expects {unet.config.in_channels} latent channels and "
+                f"{unet.config.cross_attention_dim}-dim text, the latents have {latent_channels} and {text_dim}"
+            )
+        return unet
+    if config.unet_config in UNET_PRESETS:
+        arch = dict(UNET_PRESETS[config.unet_config])
+    else:
+        arch = {k: v for k, v in load_unet_config(config.unet_config).items() if not k.startswith("_")}
+    arch.update(in_channels=latent_channels, out_channels=latent_channels, sample_size=height,
+                cross_attention_dim=text_dim)
+    return UNet2DConditionModel.from_config(arch)
+
+
+def load_noise_scheduler(config: TrainConfig):
+    """DDPM with the model family's schedule: --noise-scheduler, else --unet's folder, else SD's."""
+    from diffusers import DDPMScheduler
+
+    from laionkit.common.models import load_scheduler
+
+    source = config.noise_scheduler or config.unet
+    if source is not None:
+        scheduler = load_scheduler(source)
+    else:
+        scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                  num_train_timesteps=1000, clip_sample=False, steps_offset=1)
+    if config.prediction_type is not None:
+        scheduler.register_to_config(prediction_type=config.prediction_type)
+    return scheduler
+
+
+def randn(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, device=like.device, dtype=like.dtype)
+
+
+def diffusion_loss(model, moments, text, empty_text, noise_scheduler, config: TrainConfig,
+                   data: LatentSet, generator: torch.Generator) -> torch.Tensor:
+    """The DDPM training loss for one batch: fresh latent, noise, timestep, prediction, (min-SNR) MSE."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
+
+    mean, logvar = moments.float().chunk(2, dim=1)
+    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
+    latents = (latents - data.shift_factor) * data.scaling_factor
+    if config.channels_last:
+        latents = latents.contiguous(memory_format=torch.channels_last)
+    batch = latents.shape[0]
+    noise = randn(latents.shape, generator, latents)
+    if config.noise_offset:
+        noise = noise + config.noise_offset * randn((batch, latents.shape[1], 1, 1), generator, latents)
+    steps = noise_scheduler.config.num_train_timesteps
+    if config.timestep_sampling == "uniform":
+        timesteps = torch.randint(0, steps, (batch,), generator=generator, device=latents.device)
+    else:
+        u = compute_density_for_timestep_sampling("logit_normal", batch, config.logit_mean, config.logit_std,
+                                                  device=latents.device, generator=generator)
+        timesteps = (u * steps).long().clamp(max=steps - 1)
+    input_noise = noise
+    if config.input_perturbation:
+        input_noise = noise + config.input_perturbation * randn(noise.shape, generator, noise)
+    noisy = noise_scheduler.add_noise(latents, input_noise, timesteps).to(text.dtype)
+    if config.caption_dropout:
+        dropped = torch.rand(batch, generator=generator, device=text.device) < config.caption_dropout
+        text = torch.where(dropped[:, None, None], empty_text, text)
+    if noise_scheduler.config.prediction_type == "epsilon":
+        target = noise
+    else:
+        target = noise_scheduler.get_velocity(latents, noise, timesteps)
+    prediction = model(noisy, timesteps, text, return_dict=False)[0]
+    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    if config.snr_gamma:
+        snr = compute_snr(noise_scheduler, timesteps)
+        weight = snr.clamp(max=config.snr_gamma)
+        weight = weight / snr if noise_scheduler.config.prediction_type == "epsilon" else weight / (snr + 1)
+        loss = loss * weight
+    return loss.mean()
+
+
+def flops_per_sample(unet, data: LatentSet, device: torch.device) -> float:
+    """Model FLOPs of one sample's forward + backward, counted once by torch's flop counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    channels, height, width = data.moments_shape
+    sample = torch.zeros(1, channels // 2, height, width, device=device)
+    text = torch.zeros(1, *data.text_shape, device=device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        unet(sample, torch.tensor([500], device=device), text, return_dict=False)[0].sum().backward()
+    unet.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+def make_optimizer(config: TrainConfig, params, lr: float, device: torch.device):
+    if config.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise LaionkitError("--optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=device.type == "cuda")
+
+
+def scaled_lr(config: TrainConfig, global_batch: int) -> float:
+    """diffusers' --scale_lr rule: --lr is per sample and grows with the global batch (linearly or by sqrt)."""
+    factor = {"none": 1.0, "linear": global_batch, "sqrt": math.sqrt(global_batch)}[config.scale_lr]
+    return config.lr * factor
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+def checkpoint_dir(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def complete_checkpoints(output: Path) -> list[Path]:
+    """Finished checkpoints, oldest first. Unfinished ones live under hidden .partial names, never listed."""
+    folder = output / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and (p / "trainer.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def find_resume(config: TrainConfig) -> Path | None:
+    if config.resume is None:
+        return None
+    if config.resume == "latest":
+        found = complete_checkpoints(config.output)
+        return found[-1] if found else None
+    path = Path(config.resume)
+    if not (path / "trainer.json").is_file():
+        raise LaionkitError(f"--resume {path}: not a complete checkpoint folder (no trainer.json)")
+    return path
+
+
+def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep: int,
+                    config: TrainConfig) -> Path:
+    """All ranks write into a hidden temporary folder; rank 0 renames it once every rank is done."""
+    final = checkpoint_dir(output, step)
+    main = accelerator.is_main_process
+    with (atomic_output(final) if main else nullcontext(None)) as tmp:
+        accelerator.wait_for_everyone()  # rank 0 has cleared any stale temporary
+        folder = tmp if main else final.with_name(f".{final.name}.partial")
+        accelerator.save_state(str(folder))
+        torch.save(rank_state, folder / f"rank-{accelerator.process_index:05d}.pt")
+        accelerator.wait_for_everyone()
+        if main:
+            (folder / "trainer.json").write_text(json.dumps(
+                {"step": step, "world_size": accelerator.num_processes, "config": asdict(config),
+                 "versions": versions()}, indent=2, default=str))
+    if main:
+        for old in complete_checkpoints(output)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def truncate_jsonl(path: Path, after_step: int) -> None:
+    """Drop records of steps a killed run made past the checkpoint we resume from (they are redone)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
+    with atomic_output(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], torch.Tensor]:
+    """Fixed prompts: the captions (and stored embeddings) of the first samples of the first shard."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+
+    opened = wds.tariterators.url_opener([{"url": data.shards[0]}])
+    samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))
+    captions, texts = [], []
+    for sample in samples:
+        captions.append(json.loads(sample["json"]).get("caption", "") if "json" in sample else sample["__key__"])
+        texts.append(torch.from_numpy(np.load(io.BytesIO(sample["text.npy"]))))
+        if len(texts) == count:
+            break
+    return captions, torch.stack(texts)
+
+
+@torch.no_grad()
+def validate(unet, vae, noise_scheduler, texts, empty, data: LatentSet, config: TrainConfig,
+             device: torch.device) -> torch.Tensor:
+    """Classifier-free-guided DDIM samples for the fixed prompts, decoded by the manifest's VAE, in [0, 1]."""
+    from diffusers import DDIMScheduler
+
+    sampler = DDIMScheduler.from_config(noise_scheduler.config)
+    sampler.set_timesteps(config.validation_steps, device=device)
+    channels, height, width = data.moments_shape
+    generator = torch.Generator().manual_seed(config.seed)
+    latents = torch.randn(len(texts), channels // 2, height, width, generator=generator).to(device)
+    latents = latents * sampler.init_noise_sigma
+    dtype = next(unet.parameters()).dtype
+    cond = torch.cat([empty.expand_as(texts), texts]).to(device, dtype)
+    for t in sampler.timesteps:
+        model_in = sampler.scale_model_input(torch.cat([latents, latents]), t).to(dtype)
+        uncond_out, cond_out = unet(model_in, t, cond, return_dict=False)[0].float().chunk(2)
+        guided = uncond_out + config.guidance_scale * (cond_out - uncond_out)
+        latents = sampler.step(guided, t, latents).prev_sample
+    images = vae.decode(latents / data.scaling_factor + data.shift_factor).sample
+    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
+class StopFlag:
+    """SIGTERM / SIGINT ask for a checkpoint at the next log step; a second SIGINT stops at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+
+def run(config: TrainConfig) -> TrainResult:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+    from diffusers import UNet2DConditionModel
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+    from tqdm.auto import tqdm
+
+    output = config.output
+    accelerator = Accelerator(
+        gradient_accumulation_steps=config.grad_accum,
+        mixed_precision=config.mixed_precision,
+        log_with=None if config.log_with == "none" else config.log_with,
+        project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
+        step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
+        cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
+    )
+    launcher = resolve_rank(config.rank, config.world_size)
+    if (launcher.rank, launcher.world_size) != (accelerator.process_index, accelerator.num_processes):
+        raise LaionkitError(
+            f"--rank/--world-size say {launcher.rank}/{launcher.world_size} but the launcher started "
+            f"{accelerator.process_index}/{accelerator.num_processes}: train takes ranks from accelerate/torchrun"
+        )
+    device, main, world = accelerator.device, accelerator.is_main_process, accelerator.num_processes
+    if config.ema and accelerator.distributed_type == DistributedType.FSDP:
+        raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
+    if main:
+        output.mkdir(parents=True, exist_ok=True)
+        accelerator.print(f"laionkit train: {json.dumps(asdict(config), default=str)}")
+    if config.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    data = open_latents(config.latents)
+    global_batch = config.batch_size * config.grad_accum * world
+    max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
+
+    set_seed(config.seed)  # the same initial weights on every rank
+    unet = build_unet(config, data).to(device)
+    noise_scheduler = load_noise_scheduler(config)
+    model_flops = flops_per_sample(unet, data, device)
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if config.channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    unet.train()
+    lr = scaled_lr(config, global_batch)
+    optimizer = make_optimizer(config, unet.parameters(), lr, device)
+    ema = None
+    if config.ema:
+        ema = EMAModel(unet.parameters(), decay=config.ema_decay, foreach=True,
+                       model_cls=UNet2DConditionModel, model_config=unet.config)
+        ema.to(device)
+        accelerator.register_for_checkpointing(ema)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # we prepare no DataLoader to infer these
+        deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config
+        deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
+        deepspeed["gradient_clipping"] = config.max_grad_norm
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    # DeepSpeed casts the weights themselves to bf16/fp16 (no autocast), so inputs must follow them.
+    input_dtype = next(unet.parameters()).dtype
+    lr_scheduler = get_scheduler(
+        "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
+        optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
+    )
+    lr_scheduler = accelerator.prepare(lr_scheduler)
+    model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
+
+    # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
+    generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
+    layout = StreamLayout(data.shards, accelerator.process_index, world, config.workers, config.batch_size,
+                          config.seed, config.shuffle_buffer)
+    step, resumed_from = 0, find_resume(config)
+    if resumed_from is not None:
+        accelerator.load_state(str(resumed_from))
+        state = torch.load(resumed_from / f"rank-{accelerator.process_index:05d}.pt", weights_only=False)
+        if state["layout"] != asdict(layout):
+            changed = [k for k in state["layout"] if state["layout"][k] != asdict(layout)[k]]
+            raise LaionkitError(f"cannot resume exactly from {resumed_from}: the data layout changed "
+                                f"({', '.join(changed)}); use the same latents, ranks, --workers and batch")
+        generator.set_state(state["generator"])
+        step = state["step"]
+        accelerator.print(f"resumed from {resumed_from} at step {step}")
+    loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
+    batches = iter(loader)
+    empty_text = data.empty_caption.to(device, input_dtype)
+
+    metrics_path = output / "metrics.jsonl"
+    keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
+    if resumed_from is not None:
+        if main:
+            truncate_jsonl(metrics_path, step)
+        if config.record_keys:
+            truncate_jsonl(keys_path, step)
+    if config.record_keys:
+        keys_path.parent.mkdir(parents=True, exist_ok=True)
+    if main and accelerator.log_with:
+        tracker_config = {f.name: str(getattr(config, f.name)) for f in fields(config)}
+        accelerator.init_trackers("laionkit", config=tracker_config)
+    validation = None
+    if config.validate_every:  # on every rank: under FSDP the forward pass needs them all
+        from laionkit.common.models import load_vae
+
+        if data.vae_source is None:
+            raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
+        captions, texts = validation_conditioning(data, config.validation_count)
+        if main:
+            (output / "samples").mkdir(exist_ok=True)
+            (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
+        validation = (load_vae(data.vae_source).to(device), texts)
+
+    stop = StopFlag()
+    progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
+                    unit="step")
+    window_loss = torch.zeros((), device=device)
+    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    grad_norm = torch.zeros((), device=device)
+    last_checkpoint, stopped_by = None, None
+    while step < max_steps:
+        step_keys = []
+        for _ in range(config.grad_accum):
+            waited = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - waited
+            step_keys += batch["key"]
+            moments = batch["moments"].to(device, non_blocking=True)
+            text = batch["text"].to(device, non_blocking=True).to(input_dtype)
+            with accelerator.accumulate(unet):
+                loss = diffusion_loss(model, moments, text, empty_text, noise_scheduler, config, data,
+                                      generator)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(unet.parameters(), config.max_grad_norm or math.inf)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            window_loss += loss.detach() / config.grad_accum
+        lr_scheduler.step()
+        if ema is not None:
+            ema.step(unet.parameters())
+        step += 1
+        window_steps += 1
+        progress.update()
+        if config.record_keys:
+            with open(keys_path, "a") as handle:
+                handle.write(json.dumps({"step": step, "keys": step_keys}) + "\n")
+
+        if step % config.log_every == 0 or step == max_steps:
+            mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
+            stopping = accelerator.reduce(torch.tensor(float(stop.signal or 0), device=device), "max").item()
+            elapsed = time.perf_counter() - window_start
+            samples_per_s = window_steps * global_batch / elapsed
+            record = {
+                "step": step, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0],
+                "grad_norm": math.nan if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
+                "samples_per_s_per_gpu": samples_per_s / world,
+                "mfu": model_flops * samples_per_s / world / (config.peak_tflops * 1e12),
+                "data_wait_pct": 100.0 * data_wait / elapsed,
+                "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            }
+            if main:
+                with open(metrics_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+                if accelerator.log_with:
+                    accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
+            window_loss.zero_()
+            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            stopped_by = int(stopping) or None  # decided together, so every rank checkpoints and stops
+
+        if step % config.checkpoint_every == 0 or step == max_steps or stopped_by:
+            rank_state = {"step": step, "layout": asdict(layout), "generator": generator.get_state()}
+            last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
+                                              config)
+        if validation is not None and (step % config.validate_every == 0 or step == max_steps):
+            vae, texts = validation
+            unet.eval()
+            images = validate(unet, vae, noise_scheduler, texts, empty_text, data, config, device)
+            unet.train()
+            if main:
+                save_grid(images, output / "samples" / f"step-{step:06d}.png")
+        if stopped_by:
+            break
+    progress.close()
+
+    if not stopped_by:
+        export(accelerator, unet, ema, output)
+    accelerator.end_training()
+    return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+
+
+def save_grid(images: torch.Tensor, path: Path) -> None:
+    from torchvision.utils import save_image
+
+    with atomic_output(path) as tmp:
+        save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
+
+
+def export(accelerator, unet, ema, output: Path) -> None:
+    """The final UNet (and its EMA) as diffusers folders that UNet2DConditionModel.from_pretrained loads."""
+    state_dict = accelerator.get_state_dict(unet)  # gathers FSDP / ZeRO shards; every rank must call it
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(unet)
+        with atomic_output(output / "unet") as tmp:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if ema is not None:
+            ema.store(model.parameters())
+            ema.copy_to(model.parameters())
+            with atomic_output(output / "unet_ema") as tmp:
+                model.save_pretrained(tmp, safe_serialization=True)
+            ema.restore(model.parameters())
+    accelerator.wait_for_everyone()
+
