@@ -110,6 +110,75 @@ def models_tiny(
     typer.echo(f"wrote tiny models to {output}")
 
 
+@app.command("run", epilog="""Examples:
+
+    laionkit run pipelines/demo.yaml
+
+    laionkit run pipelines/sd15-finetune-512.yaml --var workdir=/data/sd15 --dry-run
+""")
+def run_recipe(
+    recipe: Annotated[Path, typer.Argument(help="A recipe YAML (see pipelines/).")],
+    var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Validate and print the commands; run nothing.")] = False,
+) -> None:
+    """Run filter -> pack -> encode -> train from one recipe, skipping stages already complete."""
+    variables = {}
+    for item in var or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise LaionkitError(f"--var {item!r}: expected KEY=VALUE")
+        variables[key] = value
+    _run_recipe_file(recipe, variables, dry_run)
+
+
+def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = False) -> None:
+    """Validate then run a recipe, each stage through this CLI in-process (or `accelerate launch`)."""
+    import shlex
+
+    from laionkit import recipe as recipes
+
+    cli_group = typer.main.get_command(app)
+    workdir, steps = recipes.load(recipe, cli_group.commands, variables)
+
+    def invoke(argv: list[str]) -> None:
+        try:
+            code = cli_group.main(argv, prog_name="laionkit", standalone_mode=False)
+        except typer.TyperException as error:  # a usage error: typer vendors click, so not click's class
+            raise LaionkitError(error.format_message()) from None
+        if isinstance(code, int) and code != 0:
+            raise LaionkitError(f"exited with {code}")
+
+    if dry_run:
+        for step in steps:
+            typer.echo(shlex.join(recipes.command_line(step)))
+        return
+    recipes.execute(steps, workdir, invoke, typer.echo)
+
+
+@app.command(epilog="""Examples:
+
+    laionkit demo
+
+    laionkit demo --workdir /tmp/laionkit-demo
+
+Offline and on 2 CPU cores in a few minutes: real photos from a loopback web server, tiny models.
+""")
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where every stage's output goes.")] = Path("laionkit-demo"),
+) -> None:
+    """The whole chain on embedded real photos: filter -> pack -> encode -> train, then a validation grid
+    and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`."""
+    from laionkit import demo as demo_stage
+
+    result = demo_stage.run(workdir, _run_recipe_file, typer.echo)
+    for stage in ("filtered", "shards", "latents"):
+        typer.echo(f"\n== laionkit stats {workdir / stage}")
+        stats_command(workdir / stage)
+    typer.echo(f"\ntrained UNet (diffusers folder): {result['unet']}")
+    typer.echo(f"loss / throughput plot:        {result['plot']}")
+    typer.echo(f"validation grid:               {result['grid']}")
+
+
 @app.command(epilog="""Examples:
 
     laionkit pack filtered/ --output shards/
@@ -234,116 +303,6 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     from laionkit import stats as stats_stage
 
     stats_stage.run(stats_stage.StatsConfig(folder=folder))
-
-
-@app.command("filter", epilog="""Examples:
-
-    laionkit filter laionkit/data/laion-sample.parquet --preset laion-safe --output out/filtered
-
-    laionkit filter laion2B-en-aesthetic/ --preset sd1 --where "WIDTH / HEIGHT <= 2" --output out/sd1
-
-    laionkit filter metadata/ --embeddings img_emb/ --score aes=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --where "aes >= 6" --output out/aes6
-
-    laionkit filter metadata/ --embeddings img_emb/ --score anime="prompt:an anime drawing|a manga page" --where "anime > 0.3" --output out/anime
-
-    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
-""")
-def filter_command(
-    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Output folder.")],
-    where: Annotated[Optional[list[str]], typer.Option(
-        "--where", help="A DuckDB SQL test, e.g. 'punsafe < 0.5' or 'length(caption) >= 5'; repeatable, AND-ed.")] = None,
-    preset: Annotated[Optional[list[str]], typer.Option(
-        "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
-    rename: Annotated[Optional[list[str]], typer.Option(
-        "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
-    dedup: Annotated[Optional[str], typer.Option(
-        help="Drop rows whose COLUMN value was already kept (global, first occurrence; needs --world-size 1).")] = None,
-    embeddings: Annotated[Optional[list[str]], typer.Option(
-        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder.")] = None,
-    score: Annotated[Optional[list[str]], typer.Option(
-        "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
-    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
-    clip_pretrained: Annotated[str, typer.Option(
-        help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
-    unit_rows: Annotated[int, typer.Option(
-        help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
-    skip_bad: Annotated[bool, typer.Option(
-        "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
-    rank: RankOption = None,
-    world_size: WorldSizeOption = None,
-    quiet: QuietOption = False,
-) -> None:
-    """Keep the LAION rows that pass SQL rules, presets and custom CLIP scores; parquet parts + per-rule stats."""
-    from laionkit import filter as filter_stage
-
-    config = filter_stage.FilterConfig(
-        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
-        rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
-        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, rank=rank,
-        world_size=world_size, skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
-    )
-    stats = filter_stage.run(config)
-    if not quiet:
-        err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
-
-
-@app.command("stats", epilog="""Examples:
-
-    laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
-""")
-def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder of a laionkit stage.")]) -> None:
-    """Print a readable summary of a stage's output folder, merged across ranks."""
-    from laionkit import stats as stats_stage
-
-    stats_stage.run(stats_stage.StatsConfig(folder=folder))
-
-
-@app.command(epilog="""Examples:
-
-    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
-
-    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
-
-    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
-
-    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
-""")
-def encode(
-    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder: one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2), diffusers folder or hub id for all components.")] = "sd15",
-    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
-    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
-    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
-    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
-    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
-    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
-    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
-    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
-    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
-    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
-    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
-    rank: RankOption = None,
-    world_size: WorldSizeOption = None,
-    quiet: QuietOption = False,
-) -> None:
-    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
-    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
-    from laionkit import encode as encode_stage
-
-    config = encode_stage.EncodeConfig(
-        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
-        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
-        rank=rank, world_size=world_size, quiet=quiet,
-    )
-    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
-    if not quiet:
-        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped) "
-                          f"from {summary['shards']} shards into {output}", highlight=False)
 
 
 @app.command("train", epilog="""Examples:

@@ -39,7 +39,9 @@ from braceexpand import braceexpand
 from PIL import Image
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions
+from laionkit.common import (
+    LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions, write_json,
+)
 from laionkit.common.models import (
     PRESETS, fingerprint, load_text_encoder, load_tokenizer, load_vae,
 )
@@ -561,19 +563,33 @@ def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
     return manifest
 
 
-def publish_json(path: Path, obj: dict, rank: Rank) -> None:
-    """write_json for files several ranks rewrite: a per-rank temporary, then one atomic rename."""
-    staged = path.with_name(f".{path.name}.rank{rank.rank}")
-    with atomic_output(staged) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(staged, path)
+def summarize(folder: Path):
+    """`laionkit stats DIR` for a latent folder: the merged records as tables."""
+    from rich.console import Group
+    from rich.table import Table
 
-
-def publish_npy(path: Path, array: np.ndarray, rank: Rank) -> None:
-    staged = path.with_name(f".{path.name}.rank{rank.rank}")
-    with atomic_output(staged) as tmp:
-        tmp.write_bytes(npy_bytes(array))
-    os.replace(staged, path)
+    manifest = merge_records(folder)
+    overview = Table(title=f"encode: {folder}", show_header=False)
+    overview.add_row("shards", str(manifest["shards"]["done"]))
+    counts = manifest["counts"]
+    overview.add_row("samples", f"{counts['samples_out']:,} of {counts['samples_in']:,}")
+    overview.add_row("truncated captions", f"{counts['truncated_captions']:,}")
+    overview.add_row("resolution", str(manifest["resolution"]) + (" (buckets)" if manifest["buckets"] else ""))
+    overview.add_row("latent", f"{manifest['vae']['latent_channels']} channels, /{manifest['vae']['downsample_factor']}, "
+                               f"scaling {manifest['vae']['scaling_factor']}")
+    overview.add_row("text", f"{manifest['text']['sequence_length']} x {manifest['text']['hidden_size']} "
+                             f"({manifest['text']['layer']} layer)")
+    for component, model in manifest["models"].items():
+        overview.add_row(component, f"{model['source']} ({model['subfolder']})")
+    overview.add_row("size on disk", f"{sum(p.stat().st_size for p in folder.glob('*.tar')) / 2**20:,.1f} MiB")
+    tables = [overview]
+    for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
+        if counter:
+            table = Table("", "samples", title=title)
+            for name, count in counter.items():
+                table.add_row(name, f"{count:,}")
+            tables.append(table)
+    return Group(*tables)
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -626,7 +642,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         _check_settings(record_file, read_json(record_file)["settings"], settings)
     empty_path = config.output / EMPTY_CAPTION
     if not empty_path.exists():
-        publish_npy(empty_path, encoders.empty_caption(), rank)
+        with atomic_output(empty_path, shared=True) as tmp:
+            tmp.write_bytes(npy_bytes(encoders.empty_caption()))
 
     mine = split(shards, rank)
     todo = [shard for shard in mine if not shard_complete(config.output, shard, settings)]
@@ -641,7 +658,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         progress = tqdm(total=total, desc=f"encode rank {rank.rank}", unit="img", disable=config.quiet)
         with progress:
             summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, progress))
-    publish_json(config.output / MANIFEST, merge_records(config.output, [s.name for s in shards]), rank)
+    write_json(config.output / MANIFEST, merge_records(config.output, [s.name for s in shards]), shared=True)
     return summary
 
 
@@ -816,7 +833,6 @@ class _Writer:
             "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
             "sizes": dict(shard.sizes), "seconds": round(seconds, 3), "settings": self.settings,
         }
-        with atomic_output(record_path(self.output, done.shard)) as tmp:
-            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples
         self.skipped += len(skips)

@@ -98,10 +98,17 @@ def print_pack_summary(folder: Path, console: Console) -> None:
     console.print(summarize(folder))
 
 
+def print_encode_summary(folder: Path, console: Console) -> None:
+    from laionkit.encode import summarize
+
+    console.print(summarize(folder))
+
+
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
     "stats-*.json": print_filter_summary,
     "*_stats.json": print_pack_summary,  # pack: one img2dataset + laionkit record per shard
+    "*.stats.json": print_encode_summary,  # encode: one record per latent shard
 }
 
 

@@ -6,7 +6,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import click
 import pytest
 import typer
 import yaml
@@ -19,7 +18,7 @@ YAML_FILES = sorted([*REPO.glob("pipelines/**/*.yaml"), *REPO.glob("train/**/*.y
 COMMANDS = typer.main.get_command(app).commands
 
 
-def _options(command: click.Command) -> set[str]:
+def _options(command) -> set[str]:
     return {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
 
 

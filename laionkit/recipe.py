@@ -1,0 +1,154 @@
+"""`laionkit run RECIPE`: the four stages chained from one YAML file, through the real commands.
+
+A recipe is validated whole before any stage runs (unknown stages or options, missing input paths),
+because a typo found after an hour of downloading is an hour lost. Each stage is invoked exactly as
+`laionkit STAGE ...` would be, so a recipe can always be replayed by hand. A stage whose last run
+finished with the same options is skipped (a `.laionkit-run/STAGE.json` record in the workdir); each
+stage resumes its own unfinished work anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from laionkit.common import LaionkitError, read_json, write_json
+
+STAGES = ("filter", "pack", "encode", "train")
+RECIPE_KEYS = {"workdir", "stages", "description"}
+# Keys of a stage that are not options of its command.
+INPUT_KEY, LAUNCH_KEY = "input", "launch"
+
+
+@dataclass(frozen=True)
+class Step:
+    stage: str
+    argv: list[str]
+    launch: dict[str, Any] | None
+    output: Path
+
+
+def _to_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[str]:
+    """Stage options as the command line a user would type; unknown keys are refused by name."""
+    params = {opt: param for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    argv = [stage]
+    inputs = spec.get(INPUT_KEY)
+    argv += [str(path) for path in (inputs if isinstance(inputs, list) else [inputs])]
+    for key, value in spec.items():
+        if key in (INPUT_KEY, LAUNCH_KEY):
+            continue
+        flag = _to_flag(key)
+        if flag not in params:
+            known = sorted(opt[2:] for opt in params if opt.startswith("--") and not opt.startswith("--no-"))
+            raise LaionkitError(f"{where}: `{key}` is not an option of `laionkit {stage}`; known: {', '.join(known)}")
+        param = params[flag]
+        if getattr(param, "is_flag", False):
+            if not isinstance(value, bool):
+                raise LaionkitError(f"{where}: `{key}` is a switch; give true or false, not {value!r}")
+            if value != param.default:
+                argv.append(flag if value else (param.secondary_opts or [flag])[0])
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            argv += [flag, str(item)]
+    return argv
+
+
+def load(path: Path, commands: dict[str, Any],
+         variables: dict[str, str] | None = None) -> tuple[Path, list[Step]]:
+    """Parse and validate a recipe into (workdir, steps); `{NAME}` is replaced by variable NAME in
+    strings, `{workdir}` by the recipe's `workdir:` unless a variable overrides it."""
+    if not path.is_file():
+        raise LaionkitError(f"recipe not found: {path}")
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise LaionkitError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("stages"), dict):
+        raise LaionkitError(f"{path}: a recipe is a mapping with a `stages:` mapping")
+    unknown = set(recipe) - RECIPE_KEYS
+    if unknown:
+        raise LaionkitError(f"{path}: unknown top-level keys {sorted(unknown)}; known: {sorted(RECIPE_KEYS)}")
+    values = {"workdir": str(recipe.get("workdir", ".")), **(variables or {})}
+    text = json.dumps(recipe["stages"])
+    for name, value in values.items():
+        text = text.replace("{" + name + "}", json.dumps(value)[1:-1])
+    stages = json.loads(text)
+    steps, produced = [], set()
+    for stage, spec in stages.items():
+        where = f"{path}: stages.{stage}"
+        if stage not in STAGES:
+            raise LaionkitError(f"{path}: unknown stage `{stage}`; stages are {', '.join(STAGES)}")
+        if not isinstance(spec, dict) or INPUT_KEY not in spec or "output" not in spec:
+            raise LaionkitError(f"{where}: needs `input` and `output`")
+        for item in spec[INPUT_KEY] if isinstance(spec[INPUT_KEY], list) else [spec[INPUT_KEY]]:
+            if str(item) not in produced and not Path(item).exists():
+                raise LaionkitError(f"{where}: input `{item}` does not exist and no earlier stage writes it")
+        steps.append(Step(stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
+                          Path(spec["output"])))
+        produced.add(str(spec["output"]))
+    return Path(values["workdir"]), steps
+
+
+def _record_path(workdir: Path, stage: str) -> Path:
+    return workdir / ".laionkit-run" / f"{stage}.json"
+
+
+def _fingerprint(step: Step) -> str:
+    return hashlib.sha256(json.dumps([step.argv, step.launch]).encode()).hexdigest()
+
+
+def _launch_argv(step: Step) -> list[str]:
+    """`launch:` keys are `accelerate launch` options in its own spelling (num_processes, multi_gpu...)."""
+    argv = [sys.executable, "-m", "accelerate.commands.launch"]
+    for key, value in (step.launch or {}).items():
+        if value is True:
+            argv.append(f"--{key}")
+        elif value is not False:
+            argv += [f"--{key}", str(value)]
+    return argv + ["-m", "laionkit.cli", *step.argv]
+
+
+def command_line(step: Step) -> list[str]:
+    """What the step runs, as a user would type it."""
+    return _launch_argv(step) if step.launch else ["laionkit", *step.argv]
+
+
+def _run_step(step: Step, invoke: Callable[[list[str]], None]) -> None:
+    if not step.launch:
+        invoke(step.argv)
+        return
+    result = subprocess.run(_launch_argv(step))
+    if result.returncode != 0:
+        raise LaionkitError(f"`accelerate launch` exited with {result.returncode}")
+
+
+def execute(steps: list[Step], workdir: Path, invoke: Callable[[list[str]], None],
+            echo: Callable[[str], None]) -> None:
+    """Run the steps in order; `invoke` runs one laionkit command in-process and raises LaionkitError."""
+    for step in steps:
+        record = _record_path(workdir, step.stage)
+        if record.exists() and read_json(record).get("fingerprint") == _fingerprint(step) and step.output.exists():
+            echo(f"[{step.stage}] complete with these options; skipped ({record})")
+            continue
+        echo(f"[{step.stage}] {shlex.join(command_line(step))}")
+        start = time.perf_counter()
+        try:
+            _run_step(step, invoke)
+        except LaionkitError as error:
+            raise LaionkitError(f"stage `{step.stage}` failed: {error}; later stages not run") from None
+        write_json(record, {"fingerprint": _fingerprint(step), "argv": step.argv,
+                            "seconds": round(time.perf_counter() - start, 2)})

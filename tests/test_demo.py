@@ -1,0 +1,102 @@
+"""`laionkit demo` (the README's main command) and `laionkit run` on the demo recipe, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from conftest import REPO, run_cli
+from laionkit.demo import DEMO_DATA, MISSING_PATH, UNSAFE_ROWS, WATERMARKED_ROWS
+
+PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, str]:
+    workdir = tmp_path_factory.mktemp("demo")
+    result = run_cli("demo", "--workdir", workdir)
+    return workdir, result.stdout
+
+
+def test_demo_runs_every_stage_for_real(demo):
+    workdir, stdout = demo
+    for stage in ("filter", "pack", "encode", "train"):
+        assert f"[{stage}] laionkit {stage}" in stdout
+    kept = pq.read_table(sorted((workdir / "filtered").glob("part-*.parquet"))).num_rows
+    assert kept == PHOTOS + 1  # unsafe and watermarked rows dropped; the dead URL is kept
+    assert UNSAFE_ROWS + WATERMARKED_ROWS > 0
+    manifest = json.loads((workdir / "shards" / "manifest.json").read_text())
+    assert manifest["samples"] == PHOTOS and manifest["failures"] == {"http 404": 1}
+    shards = [str(path) for path in sorted((workdir / "shards").glob("*.tar"))]
+    assert sum(1 for _ in wds.WebDataset(shards, shardshuffle=False)) == PHOTOS
+    latents = json.loads((workdir / "latents" / "manifest.json").read_text())
+    assert latents["counts"]["samples_out"] == PHOTOS
+    assert "http 404" in stdout and "== laionkit stats" in stdout
+
+
+def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
+    from diffusers import UNet2DConditionModel
+
+    workdir, stdout = demo
+    losses = [json.loads(line)["loss"] for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert losses[-1] < losses[0] / 2  # the tiny UNet learns the 8 photos
+    unet = UNet2DConditionModel.from_pretrained(workdir / "run" / "unet")
+    assert unet.config.in_channels == 4
+    for picture in ("samples.png", "training.png"):
+        with Image.open(workdir / picture) as image:
+            assert image.format == "PNG" and min(image.size) >= 64
+    assert str(workdir / "samples.png") in stdout and str(workdir / "training.png") in stdout
+    assert MISSING_PATH not in {path.name for path in DEMO_DATA.iterdir()}
+
+
+def test_run_skips_stages_already_complete(demo):
+    workdir, _ = demo
+    result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}")
+    assert result.stdout.count("complete with these options; skipped") == 4
+
+
+def _recipe(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("stages: {filter: {input: X, output: out, colour: red}}", "`colour` is not an option of `laionkit filter`"),
+        ("stages: {bake: {input: X, output: out}}", "unknown stage `bake`"),
+        ("stages: {filter: {input: missing.parquet, output: out}}", "input `missing.parquet` does not exist"),
+        ("stages: {filter: {output: out}}", "needs `input` and `output`"),
+        ("workdir: w\nstagez: {}", "a recipe is a mapping with a `stages:` mapping"),
+        ("stages: {}\nextra: 1", "unknown top-level keys ['extra']"),
+        ("stages: [", "not valid YAML"),
+        ("stages: {filter: {input: X, output: out, quiet: maybe}}", "`quiet` is a switch"),
+    ],
+)
+def test_recipe_errors_are_named_before_anything_runs(tmp_path, realdata, text, message):
+    sample = realdata / "laion-sample" / "test_1000.parquet"
+    recipe = _recipe(tmp_path, text.replace("input: X", f"input: {sample}"))
+    result = run_cli("run", recipe, check=False)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.replace("\n", "")
+    assert not (tmp_path / "out").exists() and not Path("out").exists()
+
+
+def test_run_stops_at_the_first_failing_stage(tmp_path, realdata):
+    recipe = _recipe(tmp_path, f"""
+workdir: {tmp_path}
+stages:
+  filter: {{input: {realdata / 'laion-sample' / 'test_1000.parquet'}, output: "{{workdir}}/filtered", where: [nope > 1]}}
+  pack: {{input: "{{workdir}}/filtered", output: "{{workdir}}/shards"}}
+""")
+    result = run_cli("run", recipe, check=False)
+    assert result.returncode == 2
+    assert "stage `filter` failed" in result.stderr and "nope" in result.stderr and "later stages not run" in result.stderr
+    assert not (tmp_path / "shards").exists()
