@@ -9,6 +9,10 @@ Invariants: the union of ``part-*-<unit>.parquet`` over ranks equals a one-rank 
 unit is done iff its part file exists (written atomically, its stats in the parquet footer), so a
 killed run is simply rerun; ``filter-plan.json`` pins inputs, units and rules so a rerun with other
 arguments is refused instead of mixing outputs.
+
+``--dedup COLUMN`` is global: among rows passing every rule, the first occurrence of a value in global
+unit order is kept. No rank can know that while others run, so it needs ``--world-size 1`` (refused
+otherwise); resume stays exact because finished parts' values seed the set of values already kept.
 """
 
 from __future__ import annotations
@@ -426,6 +430,9 @@ class UnitFilter:
         self.skip_bad = skip_bad
         self.dedup = dedup
         self.connection = duckdb.connect()
+        # Else DuckDB assumes a parquet float column holds no NaN beyond its min/max statistics (which
+        # writers compute without NaN) and folds isnan() to false: NaN scores would pass `>=` rules.
+        self.connection.execute("SET parquet_can_have_nan = true").fetchall()
 
     def source_sql(self, unit: Unit, file: InputFile, via_arrow: bool) -> tuple[str, list[str]]:
         """A query yielding the unit's rows: renamed input columns, score columns, alias columns.
@@ -466,21 +473,24 @@ class UnitFilter:
         embeddings = np.load(file.embeddings, mmap_mode="r")[unit.offset : unit.offset + unit.rows]
         return pa.table({s.spec.name: score_embeddings(s, embeddings, file.embeddings) for s in self.scorers})
 
-    def tested_rules(self, file: InputFile) -> list[str]:
-        """Each rule as SQL, null where a float column it reads is NaN: NaN fails the rule, as null does
-        (DuckDB orders NaN above every number, so ``NaN >= 5`` would otherwise pass)."""
+    def tested_rules(self, file: InputFile) -> tuple[list[str], str]:
+        """Each rule as SQL that is null where a float column it reads is NaN (NaN fails a rule, as
+        null does; DuckDB orders NaN above every number, so ``NaN >= 5`` would otherwise pass), and
+        the same AND-ed as a plain WHERE, which DuckDB pushes into the parquet scan (late decoding)."""
         schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
         floats = {f.name.lower() for f in schema if pa.types.is_floating(f.type)}
         floats |= {alias for alias, name in alias_names(schema.names).items() if name.lower() in floats}
-        tested = []
+        tested, keep = [], []
         for rule in self.rules:
             nan_columns = sorted(name for name in referenced_columns(rule) if name.lower() in floats)
+            keep.append(f"({rule})")
             if nan_columns:
                 test = " OR ".join(f"isnan({quote(name)})" for name in nan_columns)
                 tested.append(f"CASE WHEN {test} THEN NULL ELSE ({rule}) END")
+                keep += [f"coalesce(NOT isnan({quote(name)}), true)" for name in nan_columns]
             else:
                 tested.append(f"({rule})")
-        return tested
+        return tested, " AND ".join(keep) or "true"
 
     def run(self, unit: Unit, part: Path, progress: tqdm) -> dict:
         file = self.plan.files[unit.file]
@@ -515,7 +525,7 @@ class UnitFilter:
             "rows_in": unit.rows,
         }
         source, output = self.source_sql(unit, file, via_arrow)
-        rules = self.tested_rules(file)
+        rules, where = self.tested_rules(file)
         keep = " AND ".join(f"coalesce(__laionkit_r{i}, false)" for i in range(len(rules))) or "true"
         tested = (
             f"(SELECT {', '.join(f'{rule} AS __laionkit_r{i}' for i, rule in enumerate(rules))}"
@@ -532,7 +542,7 @@ class UnitFilter:
             rule.expr: asdict(RuleCounts(row[2 * i], row[2 * i + 1]))
             for i, rule in enumerate(self.plan.rules)
         }
-        kept = f"{tested} WHERE {keep}"
+        kept = f"({source}) WHERE {where}"  # the rows passing: keep == where, row for row
         if self.dedup:
             selected = self.first_occurrences(kept, output, row[-2], row[-1], stats)
         else:
