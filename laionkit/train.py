@@ -581,7 +581,7 @@ def run(config: TrainConfig) -> TrainResult:
             window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
             stopped_by = int(stopping) or None  # decided together, so every rank checkpoints and stops
 
-        if step % config.checkpoint_every == 0 or step == max_steps or stopped_by:
+        if step % config.checkpoint_every == 0 or stopped_by:
             rank_state = {"step": step, "layout": asdict(layout), "generator": generator.get_state()}
             last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                                               config)

@@ -1,0 +1,387 @@
+"""Benchmark `laionkit train` against the train-step ceiling and a raw trainer (not a test; docs/BENCHMARKS.md).
+
+Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
+(a) ceiling: the same train step (laionkit.train.diffusion_loss, backward, clipping, optimizer, LR
+    scheduler, through the same Accelerator) fed by tensors already on the GPU, eager and compiled;
+(b) `laionkit train` on latent shards written by `laionkit encode` (SD-VAE-size and CLIP-L-size
+    random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
+(c) raw trainer: the same step with the VAE and text encoder in the loop, reading the JPEG shards with
+    DataLoader workers (decode, resize, crop, tokenize), as diffusers' train_text_to_image.py does;
+(ddp) `laionkit train` under `accelerate launch` on 2 GPUs vs (b) on one.
+Every measurement runs in its own process (torch.compile with dynamic=False: one shape per process).
+
+    python scripts/bench_train.py --out results/                 # GPU machine
+    python scripts/bench_train.py --smoke --out /tmp/bench-train  # CPU, tiny models, plumbing only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_encode import make_shards, write_real_size_models  # noqa: E402  (shared photo-like data)
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {256: 128, 512: 64}  # resolution -> batch per GPU
+
+
+def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int, compiled: bool,
+               smoke: bool) -> list[str]:
+    args = ["train", str(latents), "--output", str(run), "--unet-config", "tiny" if smoke else "sd15",
+            "--batch-size", str(batch), "--max-steps", str(steps), "--log-every", str(log_every),
+            "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
+            "--mixed-precision", "no" if smoke else "bf16", "--shuffle-buffer", "256"]
+    return args + (["--compile", "--channels-last"] if compiled else [])
+
+
+def steady_rate(run: Path) -> dict:
+    """samples/s, MFU and data-wait of the log windows after the first (start-up, compilation)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    pick = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
+    return {"samples_per_s": pick("samples_per_s"), "mfu": pick("mfu"), "data_wait_pct": pick("data_wait_pct"),
+            "gpu_mem_gib": max(r["gpu_mem_gib"] for r in records)}
+
+
+# --- children: one measurement per process ---------------------------------------------------------
+
+def _accelerated_step(config, data):
+    """Model, optimizer and LR scheduler exactly as laionkit.train.run builds them."""
+    from accelerate import Accelerator
+    from diffusers.optimization import get_scheduler
+
+    from laionkit.train import build_unet, flops_per_sample, load_noise_scheduler, make_optimizer
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, step_scheduler_with_optimizer=False,
+                              cpu=not torch.cuda.is_available())
+    device = accelerator.device
+    torch.manual_seed(0)
+    unet = build_unet(config, data).to(device)
+    flops = flops_per_sample(unet, data, device)
+    if config.channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    optimizer = make_optimizer(config, unet.parameters(), config.lr, device)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    scheduler = accelerator.prepare(get_scheduler("constant_with_warmup", optimizer=optimizer,
+                                                  num_warmup_steps=0, num_training_steps=10**6))
+    model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
+    generator = torch.Generator(device).manual_seed(0)
+    noise_scheduler = load_noise_scheduler(config)
+
+    def step(moments, text, empty):
+        from laionkit.train import diffusion_loss
+
+        loss = diffusion_loss(model, moments, text, empty, noise_scheduler, config, data, generator)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(unet.parameters(), config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return loss
+
+    return step, device, flops
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def child_ceiling(args) -> dict:
+    """(a): the train step on in-GPU tensors, as fast as the step itself allows."""
+    from laionkit.train import TrainConfig, open_latents
+
+    if args.sdpa:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                     "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]).__enter__()
+    data = open_latents(args.latents)
+    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
+                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
+                         compile_mode=args.compile_mode, channels_last=args.compile)
+    step, device, flops = _accelerated_step(config, data)
+    moments = torch.randn(args.batch, *data.moments_shape, device=device).half()
+    text = torch.randn(args.batch, *data.text_shape, device=device)
+    empty = data.empty_caption.to(device).float()
+    for _ in range(args.warmup):
+        step(moments, text, empty)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step(moments, text, empty)
+    _sync(device)
+    rate = args.steps * args.batch / (time.perf_counter() - started)
+    return {"samples_per_s": rate, "mfu": flops * rate / (989e12), "data_wait_pct": 0.0,
+            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0}
+
+
+def _jpeg_sample(sample: dict, resolution: int, tokenizer) -> dict:
+    """The raw trainer's per-sample work: decode, resize the short side, centre-crop, normalise, tokenize."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(sample["jpg"])).convert("RGB")
+    scale = resolution / min(image.size)
+    image = image.resize((max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale))),
+                         Image.Resampling.BICUBIC)
+    left, top = (image.width - resolution) // 2, (image.height - resolution) // 2
+    image = image.crop((left, top, left + resolution, top + resolution))
+    pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 127.5 - 1
+    ids = tokenizer(sample["txt"].decode(), padding="max_length", max_length=tokenizer.model_max_length,
+                    truncation=True, return_tensors="pt").input_ids[0]
+    return {"pixels": pixels, "input_ids": ids}
+
+
+def child_raw(args) -> dict:
+    """(c): JPEG shards → DataLoader workers → VAE + text encoder on the GPU → the same train step."""
+    import functools
+
+    import webdataset as wds
+
+    from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
+    from laionkit.train import TrainConfig, open_latents
+
+    data = open_latents(args.latents)
+    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
+                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision)
+    step, device, flops = _accelerated_step(config, data)
+    dtype = torch.float32 if args.precision == "no" else torch.bfloat16
+    vae = load_vae(str(args.models), dtype=dtype).to(device)
+    text_encoder = load_text_encoder(str(args.models), dtype=dtype).to(device)
+    tokenizer = load_tokenizer(str(args.models))
+    shards = [str(p) for p in sorted(Path(args.jpegs).glob("*.tar"))]
+    dataset = (wds.WebDataset(shards, shardshuffle=False, nodesplitter=wds.split_by_node,
+                              workersplitter=wds.split_by_worker, empty_check=False).repeat()
+               .map(functools.partial(_jpeg_sample, resolution=args.resolution, tokenizer=tokenizer)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, num_workers=args.workers,
+                                         pin_memory=device.type == "cuda", prefetch_factor=4)
+    empty = data.empty_caption.to(device).float()
+    batches, waited = iter(loader), 0.0
+
+    def raw_step():
+        nonlocal waited
+        began = time.perf_counter()
+        batch = next(batches)
+        waited += time.perf_counter() - began
+        with torch.no_grad():
+            pixels = batch["pixels"].to(device, dtype, non_blocking=True)
+            moments = vae.encode(pixels).latent_dist.parameters
+            text = text_encoder(batch["input_ids"].to(device, non_blocking=True))[0].float()
+        step(moments, text, empty)
+
+    for _ in range(args.warmup):
+        raw_step()
+    _sync(device)
+    waited, started = 0.0, time.perf_counter()
+    for _ in range(args.steps):
+        raw_step()
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    rate = args.steps * args.batch / elapsed
+    return {"samples_per_s": rate, "mfu": flops * rate / 989e12, "data_wait_pct": 100 * waited / elapsed,
+            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0}
+
+
+# --- the orchestrator -------------------------------------------------------------------------------
+
+def run_child(out: Path, name: str, argv: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run one measurement in its own process; its failure is recorded, not fatal to the others."""
+    began = time.perf_counter()
+    log = out / f"{name}.log"
+    try:
+        with open(log, "w") as handle:
+            subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout, check=True,
+                           env=env, cwd=REPO)
+        result = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        result = {"error": f"{type(error).__name__}: {log.read_text()[-600:]}"}
+    result["wall_s"] = round(time.perf_counter() - began, 1)
+    return result
+
+
+def child_argv(out: Path, name: str, mode: str, **kw) -> list[str]:
+    argv = [sys.executable, __file__, "--child", mode, "--out", str(out), "--name", name]
+    for key, value in kw.items():
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
+        elif value not in (None, False):
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def prepare(out: Path, args) -> dict:
+    """Models, photo-like JPEG shards and their latent shards (`laionkit encode`), per resolution."""
+    from laionkit.common.models import write_tiny_models
+    from laionkit.encode import EncodeConfig, run
+
+    models = out / "models"
+    if not models.exists():
+        write_tiny_models(models) if args.smoke else write_real_size_models(models)
+    made = {}
+    for resolution in args.resolutions:
+        jpegs = out / f"jpeg-{resolution}"
+        if not any(jpegs.glob("*.tar")):  # a warm machine keeps them between calls
+            make_shards(jpegs, args.images, resolution, os.cpu_count() or 2)
+        latents = out / f"latents-{resolution}"
+        run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution,
+                         batch_size=32, workers=min(8, os.cpu_count() or 2), quiet=True), log=lambda _: None)
+        made[resolution] = (jpegs, latents)
+    return {"models": models, "data": made}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, runs, logs")
+    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
+    parser.add_argument("--parts", default="a,b,c,ddp", help="comma list of a, b, c, ddp, push")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
+    parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per measurement")
+    parser.add_argument("--budget", type=float, default=520, help="seconds; later measurements are skipped")
+    # child-only arguments
+    parser.add_argument("--child", choices=["ceiling", "raw"])
+    parser.add_argument("--name")
+    parser.add_argument("--latents", type=Path)
+    parser.add_argument("--jpegs", type=Path)
+    parser.add_argument("--models", type=Path)
+    parser.add_argument("--resolution", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-mode", default="default")
+    parser.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"])
+    parser.add_argument("--unet-config", default="sd15")
+    parser.add_argument("--precision", default="bf16")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        result = {"ceiling": child_ceiling, "raw": child_raw}[args.child](args)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result))
+        return
+
+    started = time.perf_counter()
+    if args.smoke:
+        args.resolutions, args.images, args.steps = [64], 16, 4
+    smoke = dict(unet_config="tiny", precision="no") if args.smoke else {}
+    parts = set(args.parts.split(","))
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    prepared = prepare(args.out, args)
+    print(f"prepared data in {time.perf_counter() - started:.0f} s", flush=True)
+    results: dict[str, dict] = {}
+    left = lambda: args.budget - (time.perf_counter() - started)  # noqa: E731
+
+    def measure(name: str, argv: list[str], run: Path | None = None, **kw) -> None:
+        if left() < 30:
+            results[name] = {"error": "skipped: out of time budget"}
+            return
+        if run is not None:
+            shutil.rmtree(run, ignore_errors=True)
+        results[name] = run_child(args.out, name, argv, timeout=left(), **kw)
+        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+            results[name].update(steady_rate(run))
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+
+    # Eager first at every resolution (the targets' baseline), then compiled: what the budget cuts is last.
+    for compiled in [mode == "compiled" for mode in args.modes.split(",")]:
+        for resolution in args.resolutions:
+            batch = 4 if args.smoke else SIZES[resolution]
+            jpegs, latents = prepared["data"][resolution]
+            log_every = max(2, args.steps // 3)
+            common = dict(latents=latents, batch=batch, warmup=3, **smoke)
+            tag = f"{resolution}-{'compiled' if compiled else 'eager'}"
+            if "a" in parts:
+                measure(f"a-{tag}", child_argv(args.out, f"a-{tag}", "ceiling", steps=args.steps,
+                                               compile=compiled, **common), env=env)
+            if "b" in parts:
+                run = args.out / f"run-b-{tag}"
+                cli = [sys.executable, "-m", "laionkit.cli",
+                       *train_args(latents, run, batch, log_every * 4, log_every, compiled, args.smoke)]
+                measure(f"b-{tag}", cli, run=run, env=env)
+            if "c" in parts and not compiled:
+                measure(f"c-{tag}", child_argv(args.out, f"c-{tag}", "raw", steps=args.steps, jpegs=jpegs,
+                                               models=prepared["models"], resolution=resolution, **common),
+                        env=env)
+        if "ddp" in parts and not compiled:  # 2-GPU DDP vs b on one GPU, eager
+            resolution = args.resolutions[0]
+            batch = 4 if args.smoke else SIZES[resolution]
+            log_every = max(2, args.steps // 3)
+            run = args.out / "run-ddp"
+            launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+                      "--num_machines", "1", "--dynamo_backend", "no",
+                      *(["--cpu"] if args.smoke else ["--multi_gpu", "--mixed_precision", "bf16"])]
+            latents = prepared["data"][resolution][1]
+            cli = [*launch, "-m", "laionkit.cli",
+                   *train_args(latents, run, batch, log_every * 4, log_every, False, args.smoke)]
+            measure(f"ddp2-{resolution}-eager", cli, run=run, env=env)
+    if "push" in parts:
+        resolution = args.resolutions[0]
+        batch = 4 if args.smoke else SIZES[resolution]
+        latents = prepared["data"][resolution][1]
+        for name, extra in [("bs2x", dict(batch=2 * batch)), ("cudnn-attn", dict(sdpa="cudnn")),
+                            ("cudagraphs", dict(compile_mode="reduce-overhead"))]:
+            kw = dict(latents=latents, batch=batch, warmup=3, steps=args.steps, compile=not args.smoke,
+                      **smoke) | extra
+            name = f"push-{resolution}-{name}"
+            measure(name, child_argv(args.out, name, "ceiling", **kw), env=env)
+
+    report(results, args)
+
+
+def report(results: dict[str, dict], args) -> None:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    summary = {"device": device, "torch": torch.__version__, "results": results}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        shutil.copy(args.out / "results.json", args.report / "results.json")
+        logs = "".join(f"===== {log.name}\n{log.read_text()[-20000:]}\n" for log in sorted(args.out.glob("*.log")))
+        (args.report / "children.log").write_text(logs)
+    rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
+    print(f"\n{device}, torch {torch.__version__}")
+    print(f"{'measurement':<26}{'samples/s':>11}{'MFU':>8}{'wait %':>8}{'GiB':>7}{'wall s':>8}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<26} ERROR {r['error'][:160]!r}")
+            continue
+        print(f"{name:<26}{r['samples_per_s']:>11.1f}{r['mfu']:>8.3f}{r['data_wait_pct']:>8.1f}"
+              f"{r['gpu_mem_gib']:>7.1f}{r['wall_s']:>8.0f}")
+    print("\nratios")
+    for resolution in args.resolutions:
+        for mode in ("eager", "compiled"):
+            a, b = rate(f"a-{resolution}-{mode}"), rate(f"b-{resolution}-{mode}")
+            if a and b:
+                print(f"  b/a {resolution} {mode}: {b / a:.3f}  (target >= 0.98)")
+        b, c = rate(f"b-{resolution}-eager"), rate(f"c-{resolution}-eager")
+        if b and c:
+            print(f"  b/c {resolution} eager: {b / c:.2f}  (target >= 1.6)")
+    resolution = args.resolutions[0]
+    one, two = rate(f"b-{resolution}-eager"), rate(f"ddp2-{resolution}-eager")
+    if one and two:
+        print(f"  ddp 2 GPU / 1 GPU {resolution} eager: {two / one:.2f}  (target >= 1.9)")
+    eager, compiled = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-compiled")
+    for name in results:
+        if name.startswith("push-") and rate(name) and eager:
+            print(f"  {name}: {rate(name) / eager:.2f}x eager ceiling"
+                  + (f", {rate(name) / compiled:.2f}x compiled" if compiled else ""))
+
+
+if __name__ == "__main__":
+    main()
