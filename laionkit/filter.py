@@ -641,7 +641,7 @@ def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> Non
         for path in output.glob("stats-*.json"):
             if int(path.stem.split("-")[1]) % rank.world_size == rank.rank:
                 path.unlink()
-    write_json(plan_path, plan.record)
+    write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
 
 
 def part_path(output: Path, rank: Rank, unit: Unit) -> Path:
