@@ -486,8 +486,12 @@ def run(config: TrainConfig) -> TrainResult:
                           config.seed, config.shuffle_buffer)
     step, resumed_from = 0, find_resume(config)
     if resumed_from is not None:
+        rank_file = resumed_from / f"rank-{accelerator.process_index:05d}.pt"
+        if not rank_file.is_file():
+            raise LaionkitError(f"{resumed_from} has no {rank_file.name}: it was written by fewer ranks "
+                                f"than the {world} running now; resume with the same number of processes")
         accelerator.load_state(str(resumed_from))
-        state = torch.load(resumed_from / f"rank-{accelerator.process_index:05d}.pt", weights_only=False)
+        state = torch.load(rank_file, weights_only=False)
         if state["layout"] != asdict(layout):
             changed = [k for k in state["layout"] if state["layout"][k] != asdict(layout)[k]]
             raise LaionkitError(f"cannot resume exactly from {resumed_from}: the data layout changed "
