@@ -109,7 +109,7 @@ def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int
     samples = itertools.chain.from_iterable(read_unit(unit) for unit in order)
     if shuffle_buffer <= 1:
         return samples
-    return wds.filters._shuffle(samples, bufsize=shuffle_buffer, initial=shuffle_buffer, rng=rng)
+    return wds.filters.shuffle(bufsize=shuffle_buffer, initial=shuffle_buffer, rng=rng)(samples)
 
 
 @dataclass(frozen=True)
