@@ -365,6 +365,7 @@ def train_command(
     validation_steps: Annotated[int, typer.Option(help="DDIM steps per validation image.")] = 25,
     guidance_scale: Annotated[float, typer.Option(help="Classifier-free guidance scale for validation.")] = 5.0,
     peak_tflops: Annotated[float, typer.Option(help="Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")] = 989.0,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (rank 0).")] = None,
     record_keys: Annotated[bool, typer.Option(help="Write the sample keys of every step to RUN/seen/rank-N.jsonl.")] = False,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,

@@ -91,6 +91,7 @@ class TrainConfig:
     guidance_scale: float = 5.0
     peak_tflops: float = 989.0
     record_keys: bool = False
+    metrics_port: int | None = None
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
@@ -527,6 +528,11 @@ def run(config: TrainConfig) -> TrainResult:
             (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
         validation = (load_vae(data.vae_source).to(device), texts)
 
+    exporter = None
+    if main and config.metrics_port:
+        from laionkit.common.prometheus import MetricsServer
+
+        exporter = MetricsServer(config.metrics_port, device.index if device.type == "cuda" else None)
     stop = StopFlag()
     progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
                     unit="step")
@@ -580,6 +586,8 @@ def run(config: TrainConfig) -> TrainResult:
                     handle.write(json.dumps(record) + "\n")
                 if accelerator.log_with:
                     accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                if exporter is not None:
+                    exporter.update(record)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
             window_loss.zero_()
             window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
@@ -599,6 +607,8 @@ def run(config: TrainConfig) -> TrainResult:
         if stopped_by:
             break
     progress.close()
+    if exporter is not None:
+        exporter.close()
 
     if not stopped_by:
         export(accelerator, unet, ema, output)

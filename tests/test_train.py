@@ -8,10 +8,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -151,14 +153,27 @@ def test_kill9_then_resume_latest_reproduces_the_uninterrupted_run(latent_shards
     assert seen(run) == seen(reference)
 
 
-def test_sigterm_leaves_a_usable_checkpoint(latent_shards, tmp_path):
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("laionkit_")}
+
+
+def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(latent_shards, tmp_path):
     run = tmp_path / "run"
-    process = subprocess.Popen(_train(latent_shards, run, "--max-steps", "1000", "--checkpoint-every", "1000"),
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(_train(latent_shards, run, "--max-steps", "1000", "--checkpoint-every", "1000",
+                                      "--metrics-port", port),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
         assert process.poll() is None and time.time() < deadline
         time.sleep(0.05)
+    scraped = _scrape(port)
+    assert scraped["laionkit_train_step"] >= 1 and scraped["laionkit_train_loss"] > 0
+    assert scraped["laionkit_train_samples_per_second"] > 0 and "laionkit_train_data_wait_percent" in scraped
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
