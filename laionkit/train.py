@@ -624,17 +624,21 @@ def save_grid(images: torch.Tensor, path: Path) -> None:
 
 
 def export(accelerator, unet, ema, output: Path) -> None:
-    """The final UNet (and its EMA) as diffusers folders that UNet2DConditionModel.from_pretrained loads."""
+    """The final UNet (and its EMA) as diffusers folders that UNet2DConditionModel.from_pretrained loads.
+
+    The weights go into a fresh, unwrapped UNet of the same config before saving: under FSDP2 the
+    prepared module's parameters are DTensor shards, which diffusers' save_pretrained cannot write
+    even when handed the gathered state dict (seen on 2 H200s, 2026-11-30)."""
     state_dict = accelerator.get_state_dict(unet)  # gathers FSDP / ZeRO shards; every rank must call it
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(unet)
+        plain = type(model).from_config(model.config)
+        plain.load_state_dict(state_dict)
         with atomic_output(output / "unet") as tmp:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:
-            ema.store(model.parameters())
-            ema.copy_to(model.parameters())
+            ema.copy_to(plain.parameters())
             with atomic_output(output / "unet_ema") as tmp:
-                model.save_pretrained(tmp, safe_serialization=True)
-            ema.restore(model.parameters())
+                plain.save_pretrained(tmp, safe_serialization=True)
     accelerator.wait_for_everyone()
 

@@ -7,7 +7,7 @@ Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random ini
     random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
 (c) raw trainer: the same step with the VAE and text encoder in the loop, reading the JPEG shards with
     DataLoader workers (decode, resize, crop, tokenize), as diffusers' train_text_to_image.py does;
-(ddp) `laionkit train` under `accelerate launch` on 2 GPUs vs (b) on one.
+(ddp, fsdp) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp}.yaml` on 2 GPUs vs (b) on one.
 Every measurement runs in its own process (torch.compile with dynamic=False: one shape per process).
 
     python scripts/bench_train.py --out results/                 # GPU machine
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, runs, logs")
     parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
-    parser.add_argument("--parts", default="a,b,c,ddp", help="comma list of a, b, c, ddp, push")
+    parser.add_argument("--parts", default="a,b,c,ddp", help="comma list of a, b, c, ddp, fsdp, push")
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
@@ -319,18 +319,20 @@ def main() -> None:
                 measure(f"c-{tag}", child_argv(args.out, f"c-{tag}", "raw", steps=args.steps, jpegs=jpegs,
                                                models=prepared["models"], resolution=resolution, **common),
                         env=env)
-        if "ddp" in parts and not compiled:  # 2-GPU DDP vs b on one GPU, eager
+        for strategy in ("ddp", "fsdp"):  # 2 GPUs through the launch configs in train/, vs b on one GPU
+            if strategy not in parts or compiled:
+                continue
             resolution = args.resolutions[0]
             batch = 4 if args.smoke else SIZES[resolution]
             log_every = max(2, args.steps // 3)
-            run = args.out / "run-ddp"
-            launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-                      "--num_machines", "1", "--dynamo_backend", "no",
-                      *(["--cpu"] if args.smoke else ["--multi_gpu", "--mixed_precision", "bf16"])]
+            run = args.out / f"run-{strategy}"
+            launch = [sys.executable, "-m", "accelerate.commands.launch",
+                      "--config_file", str(REPO / "train" / f"{strategy}.yaml"), "--num_processes", "2",
+                      *(["--cpu", "--mixed_precision", "no"] if args.smoke else [])]
             latents = prepared["data"][resolution][1]
             cli = [*launch, "-m", "laionkit.cli",
                    *train_args(latents, run, batch, log_every * 4, log_every, False, args.smoke)]
-            measure(f"ddp2-{resolution}-eager", cli, run=run, env=env)
+            measure(f"{strategy}2-{resolution}-eager", cli, run=run, env=env)
     if "push" in parts:
         resolution = args.resolutions[0]
         batch = 4 if args.smoke else SIZES[resolution]
@@ -373,9 +375,11 @@ def report(results: dict[str, dict], args) -> None:
         if b and c:
             print(f"  b/c {resolution} eager: {b / c:.2f}  (target >= 1.6)")
     resolution = args.resolutions[0]
-    one, two = rate(f"b-{resolution}-eager"), rate(f"ddp2-{resolution}-eager")
-    if one and two:
-        print(f"  ddp 2 GPU / 1 GPU {resolution} eager: {two / one:.2f}  (target >= 1.9)")
+    one = rate(f"b-{resolution}-eager")
+    for strategy in ("ddp", "fsdp"):
+        two = rate(f"{strategy}2-{resolution}-eager")
+        if one and two:
+            print(f"  {strategy} 2 GPU / 1 GPU {resolution} eager: {two / one:.2f}  (target >= 1.9)")
     eager, compiled = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-compiled")
     for name in results:
         if name.startswith("push-") and rate(name) and eager:
