@@ -359,6 +359,7 @@ def check_columns(
         if not any(old in f.schema.names for f in files):
             raise LaionkitError(f"--rename {old}=...: no input has a column {old!r}")
     seen: set[pa.Schema] = set()
+    connection = duckdb.connect()
     for file in files:
         schema = renamed_schema(file.schema, renames, scores)
         if schema in seen:
@@ -369,27 +370,29 @@ def check_columns(
             raise LaionkitError(
                 f"--dedup {dedup}: {file.path} has no such column; available columns: {available}"
             )
-        empty = eval_table(schema.empty_table())
+        relation = empty_relation(file, renames, scores)
         for rule in rules:
             try:
-                types = duckdb.from_arrow(empty).select(duckdb.SQLExpression(rule.expr)).types
+                expr = duckdb.SQLExpression(rule.expr)  # exactly one expression, or a parser error
+                kind = connection.execute(f"DESCRIBE SELECT ({expr}) FROM ({relation})").fetchall()[0][1]
             except duckdb.Error as error:
                 message = str(error).splitlines()[0]
                 raise LaionkitError(
                     f"{rule.source} {rule.expr!r} on {file.path}: {message}; available columns: {available}"
                 ) from None
-            if str(types[0]) != "BOOLEAN":
-                raise LaionkitError(
-                    f"{rule.source} {rule.expr!r} is not a true/false test (it gives {types[0]})"
-                )
+            if kind != "BOOLEAN":
+                raise LaionkitError(f"{rule.source} {rule.expr!r} is not a true/false test (it gives {kind})")
 
 
-def eval_table(table: pa.Table) -> pa.Table:
-    """The table rules are checked against: the columns plus alias names for the same arrays."""
-    columns = {name: table.column(name) for name in table.column_names}
-    for alias, name in alias_names(table.column_names).items():
-        columns[alias] = columns[name]
-    return pa.table(columns)
+def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> str:
+    """SQL for a unit's columns as rules see them (renamed, score columns, alias names), with no rows.
+
+    DuckDB reads only the file's footer for it, and no pandas import (an arrow table would cost one)."""
+    output = [renames.get(name, name) for name in file.schema.names] + [spec.name for spec in scores]
+    columns = [f"{quote(name)} AS {quote(renames.get(name, name))}" for name in file.schema.names]
+    columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in scores]
+    aliases = "".join(f", {quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items())
+    return f"SELECT *{aliases} FROM (SELECT {', '.join(columns)} FROM read_parquet({literal(file.path)}) LIMIT 0)"
 
 
 # ----------------------------------------------------------------------------------------- the work
