@@ -61,6 +61,28 @@ def test_run_skips_stages_already_complete(demo):
     assert result.stdout.count("complete with these options; skipped") == 4
 
 
+def test_run_launches_a_stage_under_accelerate(demo, tmp_path):
+    workdir, _ = demo
+    recipe = _recipe(tmp_path, f"""
+workdir: {tmp_path}
+stages:
+  train:
+    input: {workdir / 'latents'}
+    output: "{{workdir}}/run"
+    launch: {{num_processes: 1, num_machines: 1, cpu: true, mixed_precision: "no", dynamo_backend: "no"}}
+    unet_config: {workdir / 'models' / 'unet'}
+    max_steps: 3
+    batch_size: 4
+    workers: 0
+    log_with: none
+    quiet: true
+""")
+    result = run_cli("run", recipe)
+    assert "accelerate.commands.launch --num_processes 1" in result.stdout and "--cpu" in result.stdout
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [3]
+    assert (tmp_path / "run" / "unet" / "config.json").is_file()
+
+
 def _recipe(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
