@@ -183,3 +183,34 @@ def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(lat
     run_cli(*_train(latent_shards, run, "--max-steps", stopped_at + 2, "--resume", "latest")[3:])
     assert max(metrics(run)) == stopped_at + 2
     assert (run / "unet" / "config.json").is_file()
+
+
+def test_deepspeed_zero2_config_trains_checkpoints_and_resumes_on_two_cpu_processes(latent_shards, tmp_path):
+    """train/deepspeed-zero2.yaml for real (DeepSpeed's CPU accelerator, gloo): sharded optimizer state,
+    checkpoints through accelerate's DeepSpeed engine, resume, and an export diffusers loads."""
+    from diffusers import UNet2DConditionModel
+
+    repo = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(steps: int, *extra: str) -> None:
+        result = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             str(repo / "train" / "deepspeed-zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+             "--main_process_port", "29519", "-m", "laionkit.cli", "train", str(latent_shards), "--output",
+             str(run), *TINY, "--max-steps", str(steps), "--log-every", "2", "--checkpoint-every", "2",
+             "--workers", "0", *extra],
+            capture_output=True, text=True, timeout=300, env=env, cwd=repo,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    launch(4)
+    first = metrics(run)
+    assert sorted(first) == [2, 4]
+    assert first[2]["samples_per_s_per_gpu"] == pytest.approx(first[2]["samples_per_s"] / 2)  # 2 ranks
+    launch(6, "--resume", "latest")
+    assert sorted(metrics(run)) == [2, 4, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000002", "step-00000004", "step-00000006"]
+    assert UNet2DConditionModel.from_pretrained(run / "unet").config.in_channels == 4
