@@ -148,14 +148,14 @@ class LatentStream(IterableDataset):
         units = partition(self.rank_units, worker, layout.consumers)
         batches = max(0, -(-(self.batches_done - worker) // layout.consumers))
         skip = batches * layout.batch_size
-        epoch = 0
+        first_epoch = 0
         if skip:
             sizes = {unit.shard: count_samples(unit.shard) for unit in units}
             length = sum(unit_length(unit, sizes) for unit in units)
             if length == 0:
                 raise self._starved(worker)
-            epoch, skip = divmod(skip, length)
-        for epoch in itertools.count(epoch):
+            first_epoch, skip = divmod(skip, length)
+        for epoch in itertools.count(first_epoch):
             rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
             produced = 0
             for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer), skip, None):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, versions, write_json
+from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, versions
 from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
 
 CHECKPOINT_PREFIX = "step-"
