@@ -45,6 +45,7 @@ from laionkit.common import (
 from laionkit.common.models import (
     PRESETS, fingerprint, load_text_encoder, load_tokenizer, load_vae,
 )
+from laionkit.common.tars import count_samples
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
 TEXT_LAYERS = ("last", "penultimate")
@@ -164,16 +165,6 @@ def find_shards(specs: Sequence[str]) -> list[Path]:
     if clashes:
         raise LaionkitError(f"input shards share the name {clashes[0]} (outputs are named after inputs)")
     return found
-
-
-def count_samples(path: Path) -> int:
-    """Samples (distinct keys) in a tar, from its headers alone."""
-    try:
-        with tarfile.open(path, "r:") as tar:
-            return len({member.name.split(".", 1)[0] for member in tar
-                        if member.isfile() and not member.name.startswith("__")})
-    except tarfile.TarError as error:
-        raise LaionkitError(f"cannot read shard {path}: {error}") from error
 
 
 # --- DataLoader side: decode, resize, tokenize, batch --------------------------------------------

@@ -20,7 +20,6 @@ import io
 import itertools
 import random
 import signal
-import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +30,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from laionkit.common import LaionkitError, Rank, split
+from laionkit.common.tars import count_samples
 
 # The members a training sample needs; others (the json, extra encoders) are skipped unread.
 MOMENTS, TEXT = "moments.npy", "text.npy"
@@ -65,12 +65,6 @@ def shard_paths(latents: Path) -> list[Path]:
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards
-
-
-def count_samples(shard: str) -> int:
-    """Samples in a shard, from its tar headers (seeks over the data, reads no arrays)."""
-    with tarfile.open(shard, "r:") as tar:
-        return sum(1 for member in tar if member.isfile() and member.name.endswith("." + MOMENTS))
 
 
 def unit_length(unit: Unit, shard_sizes: dict[str, int]) -> int:

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, read_json, resolve_rank, split, versions, write_json
 from laionkit.common.columns import find_column
+from laionkit.common.outputs import partial_path
 
 if TYPE_CHECKING:
     from img2dataset.downloader import Downloader
@@ -256,7 +257,7 @@ class ShardPacker:
             return task, None
 
     def pack(self, task: ShardTask) -> dict:
-        staging = self.output / f".{task.name}.partial"
+        staging = partial_path(self.output / task.name)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         arrow_file = staging / "input.arrow"

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, versions
+from laionkit.common.outputs import partial_path
 from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
 
 CHECKPOINT_PREFIX = "step-"
@@ -330,7 +331,7 @@ def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep
     main = accelerator.is_main_process
     with (atomic_output(final) if main else nullcontext(None)) as tmp:
         accelerator.wait_for_everyone()  # rank 0 has cleared any stale temporary
-        folder = tmp if main else final.with_name(f".{final.name}.partial")
+        folder = tmp if main else partial_path(final)
         accelerator.save_state(str(folder))
         torch.save(rank_state, folder / f"rank-{accelerator.process_index:05d}.pt")
         accelerator.wait_for_everyone()
