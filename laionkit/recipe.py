@@ -38,6 +38,11 @@ class Step:
     output: Path
 
 
+def _as_list(value: Any) -> list:
+    """Recipe values that may repeat (inputs, --where) are written as one value or a list."""
+    return value if isinstance(value, list) else [value]
+
+
 def _to_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -46,8 +51,7 @@ def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[st
     """Stage options as the command line a user would type; unknown keys are refused by name."""
     params = {opt: param for param in command.params for opt in (*param.opts, *param.secondary_opts)}
     argv = [stage]
-    inputs = spec.get(INPUT_KEY)
-    argv += [str(path) for path in (inputs if isinstance(inputs, list) else [inputs])]
+    argv += [str(path) for path in _as_list(spec[INPUT_KEY])]
     for key, value in spec.items():
         if key in (INPUT_KEY, LAUNCH_KEY):
             continue
@@ -62,7 +66,7 @@ def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[st
             if value != param.default:
                 argv.append(flag if value else (param.secondary_opts or [flag])[0])
             continue
-        for item in value if isinstance(value, list) else [value]:
+        for item in _as_list(value):
             argv += [flag, str(item)]
     return argv
 
@@ -94,7 +98,7 @@ def load(path: Path, commands: dict[str, Any],
             raise LaionkitError(f"{path}: unknown stage `{stage}`; stages are {', '.join(STAGES)}")
         if not isinstance(spec, dict) or INPUT_KEY not in spec or "output" not in spec:
             raise LaionkitError(f"{where}: needs `input` and `output`")
-        for item in spec[INPUT_KEY] if isinstance(spec[INPUT_KEY], list) else [spec[INPUT_KEY]]:
+        for item in _as_list(spec[INPUT_KEY]):
             if str(item) not in produced and not Path(item).exists():
                 raise LaionkitError(f"{where}: input `{item}` does not exist and no earlier stage writes it")
         steps.append(Step(stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
