@@ -5,8 +5,9 @@ Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random ini
     scheduler, through the same Accelerator) fed by tensors already on the GPU, eager and compiled;
 (b) `laionkit train` on latent shards written by `laionkit encode` (SD-VAE-size and CLIP-L-size
     random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
-(c) raw trainer: the same step with the VAE and text encoder in the loop, reading the JPEG shards with
-    DataLoader workers (decode, resize, crop, tokenize), as diffusers' train_text_to_image.py does;
+(c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
+    DataLoader workers (decode, resize, crop, tokenize), with diffusers' train_text_to_image.py settings
+    (torch's default AdamW, no channels_last, no cuDNN autotuning);
 (ddp, fsdp) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp}.yaml` on 2 GPUs vs (b) on one.
 Every measurement runs in its own process (torch.compile with dynamic=False: one shape per process).
 
@@ -55,8 +56,9 @@ def steady_rate(run: Path) -> dict:
 
 # --- children: one measurement per process ---------------------------------------------------------
 
-def _accelerated_step(config, data):
-    """Model, optimizer and LR scheduler exactly as laionkit.train.run builds them."""
+def _accelerated_step(config, data, diffusers_optimizer: bool = False):
+    """Model, optimizer and LR scheduler exactly as laionkit.train.run builds them (or, for the raw
+    trainer, with the optimizer diffusers' script builds: torch.optim.AdamW with its defaults)."""
     from accelerate import Accelerator
     from diffusers.optimization import get_scheduler
 
@@ -70,7 +72,8 @@ def _accelerated_step(config, data):
     flops = flops_per_sample(unet, data, device)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
-    optimizer = make_optimizer(config, unet.parameters(), config.lr, device)
+    optimizer = (torch.optim.AdamW(unet.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+                 if diffusers_optimizer else make_optimizer(config, unet.parameters(), config.lr, device))
     unet, optimizer = accelerator.prepare(unet, optimizer)
     scheduler = accelerator.prepare(get_scheduler("constant_with_warmup", optimizer=optimizer,
                                                   num_warmup_steps=0, num_training_steps=10**6))
@@ -109,7 +112,8 @@ def child_ceiling(args) -> dict:
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
                          batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
-                         compile_mode=args.compile_mode, channels_last=args.compile)
+                         compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last)
+    torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
     step, device, flops = _accelerated_step(config, data)
     moments = torch.randn(args.batch, *data.moments_shape, device=device).half()
     text = torch.randn(args.batch, *data.text_shape, device=device)
@@ -156,8 +160,8 @@ def child_raw(args) -> dict:
 
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision)
-    step, device, flops = _accelerated_step(config, data)
+                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False)
+    step, device, flops = _accelerated_step(config, data, diffusers_optimizer=True)
     dtype = torch.float32 if args.precision == "no" else torch.bfloat16
     vae = load_vae(str(args.models), dtype=dtype).to(device)
     text_encoder = load_text_encoder(str(args.models), dtype=dtype).to(device)
@@ -217,7 +221,7 @@ def child_argv(out: Path, name: str, mode: str, **kw) -> list[str]:
     for key, value in kw.items():
         if value is True:
             argv.append(f"--{key.replace('_', '-')}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
@@ -247,7 +251,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, runs, logs")
     parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
-    parser.add_argument("--parts", default="a,b,c,ddp", help="comma list of a, b, c, ddp, fsdp, push")
+    parser.add_argument("--parts", default="a,b,c,ddp",
+                        help="comma list of a, b, c, ddp, fsdp, variants (eager ceiling with channels_last, "
+                             "with cuDNN autotuning), push")
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
@@ -266,6 +272,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-mode", default="default")
     parser.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"])
+    parser.add_argument("--channels-last", action="store_true", help="eager ceiling in channels_last")
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="ceiling with cuDNN autotuning")
     parser.add_argument("--unet-config", default="sd15")
     parser.add_argument("--precision", default="bf16")
     args = parser.parse_args()
@@ -310,6 +318,13 @@ def main() -> None:
             if "a" in parts:
                 measure(f"a-{tag}", child_argv(args.out, f"a-{tag}", "ceiling", steps=args.steps,
                                                compile=compiled, **common), env=env)
+            if "variants" in parts and not compiled and resolution == args.resolutions[0]:
+                # Eager step options laionkit leaves off by default; what each would buy.
+                for name, extra in [("channels-last", dict(channels_last=True)),
+                                    ("autotune", dict(cudnn_benchmark=True))]:
+                    name = f"a-{tag}-{name}"
+                    measure(name, child_argv(args.out, name, "ceiling", steps=args.steps, **common, **extra),
+                            env=env)
             if "b" in parts:
                 run = args.out / f"run-b-{tag}"
                 cli = [sys.executable, "-m", "laionkit.cli",
@@ -337,8 +352,9 @@ def main() -> None:
         resolution = args.resolutions[0]
         batch = 4 if args.smoke else SIZES[resolution]
         latents = prepared["data"][resolution][1]
-        for name, extra in [("bs2x", dict(batch=2 * batch)), ("cudnn-attn", dict(sdpa="cudnn")),
-                            ("cudagraphs", dict(compile_mode="reduce-overhead"))]:
+        # Same shapes first (they reuse the compiled ceiling's inductor cache), the new batch shape last.
+        for name, extra in [("cudnn-attn", dict(sdpa="cudnn")), ("cudagraphs", dict(compile_mode="reduce-overhead")),
+                            ("bs2x", dict(batch=2 * batch))]:
             kw = dict(latents=latents, batch=batch, warmup=3, steps=args.steps, compile=not args.smoke,
                       **smoke) | extra
             name = f"push-{resolution}-{name}"
@@ -375,6 +391,10 @@ def report(results: dict[str, dict], args) -> None:
         if b and c:
             print(f"  b/c {resolution} eager: {b / c:.2f}  (target >= 1.6)")
     resolution = args.resolutions[0]
+    for variant in ("channels-last", "autotune"):
+        plain, other = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-eager-{variant}")
+        if plain and other:
+            print(f"  eager ceiling with {variant} / without: {other / plain:.3f}")
     one = rate(f"b-{resolution}-eager")
     for strategy in ("ddp", "fsdp"):
         two = rate(f"{strategy}2-{resolution}-eager")
