@@ -273,6 +273,8 @@ def filter_command(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
     unit_rows: Annotated[int, typer.Option(
         help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads for this rank (default: all cores); units run in parallel, one thread each.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
@@ -286,7 +288,7 @@ def filter_command(
     config = filter_stage.FilterConfig(
         inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
-        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, rank=rank,
+        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
     )
     stats = filter_stage.run(config)

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import queue
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +81,7 @@ class FilterConfig:
     clip_model: str = "ViT-L-14"
     clip_pretrained: str = "openai"
     unit_rows: int = DEFAULT_UNIT_ROWS
+    threads: int | None = None  # DuckDB threads in all; None = every CPU core
     rank: int | None = None
     world_size: int | None = None
     skip_bad: bool = False
@@ -294,6 +298,8 @@ def make_plan(config: FilterConfig) -> Plan:
         )
     if config.unit_rows < 1:
         raise LaionkitError(f"--unit-rows must be >= 1, got {config.unit_rows}")
+    if config.threads is not None and config.threads < 1:
+        raise LaionkitError(f"--threads must be >= 1, got {config.threads}")
     paths = find_inputs(config.inputs)
     npys = match_embeddings(paths, embeddings_by_number(config.embeddings)) if config.embeddings else {}
     files, bad = [], []
@@ -423,16 +429,20 @@ class RuleCounts:
 class UnitFilter:
     """Filters one unit into one part file with two DuckDB queries over the parquet file itself: per-rule
     counts (reads only the rule columns), then ``COPY (SELECT ... WHERE all rules)``, which decodes the
-    other columns only for surviving rows (late materialisation) and streams them to the part file."""
+    other columns only for surviving rows (late materialisation) and streams them to the part file.
 
-    def __init__(self, plan: Plan, clip: ClipChoice, skip_bad: bool, dedup: str | None):
+    One UnitFilter (one DuckDB connection) filters one unit at a time; ``run`` keeps several busy."""
+
+    def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: str | None, threads: int):
         self.plan = plan
-        self.scorers: list[Scorer] = [build_scorer(spec, clip) for spec in plan.scores]
+        self.scorers = scorers
         # DuckDB's own rendering of each parsed expression: exactly one expression, comments gone.
         self.rules = [str(duckdb.SQLExpression(rule.expr)) for rule in plan.rules]
+        # Parsed here, once: referenced_columns uses DuckDB's default connection, which threads cannot share.
+        self.rule_columns = [referenced_columns(rule) for rule in self.rules]
         self.skip_bad = skip_bad
         self.dedup = dedup
-        self.connection = duckdb.connect()
+        self.connection = duckdb.connect(config={"threads": threads})
         # Else DuckDB assumes a parquet float column holds no NaN beyond its min/max statistics (which
         # writers compute without NaN) and folds isnan() to false: NaN scores would pass `>=` rules.
         self.connection.execute("SET parquet_can_have_nan = true").fetchall()
@@ -484,8 +494,8 @@ class UnitFilter:
         floats = {f.name.lower() for f in schema if pa.types.is_floating(f.type)}
         floats |= {alias for alias, name in alias_names(schema.names).items() if name.lower() in floats}
         tested, keep = [], []
-        for rule in self.rules:
-            nan_columns = sorted(name for name in referenced_columns(rule) if name.lower() in floats)
+        for rule, columns in zip(self.rules, self.rule_columns):
+            nan_columns = sorted(name for name in columns if name.lower() in floats)
             keep.append(f"({rule})")
             if nan_columns:
                 test = " OR ".join(f"isnan({quote(name)})" for name in nan_columns)
@@ -529,20 +539,22 @@ class UnitFilter:
         }
         source, output = self.source_sql(unit, file, via_arrow)
         rules, where = self.tested_rules(file)
-        keep = " AND ".join(f"coalesce(__laionkit_r{i}, false)" for i in range(len(rules))) or "true"
+        keep = " AND ".join(f"__laionkit_r{i}" for i in range(len(rules))) or "true"  # null: not kept
         tested = (
             f"(SELECT {', '.join(f'{rule} AS __laionkit_r{i}' for i, rule in enumerate(rules))}"
             f"{', ' if rules else ''}* FROM ({source}))"
         )
-        counts = [
-            f"count(*) FILTER (WHERE NOT __laionkit_r{i}), count(*) FILTER (WHERE __laionkit_r{i} IS NULL)"
-            for i in range(len(rules))
-        ]
-        dedup = quote(self.dedup) if self.dedup else "NULL"
-        counts += [f"count(*) FILTER (WHERE {keep})", f"count(*) FILTER (WHERE {keep} AND {dedup} IS NULL)"]
-        row = self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]
+        # count(r) = rows where r is not null, count_if(r) = rows where r is true: plain aggregates, about
+        # twice as fast as count(*) FILTER (WHERE ...) pairs.
+        counts = ["count(*)"] + [f"count(__laionkit_r{i}), count_if(__laionkit_r{i})" for i in range(len(rules))]
+        counts.append(f"count_if({keep})")
+        if self.dedup:
+            counts.append(f"count_if({keep} AND {quote(self.dedup)} IS NULL)")
+        row = [value or 0 for value in  # count_if over no rows is NULL
+               self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]]
+        total = row[0]
         stats["rules"] = {
-            rule.expr: asdict(RuleCounts(row[2 * i], row[2 * i + 1]))
+            rule.expr: asdict(RuleCounts(dropped=row[1 + 2 * i] - row[2 + 2 * i], nulls=total - row[1 + 2 * i]))
             for i, rule in enumerate(self.plan.rules)
         }
         kept = f"({source}) WHERE {where}"  # the rows passing: keep == where, row for row
@@ -550,7 +562,7 @@ class UnitFilter:
             selected = self.first_occurrences(kept, output, row[-2], row[-1], stats)
         else:
             selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}"
-            stats["rows_out"] = row[-2]
+            stats["rows_out"] = row[-1]
         metadata = literal(json.dumps(stats))
         options = f"FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}}"
         self.connection.execute(f"COPY ({selected}) TO {literal(str(tmp))} ({options})").fetchall()
@@ -667,28 +679,61 @@ def run(config: FilterConfig) -> dict:
     clip = ClipChoice(
         config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
     )
-    worker = UnitFilter(plan, clip, config.skip_bad, config.dedup)
+    scorers = [build_scorer(spec, clip) for spec in plan.scores]
     mine = split(plan.units, rank)
     done = existing_parts(output)
-    todo_rows = sum(u.rows for u in mine if u.index not in done)
+    todo = [unit for unit in mine if unit.index not in done]
     if not config.quiet:
         tqdm.write(
             f"laionkit filter: rank {rank.rank}/{rank.world_size}, {len(mine)} of {len(plan.units)} units "
-            f"({len(mine) - len([u for u in mine if u.index not in done])} already done), "
+            f"({len(mine) - len(todo)} already done), "
             f"{len(plan.rules)} rules, {len(plan.scores)} scores -> {output}"
         )
-    unit_records = []
-    with tqdm(total=todo_rows, unit="rows", unit_scale=True, disable=config.quiet, desc="filter") as progress:
-        for unit in mine:
-            if unit.index in done:
-                unit_records.append(unit_stats_from_part(done[unit.index]))
-                if config.dedup is not None:
+    threads = config.threads or os.cpu_count() or 1
+    progress = tqdm(total=sum(u.rows for u in todo), unit="rows", unit_scale=True, disable=config.quiet,
+                    desc="filter")
+    with progress:
+        if config.dedup is None:
+            filtered = filter_in_parallel(todo, plan, scorers, config, threads, output, rank, progress)
+        else:  # global first occurrence: one unit at a time, in unit order, finished units seeding
+            worker = UnitFilter(plan, scorers, config.skip_bad, config.dedup, threads)
+            filtered = {}
+            for unit in mine:
+                if unit.index in done:
                     worker.seed_seen(done[unit.index])
-                continue
-            unit_records.append(worker.run(unit, part_path(output, rank, unit), progress))
+                else:
+                    filtered[unit.index] = worker.run(unit, part_path(output, rank, unit), progress)
+    unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
     write_json(output / f"stats-{rank.rank:05d}.json", stats)
     return stats
+
+
+def filter_in_parallel(todo: list[Unit], plan: Plan, scorers: list[Scorer], config: FilterConfig, threads: int,
+                       output: Path, rank: Rank, progress: tqdm) -> dict[int, dict]:
+    """Several units at once, one DuckDB thread each: this beats one unit on every thread, whose COPY
+    leaves cores idle while its pipeline starts and its writer flushes (10M rows, 2 cores: 1.3 s vs 1.9 s).
+    Outputs do not depend on the schedule: each unit writes its own part, in its own row order."""
+    parallel = max(1, min(threads, len(todo)))
+    idle: queue.SimpleQueue[UnitFilter] = queue.SimpleQueue()
+    workers = [UnitFilter(plan, scorers, config.skip_bad, None, max(1, threads // parallel)) for _ in range(parallel)]
+    for worker in workers:
+        idle.put(worker)
+
+    def filter_unit(unit: Unit) -> dict:
+        worker = idle.get()
+        try:
+            return worker.run(unit, part_path(output, rank, unit), progress)
+        finally:
+            idle.put(worker)
+
+    with ThreadPoolExecutor(parallel, thread_name_prefix="laionkit-filter") as pool:
+        try:
+            return dict(zip([unit.index for unit in todo], pool.map(filter_unit, todo)))
+        except BaseException:  # a failed unit or Ctrl-C: stop the queries still running, keep no partial part
+            for worker in workers:
+                worker.connection.interrupt()
+            raise
 
 
 def rank_stats(units: list[dict], plan: Plan, rank: Rank, config: FilterConfig, seconds: float) -> dict:

@@ -103,6 +103,17 @@ def test_union_of_ranks_equals_one_rank_row_for_row(sample: Path, tmp_path: Path
     assert sum(s["rows_out"] for s in stats_of(multi)) == stats_of(single)[0]["rows_out"]
 
 
+def test_units_in_parallel_give_the_same_parts_and_stats_as_one_at_a_time(sample: Path, tmp_path: Path):
+    one, many = tmp_path / "one", tmp_path / "many"
+    run_cli("filter", sample, "--output", one, *RULES, "--unit-rows", "100", "--threads", "1", "-q")
+    run_cli("filter", sample, "--output", many, *RULES, "--unit-rows", "100", "--threads", "4", "-q")
+    for path in sorted(one.glob("part-*.parquet")):
+        assert pq.read_table(path).equals(pq.read_table(many / path.name)), path.name
+    assert len(list(many.glob("part-*.parquet"))) == 10
+    same = lambda stats: (stats["rows_in"], stats["rows_out"], stats["rules"])  # noqa: E731
+    assert same(stats_of(many)[0]) == same(stats_of(one)[0])
+
+
 def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_path: Path):
     reference, out = tmp_path / "reference", tmp_path / "out"
     run_cli("filter", sample, "--output", reference, *RULES, "--unit-rows", "100", "-q")
