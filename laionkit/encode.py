@@ -40,7 +40,8 @@ from PIL import Image
 from tqdm import tqdm
 
 from laionkit.common import (
-    LaionkitError, Rank, atomic_output, read_json, resolve_rank, split, versions, write_json,
+    LaionkitError, Rank, atomic_output, read_json, refuse_other_settings, resolve_rank, split, versions,
+    write_json,
 )
 from laionkit.common.models import (
     PRESETS, fingerprint, load_text_encoder, load_tokenizer, load_vae,
@@ -55,6 +56,7 @@ RECORD_SUFFIX = ".stats.json"
 MANIFEST = "manifest.json"
 EMPTY_CAPTION = "empty_caption.npy"
 FORMAT = "laionkit-latents/1"
+RERUN_REMEDY = "write to a new --output or remove the old shards"
 # Samples in flight between stages (in batches); bounds host and GPU memory.
 QUEUE_DEPTH = 4
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
@@ -519,17 +521,8 @@ def shard_complete(output: Path, shard: Path, settings: dict) -> bool:
     if not (output / shard.name).exists() or not record_file.exists():
         return False
     record = read_json(record_file)
-    _check_settings(record_file, record["settings"], settings)
+    refuse_other_settings(record_file, record["settings"], settings, "encoded", RERUN_REMEDY)
     return record["samples_in"] == count_samples(shard)
-
-
-def _check_settings(where: Path, found: dict, wanted: dict) -> None:
-    for name in wanted:
-        if found.get(name) != wanted[name]:
-            raise LaionkitError(
-                f"{where} was encoded with different {name} ({json.dumps(found.get(name))[:200]}) than this "
-                f"run ({json.dumps(wanted[name])[:200]}); write to a new --output or remove the old shards"
-            )
 
 
 def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
@@ -639,7 +632,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     settings = _settings(config, encoders, buckets)
     for record_file in sorted(config.output.glob("*" + RECORD_SUFFIX)):
-        _check_settings(record_file, read_json(record_file)["settings"], settings)
+        refuse_other_settings(record_file, read_json(record_file)["settings"], settings, "encoded", RERUN_REMEDY)
     empty_path = config.output / EMPTY_CAPTION
     if not empty_path.exists():
         with atomic_output(empty_path, shared=True) as tmp:

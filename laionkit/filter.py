@@ -39,6 +39,7 @@ from laionkit.common import (
     Rank,
     atomic_output,
     read_json,
+    refuse_other_settings,
     resolve_rank,
     split,
     versions,
@@ -639,15 +640,8 @@ def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> Non
     """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
     plan_path = output / PLAN_NAME
     if plan_path.exists() and not overwrite:
-        previous = read_json(plan_path)
-        if previous != plan.record:
-            changed = sorted(
-                key for key in set(previous) | set(plan.record) if previous.get(key) != plan.record.get(key)
-            )
-            raise LaionkitError(
-                f"{output} holds a filter run with other {', '.join(changed)}; "
-                "use --overwrite to redo it, or another --output"
-            )
+        refuse_other_settings(plan_path, read_json(plan_path), plan.record, "filtered",
+                              "use --overwrite to redo it, or another --output")
     output.mkdir(parents=True, exist_ok=True)
     if overwrite:
         for unit, path in existing_parts(output).items():

@@ -38,7 +38,9 @@ from rich.console import Console, Group
 from rich.table import Table
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, read_json, resolve_rank, split, versions, write_json
+from laionkit.common import (
+    LaionkitError, read_json, refuse_other_settings, resolve_rank, split, versions, write_json,
+)
 from laionkit.common.columns import find_column
 from laionkit.common.outputs import partial_path
 
@@ -340,12 +342,9 @@ def check_done_record(record_path: Path, task: ShardTask, options: dict[str, Any
             f"{record_path} was packed from {record.get('input')}, but this run plans {planned} for that "
             "shard: the input changed; use a new --output"
         )
-    changed = [key for key in OUTPUT_SHAPING_OPTIONS if record.get("options", {}).get(key) != options[key]]
-    if changed:
-        was = ", ".join(f"{key}={record['options'].get(key)!r}" for key in changed)
-        raise LaionkitError(
-            f"{record_path} was packed with {was}; rerun with the same options or a new --output"
-        )
+    shaping = lambda values: {key: values.get(key) for key in OUTPUT_SHAPING_OPTIONS}  # noqa: E731
+    refuse_other_settings(record_path, shaping(record.get("options", {})), shaping(options), "packed",
+                          "rerun with the same options or a new --output")
 
 
 @contextmanager

@@ -187,7 +187,7 @@ def test_rerun_with_other_settings_is_refused(tmp_path, image_shards, tiny_model
     result = run_cli("encode", image_shards, "--model", tiny_models, "--output", tmp_path / "out",
                      "--resolution", "128", "--workers", "0", check=False)
     assert result.returncode == 2
-    assert "different resolution" in result.stderr and "00000.stats.json" in result.stderr
+    assert "with other resolution" in result.stderr and "00000.stats.json" in result.stderr
 
 
 def test_changed_input_shard_is_redone(tmp_path, image_shards, tiny_models, latent_shards, realdata):

@@ -231,7 +231,7 @@ def test_resume_with_other_options_is_refused(packed, input_parquet):
         "pack", input_parquet, "--output", packed, *PACK_OPTIONS, "--image-size", "256", check=False
     )
     assert result.returncode == 2
-    assert "00000_stats.json was packed with image_size=512" in result.stderr
+    assert "00000_stats.json was packed with other image_size (image_size=512; this run:" in result.stderr
 
 
 def test_missing_url_column_names_the_file_and_the_columns(tmp_path):

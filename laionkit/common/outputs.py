@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from laionkit.common.errors import LaionkitError
+
 PARTIAL_SUFFIX = ".partial"
 
 VERSIONED_PACKAGES = (
@@ -68,6 +70,17 @@ def write_json(path: str | os.PathLike[str], obj: Any, shared: bool = False) -> 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def refuse_other_settings(record: Path, found: dict, wanted: dict, made: str, remedy: str) -> None:
+    """Outputs in one folder must come from one set of settings: a rerun with others is refused,
+    naming every setting that differs, its recorded value and this run's."""
+    changed = [key for key in sorted(set(found) | set(wanted)) if found.get(key) != wanted.get(key)]
+    if changed:
+        show = lambda values: ", ".join(f"{key}={json.dumps(values.get(key), default=str)[:200]}"  # noqa: E731
+                                        for key in changed)
+        raise LaionkitError(f"{record} was {made} with other {', '.join(changed)} ({show(found)}; this run: "
+                            f"{show(wanted)}); {remedy}")
 
 
 def versions() -> dict[str, str]:
