@@ -724,7 +724,8 @@ def filter_in_parallel(todo: list[Unit], plan: Plan, scorers: list[Scorer], conf
     with ThreadPoolExecutor(parallel, thread_name_prefix="laionkit-filter") as pool:
         try:
             return dict(zip([unit.index for unit in todo], pool.map(filter_unit, todo)))
-        except BaseException:  # a failed unit or Ctrl-C: stop the queries still running, keep no partial part
+        except BaseException:  # a failed unit or Ctrl-C: start no more units, stop the running ones
+            pool.shutdown(wait=False, cancel_futures=True)
             for worker in workers:
                 worker.connection.interrupt()
             raise
