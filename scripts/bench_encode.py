@@ -6,7 +6,12 @@ generated here, eager and with --compile. Prints img/s, the ratio b/a, the CPU w
 the JPEGs were decoded. Models are random-init at real sizes: the SD VAE (block_out_channels
 128,256,512,512) and CLIP ViT-L/14's text encoder (12 layers, 768 wide, 77 tokens).
 
+With --gpus 2 4 8, also (c) `laionkit encode` eager on N GPUs (torchrun, one rank per GPU, the same
+shards): aggregate img/s = all samples / the slowest rank's seconds, and the scaling efficiency against
+the one-GPU eager run.
+
     python scripts/bench_encode.py --out results/            # on the GPU machine (about 5 minutes)
+    python scripts/bench_encode.py --out results/ --modes eager --decodes cpu --gpus 2 4 8
     python scripts/bench_encode.py --smoke --out /tmp/bench  # CPU, tiny models, minutes
 """
 
@@ -18,6 +23,7 @@ import os
 import platform
 import random
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -116,6 +122,30 @@ def ceiling(encoders: Encoders, batch_size: int, resolution: int, seconds: float
         return steps * batch_size / (time.perf_counter() - started)
 
 
+def rank_child(spec: str, out: Path) -> None:
+    """One torchrun rank of the multi-GPU run: encode its shards, write its summary."""
+    fields = json.loads(spec)
+    config = EncodeConfig(**{**fields, "shards": tuple(fields["shards"]), "output": Path(fields["output"])})
+    summary = run(config, log=lambda _: None)
+    (out / f"rank-{summary['rank']:03d}.json").write_text(json.dumps(summary))
+
+
+def multi_gpu(config: EncodeConfig, gpus: int, out: Path) -> dict:
+    """(c): `laionkit encode` on ``gpus`` ranks over the same shards; aggregate img/s and per-rank facts."""
+    ranks = out / f"ranks-{gpus}"
+    shutil.rmtree(ranks, ignore_errors=True)
+    shutil.rmtree(config.output, ignore_errors=True)
+    ranks.mkdir(parents=True)
+    spec = {**config.__dict__, "output": str(config.output), "decode": "cpu",
+            "workers": max(1, (os.cpu_count() or 2) // gpus - 1)}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), __file__,
+                    "--out", str(ranks), "--rank-child", json.dumps(spec)], check=True)
+    summaries = [json.loads(path.read_text()) for path in sorted(ranks.glob("rank-*.json"))]
+    samples = sum(summary["samples_out"] for summary in summaries)
+    return {"gpus": gpus, "samples": samples, "img_s": samples / max(s["seconds"] for s in summaries),
+            "workers_per_rank": spec["workers"], "rank_seconds": [round(s["seconds"], 2) for s in summaries]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (bench_encode.json)")
@@ -129,7 +159,12 @@ def main() -> None:
                         help="encode's --decode values to run in every mode (gpu needs CUDA)")
     parser.add_argument("--ceiling-seconds", type=float, default=4.0)
     parser.add_argument("--smoke", action="store_true", help="tiny models, tiny images, CPU: checks the script")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[], help="also encode on N GPUs (eager, torchrun)")
+    parser.add_argument("--rank-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank_child:
+        rank_child(args.rank_child, args.out)
+        return
     if args.smoke:
         args.resolutions, args.images, args.batch_size, args.ceiling_seconds = [64], [1024], 16, 1.0
         args.workers = min(args.workers, 2)
@@ -186,6 +221,17 @@ def main() -> None:
                 except Exception:  # noqa: BLE001 - as above
                     row[f"error_{decode}"] = traceback.format_exc()
                     print(row[f"error_{decode}"], file=sys.stderr, flush=True)
+            if mode == "eager":
+                for gpus in args.gpus:
+                    try:
+                        scaled = multi_gpu(config, gpus, args.work)
+                        one = row.get("encode_cpu_img_s") or row.get("encode_gpu_img_s")
+                        scaled["efficiency"] = scaled["img_s"] / (gpus * one) if one else None
+                        row.setdefault("multi_gpu", []).append(scaled)
+                        print(f"{resolution}px eager on {gpus} GPUs: {scaled}", flush=True)
+                    except Exception:  # noqa: BLE001 - as above
+                        row[f"error_gpus_{gpus}"] = traceback.format_exc()
+                        print(row[f"error_gpus_{gpus}"], file=sys.stderr, flush=True)
             results["runs"].append(row)
             save()
             del encoders
@@ -201,6 +247,10 @@ def main() -> None:
                 print(f"| {row['resolution']} | {row['mode']} | {row['ceiling_img_s']:.0f} | "
                       f"{row[f'encode_{decode}_img_s']:.0f} ({decode}) | {row[f'ratio_{decode}']:.3f} | "
                       f"{row['workers']} |")
+    for row in results["runs"]:
+        for scaled in row.get("multi_gpu", []):
+            print(f"{row['resolution']} px eager, {scaled['gpus']} GPUs: {scaled['img_s']:.0f} img/s, scaling "
+                  f"efficiency {scaled['efficiency'] or float('nan'):.3f} (target at 8 GPUs: 7.8x = 0.975)")
     print(f"total {time.perf_counter() - started:.0f}s")
 
 

@@ -8,7 +8,8 @@ Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random ini
 (c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
     DataLoader workers (decode, resize, crop, tokenize), with diffusers' train_text_to_image.py settings
     (torch's default AdamW, no channels_last, no cuDNN autotuning);
-(ddp, fsdp) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp}.yaml` on 2 GPUs vs (b) on one.
+(ddp, fsdp) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp}.yaml` on each GPU count
+    of --gpus (default 2) vs (b) on one: samples/s, speed-up and scaling efficiency.
 Every measurement runs in its own process (torch.compile with dynamic=False: one shape per process).
 
     python scripts/bench_train.py --out results/                 # GPU machine
@@ -18,6 +19,7 @@ Every measurement runs in its own process (torch.compile with dynamic=False: one
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -259,6 +261,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per measurement")
     parser.add_argument("--budget", type=float, default=520, help="seconds; later measurements are skipped")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="GPU counts for the ddp / fsdp parts")
     # child-only arguments
     parser.add_argument("--child", choices=["ceiling", "raw"])
     parser.add_argument("--name")
@@ -334,7 +337,7 @@ def main() -> None:
                 measure(f"c-{tag}", child_argv(args.out, f"c-{tag}", "raw", steps=args.steps, jpegs=jpegs,
                                                models=prepared["models"], resolution=resolution, **common),
                         env=env)
-        for strategy in ("ddp", "fsdp"):  # 2 GPUs through the launch configs in train/, vs b on one GPU
+        for strategy, gpus in itertools.product(("ddp", "fsdp"), args.gpus):  # the launch configs in train/
             if strategy not in parts or compiled:
                 continue
             resolution = args.resolutions[0]
@@ -342,12 +345,12 @@ def main() -> None:
             log_every = max(2, args.steps // 3)
             run = args.out / f"run-{strategy}"
             launch = [sys.executable, "-m", "accelerate.commands.launch",
-                      "--config_file", str(REPO / "train" / f"{strategy}.yaml"), "--num_processes", "2",
+                      "--config_file", str(REPO / "train" / f"{strategy}.yaml"), "--num_processes", str(gpus),
                       *(["--cpu", "--mixed_precision", "no"] if args.smoke else [])]
             latents = prepared["data"][resolution][1]
             cli = [*launch, "-m", "laionkit.cli",
                    *train_args(latents, run, batch, log_every * 4, log_every, False, args.smoke)]
-            measure(f"{strategy}2-{resolution}-eager", cli, run=run, env=env)
+            measure(f"{strategy}{gpus}-{resolution}-eager", cli, run=run, env=env)
     if "push" in parts:
         resolution = args.resolutions[0]
         batch = 4 if args.smoke else SIZES[resolution]
@@ -396,10 +399,11 @@ def report(results: dict[str, dict], args) -> None:
         if plain and other:
             print(f"  eager ceiling with {variant} / without: {other / plain:.3f}")
     one = rate(f"b-{resolution}-eager")
-    for strategy in ("ddp", "fsdp"):
-        two = rate(f"{strategy}2-{resolution}-eager")
-        if one and two:
-            print(f"  {strategy} 2 GPU / 1 GPU {resolution} eager: {two / one:.2f}  (target >= 1.9)")
+    for strategy, gpus in itertools.product(("ddp", "fsdp"), args.gpus):
+        many = rate(f"{strategy}{gpus}-{resolution}-eager")
+        if one and many:
+            print(f"  {strategy} {gpus} GPUs / 1 GPU {resolution} eager: {many / one:.2f}x, scaling efficiency "
+                  f"{many / one / gpus:.3f}  (targets: 1.9x at 2, 7.5x at 8 for DDP)")
     eager, compiled = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-compiled")
     for name in results:
         if name.startswith("push-") and rate(name) and eager:
