@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from laionkit import __version__
-from laionkit.common import LaionkitError
+from laionkit.common import LaionkitError, available_cpus
 
 app = typer.Typer(
     name="laionkit",
@@ -221,14 +221,13 @@ def pack(
 ) -> None:
     """Download the URLs of parquet rows with img2dataset into WebDataset shards (`key.jpg/.txt/.json`),
     keeping every input column in each sample's json; writes DIR/manifest.json."""
-    import os
 
     from laionkit.pack import PackConfig, run
 
     config = PackConfig(
         inputs=tuple(inputs), output=output, image_size=image_size, resize_mode=resize_mode,
         min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio, max_image_area=max_image_area,
-        encode_format=encode_format, encode_quality=encode_quality, processes=processes or os.cpu_count() or 1,
+        encode_format=encode_format, encode_quality=encode_quality, processes=processes or available_cpus(),
         threads=threads, timeout=timeout, retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
         quiet=quiet,
@@ -274,7 +273,7 @@ def filter_command(
     unit_rows: Annotated[int, typer.Option(
         help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
     threads: Annotated[Optional[int], typer.Option(
-        help="CPU threads for this rank (default: all cores); units run in parallel, one thread each.")] = None,
+        help="CPU threads for this rank (default: the CPUs it may use); units run in parallel, one thread each.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,

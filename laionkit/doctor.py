@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from laionkit.common import LaionkitError
+from laionkit.common import LaionkitError, available_cpus
 
 PACKAGES = ("laionkit", "torch", "torchvision", "diffusers", "transformers", "accelerate", "webdataset",
             "img2dataset", "open_clip_torch", "pyarrow", "duckdb", "deepspeed", "nvidia-ml-py")
@@ -49,7 +49,7 @@ def environment() -> list[Check]:
                                               f"sm_{props.major}{props.minor}", "ok"))
     else:
         rows.append(Check("GPUs", "0 visible", "missing: training and encode run on CPU (slow)"))
-    rows.append(Check("CPU cores", str(os.cpu_count()), "ok"))
+    rows.append(Check("CPU cores", f"{available_cpus()} usable of {os.cpu_count()}", "ok"))
     return rows
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import re
 import time
@@ -38,6 +37,7 @@ from laionkit.common import (
     LaionkitError,
     Rank,
     atomic_output,
+    available_cpus,
     read_json,
     refuse_other_settings,
     resolve_rank,
@@ -82,7 +82,7 @@ class FilterConfig:
     clip_model: str = "ViT-L-14"
     clip_pretrained: str = "openai"
     unit_rows: int = DEFAULT_UNIT_ROWS
-    threads: int | None = None  # DuckDB threads in all; None = every CPU core
+    threads: int | None = None  # DuckDB threads in all; None = every CPU this process may use
     rank: int | None = None
     world_size: int | None = None
     skip_bad: bool = False
@@ -683,7 +683,7 @@ def run(config: FilterConfig) -> dict:
             f"({len(mine) - len(todo)} already done), "
             f"{len(plan.rules)} rules, {len(plan.scores)} scores -> {output}"
         )
-    threads = config.threads or os.cpu_count() or 1
+    threads = config.threads or available_cpus()
     progress = tqdm(total=sum(u.rows for u in todo), unit="rows", unit_scale=True, disable=config.quiet,
                     desc="filter")
     with progress:

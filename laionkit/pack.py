@@ -39,7 +39,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from laionkit.common import (
-    LaionkitError, read_json, refuse_other_settings, resolve_rank, split, versions, write_json,
+    LaionkitError, available_cpus, read_json, refuse_other_settings, resolve_rank, split, versions, write_json,
 )
 from laionkit.common.columns import find_column
 from laionkit.common.outputs import partial_path
@@ -82,7 +82,7 @@ class PackConfig:
     max_image_area: int = DEFAULT_MAX_IMAGE_AREA  # 0 turns the guard off
     encode_format: str = "jpg"
     encode_quality: int = 95
-    processes: int = field(default_factory=lambda: os.cpu_count() or 1)
+    processes: int = field(default_factory=available_cpus)
     threads: int = 64
     timeout: float = 10.0
     retries: int = 0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from laionkit.common import LaionkitError, Rank, resolve_rank, split
+from laionkit.common import LaionkitError, Rank, available_cpus, resolve_rank, split
 
 
 @pytest.mark.parametrize(
@@ -47,3 +51,12 @@ def test_split_covers_every_unit_exactly_once(n_units, world_size):
     assert sorted(u for part in parts for u in part) == units
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
     assert parts == [split(units, Rank(r, world_size)) for r in range(world_size)]  # deterministic
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_available_cpus_follows_the_affinity_slurm_and_taskset_set():
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); " \
+           "from laionkit.common import available_cpus; print(available_cpus())"
+    confined = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert confined.stdout.strip() == "1"
+    assert available_cpus() == len(os.sched_getaffinity(0))

@@ -24,6 +24,14 @@ ENV_SOURCES = (
 )
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity: what Slurm's --cpus-per-task or taskset allow), not the
+    machine's count, so per-rank thread pools do not oversubscribe a shared node."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class Rank:
     rank: int = 0
