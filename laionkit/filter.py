@@ -17,6 +17,7 @@ otherwise); resume stays exact because finished parts' values seed the set of va
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import queue
@@ -283,6 +284,14 @@ class Plan:
     def plan_id(self) -> str:
         return plan_id(self.record)
 
+    @functools.cached_property
+    def parsed_rules(self) -> list[tuple[str, set[str]]]:
+        """Each rule as DuckDB renders it (exactly one expression, comments gone) and the columns it reads.
+        Parsed once, on the main thread: referenced_columns uses DuckDB's default connection, which the
+        unit threads cannot share."""
+        rendered = [str(duckdb.SQLExpression(rule.expr)) for rule in self.rules]
+        return [(rule, referenced_columns(rule)) for rule in rendered]
+
 
 def plan_id(record: dict) -> str:
     """Names a plan in every rank's stats, so stats of another (older) plan in the folder are ignored."""
@@ -437,10 +446,7 @@ class UnitFilter:
     def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: str | None, threads: int):
         self.plan = plan
         self.scorers = scorers
-        # DuckDB's own rendering of each parsed expression: exactly one expression, comments gone.
-        self.rules = [str(duckdb.SQLExpression(rule.expr)) for rule in plan.rules]
-        # Parsed here, once: referenced_columns uses DuckDB's default connection, which threads cannot share.
-        self.rule_columns = [referenced_columns(rule) for rule in self.rules]
+        self.rules = plan.parsed_rules  # parsed on the thread that builds the workers
         self.skip_bad = skip_bad
         self.dedup = dedup
         self.connection = duckdb.connect(config={"threads": threads})
@@ -495,7 +501,7 @@ class UnitFilter:
         floats = {f.name.lower() for f in schema if pa.types.is_floating(f.type)}
         floats |= {alias for alias, name in alias_names(schema.names).items() if name.lower() in floats}
         tested, keep = [], []
-        for rule, columns in zip(self.rules, self.rule_columns):
+        for rule, columns in self.rules:
             nan_columns = sorted(name for name in columns if name.lower() in floats)
             keep.append(f"({rule})")
             if nan_columns:
