@@ -1,8 +1,9 @@
 """Benchmark `laionkit train` against the train-step ceiling and a raw trainer (not a test; docs/BENCHMARKS.md).
 
 Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
-(a) ceiling: the same train step (laionkit.train.diffusion_loss, backward, clipping, optimizer, LR
-    scheduler, through the same Accelerator) fed by tensors already on the GPU, eager and compiled;
+(a) ceiling: the same train step (laionkit.train.diffusion_loss, backward, apply_gradients with the
+    same MasterWeights policy, LR scheduler, through the same Accelerator) fed by tensors already on the
+    GPU, eager and compiled; `autocast`: the same with autocast over fp32 weights (--no-bf16-weights);
 (b) `laionkit train` on latent shards written by `laionkit encode` (SD-VAE-size and CLIP-L-size
     random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
 (c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
@@ -64,7 +65,9 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
     from accelerate import Accelerator
     from diffusers.optimization import get_scheduler
 
-    from laionkit.train import build_unet, flops_per_sample, load_noise_scheduler, make_optimizer
+    from laionkit.train import (
+        MasterWeights, apply_gradients, build_unet, flops_per_sample, load_noise_scheduler, make_optimizer,
+    )
 
     accelerator = Accelerator(mixed_precision=config.mixed_precision, step_scheduler_with_optimizer=False,
                               cpu=not torch.cuda.is_available())
@@ -74,8 +77,10 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
     flops = flops_per_sample(unet, data, device)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
-    optimizer = (torch.optim.AdamW(unet.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-                 if diffusers_optimizer else make_optimizer(config, unet.parameters(), config.lr, device))
+    master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
+    trained = master.master if master is not None else list(unet.parameters())
+    optimizer = (torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
+                 if diffusers_optimizer else make_optimizer(config, trained, config.lr, device))
     unet, optimizer = accelerator.prepare(unet, optimizer)
     scheduler = accelerator.prepare(get_scheduler("constant_with_warmup", optimizer=optimizer,
                                                   num_warmup_steps=0, num_training_steps=10**6))
@@ -88,13 +93,11 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
 
         loss = diffusion_loss(model, moments, text, empty, noise_scheduler, config, data, generator)
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(unet.parameters(), config.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
         scheduler.step()
         return loss
 
-    return step, device, flops
+    return step, device, flops, next(unet.parameters()).dtype
 
 
 def _sync(device) -> None:
@@ -114,12 +117,13 @@ def child_ceiling(args) -> dict:
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
                          batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
-                         compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last)
+                         compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last,
+                         bf16_weights=not args.autocast)
     torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
-    step, device, flops = _accelerated_step(config, data)
+    step, device, flops, dtype = _accelerated_step(config, data)
     moments = torch.randn(args.batch, *data.moments_shape, device=device).half()
-    text = torch.randn(args.batch, *data.text_shape, device=device)
-    empty = data.empty_caption.to(device).float()
+    text = torch.randn(args.batch, *data.text_shape, device=device, dtype=dtype)
+    empty = data.empty_caption.to(device, dtype)
     for _ in range(args.warmup):
         step(moments, text, empty)
     _sync(device)
@@ -162,8 +166,9 @@ def child_raw(args) -> dict:
 
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False)
-    step, device, flops = _accelerated_step(config, data, diffusers_optimizer=True)
+                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False,
+                         bf16_weights=False)  # diffusers' scripts: autocast over fp32 weights
+    step, device, flops, _ = _accelerated_step(config, data, diffusers_optimizer=True)
     dtype = torch.float32 if args.precision == "no" else torch.bfloat16
     vae = load_vae(str(args.models), dtype=dtype).to(device)
     text_encoder = load_text_encoder(str(args.models), dtype=dtype).to(device)
@@ -254,8 +259,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
     parser.add_argument("--parts", default="a,b,c,ddp",
-                        help="comma list of a, b, c, ddp, fsdp, variants (eager ceiling with channels_last, "
-                             "with cuDNN autotuning), push")
+                        help="comma list of a, b, c, ddp, fsdp, autocast (eager ceiling with autocast over fp32 "
+                             "weights), variants (eager ceiling with channels_last, with cuDNN autotuning), push")
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
@@ -277,6 +282,7 @@ def main() -> None:
     parser.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"])
     parser.add_argument("--channels-last", action="store_true", help="eager ceiling in channels_last")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="ceiling with cuDNN autotuning")
+    parser.add_argument("--autocast", action="store_true", help="ceiling with autocast over fp32 weights")
     parser.add_argument("--unet-config", default="sd15")
     parser.add_argument("--precision", default="bf16")
     args = parser.parse_args()
@@ -321,6 +327,10 @@ def main() -> None:
             if "a" in parts:
                 measure(f"a-{tag}", child_argv(args.out, f"a-{tag}", "ceiling", steps=args.steps,
                                                compile=compiled, **common), env=env)
+            if "autocast" in parts and not compiled:  # the step under the policy --no-bf16-weights keeps
+                name = f"a-{tag}-autocast"
+                measure(name, child_argv(args.out, name, "ceiling", steps=args.steps, autocast=True, **common),
+                        env=env)
             if "variants" in parts and not compiled and resolution == args.resolutions[0]:
                 # Eager step options laionkit leaves off by default; what each would buy.
                 for name, extra in [("channels-last", dict(channels_last=True)),
@@ -393,6 +403,10 @@ def report(results: dict[str, dict], args) -> None:
         b, c = rate(f"b-{resolution}-eager"), rate(f"c-{resolution}-eager")
         if b and c:
             print(f"  b/c {resolution} eager: {b / c:.2f}  (target >= 1.6)")
+    for resolution in args.resolutions:
+        plain, autocast = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-eager-autocast")
+        if plain and autocast:
+            print(f"  eager ceiling {resolution}, bf16 weights + fp32 master / autocast: {plain / autocast:.3f}")
     resolution = args.resolutions[0]
     for variant in ("channels-last", "autotune"):
         plain, other = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-eager-{variant}")

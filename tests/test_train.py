@@ -102,6 +102,41 @@ def test_overfit_validate_export(latent_shards, tmp_path):
         assert unet.config.in_channels == 4 and unet.config.cross_attention_dim == 32
 
 
+def _checkpoint_dtypes(checkpoint: Path) -> set:
+    from safetensors.torch import load_file
+
+    return {tensor.dtype for tensor in load_file(checkpoint / "model.safetensors").values()}
+
+
+def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export(latent_shards, tmp_path):
+    """--mixed-precision bf16: the model trains in bf16 while fp32 master weights (not their bf16
+    rounding) resume exactly and are exported; --no-bf16-weights keeps fp32 weights under autocast."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    args = (*TINY, "--batch-size", "4", "--workers", "0", "--mixed-precision", "bf16", "--checkpoint-every", "3")
+    whole = tmp_path / "whole"
+    run_cli("train", latent_shards, "--output", whole, *args, "--max-steps", "6", "--log-every", "1")
+    assert _checkpoint_dtypes(whole / "checkpoints" / "step-00000003") == {torch.bfloat16}
+    exported = [p.detach() for p in UNet2DConditionModel.from_pretrained(whole / "unet").parameters()]
+    assert all(w.dtype == torch.float32 for w in exported)
+    assert any((w != w.bfloat16().float()).any() for w in exported), "exported the bf16 rounding"
+
+    resumed = tmp_path / "resumed"
+    run_cli("train", latent_shards, "--output", resumed, *args, "--max-steps", "6", "--log-every", "1",
+            "--resume", whole / "checkpoints" / "step-00000003")
+    expected, got = metrics(whole), metrics(resumed)
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    again = [p.detach() for p in UNet2DConditionModel.from_pretrained(resumed / "unet").parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(exported, again))
+
+    autocast = tmp_path / "autocast"
+    run_cli("train", latent_shards, "--output", autocast, *args, "--max-steps", "3", "--no-bf16-weights")
+    assert _checkpoint_dtypes(autocast / "checkpoints" / "step-00000003") == {torch.float32}
+
+
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
     uneven = reshard(latent_shards, [5, 2, 1], tmp_path / "uneven")
     run = tmp_path / "run"
