@@ -346,7 +346,7 @@ def train_command(
     max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm (0: no clipping).")] = 1.0,
     optimizer: Annotated[str, typer.Option(help="adamw (fused on GPU) or adamw8bit (bitsandbytes).")] = "adamw",
     mixed_precision: Annotated[Optional[str], typer.Option(help="no, fp16 or bf16 (default: the accelerate config's, else no).")] = None,
-    bf16_weights: Annotated[bool, typer.Option(help="With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the optimizer, EMA and checkpoints (+11% samples/s). --no-bf16-weights: autocast over fp32 weights, as diffusers' scripts do.")] = True,
+    bf16_weights: Annotated[Optional[bool], typer.Option("--bf16-weights/--no-bf16-weights", help="With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the optimizer, EMA and checkpoints (+11% samples/s eager). --no-bf16-weights: autocast over fp32 weights, as diffusers' scripts do. Default: on, off with --compile (autocast measured faster compiled).")] = None,
     ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Trade compute for activation memory.")] = False,

@@ -3,7 +3,8 @@
 Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
 (a) ceiling: the same train step (laionkit.train.diffusion_loss, backward, apply_gradients with the
     same MasterWeights policy, LR scheduler, through the same Accelerator) fed by tensors already on the
-    GPU, eager and compiled; `autocast`: the same with autocast over fp32 weights (--no-bf16-weights);
+    GPU, eager and compiled; `precision`: the same under the other precision policy (eager: autocast
+    over fp32 weights, --no-bf16-weights; compiled: bf16 weights with fp32 master, --bf16-weights);
 (b) `laionkit train` on latent shards written by `laionkit encode` (SD-VAE-size and CLIP-L-size
     random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
 (c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
@@ -118,7 +119,7 @@ def child_ceiling(args) -> dict:
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
                          batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
                          compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last,
-                         bf16_weights=not args.autocast)
+                         bf16_weights=args.bf16_weights)
     torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
     step, device, flops, dtype = _accelerated_step(config, data)
     moments = torch.randn(args.batch, *data.moments_shape, device=device).half()
@@ -259,8 +260,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
     parser.add_argument("--parts", default="a,b,c,ddp",
-                        help="comma list of a, b, c, ddp, fsdp, autocast (eager ceiling with autocast over fp32 "
-                             "weights), variants (eager ceiling with channels_last, with cuDNN autotuning), push")
+                        help="comma list of a, b, c, ddp, fsdp, precision (ceiling under the other precision "
+                             "policy), variants (eager ceiling with channels_last, with cuDNN autotuning), push")
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
     parser.add_argument("--images", type=int, default=1024, help="JPEGs (= latent samples) per resolution")
@@ -282,7 +283,8 @@ def main() -> None:
     parser.add_argument("--sdpa", choices=["flash", "cudnn", "efficient"])
     parser.add_argument("--channels-last", action="store_true", help="eager ceiling in channels_last")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="ceiling with cuDNN autotuning")
-    parser.add_argument("--autocast", action="store_true", help="ceiling with autocast over fp32 weights")
+    parser.add_argument("--bf16-weights", action=argparse.BooleanOptionalAction,
+                        help="ceiling with bf16 weights + fp32 master (or autocast); default: laionkit's choice")
     parser.add_argument("--unet-config", default="sd15")
     parser.add_argument("--precision", default="bf16")
     args = parser.parse_args()
@@ -327,10 +329,12 @@ def main() -> None:
             if "a" in parts:
                 measure(f"a-{tag}", child_argv(args.out, f"a-{tag}", "ceiling", steps=args.steps,
                                                compile=compiled, **common), env=env)
-            if "autocast" in parts and not compiled:  # the step under the policy --no-bf16-weights keeps
-                name = f"a-{tag}-autocast"
-                measure(name, child_argv(args.out, name, "ceiling", steps=args.steps, autocast=True, **common),
-                        env=env)
+            if "precision" in parts:  # the policy laionkit does not pick in this mode
+                other = "bf16-weights" if compiled else "autocast"
+                name = f"a-{tag}-{other}"
+                flag = "--bf16-weights" if compiled else "--no-bf16-weights"
+                measure(name, [*child_argv(args.out, name, "ceiling", steps=args.steps, compile=compiled, **common),
+                               flag], env=env)
             if "variants" in parts and not compiled and resolution == args.resolutions[0]:
                 # Eager step options laionkit leaves off by default; what each would buy.
                 for name, extra in [("channels-last", dict(channels_last=True)),
@@ -403,10 +407,11 @@ def report(results: dict[str, dict], args) -> None:
         b, c = rate(f"b-{resolution}-eager"), rate(f"c-{resolution}-eager")
         if b and c:
             print(f"  b/c {resolution} eager: {b / c:.2f}  (target >= 1.6)")
-    for resolution in args.resolutions:
-        plain, autocast = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-eager-autocast")
-        if plain and autocast:
-            print(f"  eager ceiling {resolution}, bf16 weights + fp32 master / autocast: {plain / autocast:.3f}")
+    for resolution, mode in itertools.product(args.resolutions, ("eager", "compiled")):
+        bf16 = rate(f"a-{resolution}-{mode}" if mode == "eager" else f"a-{resolution}-{mode}-bf16-weights")
+        autocast = rate(f"a-{resolution}-{mode}-autocast" if mode == "eager" else f"a-{resolution}-{mode}")
+        if bf16 and autocast:
+            print(f"  {mode} ceiling {resolution}, bf16 weights + fp32 master / autocast: {bf16 / autocast:.3f}")
     resolution = args.resolutions[0]
     for variant in ("channels-last", "autotune"):
         plain, other = rate(f"a-{resolution}-eager"), rate(f"a-{resolution}-eager-{variant}")
