@@ -137,6 +137,29 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     assert _checkpoint_dtypes(autocast / "checkpoints" / "step-00000003") == {torch.float32}
 
 
+@pytest.mark.parametrize("precision, strategy, compile, chosen, expected", [
+    ("bf16", "NO", False, None, True),            # eager: bf16 weights (measured faster)
+    ("bf16", "NO", True, None, False),            # compiled: autocast (measured faster)
+    ("bf16", "MULTI_GPU", True, True, True),      # asked for
+    ("bf16", "MULTI_GPU", False, False, False),   # refused
+    ("fp16", "NO", False, None, False),           # fp16 weights would need loss scaling: autocast
+    ("no", "NO", False, True, False),
+    ("bf16", "FSDP", False, True, False),         # FSDP2 and DeepSpeed own their precision
+    ("bf16", "DEEPSPEED", False, True, False),
+])
+def test_master_weights_are_used_where_chosen(tmp_path, precision, strategy, compile, chosen, expected):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from laionkit.train import MasterWeights, TrainConfig
+
+    config = TrainConfig(latents=tmp_path, output=tmp_path, unet_config="tiny", max_steps=1,
+                         mixed_precision=precision, compile=compile, bf16_weights=chosen)
+    accelerator = SimpleNamespace(mixed_precision=precision, distributed_type=DistributedType[strategy])
+    assert MasterWeights.wanted(config, accelerator) is expected
+
+
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
     uneven = reshard(latent_shards, [5, 2, 1], tmp_path / "uneven")
     run = tmp_path / "run"
