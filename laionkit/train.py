@@ -308,7 +308,8 @@ class MasterWeights:
 
         accelerator.autocast_handler = AutocastKwargs(enabled=False)  # prepare() must not add autocast
         self.weights = [p for p in unet.parameters() if p.requires_grad]
-        self.master = [p.detach().float().clone() for p in self.weights]
+        # Parameters (requires_grad) as optimizers and diffusers' EMAModel expect; gradients are set by hand.
+        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.weights]
         torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
 
     @staticmethod

@@ -114,10 +114,15 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     import torch
     from diffusers import UNet2DConditionModel
 
-    args = (*TINY, "--batch-size", "4", "--workers", "0", "--mixed-precision", "bf16", "--checkpoint-every", "3")
+    args = (*TINY, "--batch-size", "4", "--workers", "0", "--mixed-precision", "bf16", "--checkpoint-every", "3",
+            "--ema", "--ema-decay", "0.5")
     whole = tmp_path / "whole"
-    run_cli("train", latent_shards, "--output", whole, *args, "--max-steps", "6", "--log-every", "1")
+    run_cli("train", latent_shards, "--output", whole, *args, "--max-steps", "6", "--log-every", "1",
+            "--validate-every", "6", "--validation-count", "2", "--validation-steps", "2")
     assert _checkpoint_dtypes(whole / "checkpoints" / "step-00000003") == {torch.bfloat16}
+    assert (whole / "samples" / "step-000006.png").stat().st_size > 0
+    ema = [p.detach() for p in UNet2DConditionModel.from_pretrained(whole / "unet_ema").parameters()]
+    assert all(w.dtype == torch.float32 for w in ema)
     exported = [p.detach() for p in UNet2DConditionModel.from_pretrained(whole / "unet").parameters()]
     assert all(w.dtype == torch.float32 for w in exported)
     assert any((w != w.bfloat16().float()).any() for w in exported), "exported the bf16 rounding"
