@@ -115,7 +115,7 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     from diffusers import UNet2DConditionModel
 
     args = (*TINY, "--batch-size", "4", "--workers", "0", "--mixed-precision", "bf16", "--checkpoint-every", "3",
-            "--ema", "--ema-decay", "0.5")
+            "--ema", "--ema-decay", "0.5", "--grad-accum", "2")
     whole = tmp_path / "whole"
     run_cli("train", latent_shards, "--output", whole, *args, "--max-steps", "6", "--log-every", "1",
             "--validate-every", "6", "--validation-count", "2", "--validation-steps", "2")
