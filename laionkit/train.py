@@ -307,7 +307,9 @@ class MasterWeights:
         from accelerate.utils import AutocastKwargs
 
         accelerator.autocast_handler = AutocastKwargs(enabled=False)  # prepare() must not add autocast
-        self.weights = [p for p in unet.parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in unet.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in trained]
+        self.weights = [p for _, p in trained]
         # Parameters (requires_grad) as optimizers and diffusers' EMAModel expect; gradients are set by hand.
         self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.weights]
         torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
@@ -710,9 +712,10 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path) -
         plain = type(model).from_config(model.config)
         plain.load_state_dict(state_dict)
         if master is not None:
-            trainable = [p for p in plain.parameters() if p.requires_grad]
+            params = dict(plain.named_parameters())
             with torch.no_grad():
-                torch._foreach_copy_(trainable, [m.cpu() for m in master.master])
+                for name, weight in zip(master.names, master.master):
+                    params[name].copy_(weight)
         with atomic_output(output / "unet") as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:
