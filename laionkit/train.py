@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from laionkit.common import LaionkitError, atomic_output, read_json, resolve_rank, versions
+from laionkit.common import (
+    LaionkitError, atomic_output, read_json, refuse_other_settings, resolve_rank, versions,
+)
 from laionkit.common.outputs import partial_path
 from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
 
@@ -298,7 +300,7 @@ class MasterWeights:
     autocast over fp32 weights it drops the per-step weight casts and the fp32 GroupNorms autocast
     inserts: +11% samples/s at 512 px, +12% at 256 px, 18 GiB less memory (SD-1.5 UNet, H200, eager).
     Compiled, inductor already fuses those casts and norms, and the step measured slower this way
-    (571 vs 611 samples/s at 256 px), so ``--compile`` keeps autocast unless --bf16-weights is given.
+    (571 vs 602 samples/s at 256 px), so ``--compile`` keeps autocast unless --bf16-weights is given.
 
     Gradients leave the bf16 weights after every micro-batch and add up in fp32 (--grad-accum sums
     in fp32). DDP all-reduces them in bf16, as FSDP2 reduce-scatters them by default."""
@@ -568,12 +570,11 @@ def run(config: TrainConfig) -> TrainResult:
         if not rank_file.is_file():
             raise LaionkitError(f"{resumed_from} has no {rank_file.name}: it was written by fewer ranks "
                                 f"than the {world} running now; resume with the same number of processes")
+        state = torch.load(rank_file, weights_only=False)  # checked before the model and optimizer load
+        refuse_other_settings(resumed_from, state["layout"], asdict(layout), "written",
+                              "exact resume needs the same latents, number of ranks, --workers, --batch-size, "
+                              "--seed and --shuffle-buffer")
         accelerator.load_state(str(resumed_from))
-        state = torch.load(rank_file, weights_only=False)
-        if state["layout"] != asdict(layout):
-            changed = [k for k in state["layout"] if state["layout"][k] != asdict(layout)[k]]
-            raise LaionkitError(f"cannot resume exactly from {resumed_from}: the data layout changed "
-                                f"({', '.join(changed)}); use the same latents, ranks, --workers and batch")
         generator.set_state(state["generator"])
         step = state["step"]
         accelerator.print(f"resumed from {resumed_from} at step {step}")

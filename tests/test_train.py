@@ -216,6 +216,17 @@ def test_kill9_then_resume_latest_reproduces_the_uninterrupted_run(latent_shards
     assert seen(run) == seen(reference)
 
 
+def test_resume_with_another_data_layout_is_refused_naming_what_changed(latent_shards, tmp_path):
+    run = tmp_path / "run"
+    base = ("train", latent_shards, "--output", run, *TINY, "--workers", "0", "--checkpoint-every", "2")
+    run_cli(*base, "--max-steps", "2")
+    result = run_cli(*base, "--max-steps", "4", "--batch-size", "2", "--resume", "latest", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "step-00000002 was written with other batch_size (batch_size=4; this run: batch_size=2)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(metrics(run)) == [2]  # nothing trained on the refused run
+
+
 def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
