@@ -325,15 +325,26 @@ class MasterWeights:
         return (chosen and accelerator.mixed_precision == "bf16" and accelerator.distributed_type
                 in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU))
 
+    @torch.no_grad()
     def accumulate_grads(self) -> None:
+        """The micro-batch's bf16 gradients into the fp32 master gradients: two foreach kernels over
+        all parameters instead of one launch per parameter (an SD-1.5 UNet has 686)."""
+        fresh, summed = ([], []), ([], [])
         for master, weight in zip(self.master, self.weights):
             if weight.grad is None:
                 continue
             if master.grad is None:
-                master.grad = weight.grad.float()
+                master.grad = torch.empty_like(master)
+                fresh[0].append(master.grad)
+                fresh[1].append(weight.grad)
             else:
-                master.grad.add_(weight.grad)
+                summed[0].append(master.grad)
+                summed[1].append(weight.grad)
             weight.grad = None
+        if fresh[0]:
+            torch._foreach_copy_(*fresh)
+        if summed[0]:
+            torch._foreach_add_(*summed)
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -165,6 +165,31 @@ def test_master_weights_are_used_where_chosen(tmp_path, precision, strategy, com
     assert MasterWeights.wanted(config, accelerator) is expected
 
 
+def test_master_gradients_sum_micro_batches_in_fp32_and_skip_frozen_weights():
+    """--grad-accum: each micro-batch's bf16 gradients are added to the fp32 master gradients (not
+    summed in bf16), the bf16 gradients are released, and a weight without a gradient is left alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from laionkit.train import MasterWeights
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    master = MasterWeights(SimpleNamespace(), module)
+    first = [torch.randn_like(w) for w in master.weights]
+    second = [torch.randn_like(w) for w in master.weights]
+    for grads in (first, second):
+        for weight, grad in zip(master.weights, grads):
+            weight.grad = grad
+        master.weights[-1].grad = None  # a frozen-for-now bias: no gradient this micro-batch
+        master.accumulate_grads()
+        assert all(w.grad is None for w in master.weights)
+    for index, fp32 in enumerate(master.master[:-1]):
+        assert fp32.grad.dtype == torch.float32
+        assert torch.equal(fp32.grad, first[index].float() + second[index].float())
+    assert master.master[-1].grad is None
+
+
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
     uneven = reshard(latent_shards, [5, 2, 1], tmp_path / "uneven")
     run = tmp_path / "run"
