@@ -106,6 +106,34 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def profile_steps(run_step, steps: int, device) -> str:
+    """torch.profiler over a few steps: the ops and kernels that take the time and, on a GPU, how busy it
+    was (the union of kernel intervals over the profiled span; near 100 % means the step is GPU-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            run_step()
+        _sync(device)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=30, max_name_column_width=70)
+    if not cuda:
+        return table
+    busy, start, end = 0, None, None
+    for begin, finish in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                                if e.device_type.name == "CUDA"):
+        if end is None or begin > end:
+            busy += 0 if end is None else end - start
+            start, end = begin, finish
+        else:
+            end = max(end, finish)
+    busy += 0 if end is None else end - start
+    first = min(e.time_range.start for e in prof.events() if e.device_type.name == "CUDA")
+    return f"{table}\nGPU busy {busy / 1e3:.1f} ms of {(end - first) / 1e3:.1f} ms over {steps} steps " \
+           f"({100 * busy / (end - first):.1f} %)"
+
+
 def child_ceiling(args) -> dict:
     """(a): the train step on in-GPU tensors, as fast as the step itself allows."""
     from laionkit.train import TrainConfig, open_latents
@@ -133,6 +161,8 @@ def child_ceiling(args) -> dict:
         step(moments, text, empty)
     _sync(device)
     rate = args.steps * args.batch / (time.perf_counter() - started)
+    if args.profile:
+        print(profile_steps(lambda: step(moments, text, empty), args.profile, device), flush=True)
     return {"samples_per_s": rate, "mfu": flops * rate / (989e12), "data_wait_pct": 0.0,
             "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0}
 
@@ -268,6 +298,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per measurement")
     parser.add_argument("--budget", type=float, default=520, help="seconds; later measurements are skipped")
     parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="GPU counts for the ddp / fsdp parts")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after timing, profile this many ceiling steps (torch.profiler) into the child's log")
     # child-only arguments
     parser.add_argument("--child", choices=["ceiling", "raw"])
     parser.add_argument("--name")
@@ -324,7 +356,7 @@ def main() -> None:
             batch = 4 if args.smoke else SIZES[resolution]
             jpegs, latents = prepared["data"][resolution]
             log_every = max(2, args.steps // 3)
-            common = dict(latents=latents, batch=batch, warmup=3, **smoke)
+            common = dict(latents=latents, batch=batch, warmup=3, profile=args.profile or None, **smoke)
             tag = f"{resolution}-{'compiled' if compiled else 'eager'}"
             if "a" in parts:
                 measure(f"a-{tag}", child_argv(args.out, f"a-{tag}", "ceiling", steps=args.steps,
