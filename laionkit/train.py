@@ -328,8 +328,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
-        """The micro-batch's bf16 gradients into the fp32 master gradients: two foreach kernels over
-        all parameters instead of one launch per parameter (an SD-1.5 UNet has 686)."""
+        """The micro-batch's bf16 gradients into the fp32 master gradients: one foreach call over all
+        parameters instead of one copy per parameter (an SD-1.5 UNet has 686)."""
         fresh, summed = ([], []), ([], [])
         for master, weight in zip(self.master, self.weights):
             if weight.grad is None:
