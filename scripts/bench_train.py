@@ -120,18 +120,15 @@ def profile_steps(run_step, steps: int, device) -> str:
                                       row_limit=30, max_name_column_width=70)
     if not cuda:
         return table
-    busy, start, end = 0, None, None
-    for begin, finish in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                                if e.device_type.name == "CUDA"):
-        if end is None or begin > end:
-            busy += 0 if end is None else end - start
-            start, end = begin, finish
-        else:
-            end = max(end, finish)
-    busy += 0 if end is None else end - start
-    first = min(e.time_range.start for e in prof.events() if e.device_type.name == "CUDA")
-    return f"{table}\nGPU busy {busy / 1e3:.1f} ms of {(end - first) / 1e3:.1f} ms over {steps} steps " \
-           f"({100 * busy / (end - first):.1f} %)"
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy, (start, end) = 0, kernels[0]
+    for begin, finish in kernels[1:]:  # merge overlapping kernel intervals (sorted by start)
+        if begin > end:
+            busy, start = busy + end - start, begin
+        end = max(end, finish)
+    busy += end - start
+    span = end - kernels[0][0]
+    return f"{table}\nGPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms over {steps} steps ({100 * busy / span:.1f} %)"
 
 
 def child_ceiling(args) -> dict:
