@@ -44,3 +44,17 @@ def test_folder_is_replaced_whole(tmp_path):
 def test_json_round_trip(tmp_path):
     write_json(tmp_path / "m.json", {"b": 1, "a": [1, 2]})
     assert read_json(tmp_path / "m.json") == {"a": [1, 2], "b": 1}
+
+
+@pytest.mark.parametrize("relation", ["same", "inside", "contains", "symlink"])
+def test_output_overlapping_an_input_is_refused(tmp_path, relation):
+    from laionkit.common import LaionkitError, refuse_overlap
+
+    source = tmp_path / "data"
+    source.mkdir()
+    output = {"same": source, "inside": source / "out", "contains": tmp_path, "symlink": tmp_path / "alias"}[relation]
+    if relation == "symlink":
+        output.symlink_to(source)
+    with pytest.raises(LaionkitError, match="outputs never overwrite inputs"):
+        refuse_overlap([source], output, "encode")
+    refuse_overlap([source], tmp_path / "elsewhere", "encode")  # a sibling folder is fine

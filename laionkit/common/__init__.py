@@ -1,10 +1,13 @@
 """The shared home of every stage: rank sharding, crash-safe outputs and manifests, model loading."""
 
 from laionkit.common.errors import LaionkitError
-from laionkit.common.outputs import atomic_output, read_json, refuse_other_settings, versions, write_json
+from laionkit.common.outputs import (
+    atomic_output, read_json, refuse_other_settings, refuse_overlap, versions, write_json,
+)
 from laionkit.common.ranks import Rank, available_cpus, resolve_rank, split
 
 __all__ = [
-    "LaionkitError", "Rank", "atomic_output", "available_cpus", "read_json", "refuse_other_settings", "resolve_rank", "split",
+    "LaionkitError", "Rank", "atomic_output", "available_cpus", "read_json", "refuse_other_settings", "refuse_overlap",
+    "resolve_rank", "split",
     "versions", "write_json",
 ]

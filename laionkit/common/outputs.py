@@ -83,6 +83,20 @@ def refuse_other_settings(record: Path, found: dict, wanted: dict, made: str, re
                             f"{show(wanted)}); {remedy}")
 
 
+def refuse_overlap(inputs, output: str | os.PathLike[str], stage: str) -> None:
+    """Outputs never overwrite inputs: refuse an ``output`` that is, contains, or lies inside an input.
+
+    Paths are compared after resolving symlinks, so another spelling of the same folder is caught too.
+    """
+    out = Path(output).expanduser().resolve()
+    for given in inputs:
+        source = Path(given).expanduser().resolve()
+        if out == source or out in source.parents or source in out.parents:
+            relation = "is" if out == source else ("lies inside" if source in out.parents else "contains")
+            raise LaionkitError(f"{stage}: --output {output} {relation} the input {given}; "
+                                "outputs never overwrite inputs, choose another folder")
+
+
 def versions() -> dict[str, str]:
     """Installed versions of the packages that shape outputs, recorded in every manifest."""
     found = {}
