@@ -40,11 +40,22 @@ from PIL import Image
 from tqdm import tqdm
 
 from laionkit.common import (
-    LaionkitError, Rank, atomic_output, read_json, refuse_other_settings, resolve_rank, split, versions,
+    LaionkitError,
+    Rank,
+    atomic_output,
+    read_json,
+    refuse_other_settings,
+    resolve_rank,
+    split,
+    versions,
     write_json,
 )
 from laionkit.common.models import (
-    PRESETS, fingerprint, load_text_encoder, load_tokenizer, load_vae,
+    PRESETS,
+    fingerprint,
+    load_text_encoder,
+    load_tokenizer,
+    load_vae,
 )
 from laionkit.common.tars import count_samples
 

@@ -389,7 +389,7 @@ def check_columns(
             )
         relation = empty_relation(file, renames, scores)
 
-        def kinds(checked: Sequence[Rule]) -> list[str]:
+        def kinds(checked: Sequence[Rule], relation: str = relation) -> list[str]:
             exprs = ", ".join(f"({duckdb.SQLExpression(rule.expr)})" for rule in checked)  # one expression each
             return [row[1] for row in connection.execute(f"DESCRIBE SELECT {exprs} FROM ({relation})").fetchall()]
 

@@ -39,7 +39,14 @@ from rich.table import Table
 from tqdm import tqdm
 
 from laionkit.common import (
-    LaionkitError, available_cpus, read_json, refuse_other_settings, resolve_rank, split, versions, write_json,
+    LaionkitError,
+    available_cpus,
+    read_json,
+    refuse_other_settings,
+    resolve_rank,
+    split,
+    versions,
+    write_json,
 )
 from laionkit.common.columns import find_column
 from laionkit.common.outputs import partial_path

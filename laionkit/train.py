@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import (
-    LaionkitError, atomic_output, read_json, refuse_other_settings, resolve_rank, versions,
+    LaionkitError,
+    atomic_output,
+    read_json,
+    refuse_other_settings,
+    resolve_rank,
+    versions,
 )
 from laionkit.common.outputs import partial_path
 from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths

@@ -67,7 +67,12 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
     from diffusers.optimization import get_scheduler
 
     from laionkit.train import (
-        MasterWeights, apply_gradients, build_unet, flops_per_sample, load_noise_scheduler, make_optimizer,
+        MasterWeights,
+        apply_gradients,
+        build_unet,
+        flops_per_sample,
+        load_noise_scheduler,
+        make_optimizer,
     )
 
     accelerator = Accelerator(mixed_precision=config.mixed_precision, step_scheduler_with_optimizer=False,

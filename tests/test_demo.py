@@ -8,9 +8,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+from conftest import REPO, run_cli
 from PIL import Image
 
-from conftest import REPO, run_cli
 from laionkit.demo import DEMO_DATA, MISSING_PATH, UNSAFE_ROWS, WATERMARKED_ROWS
 
 PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import webdataset as wds
-
 from conftest import run_cli
 
 

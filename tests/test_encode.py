@@ -16,13 +16,19 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-
 from conftest import run_cli
 from fixtures import CAPTIONS, write_image_shards
+
 from laionkit.common import LaionkitError
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
 from laionkit.encode import (
-    EncodeConfig, ShardBatches, _gpu_batch, bucket_sizes, center_crop_box, run, target_size,
+    EncodeConfig,
+    ShardBatches,
+    _gpu_batch,
+    bucket_sizes,
+    center_crop_box,
+    run,
+    target_size,
 )
 
 

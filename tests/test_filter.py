@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli
+
 from laionkit.common import LaionkitError
 from laionkit.filter import FilterConfig, InputFile, make_units, run
 

@@ -6,12 +6,19 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from laionkit.common import LaionkitError
 from laionkit.common.models import (
-    PRESETS, fingerprint, load_scheduler, load_text_encoder, load_tokenizer, load_unet, load_unet_config,
-    load_vae, resolve_source,
+    PRESETS,
+    fingerprint,
+    load_scheduler,
+    load_text_encoder,
+    load_tokenizer,
+    load_unet,
+    load_unet_config,
+    load_vae,
+    resolve_source,
 )
 
 

@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+from conftest import run_cli
 from PIL import Image
 
-from conftest import run_cli
 from laionkit.common import LaionkitError, Rank, read_json, split
 from laionkit.common.imageserver import Response, folder_routes, serve
 from laionkit.pack import PackConfig, failure_reason, plan_shards, size_bucket

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli
+
 from laionkit.stats import filter_totals
 
 SAMPLE = Path(__file__).resolve().parents[1] / "laionkit" / "data" / "laion-sample.parquet"

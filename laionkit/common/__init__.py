@@ -2,7 +2,12 @@
 
 from laionkit.common.errors import LaionkitError
 from laionkit.common.outputs import (
-    atomic_output, read_json, refuse_other_settings, refuse_overlap, versions, write_json,
+    atomic_output,
+    read_json,
+    refuse_other_settings,
+    refuse_overlap,
+    versions,
+    write_json,
 )
 from laionkit.common.ranks import Rank, available_cpus, resolve_rank, split
 
