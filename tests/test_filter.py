@@ -52,7 +52,7 @@ def read_parts(folder: Path) -> pa.Table:
 
 
 def stats_of(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("stats-*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("_stats-*.json"))]
 
 
 def test_rules_keep_the_right_rows_and_count_nulls_and_nans(sample: Path, tmp_path: Path):
@@ -121,7 +121,7 @@ def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_pa
     # Simulate a kill -9: two units never finished, one left a half-written temporary behind.
     (out / "part-00000-000004.parquet").unlink()
     (out / "part-00000-000007.parquet").rename(out / ".part-00000-000007.parquet.partial")
-    (out / "stats-00000.json").unlink()
+    (out / "_stats-00000.json").unlink()
     before = {p: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "100", "-q")
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in before.items())  # finished units not redone

@@ -55,9 +55,9 @@ def test_totals_merge_ranks_and_match_the_data(two_rank_run: Path):
 def test_stale_or_duplicate_stats_are_not_counted_twice(two_rank_run: Path):
     before = filter_totals(two_rank_run)
     # A rank file of the same plan from an earlier world size repeats units; one of another plan is stale.
-    stats = json.loads((two_rank_run / "stats-00000.json").read_text())
-    (two_rank_run / "stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
-    (two_rank_run / "stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
+    stats = json.loads((two_rank_run / "_stats-00000.json").read_text())
+    (two_rank_run / "_stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
+    (two_rank_run / "_stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
     after = filter_totals(two_rank_run)
     assert (after["rows_in"], after["rows_out"], after["rules"]) == (
         before["rows_in"],
@@ -73,7 +73,7 @@ def test_cli_summary_says_what_is_missing(two_rank_run: Path, tmp_path: Path):
     assert "4 of 4 done (complete)" in result.stdout
     half = tmp_path / "half"
     shutil.copytree(two_rank_run, half)
-    for path in half.glob("stats-00001.json"):
+    for path in half.glob("_stats-00001.json"):
         path.unlink()
     assert "2 of 4 done (INCOMPLETE" in run_cli("stats", half).stdout
 
