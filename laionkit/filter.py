@@ -240,9 +240,9 @@ def lock_down(connection: duckdb.DuckDBPyConnection, readable: Sequence[str], wr
     extension may be loaded or installed. Rules are user text, so this is the backstop behind
     parse_rule. DuckDB checks a file pattern as given, so each input is allowed literally and escaped."""
     paths = [spelling for path in readable for spelling in dict.fromkeys((path, glob_literal(path)))]
-    folder = str(writable.resolve()).rstrip("/") + "/"
+    folders = dict.fromkeys(str(path).rstrip("/") + "/" for path in (writable.absolute(), writable.resolve()))
     connection.execute(f"SET allowed_paths = [{', '.join(map(literal, paths))}]").fetchall()
-    connection.execute(f"SET allowed_directories = [{literal(folder)}]").fetchall()
+    connection.execute(f"SET allowed_directories = [{', '.join(map(literal, folders))}]").fetchall()
     for setting in ("autoinstall_known_extensions", "autoload_known_extensions", "enable_external_access"):
         connection.execute(f"SET {setting} = false").fetchall()
 
@@ -632,8 +632,9 @@ class UnitFilter:
                         raise
                     stats = self.write_unit(unit, file, tmp, via_arrow=True)
         except duckdb.Error as error:
-            if isinstance(error, duckdb.ProgrammingError) and not isinstance(error, duckdb.InvalidInputException):
-                raise  # a bug in the SQL built here, not bad data (a corrupt page is InvalidInput): traceback
+            bug = isinstance(error, duckdb.ProgrammingError) and not isinstance(error, duckdb.InvalidInputException)
+            if bug or isinstance(error, duckdb.PermissionException):
+                raise  # the SQL or sandbox built here, not bad data (a corrupt page is InvalidInput): traceback
             message = str(error).splitlines()[0]
             if not self.skip_bad:
                 raise LaionkitError(
