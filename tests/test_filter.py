@@ -606,3 +606,7 @@ def test_output_mistakes_are_one_line_errors(sample: Path, tmp_path: Path):
     result = run_cli("filter", sample, "--output", out, "-q", check=False)
     assert result.returncode == 2 and "_filter-plan.json: unreadable" in result.stderr
     assert "Traceback" not in result.stderr
+    (out / "_stats-00000.json").write_text("{ truncated")
+    (out / "_stats-copy.json").write_text("{ truncated")
+    run_cli("filter", sample, "--output", out, "-q", "--overwrite")
+    assert [s["rows_out"] for s in stats_of(out)] == [ROWS] and not (out / "_stats-copy.json").exists()
