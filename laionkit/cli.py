@@ -256,7 +256,8 @@ def filter_command(
     inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder.")],
     where: Annotated[Optional[list[str]], typer.Option(
-        "--where", help="A DuckDB SQL test, e.g. 'punsafe < 0.5' or 'length(caption) >= 5'; repeatable, AND-ed.")] = None,
+        "--where", help="One DuckDB SQL true/false expression over the input's columns, e.g. 'punsafe < 0.5' or "
+        "'length(caption) >= 5' (no subqueries or file access); repeatable, AND-ed.")] = None,
     preset: Annotated[Optional[list[str]], typer.Option(
         "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
     rename: Annotated[Optional[list[str]], typer.Option(
@@ -298,6 +299,7 @@ def filter_command(
 @app.command("stats", epilog="""Examples:
 
     laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
+    laionkit stats out/shards          # pack or plain img2dataset output; plain WebDataset tars too (read-only)
 """)
 def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder of a laionkit stage.")]) -> None:
     """Print a readable summary of a stage's output folder, merged across ranks."""

@@ -7,7 +7,7 @@ the remaining columns, of which only the kept rows are written. Peak memory is o
 
 Invariants: the union of ``part-*-<unit>.parquet`` over ranks equals a one-rank run row for row; a
 unit is done iff its part file exists (written atomically, its stats in the parquet footer), so a
-killed run is simply rerun; ``filter-plan.json`` pins inputs, units and rules so a rerun with other
+killed run is simply rerun; ``_filter-plan.json`` pins inputs, units and rules so a rerun with other
 arguments is refused instead of mixing outputs.
 
 ``--dedup COLUMN`` is global: among rows passing every rule, the first occurrence of a value in global
@@ -18,6 +18,7 @@ otherwise); resume stays exact because finished parts' values seed the set of va
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import queue
@@ -41,6 +42,7 @@ from laionkit.common import (
     available_cpus,
     read_json,
     refuse_other_settings,
+    refuse_overlap,
     resolve_rank,
     split,
     versions,
@@ -64,7 +66,14 @@ ALIASES: tuple[tuple[str, ...], ...] = tuple(
     for canonical, spellings in COLUMN_ALIASES.items()
 )
 
-PLAN_NAME = "filter-plan.json"
+# Sidecars start with "_" so dataset readers (pandas, pyarrow.dataset, Spark) skip them and read the folder.
+PLAN_NAME = "_filter-plan.json"
+STATS_GLOB = "_stats-*.json"
+LEGACY_PLAN_NAME = "filter-plan.json"  # before sidecars were "_"-named
+# Names the SQL built here uses: an input column with one of these would shadow it. file_row_number is
+# DuckDB's parquet row number (a real column of that name hides it: such files are read via arrow).
+ROW_NUMBER = "file_row_number"
+INTERNAL_PREFIX = "__laionkit_"
 STATS_KEY = "laionkit.filter.unit"
 PART_NAME = re.compile(r"^part-(\d{5})-(\d{6})\.parquet$")
 DEFAULT_UNIT_ROWS = 1_000_000
@@ -169,53 +178,113 @@ def alias_names(columns: Sequence[str]) -> dict[str, str]:
     return extra
 
 
-def referenced_columns(expr: str) -> set[str]:
-    """Column names an expression mentions, from DuckDB's own parse tree (never by regex or eval)."""
+# Parse-tree node classes a rule may not hold: a subquery reaches tables and table functions (files,
+# URLs), COLUMNS(*) is several expressions, a window depends on how rows are split into units.
+FORBIDDEN_NODES = {"SUBQUERY": "a subquery", "STAR": "COLUMNS(*) / *", "WINDOW": "a window function"}
+
+
+def parse_rule(rule: Rule) -> set[str]:
+    """Check that ``rule`` is ONE expression over the row (no alias, clause, statement, subquery) and
+    return the column names it reads, from DuckDB's own parse tree (never by regex or eval).
+
+    A rule is data from the user: with it parsed as a whole SELECT, trailing words would silently become
+    an alias (``punsafe < 0.5 pwatermark``) and a subquery could read any file DuckDB can."""
+    name = f"{rule.source} {rule.expr!r}"
     tree = json.loads(
-        duckdb.sql("SELECT json_serialize_sql(?)", params=[f"SELECT ({expr})"]).fetchall()[0][0]
+        duckdb.sql("SELECT json_serialize_sql(?)", params=[f"SELECT {rule.expr}"]).fetchall()[0][0]
     )
     if tree.get("error"):
-        raise LaionkitError(f"--where {expr!r}: {tree.get('error_message', 'cannot parse')}")
+        raise LaionkitError(f"{name}: {tree.get('error_message', 'cannot parse')}")
+    statements = tree["statements"]
+    node = statements[0]["node"] if len(statements) == 1 else {}
+    clauses = ("where_clause", "having", "qualify", "sample", "group_expressions", "modifiers")
+    if (
+        node.get("type") != "SELECT_NODE"
+        or len(node["select_list"]) != 1
+        or node["from_table"].get("type") != "EMPTY"
+        or any(node.get(key) for key in clauses)
+        or node["cte_map"]["map"]
+    ):
+        raise LaionkitError(f"{name}: a rule is one true/false expression over the input's columns, "
+                            "with no statements, clauses or ';'")
+    [expression] = node["select_list"]
+    if expression.get("alias"):
+        raise LaionkitError(f"{name}: unexpected words after the expression ({expression['alias']!r}); "
+                            "join tests with AND / OR")
     found: set[str] = set()
 
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            if node.get("class") == "COLUMN_REF":
-                found.add(node["column_names"][-1])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            if value.get("class") in FORBIDDEN_NODES:
+                raise LaionkitError(f"{name}: {FORBIDDEN_NODES[value['class']]} is not allowed in a rule")
+            if value.get("class") == "COLUMN_REF":
+                found.add(value["column_names"][-1])
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
 
-    walk(tree)
+    walk(expression)
     return found
+
+
+def glob_literal(path: str) -> str:
+    """``path`` as a DuckDB file pattern matching only itself: DuckDB globs every path it is given, so
+    ``g[1].parquet`` would read ``g1.parquet``; each glob character becomes a one-character class."""
+    return re.sub(r"([\[\]*?{}])", r"[\1]", path)
+
+
+def lock_down(connection: duckdb.DuckDBPyConnection, readable: Sequence[str], writable: Path) -> None:
+    """Let ``connection`` read only the planned inputs and write only under the output folder; no
+    extension may be loaded or installed. Rules are user text, so this is the backstop behind
+    parse_rule. DuckDB checks a file pattern as given, so each input is allowed literally and escaped."""
+    paths = [spelling for path in readable for spelling in dict.fromkeys((path, glob_literal(path)))]
+    folders = dict.fromkeys(str(path).rstrip("/") + "/" for path in (writable.absolute(), writable.resolve()))
+    connection.execute(f"SET allowed_paths = [{', '.join(map(literal, paths))}]").fetchall()
+    connection.execute(f"SET allowed_directories = [{', '.join(map(literal, folders))}]").fetchall()
+    for setting in ("autoinstall_known_extensions", "autoload_known_extensions", "enable_external_access"):
+        connection.execute(f"SET {setting} = false").fetchall()
 
 
 # ------------------------------------------------------------------------------------------------ the plan
 
 
 def find_inputs(paths: Sequence[str]) -> list[Path]:
-    """Files given, plus every ``*.parquet`` under folders given; sorted by path (the unit order)."""
+    """Files given, plus every ``*.parquet`` under folders given; sorted by path (the unit order).
+
+    Expanded here, once: a path that exists is literal (even ``star*.parquet``), one that does not is
+    a glob pattern. Files and folders named with "." or "_" are skipped in folders, as dataset readers do."""
     found: set[Path] = set()
     for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            found.update(p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
-        elif path.is_file():
-            found.add(path)
-        else:
+        matches = [given] if Path(given).exists() else sorted(glob.glob(given, recursive=True))
+        if not matches:
             raise LaionkitError(f"input not found: {given}")
+        for match in map(Path, matches):
+            if match.is_dir():
+                found.update(p for p in match.rglob("*.parquet") if p.is_file() and not any(
+                    part.startswith((".", "_")) for part in p.relative_to(match).parts))
+            elif match.is_file():
+                found.add(match)
     if not found:
         raise LaionkitError(f"no parquet files in {', '.join(paths)}")
     return sorted((p.resolve() for p in found), key=str)
 
 
-def read_footer(path: Path) -> pq.ParquetFile:
+def read_footer(path: Path) -> tuple[pq.ParquetFile, dict]:
+    """The file's footer, and what identifies this version of the file: size, mtime and a hash of the
+    footer bytes (which hold every row group's offsets and statistics), so a replaced input is noticed."""
     try:
-        return pq.ParquetFile(path)
+        footer = pq.ParquetFile(path)
+        stat = path.stat()
+        with path.open("rb") as file:
+            file.seek(-8, 2)
+            length = int.from_bytes(file.read(4), "little")
+            file.seek(-8 - length, 2)
+            digest = hashlib.sha256(file.read(length + 8)).hexdigest()
     except (pa.ArrowException, OSError) as error:
         raise LaionkitError(f"{path}: not a readable parquet file ({error})") from None
+    return footer, {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "footer_sha256": digest}
 
 
 def embeddings_by_number(paths: Sequence[str]) -> list[Path]:
@@ -278,7 +347,7 @@ class Plan:
     rules: list[Rule]
     scores: list[ScoreSpec]
     renames: dict[str, str]
-    record: dict  # what filter-plan.json holds; equal records = interchangeable runs
+    record: dict  # what _filter-plan.json holds; equal records = interchangeable runs
 
     @property
     def plan_id(self) -> str:
@@ -287,10 +356,9 @@ class Plan:
     @functools.cached_property
     def parsed_rules(self) -> list[tuple[str, set[str]]]:
         """Each rule as DuckDB renders it (exactly one expression, comments gone) and the columns it reads.
-        Parsed once, on the main thread: referenced_columns uses DuckDB's default connection, which the
+        Parsed once, on the main thread: parse_rule uses DuckDB's default connection, which the
         unit threads cannot share."""
-        rendered = [str(duckdb.SQLExpression(rule.expr)) for rule in self.rules]
-        return [(rule, referenced_columns(rule)) for rule in rendered]
+        return [(str(duckdb.SQLExpression(rule.expr)), parse_rule(rule)) for rule in self.rules]
 
 
 def plan_id(record: dict) -> str:
@@ -299,7 +367,10 @@ def plan_id(record: dict) -> str:
 
 
 def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Plan:
+    """Find and check the inputs, and lock ``connection`` down to them before any rule is bound."""
     rules = preset_rules(config.presets, config.where)
+    for rule in rules:
+        parse_rule(rule)
     renames = parse_renames(config.rename)
     scores = [ScoreSpec.parse(text) for text in config.scores]
     if scores and not config.embeddings:
@@ -312,10 +383,10 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Pl
         raise LaionkitError(f"--threads must be >= 1, got {config.threads}")
     paths = find_inputs(config.inputs)
     npys = match_embeddings(paths, embeddings_by_number(config.embeddings)) if config.embeddings else {}
-    files, bad = [], []
+    files, bad, versions_of = [], [], {}
     for path in paths:
         try:
-            footer = read_footer(path)
+            footer, version = read_footer(path)
         except LaionkitError as error:
             if not config.skip_bad:
                 raise
@@ -327,14 +398,17 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Pl
         if npy is not None:
             check_embeddings(npy, path, meta.num_rows)
         files.append(InputFile(str(path), meta.num_rows, rows, footer.schema_arrow, npy and str(npy)))
+        versions_of[str(path)] = version
     if not files:
         raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
+    lock_down(connection, [f.path for f in files], Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection)
     units = make_units(files, config.unit_rows)
     uses_clip = any(spec.kind == "prompt" for spec in scores)
     record = {
         "inputs": [
-            {"path": f.path, "rows": f.rows, "row_groups": len(f.row_group_rows), "embeddings": f.embeddings}
+            {"path": f.path, "rows": f.rows, "row_groups": len(f.row_group_rows), "embeddings": f.embeddings,
+             **versions_of[f.path]}
             for f in files
         ],
         "bad_inputs": bad,
@@ -378,6 +452,7 @@ def check_columns(
             raise LaionkitError(f"--rename {old}=...: no input has a column {old!r}")
     seen: set[pa.Schema] = set()
     for file in files:
+        check_names(file, renames, scores)
         schema = renamed_schema(file.schema, renames, scores)
         if schema in seen:
             continue
@@ -410,6 +485,24 @@ def check_columns(
                 raise LaionkitError(f"{rule.source} {rule.expr!r} is not a true/false test (it gives {kind})")
 
 
+def check_names(file: InputFile, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> None:
+    """Refuse names DuckDB would silently change or that collide with the SQL built here: two columns
+    one name apart only in case (DuckDB would write the second as ``URL_1``) and laionkit's own prefix."""
+    sources = {**{name: renames.get(name, name) for name in file.schema.names},
+               **{f"--score {spec.name}": spec.name for spec in scores}}
+    seen: dict[str, str] = {}
+    for source, name in sources.items():
+        for checked in (source, name):
+            if checked.lower().startswith(INTERNAL_PREFIX):
+                raise LaionkitError(f"{file.path}: column name {checked!r} is reserved (prefix {INTERNAL_PREFIX})")
+        if name.lower() in seen:
+            raise LaionkitError(
+                f"{file.path}: columns {seen[name.lower()]!r} and {source!r} would both be named {name!r} "
+                "(DuckDB matches names ignoring case); choose another --rename"
+            )
+        seen[name.lower()] = source
+
+
 def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> str:
     """SQL for a unit's columns as rules see them (renamed, score columns, alias names), with no rows.
 
@@ -418,7 +511,8 @@ def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[Sc
     columns = [f"{quote(name)} AS {quote(renames.get(name, name))}" for name in file.schema.names]
     columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in scores]
     aliases = "".join(f", {quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items())
-    return f"SELECT *{aliases} FROM (SELECT {', '.join(columns)} FROM read_parquet({literal(file.path)}) LIMIT 0)"
+    source = f"read_parquet({literal(glob_literal(file.path))})"
+    return f"SELECT *{aliases} FROM (SELECT {', '.join(columns)} FROM {source} LIMIT 0)"
 
 
 # ----------------------------------------------------------------------------------------- the work
@@ -487,7 +581,8 @@ class UnitFilter:
                 else f" WHERE file_row_number BETWEEN {unit.offset} AND {unit.offset + unit.rows - 1}"
             )
             source = (
-                f"SELECT *, file_row_number AS __laionkit_row FROM read_parquet({literal(file.path)}){rows}"
+                f"SELECT *, file_row_number AS __laionkit_row "
+                f"FROM read_parquet({literal(glob_literal(file.path))}){rows}"
             )
         if self.scorers:
             self.connection.register("unit_scores", self.unit_scores(unit, file))
@@ -531,14 +626,15 @@ class UnitFilter:
         try:
             with atomic_output(part) as tmp:
                 try:
-                    stats = self.write_unit(unit, file, tmp, via_arrow=False)
+                    stats = self.write_unit(unit, file, tmp, via_arrow=ROW_NUMBER in file.schema.names)
                 except duckdb.InvalidInputException as error:
                     if "string encoding" not in str(error):
                         raise
                     stats = self.write_unit(unit, file, tmp, via_arrow=True)
-        except duckdb.ProgrammingError:
-            raise  # a bug in the SQL built here, not bad data: keep the traceback
         except duckdb.Error as error:
+            bug = isinstance(error, duckdb.ProgrammingError) and not isinstance(error, duckdb.InvalidInputException)
+            if bug or isinstance(error, duckdb.PermissionException):
+                raise  # the SQL or sandbox built here, not bad data (a corrupt page is InvalidInput): traceback
             message = str(error).splitlines()[0]
             if not self.skip_bad:
                 raise LaionkitError(
@@ -654,21 +750,54 @@ def unit_stats_from_part(path: Path) -> dict:
     return {**json.loads(metadata[STATS_KEY.encode()]), "rows_out": footer.num_rows}
 
 
+def read_record(path: Path) -> dict:
+    """A sidecar JSON record (plan or rank stats), or a one-line error naming it."""
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as error:
+        raise LaionkitError(f"{path}: unreadable ({error}); delete it and rerun the filter") from None
+    if not isinstance(record, dict):
+        raise LaionkitError(f"{path}: not a laionkit filter record; delete it and rerun the filter")
+    return record
+
+
+def refuse_changed_inputs(plan_path: Path, found: dict, wanted: dict) -> None:
+    """An input replaced since the folder was filtered (same path, other size, mtime or footer) would mix
+    rows of two files in one output: name it."""
+    now = {entry["path"]: entry for entry in wanted["inputs"]}
+    for entry in found.get("inputs", []):
+        current = now.get(entry.get("path"))
+        keys = ("bytes", "mtime_ns", "footer_sha256")
+        if current is not None and any(entry.get(key) != current[key] for key in keys):
+            raise LaionkitError(f"{entry['path']} changed since {plan_path.parent} was filtered from it "
+                                "(size, mtime or footer differ); use --overwrite to redo it, or another --output")
+
+
 def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> None:
     """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
     plan_path = output / PLAN_NAME
+    if (output / LEGACY_PLAN_NAME).exists() and not overwrite:
+        raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
+                            "use --overwrite to redo it, or another --output")
     if plan_path.exists() and not overwrite:
-        refuse_other_settings(plan_path, read_json(plan_path), plan.record, "filtered",
+        found = read_record(plan_path)
+        refuse_changed_inputs(plan_path, found, plan.record)
+        refuse_other_settings(plan_path, found, plan.record, "filtered",
                               "use --overwrite to redo it, or another --output")
-    output.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        for unit, path in existing_parts(output).items():
-            if unit % rank.world_size == rank.rank:
-                path.unlink()
-        for path in output.glob("stats-*.json"):
-            if int(path.stem.split("-")[1]) % rank.world_size == rank.rank:
-                path.unlink()
-    write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for unit, path in existing_parts(output).items():
+                if unit % rank.world_size == rank.rank:
+                    path.unlink()
+            for path in [*output.glob(STATS_GLOB), *output.glob("stats-*.json")]:
+                number = re.search(r"-(\d+)\.json$", path.name)
+                if number is None or int(number.group(1)) % rank.world_size == rank.rank:
+                    path.unlink(missing_ok=True)
+            (output / LEGACY_PLAN_NAME).unlink(missing_ok=True)
+        write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
+    except OSError as error:
+        raise LaionkitError(f"--output {output}: cannot write there ({error.strerror or error})") from None
 
 
 def part_path(output: Path, rank: Rank, unit: Unit) -> Path:
@@ -687,9 +816,12 @@ def run(config: FilterConfig) -> dict:
         )
     # One database for the whole run, a cursor per worker: a cursor costs microseconds, a database ~25 ms.
     # A query runs on its calling thread plus the database's threads - 1 background threads.
+    output = Path(config.output)
+    refuse_overlap(config.inputs, output, "filter")
+    if output.exists() and not output.is_dir():
+        raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
     database = duckdb.connect(config={"threads": 1})
     plan = make_plan(config, database)
-    output = Path(config.output)
     prepare_output(output, plan, rank, config.overwrite)
     clip = ClipChoice(
         config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
@@ -721,7 +853,7 @@ def run(config: FilterConfig) -> dict:
                     filtered[unit.index] = worker.run(unit, part_path(output, rank, unit), progress)
     unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
-    write_json(output / f"stats-{rank.rank:05d}.json", stats)
+    write_json(output / f"_stats-{rank.rank:05d}.json", stats)
     return stats
 
 

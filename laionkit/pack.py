@@ -141,7 +141,7 @@ def input_files(inputs: Sequence[Path]) -> list[Path]:
     files = []
     for path in inputs:
         if path.is_dir():
-            found = sorted(p for p in path.glob("*.parquet") if not p.name.startswith("."))
+            found = sorted(p for p in path.glob("*.parquet") if not p.name.startswith((".", "_")))
             if not found:
                 raise LaionkitError(f"{path}: folder holds no .parquet files")
             files.extend(found)
@@ -430,8 +430,8 @@ def _bucket_order(bucket: str) -> int:
 
 
 def summarize(folder: Path) -> Group:
-    """`laionkit stats DIR` for a shard folder: rebuilds manifest.json, then shows it as tables."""
-    manifest = write_manifest(Path(folder))
+    """`laionkit stats DIR` for a shard folder: the merged records as tables (read-only: writes nothing)."""
+    manifest = merge_records(Path(folder))
     overview = Table(title=f"pack: {folder}", show_header=False)
     overview.add_column(style="bold")
     overview.add_column(justify="right")

@@ -1,13 +1,17 @@
 """`laionkit stats DIR`: a readable summary of a stage's output folder, merged across ranks.
 
 What the folder holds decides the summary (SUMMARIES: marker glob -> summariser), so each stage adds
-its own entry. Filter: every rank's ``stats-<rank>.json`` carries per-unit records; they are merged by
+its own entry. Filter: every rank's ``_stats-<rank>.json`` carries per-unit records; they are merged by
 unit index and only those of the folder's current plan count, so stale files from an earlier world
 size or a resumed run never count twice.
+
+Read-only: a summary writes nothing (folders may sit on read-only storage, or be shared), and it also
+covers folders laionkit did not write: plain img2dataset output and plain WebDataset tars.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from laionkit.common import LaionkitError, read_json
+from laionkit.common.tars import count_samples
 
 
 @dataclass(frozen=True)
@@ -25,19 +30,21 @@ class StatsConfig:
 
 def filter_totals(folder: Path) -> dict:
     """Merge a filter folder's rank stats: one record per unit, totals, per-rank and per-rule counts."""
-    from laionkit.filter import PLAN_NAME, plan_id
+    from laionkit.filter import PLAN_NAME, STATS_GLOB, plan_id, read_record
 
     plan_path = folder / PLAN_NAME
     if not plan_path.is_file():
         raise LaionkitError(f"{folder}: no {PLAN_NAME}, so not a laionkit filter folder")
-    plan_record = read_json(plan_path)
+    plan_record = read_record(plan_path)
     current = plan_id(plan_record)
     units: dict[int, dict] = {}
     ranks = []
-    for path in sorted(folder.glob("stats-*.json")):
-        stats = read_json(path)
+    for path in sorted(folder.glob(STATS_GLOB)):
+        stats = read_record(path)
         if stats.get("plan_id") != current:
             continue
+        if not isinstance(stats.get("units"), list):
+            raise LaionkitError(f"{path}: no per-unit records; delete it and rerun that filter rank")
         ranks.append(stats)
         for unit in stats["units"]:
             units[unit["unit"]] = unit
@@ -92,10 +99,55 @@ def print_filter_summary(folder: Path, console: Console) -> None:
                       f"(row groups {first}-{stop - 1}): {bad['bad']}", highlight=False)
 
 
-def print_pack_summary(folder: Path, console: Console) -> None:
-    from laionkit.pack import summarize
+def print_shard_summary(folder: Path, console: Console) -> None:
+    """Shard folders: laionkit pack's (its records carry laionkit's fields), else plain img2dataset."""
+    records = []
+    for path in sorted(folder.glob("*_stats.json")):
+        try:
+            records.append(read_json(path))
+        except (OSError, ValueError) as error:
+            raise LaionkitError(f"{path}: unreadable shard record ({error})") from None
+    if all(isinstance(r, dict) and "failures" in r for r in records):
+        from laionkit.pack import summarize
 
-    console.print(summarize(folder))
+        console.print(summarize(folder))
+        return
+    try:
+        rows = sum(r["count"] for r in records)
+        samples = sum(r["successes"] for r in records)
+        download = sum(r.get("failed_to_download", 0) for r in records)
+        resize = sum(r.get("failed_to_resize", 0) for r in records)
+        messages = Counter()
+        for record in records:
+            messages.update({k: v for k, v in (record.get("status_dict") or {}).items() if k != "success"})
+    except (KeyError, TypeError, AttributeError) as error:
+        raise LaionkitError(f"{folder}: a *_stats.json is not an img2dataset shard record ({error!r})") from None
+    table = Table(title=f"img2dataset shards: {folder}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("shards (stats records)", f"{len(records):,}")
+    table.add_row("rows", f"{rows:,}")
+    table.add_row("samples", f"{samples:,} ({percent(samples, rows)})")
+    table.add_row("failed to download", f"{download:,}")
+    table.add_row("failed to resize", f"{resize:,}")
+    table.add_row("tar bytes", f"{sum(p.stat().st_size for p in folder.glob('*.tar')):,}")
+    console.print(table)
+    errors = Table("error", "rows", title="commonest errors")
+    for message, count in messages.most_common(20):
+        errors.add_row(message, f"{count:,}")
+    console.print(errors)
+
+
+def print_tar_summary(folder: Path, console: Console) -> None:
+    """Plain WebDataset: only tars; samples are counted from the tar headers."""
+    table = Table("shard", "samples", "bytes", title=f"webdataset: {folder}")
+    total = 0
+    for path in sorted(folder.glob("*.tar")):
+        samples = count_samples(path)
+        total += samples
+        table.add_row(path.name, f"{samples:,}", f"{path.stat().st_size:,}")
+    table.add_row("all", f"{total:,}", "", style="bold")
+    console.print(table)
 
 
 def print_encode_summary(folder: Path, console: Console) -> None:
@@ -106,9 +158,10 @@ def print_encode_summary(folder: Path, console: Console) -> None:
 
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
-    "stats-*.json": print_filter_summary,
-    "*_stats.json": print_pack_summary,  # pack: one img2dataset + laionkit record per shard
+    "_stats-*.json": print_filter_summary,
+    "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
+    "*.tar": print_tar_summary,  # plain WebDataset
 }
 
 

@@ -52,7 +52,7 @@ def read_parts(folder: Path) -> pa.Table:
 
 
 def stats_of(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("stats-*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("_stats-*.json"))]
 
 
 def test_rules_keep_the_right_rows_and_count_nulls_and_nans(sample: Path, tmp_path: Path):
@@ -121,7 +121,7 @@ def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_pa
     # Simulate a kill -9: two units never finished, one left a half-written temporary behind.
     (out / "part-00000-000004.parquet").unlink()
     (out / "part-00000-000007.parquet").rename(out / ".part-00000-000007.parquet.partial")
-    (out / "stats-00000.json").unlink()
+    (out / "_stats-00000.json").unlink()
     before = {p: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "100", "-q")
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in before.items())  # finished units not redone
@@ -461,3 +461,152 @@ def test_prompt_score_through_the_cli_with_a_random_init_clip(sample: Path, tmp_
         and f"shape ({ROWS}, {scorer.dim})" in result.stderr
         and "512-d" in result.stderr
     )
+
+
+# ------------------------------------------------------------------------ issue 13: integrity, hostile input
+
+
+def test_input_paths_are_literal_not_duckdb_globs(realdata: Path, tmp_path: Path):
+    """g[1].parquet beside g1.parquet, star*.parquet beside star1.parquet: each file read once, as itself."""
+    table = pq.read_table(realdata / "laion-sample" / "test_1000.parquet")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    slices = {"g1.parquet": (0, 50), "g[1].parquet": (50, 30), "star1.parquet": (100, 20), "star*.parquet": (200, 10)}
+    for name, (start, rows) in slices.items():
+        pq.write_table(table.slice(start, rows), folder / name)
+    run_cli("filter", folder, "--output", tmp_path / "all", "-q")
+    [stats] = stats_of(tmp_path / "all")
+    expected = sorted(url for start, rows in slices.values() for url in table.column("URL")[start : start + rows].to_pylist())
+    assert (stats["rows_in"], stats["rows_out"]) == (110, 110)
+    assert sorted(read_parts(tmp_path / "all").column("URL").to_pylist()) == expected
+    run_cli("filter", folder / "star*.parquet", "--output", tmp_path / "star", "-q")
+    [stats] = stats_of(tmp_path / "star")
+    assert (stats["rows_in"], stats["rows_out"]) == (10, 10)
+    run_cli("filter", str(folder / "g*.parquet"), "--output", tmp_path / "pattern", "-q")  # a user glob
+    assert stats_of(tmp_path / "pattern")[0]["rows_in"] == 80
+
+
+def test_input_column_file_row_number_is_data_and_renames_may_not_collide(sample: Path, tmp_path: Path):
+    table = pq.read_table(sample)
+    table = table.append_column("file_row_number", pa.array(np.arange(table.num_rows) * 7 + 3))
+    pq.write_table(table, sample, row_group_size=100)
+    run_cli("filter", sample, "--output", tmp_path / "out", "--where", "punsafe < 0.5", "--unit-rows", "300", "-q")
+    source = table.to_pandas()
+    kept = read_parts(tmp_path / "out").to_pandas()
+    assert kept.file_row_number.tolist() == source[source.punsafe < 0.5].file_row_number.tolist()
+    assert len(kept) > 500
+    result = run_cli("filter", sample, "--output", tmp_path / "clash", "--rename", "punsafe=url", "-q", check=False)
+    assert result.returncode == 2 and "'url'" in result.stderr and "laion_0000.parquet" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "clash").exists()
+
+
+def test_a_replaced_input_is_refused_on_rerun(sample: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--output", out, "--unit-rows", "300", "-q")
+    (out / "part-00000-000003.parquet").unlink()  # an unfinished run
+    table = pq.read_table(sample)
+    replaced = table.set_column(table.schema.get_field_index("punsafe"), "punsafe", pa.array(np.zeros(table.num_rows)))
+    pq.write_table(replaced, sample, row_group_size=100)  # same rows, same row groups: only the data differs
+    result = run_cli("filter", sample, "--output", out, "--unit-rows", "300", "-q", check=False)
+    assert result.returncode == 2 and "laion_0000.parquet changed" in result.stderr
+    assert not (out / "part-00000-000003.parquet").exists()
+    run_cli("filter", sample, "--output", out, "--unit-rows", "300", "-q", "--overwrite")
+    assert stats_of(out)[0]["rows_out"] == ROWS
+
+
+HOSTILE_RULES = [
+    "length((SELECT string_agg(column0) FROM read_csv('/etc/passwd', header=false))) > 0",
+    "(SELECT count(*) FROM read_text('/etc/passwd')) > 0",
+    "(SELECT count(*) FROM glob('/root/*')) >= 0",
+    "(SELECT count(*) FROM read_text('http://127.0.0.1:9/x')) > 0",
+    "CAST((SELECT content FROM read_text('/etc/passwd')) AS INTEGER) > 0",
+    "punsafe < 0.5 pwatermark",
+    "punsafe < 0.5; SELECT 1",
+    "punsafe < 0.5 AND COLUMNS(*) IS NOT NULL",
+]
+
+
+@pytest.mark.parametrize("rule", HOSTILE_RULES)
+def test_hostile_rules_are_refused_before_anything_runs(sample: Path, tmp_path: Path, rule: str):
+    result = run_cli("filter", sample, "--output", tmp_path / "out", "--where", rule, "-q", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "root:" not in result.stderr + result.stdout and "httpfs" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_duckdb_may_read_only_the_planned_inputs(sample: Path, tmp_path: Path):
+    """The backstop behind rule parsing: the filter's connection reads the inputs and nothing else."""
+    import duckdb
+
+    from laionkit.filter import make_plan
+
+    other = tmp_path / "other.parquet"
+    pq.write_table(pq.read_table(sample).slice(0, 5), other)
+    connection = duckdb.connect()
+    make_plan(FilterConfig(inputs=(str(sample),), output=str(tmp_path / "out")), connection)
+    assert connection.sql(f"SELECT count(*) FROM read_parquet('{sample}')").fetchall() == [(ROWS,)]
+    for query in (f"SELECT * FROM read_parquet('{other}')", "SELECT * FROM read_csv('/etc/passwd')",
+                  "SELECT * FROM read_text('http://127.0.0.1:9/x')", "INSTALL httpfs"):
+        with pytest.raises(duckdb.Error, match="disabled|Permission"):
+            connection.sql(query).fetchall()
+
+
+def test_hostile_rule_through_a_recipe_var(sample: Path, tmp_path: Path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"workdir: {tmp_path}\nstages:\n  filter:\n    input: {sample}\n"
+                      f"    output: {tmp_path}/out\n    where: ['{{rule}}']\n    quiet: true\n")
+    rule = "length((SELECT string_agg(content) FROM read_text('/etc/passwd'))) > 0"
+    result = run_cli("run", recipe, "--var", f"rule={rule}", check=False)
+    assert result.returncode != 0 and "root:" not in result.stderr + result.stdout
+    assert "subquery is not allowed" in result.stderr + result.stdout
+
+
+def test_skip_bad_catches_a_corrupt_data_page(sample: Path, tmp_path: Path):
+    """Bytes flipped in the middle of row group 3's URL page: DuckDB's InvalidInputException (snappy)."""
+    chunk = pq.read_metadata(sample).row_group(3).column(0)
+    data = bytearray(sample.read_bytes())
+    middle = chunk.data_page_offset + chunk.total_compressed_size // 2
+    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
+    sample.write_bytes(bytes(data))
+    args = ("filter", sample, "--output", tmp_path / "out", "--unit-rows", "100", "-q", *RULES)
+    result = run_cli(*args, check=False)
+    assert result.returncode == 2 and "row groups 3-3" in result.stderr and "Traceback" not in result.stderr
+    run_cli(*args, "--skip-bad")
+    [stats] = stats_of(tmp_path / "out")
+    assert [(b["unit"], b["rows"]) for b in stats["bad_units"]] == [(3, 100)]
+    assert stats["rows_in"] == ROWS - 100 and read_parts(tmp_path / "out").num_rows == stats["rows_out"]
+
+
+def test_output_folder_reads_as_a_dataset_and_resumes(sample: Path, tmp_path: Path):
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "300", "-q")
+    [stats] = stats_of(out)
+    assert len(pd.read_parquet(out)) == ds.dataset(out).count_rows() == stats["rows_out"]
+    (out / "part-00000-000001.parquet").unlink()
+    run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "300", "-q")
+    [again] = stats_of(out)
+    assert again["rows_out"] == stats["rows_out"] and again["rows_filtered_now"] == 300
+    assert len(pd.read_parquet(out)) == stats["rows_out"]
+
+
+def test_output_mistakes_are_one_line_errors(sample: Path, tmp_path: Path):
+    a_file = tmp_path / "taken.txt"
+    a_file.write_text("not a folder")
+    for output, expected in ((a_file, "is a file"), ("/proc/laionkit-out", "cannot write there"),
+                             (sample.parent / "out", "lies inside the input")):
+        result = run_cli("filter", sample.parent, "--output", output, "-q", check=False)
+        assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr
+    assert a_file.read_text() == "not a folder" and not (sample.parent / "out").exists()
+    out = tmp_path / "out"
+    run_cli("filter", sample, "--output", out, "-q")
+    (out / "_filter-plan.json").write_text("{ truncated")
+    result = run_cli("filter", sample, "--output", out, "-q", check=False)
+    assert result.returncode == 2 and "_filter-plan.json: unreadable" in result.stderr
+    assert "Traceback" not in result.stderr
+    (out / "_stats-00000.json").write_text("{ truncated")
+    (out / "_stats-copy.json").write_text("{ truncated")
+    run_cli("filter", sample, "--output", out, "-q", "--overwrite")
+    assert [s["rows_out"] for s in stats_of(out)] == [ROWS] and not (out / "_stats-copy.json").exists()

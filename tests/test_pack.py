@@ -208,11 +208,10 @@ def test_two_ranks_together_produce_exactly_what_one_rank_does(packed, input_par
         assert one[key] == two[key], key
 
 
-def test_stats_summarises_the_shard_folder_and_rebuilds_its_manifest(packed):
-    manifest = read_json(packed / "manifest.json")
+def test_stats_summarises_the_shard_folder_without_writing(packed):
     (packed / "manifest.json").unlink()
     result = run_cli("stats", packed)
-    assert read_json(packed / "manifest.json") == manifest
+    assert not (packed / "manifest.json").exists()  # read-only: the summary is merged in memory
     expected = ("6 / 6 planned", "samples", "36.4%", "size on disk", "http 404", "image too large", "256-511")
     for text in expected:
         assert text in result.stdout, text

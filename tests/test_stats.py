@@ -55,9 +55,9 @@ def test_totals_merge_ranks_and_match_the_data(two_rank_run: Path):
 def test_stale_or_duplicate_stats_are_not_counted_twice(two_rank_run: Path):
     before = filter_totals(two_rank_run)
     # A rank file of the same plan from an earlier world size repeats units; one of another plan is stale.
-    stats = json.loads((two_rank_run / "stats-00000.json").read_text())
-    (two_rank_run / "stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
-    (two_rank_run / "stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
+    stats = json.loads((two_rank_run / "_stats-00000.json").read_text())
+    (two_rank_run / "_stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
+    (two_rank_run / "_stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
     after = filter_totals(two_rank_run)
     assert (after["rows_in"], after["rows_out"], after["rules"]) == (
         before["rows_in"],
@@ -73,7 +73,7 @@ def test_cli_summary_says_what_is_missing(two_rank_run: Path, tmp_path: Path):
     assert "4 of 4 done (complete)" in result.stdout
     half = tmp_path / "half"
     shutil.copytree(two_rank_run, half)
-    for path in half.glob("stats-00001.json"):
+    for path in half.glob("_stats-00001.json"):
         path.unlink()
     assert "2 of 4 done (INCOMPLETE" in run_cli("stats", half).stdout
 
@@ -81,3 +81,52 @@ def test_cli_summary_says_what_is_missing(two_rank_run: Path, tmp_path: Path):
 def test_a_folder_without_stage_records_is_a_clear_error(tmp_path: Path):
     result = run_cli("stats", tmp_path, check=False)
     assert result.returncode == 2 and "nothing laionkit stats knows" in result.stderr
+
+
+def test_corrupt_rank_stats_is_a_one_line_error(two_rank_run: Path):
+    (two_rank_run / "_stats-00001.json").write_text('{"plan_id": ')
+    result = run_cli("stats", two_rank_run, check=False)
+    assert result.returncode == 2 and "_stats-00001.json: unreadable" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def img2dataset_record(count: int, successes: int) -> dict:
+    return {"count": count, "successes": successes, "failed_to_download": count - successes,
+            "failed_to_resize": 0, "duration": 1.5, "start_time": 0, "end_time": 1.5,
+            "status_dict": {"success": successes, "HTTP Error 404: Not Found": count - successes}}
+
+
+def test_plain_img2dataset_and_webdataset_folders_are_summarised_read_only(image_shards: Path, tmp_path: Path):
+    plain = tmp_path / "plain"
+    shutil.copytree(image_shards, plain)
+    for path in plain.iterdir():
+        if path.suffix != ".tar":
+            path.unlink()
+    tars = run_cli("stats", plain)
+    assert "8" in tars.stdout.split("all")[1]  # 8 real photos over the tars
+    for index, (count, successes) in enumerate([(10, 4), (10, 4)]):
+        (plain / f"{index:05d}_stats.json").write_text(json.dumps(img2dataset_record(count, successes)))
+    before = snapshot(plain)
+    plain.chmod(0o555)
+    try:
+        result = run_cli("stats", plain)
+    finally:
+        plain.chmod(0o755)
+    assert snapshot(plain) == before  # root may write anyway: nothing was written
+    assert "40.0%" in result.stdout and "HTTP Error 404" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_pack_folder_summary_writes_nothing(tmp_path: Path):
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    record = {**img2dataset_record(10, 7), "shard": 0, "tar": "00000.tar", "tar_bytes": 100, "parquet_bytes": 10,
+              "failures": {"http 404": 3}, "original_sizes": {"256-511": 7}, "planned_shards": 1,
+              "input": {"file": "in.parquet", "rows": [0, 10]}, "options": {}, "versions": {}}
+    (folder / "00000_stats.json").write_text(json.dumps(record))
+    before = snapshot(folder)
+    result = run_cli("stats", folder)
+    assert snapshot(folder) == before and "70.0%" in result.stdout and "http 404" in result.stdout
