@@ -16,21 +16,34 @@ from laionkit.common import LaionkitError
 from laionkit.families import FamilySpec, families, get_family, register_family, sdxl
 from laionkit.families import tokenizers as tiny_tokenizers
 
-
-@pytest.fixture(scope="module")
-def tiny_sdxl(tmp_path_factory):
-    return get_family("sdxl").write_tiny(tmp_path_factory.mktemp("sdxl"), 0)
+FAMILIES = ("sdxl", "sd3", "flux")
 
 
 @pytest.fixture(scope="module")
-def sdxl_pipeline(tiny_sdxl):
-    from diffusers import StableDiffusionXLPipeline
+def tiny_folders(tmp_path_factory):
+    return {name: get_family(name).write_tiny(tmp_path_factory.mktemp(name), 0) for name in FAMILIES}
 
-    return StableDiffusionXLPipeline.from_pretrained(tiny_sdxl)
+
+@pytest.fixture(scope="module")
+def pipelines(tiny_folders):
+    import diffusers
+
+    return {name: getattr(diffusers, get_family(name).pipeline_class).from_pretrained(folder)
+            for name, folder in tiny_folders.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tiny_folders):
+    return tiny_folders["sdxl"]
+
+
+@pytest.fixture(scope="module")
+def sdxl_pipeline(pipelines):
+    return pipelines["sdxl"]
 
 
 def test_registry_names_known_families_and_refuses_duplicates():
-    assert "sdxl" in families()
+    assert set(FAMILIES) <= set(families())
     with pytest.raises(LaionkitError, match=r"unknown model family 'sdxl2' \(known: .*sdxl"):
         get_family("sdxl2")
     with pytest.raises(ValueError, match="already registered"):
@@ -52,19 +65,37 @@ def test_tiny_sdxl_has_the_real_layout(tiny_sdxl, sdxl_pipeline):
     assert type(sdxl_pipeline.scheduler).__name__ == "EulerDiscreteScheduler"
 
 
-def test_encode_text_is_the_pipelines_encode_prompt(sdxl_pipeline):
-    pipe = sdxl_pipeline
+def _pipeline_prompt(pipe, name, captions):
+    """(states, pooled) from the family's own pipeline, run without autograd as encode runs."""
+    with torch.no_grad():
+        if name == "flux":
+            states, pooled, _ = pipe.encode_prompt(captions, None, device="cpu")
+        else:
+            args = (None,) if name == "sdxl" else (None, None)
+            states, _, pooled, _ = pipe.encode_prompt(captions, *args, device="cpu", do_classifier_free_guidance=False)
+    return states, pooled
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_encode_text_is_the_pipelines_encode_prompt(pipelines, name):
+    pipe, spec = pipelines[name], get_family(name)
     captions = ["a dog running on the beach, golden hour", "", " ".join(["a very long caption"] * 30)]
-    spec = get_family("sdxl")
-    tokenizers = [getattr(pipe, name) for name, _ in spec.text_encoders]
-    encoders = [getattr(pipe, name) for _, name in spec.text_encoders]
+    tokenizers = [getattr(pipe, tokenizer) for tokenizer, _ in spec.text_encoders]
+    encoders = [getattr(pipe, encoder) for _, encoder in spec.text_encoders]
     ours = spec.encode_text(tokenizers, encoders, captions)
-    states, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    states, pooled = _pipeline_prompt(pipe, name, captions)
     assert set(ours) == set(spec.stored)
-    assert ours["states"].shape == (3, 77, sum(sdxl.TINY_HIDDEN))
-    assert ours["pooled"].shape == (3, sdxl.TINY_HIDDEN[1])
     torch.testing.assert_close(ours["states"], states, rtol=0, atol=0)
     torch.testing.assert_close(ours["pooled"], pooled, rtol=0, atol=0)
+    # The long caption is cut at each window, not an error; the empty one is encoded, not skipped.
+    assert ours["states"].shape[0] == 3 and not torch.equal(ours["states"][0], ours["states"][1])
+
+
+def test_sdxl_text_shapes(sdxl_pipeline):
+    pipe, spec = sdxl_pipeline, get_family("sdxl")
+    ours = spec.encode_text([pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], ["a"])
+    assert ours["states"].shape == (1, 77, sum(sdxl.TINY_HIDDEN))
+    assert ours["pooled"].shape == (1, sdxl.TINY_HIDDEN[1])
 
 
 def test_conditioning_drives_the_unet_and_time_ids_matter(sdxl_pipeline):
@@ -77,7 +108,7 @@ def test_conditioning_drives_the_unet_and_time_ids_matter(sdxl_pipeline):
 
     def run(ids):
         with torch.no_grad():
-            return pipe.unet(latents, timestep, **spec.conditioning({**text, "time_ids": ids})).sample
+            return pipe.unet(latents, timestep=timestep, **spec.conditioning({**text, "time_ids": ids})).sample
 
     square = run(sdxl.time_ids((64, 96), (0, 0), (64, 96)).expand(2, 6))
     cropped = run(sdxl.time_ids([[128, 96], [64, 200]], [[32, 0], [0, 52]], (64, 96)))
@@ -103,18 +134,23 @@ def test_time_ids_crop_is_the_pixels_resize_and_center_crop_keep(realdata):
         assert max(top, left) > 0
 
 
-def test_real_sdxl_unet_config_is_the_2_6b_architecture():
-    from diffusers import UNet2DConditionModel
+@pytest.mark.parametrize("name, config, parameters", [
+    ("sdxl", "sdxl", 2.567e9),
+    ("sd3", "sd3-medium", 2.028e9),
+    ("flux", "flux-dev", 11.90e9),
+])
+def test_real_size_configs_build_the_published_architectures(name, config, parameters):
+    import diffusers
 
+    spec = get_family(name)
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(get_family("sdxl").configs["sdxl"])
-    assert sum(p.numel() for p in unet.parameters()) == pytest.approx(2.567e9, rel=2e-3)
-    blocks = get_family("sdxl").blocks(unet)
-    in_blocks = sum(p.numel() for block in blocks for p in block.parameters())
-    # The wrap units hold nearly all weights, so FSDP shards what matters; none is nested in another.
-    assert in_blocks / sum(p.numel() for p in unet.parameters()) > 0.9
-    assert len({id(p) for block in blocks for p in block.parameters()}) == sum(
-        p.numel() > 0 for block in blocks for p in block.parameters())
+        model = getattr(diffusers, spec.denoiser_class).from_config(spec.configs[config])
+    total = sum(p.numel() for p in model.parameters())
+    assert total == pytest.approx(parameters, rel=2e-3)
+    blocks = spec.blocks(model)
+    # The wrap units hold nearly all weights, so FSDP shards what matters, and none holds another.
+    assert sum(p.numel() for block in blocks for p in block.parameters()) / total > 0.85
+    assert not any(inner is not outer and inner in set(outer.modules()) for outer in blocks for inner in blocks)
 
 
 def test_blocks_refuses_a_model_without_them():
@@ -122,21 +158,54 @@ def test_blocks_refuses_a_model_without_them():
         get_family("sdxl").blocks(torch.nn.Linear(2, 2))
 
 
-def test_tiny_sdxl_generates_offline_without_laionkit(tiny_sdxl):
-    script = textwrap.dedent(f"""
+def test_every_tiny_family_generates_offline_without_laionkit(tiny_folders):
+    script = textwrap.dedent("""
         import sys, numpy, torch
-        from diffusers import StableDiffusionXLPipeline
-        pipe = StableDiffusionXLPipeline.from_pretrained({str(tiny_sdxl)!r})
-        image = pipe("a cat", height=64, width=64, num_inference_steps=2, output_type="np",
-                     generator=torch.Generator().manual_seed(0)).images[0]
-        assert image.shape == (64, 64, 3) and numpy.isfinite(image).all() and image.std() > 0, image
+        from diffusers import DiffusionPipeline
+        for folder, expected in zip(sys.argv[1::2], sys.argv[2::2]):
+            pipe = DiffusionPipeline.from_pretrained(folder)
+            assert type(pipe).__name__ == expected, (folder, type(pipe).__name__)
+            image = pipe("a cat", height=64, width=64, num_inference_steps=2, output_type="np",
+                         generator=torch.Generator().manual_seed(0)).images[0]
+            assert image.shape == (64, 64, 3) and numpy.isfinite(image).all() and image.std() > 0, folder
         assert not any(name.startswith("laionkit") for name in sys.modules)
         print("ok")
     """)
+    args = [str(item) for name in FAMILIES for item in (tiny_folders[name], get_family(name).pipeline_class)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            cwd=tiny_sdxl, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                            cwd=tiny_folders["sdxl"], timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_flow_families_conditioning_drives_their_transformers(pipelines):
+    from laionkit.families import flow, flux
+
+    generator = torch.Generator().manual_seed(0)
+    for name in ("sd3", "flux"):
+        pipe, spec = pipelines[name], get_family(name)
+        text = spec.encode_text([getattr(pipe, t) for t, _ in spec.text_encoders],
+                                [getattr(pipe, e) for _, e in spec.text_encoders], ["a cat", "a dog"])
+        latents = torch.randn(2, 16, 8, 12, generator=generator)
+        sigmas = torch.tensor([0.3, 0.8])
+        with torch.no_grad():
+            if name == "sd3":
+                out = pipe.transformer(latents, timestep=flow.timesteps(sigmas), **spec.conditioning(text)).sample
+            else:
+                batch = {**text, "img_ids": flux.image_ids(8, 12), "guidance": torch.full((2,), 3.5)}
+                out = pipe.transformer(flux.pack(latents), timestep=sigmas, **spec.conditioning(batch)).sample
+                out = flux.unpack(out, 8, 12)
+        assert out.shape == latents.shape and torch.isfinite(out).all(), name
+
+
+def test_flux_packing_and_ids_are_the_pipelines(pipelines):
+    from laionkit.families import flux
+
+    pipe = pipelines["flux"]
+    latents = torch.randn(2, 16, 8, 12)
+    assert torch.equal(flux.pack(latents), pipe._pack_latents(latents, 2, 16, 8, 12))
+    assert torch.equal(flux.unpack(flux.pack(latents), 8, 12), latents)
+    assert torch.equal(flux.image_ids(8, 12), pipe._prepare_latent_image_ids(2, 4, 6, "cpu", torch.float32))
 
 
 def _digest(folder):

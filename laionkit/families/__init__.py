@@ -12,7 +12,9 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   preset, a hub id or a folder, or from_config on a dict for training from scratch), with ``presets``
   (name -> hub pipeline repo) and ``configs`` (name -> real-size architecture config);
 - the conditioning fed to the denoiser per batch: ``conditioning(batch)`` maps the stored tensors of a
-  micro-batch to the denoiser's keyword arguments besides the noisy latents and the timestep;
+  micro-batch to the denoiser's keyword arguments; train calls
+  ``denoiser(noisy, timestep=t, **spec.conditioning(batch))`` for every family (the UNet's and the
+  transformers' positional orders differ, so only the noisy input goes positionally);
 - the objective's defaults: ``objective`` (``ddpm`` with a prediction type, or ``flow`` matching with
   its sigma sampling, shift and loss weighting; see ``laionkit.families.flow``);
 - ``block_classes``: the denoiser's repeated block, the FSDP wrap unit and the activation-checkpointing
@@ -104,4 +106,6 @@ def families() -> list[str]:
 
 
 # Importing the family modules registers them.
+from laionkit.families import flux as _flux  # noqa: E402,F401
+from laionkit.families import sd3 as _sd3  # noqa: E402,F401
 from laionkit.families import sdxl as _sdxl  # noqa: E402,F401
