@@ -1,0 +1,111 @@
+"""Model families: everything that differs between SD-, SDXL-, SD3- and Flux-class models, in one place.
+
+encode's and train's loops stay family-agnostic; they look a family up by name (the name encode writes
+into the latent manifest, so train never asks for it twice) and call what its ``FamilySpec`` holds, the
+way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract, field by field:
+
+- which encoders encode runs and what it stores per sample: ``text_encoders`` names the pipeline
+  subfolders of the tokenizer/encoder pairs, ``encode_text(tokenizers, encoders, captions)`` returns the
+  per-sample tensors keyed by ``stored`` (encode writes them, and their empty-caption versions for caption
+  dropout, which must drop every key together);
+- how train builds the denoiser: ``denoiser_class`` + ``denoiser_subfolder`` (from_pretrained on a
+  preset, a hub id or a folder, or from_config on a dict for training from scratch), with ``presets``
+  (name -> hub pipeline repo) and ``configs`` (name -> real-size architecture config);
+- the conditioning fed to the denoiser per batch: ``conditioning(batch)`` maps the stored tensors of a
+  micro-batch to the denoiser's keyword arguments; train calls
+  ``denoiser(noisy, timestep=t, **spec.conditioning(batch))`` for every family (the UNet's and the
+  transformers' positional orders differ, so only the noisy input goes positionally);
+- the objective's defaults: ``objective`` (``ddpm`` with a prediction type, or ``flow`` matching with
+  its sigma sampling, shift and loss weighting; see ``laionkit.families.flow``);
+- ``block_classes``: the denoiser's repeated block, the FSDP wrap unit and the activation-checkpointing
+  unit (class names, resolved on the built model, so importing a family imports no diffusers);
+- ``pipeline_class``: the diffusers pipeline that draws validation grids and that an export must load
+  into; the export is that pipeline's folder layout with the trained denoiser in ``denoiser_subfolder``;
+- ``write_tiny(output, seed)``: a tiny random-init model in the real diffusers layout for offline tests.
+
+Family modules import torch / diffusers / transformers only inside functions, so listing families is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from laionkit.common.errors import LaionkitError
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A family's training objective defaults; train flags override them."""
+
+    kind: str  # "ddpm" (noise-prediction schedulers) or "flow" (rectified flow / flow matching)
+    prediction: str = "epsilon"  # ddpm: "epsilon" or "v_prediction"; flow: "velocity" (target noise - x0)
+    sigma_sampling: str = "logit_normal"  # flow: logit_normal | uniform | mode
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float | None = None  # flow: static shift s; None with dynamic_shift means per-resolution
+    dynamic_shift: bool = False  # flow: Flux's rule on the image sequence length, per bucket
+    weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What encode and train need to know about one model family (see the module docstring)."""
+
+    name: str
+    pipeline_class: str
+    denoiser_class: str
+    denoiser_subfolder: str
+    text_encoders: tuple[tuple[str, str], ...]  # (tokenizer subfolder, text encoder subfolder) pairs
+    stored: tuple[str, ...]
+    encode_text: Callable[..., dict[str, Any]]
+    conditioning: Callable[[Mapping[str, Any]], dict[str, Any]]
+    objective: Objective
+    block_classes: tuple[str, ...]
+    write_tiny: Callable[[str | Path, int], Path]
+    presets: Mapping[str, str] = field(default_factory=dict)
+    configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    vae_shift: bool = False  # latents = (z - shift_factor) * scaling_factor (SD3 / Flux VAEs)
+
+    def blocks(self, denoiser) -> list:
+        """The denoiser's modules of ``block_classes``: FSDP wrap units and checkpointing units, in order."""
+        found = [m for m in denoiser.modules() if type(m).__name__ in self.block_classes]
+        if not found:
+            raise LaionkitError(
+                f"family {self.name}: {type(denoiser).__name__} has no {'/'.join(self.block_classes)} blocks"
+            )
+        return found
+
+
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add a family under its name; registering a second one under the same name is a programming error."""
+    if spec.name in _FAMILIES:
+        raise ValueError(f"model family {spec.name!r} is already registered")
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def get_family(name: str) -> FamilySpec:
+    """The registered family ``name``; an unknown name (from a flag or a manifest) is a user error."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise LaionkitError(
+            f"unknown model family {name!r} (known: {', '.join(sorted(_FAMILIES)) or 'none'})"
+        ) from None
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+# Importing the family modules registers them.
+from laionkit.families import flux as _flux  # noqa: E402,F401
+from laionkit.families import sd3 as _sd3  # noqa: E402,F401
+from laionkit.families import sdxl as _sdxl  # noqa: E402,F401

@@ -1,0 +1,143 @@
+"""Flux: a double/single-stream transformer on 2x2-packed 16-channel latents, flow matching with a
+resolution-dependent shift.
+
+Text conditioning, as ``FluxPipeline.encode_prompt`` builds it: T5-XXL's last hidden states (512
+tokens, no attention mask) and CLIP-L's pooled output; ``txt_ids`` are zeros and ``img_ids`` the
+(row, column) of each packed latent patch, so they depend only on the bucket's latent size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from laionkit.families import FamilySpec, Objective, register_family
+
+PRESETS = {"flux-dev": "black-forest-labs/FLUX.1-dev"}
+
+# black-forest-labs/FLUX.1-dev transformer/config.json (11.9B parameters).
+TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+    "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+}
+T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length
+TINY_CLIP = 32
+TINY_T5 = 64
+
+
+def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
+                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
+    """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip], exactly as FluxPipeline.encode_prompt."""
+    import torch
+
+    captions = list(captions)
+    (clip_tok, t5_tok), (clip, t5) = tokenizers, text_encoders
+    with torch.no_grad():
+        ids = clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                       return_tensors="pt").input_ids
+        pooled = clip(ids.to(clip.device), output_hidden_states=False).pooler_output
+        ids = t5_tok(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
+                     return_tensors="pt").input_ids
+        states = t5(ids.to(t5.device), output_hidden_states=False)[0]
+    return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
+
+
+def pack(latents):
+    """[B, C, H, W] -> [B, H/2 * W/2, 4C], FluxPipeline._pack_latents' layout."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(packed, height: int, width: int):
+    """The inverse of pack for a latent of ``height`` x ``width``."""
+    b, _, channels = packed.shape
+    packed = packed.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return packed.reshape(b, channels // 4, height, width)
+
+
+def image_ids(height: int, width: int):
+    """[H/2 * W/2, 3] positions (0, row, column) of the packed patches of one latent size (bucket)."""
+    import torch
+
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """FluxTransformer2DModel keyword arguments besides the packed hidden_states and timestep (sigma).
+
+    ``batch`` holds the stored text, ``img_ids`` for its bucket, and ``guidance`` when the transformer
+    has guidance embeddings (FLUX.1-dev), else None.
+    """
+    import torch
+
+    states = batch["states"]
+    return {
+        "encoder_hidden_states": states, "pooled_projections": batch["pooled"],
+        "txt_ids": torch.zeros(states.shape[1], 3, dtype=states.dtype, device=states.device),
+        "img_ids": batch["img_ids"], "guidance": batch.get("guidance"),
+    }
+
+
+def write_tiny(output: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random-init FluxPipeline folder in the real diffusers layout.
+
+    vae/ (16 channels, Flux's scaling and shift factors), text_encoder/ (CLIPTextModel) + tokenizer/
+    (real CLIP BPE), text_encoder_2/ (T5EncoderModel) + tokenizer_2/ (a T5TokenizerFast trained on the
+    shipped captions), transformer/ (FluxTransformer2DModel with guidance embeddings, like FLUX.1-dev),
+    scheduler/ (FlowMatchEulerDiscreteScheduler with FLUX.1-dev's dynamic shifting).
+    """
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW, clip_tokenizer
+    from laionkit.families.sd3 import tiny_t5, tiny_vae
+
+    output = Path(output)
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=CLIP_VOCAB_SIZE, hidden_size=TINY_CLIP, intermediate_size=2 * TINY_CLIP, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=CLIP_WINDOW, hidden_act="quick_gelu",
+        projection_dim=TINY_CLIP, bos_token_id=49406, eos_token_id=49407, pad_token_id=1,
+    ))
+    text_encoder_2, tokenizer_2 = tiny_t5(output / "tokenizer_2", TINY_T5)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=TINY_T5, pooled_projection_dim=TINY_CLIP,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    pipeline = FluxPipeline(
+        scheduler=scheduler, vae=tiny_vae(scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder, tokenizer=clip_tokenizer(output / "tokenizer"),
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    pipeline.save_pretrained(output, safe_serialization=True)
+    return output
+
+
+SPEC = register_family(FamilySpec(
+    name="flux",
+    pipeline_class="FluxPipeline",
+    denoiser_class="FluxTransformer2DModel",
+    denoiser_subfolder="transformer",
+    text_encoders=(("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")),
+    stored=("states", "pooled"),
+    encode_text=encode_text,
+    conditioning=conditioning,
+    objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True),
+    block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    write_tiny=write_tiny,
+    presets=PRESETS,
+    configs={"flux-dev": TRANSFORMER_CONFIG},
+    vae_shift=True,
+))

@@ -1,0 +1,95 @@
+"""Tiny T5- and Gemma-style tokenizers trained on the shipped captions, saved in the real layouts.
+
+T5 and Gemma tokenizers cannot be downloaded here, yet tests must load them through the same
+``T5TokenizerFast.from_pretrained`` / ``GemmaTokenizerFast.from_pretrained`` calls users make on a hub
+folder. So the ``tokenizers`` library trains small ones on ``laionkit/data/laion-sample.parquet``'s
+captions with each family's pipeline (T5: SentencePiece-style Unigram, Metaspace, ``</s>`` appended;
+Gemma: byte-fallback BPE, ``<bos>`` prepended) and they are saved as tokenizer.json,
+tokenizer_config.json and special_tokens_map.json. Training reads the captions in file order and the
+Unigram trainer's floating-point noise is rounded away, so the same data gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "laion-sample.parquet"
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in t5-base / google/t5-v1_1-xxl
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0..3 as in google/gemma-2-2b
+
+
+def captions(parquet: Path = SAMPLE) -> list[str]:
+    """The non-empty TEXT captions of the shipped sample, in file order."""
+    import pyarrow.parquet as pq
+
+    return [text for text in pq.read_table(parquet, columns=["TEXT"]).column("TEXT").to_pylist() if text]
+
+
+def _save(tokenizer, output: Path, config: dict, specials: dict) -> Path:
+    output.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(output / "tokenizer.json"))
+    (output / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (output / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, sort_keys=True) + "\n")
+    return output
+
+
+def write_t5(output: str | Path, vocab_size: int = 1000, max_length: int = 512) -> Path:
+    """A T5TokenizerFast folder: Unigram over Metaspace pieces, ``</s>`` appended, pad 0 / eos 1 / unk 2."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import Unigram
+
+    tokenizer = Tokenizer(Unigram())
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(r"\s+", " ")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=list(T5_SPECIALS),
+                                      unk_token="<unk>", show_progress=False)
+    tokenizer.train_from_iterator(captions(), trainer=trainer)
+    # Two sources of run-to-run noise in the Unigram trainer: its EM sums in parallel (scores differ in
+    # the last bits: rounded away), and it appends the rare characters EM pruned with made-up scores in
+    # hash-set order. Those characters get one score below every learned piece (a lone character has a
+    # single segmentation, so their order never mattered) and the files become reproducible.
+    trained = [(piece, round(score, 6)) for piece, score in json.loads(tokenizer.to_str())["model"]["vocab"]
+               if piece not in T5_SPECIALS]
+    floor = min(score for piece, score in trained if len(piece) > 1)
+    pieces = sorted(((piece, score if len(piece) > 1 or score > floor else floor - 1.0)
+                     for piece, score in trained), key=lambda item: (-item[1], item[0]))
+    tokenizer.model = Unigram([(piece, 0.0) for piece in T5_SPECIALS] + pieces, unk_id=2)
+    eos = tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)])
+    specials = {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "T5Tokenizer", "model_max_length": max_length, "extra_ids": 0,
+              "additional_special_tokens": [], **specials}
+    return _save(tokenizer, Path(output), config, specials)
+
+
+def write_gemma(output: str | Path, vocab_size: int = 1000, max_length: int = 300) -> Path:
+    """A GemmaTokenizerFast folder: byte-fallback BPE on "▁"-joined text, ``<bos>`` prepended, no eos added."""
+    from tokenizers import Tokenizer, decoders, normalizers, processors, trainers
+    from tokenizers.models import BPE
+
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=list(GEMMA_SPECIALS),
+                                  show_progress=False)
+    learner = Tokenizer(BPE(unk_token="<unk>"))
+    learner.normalizer = normalizers.Replace(" ", "▁")
+    learner.train_from_iterator(captions(), trainer=trainer)
+    # Byte-fallback pieces are ordinary vocabulary entries right after the specials (as in Gemma's own
+    # tokenizer.json), not added special tokens: decode(skip_special_tokens=True) must keep them.
+    learned = sorted(learner.get_vocab().items(), key=lambda item: item[1])
+    pieces = [*GEMMA_SPECIALS, *(f"<0x{value:02X}>" for value in range(256))]
+    pieces += [piece for piece, _ in learned if piece not in GEMMA_SPECIALS]
+    merges = [tuple(merge) for merge in json.loads(learner.to_str())["model"]["merges"]]
+    tokenizer = Tokenizer(BPE(vocab={piece: i for i, piece in enumerate(pieces)}, merges=merges,
+                              unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.add_special_tokens(list(GEMMA_SPECIALS))
+    tokenizer.normalizer = learner.normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    bos = tokenizer.token_to_id("<bos>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)])
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "GemmaTokenizer", "model_max_length": max_length, "add_bos_token": True,
+              "add_eos_token": False, "padding_side": "right", **specials}
+    return _save(tokenizer, Path(output), config, specials)
