@@ -690,10 +690,11 @@ def run(config: FilterConfig) -> dict:
     progress = tqdm(total=sum(u.rows for u in todo), unit="rows", unit_scale=True, disable=config.quiet,
                     desc="filter")
     dedup = None
-    if config.dedup is not None and len(done) < len(plan.units):  # phases 1-2, until every part exists
+    if config.dedup is not None:
         from laionkit.dedup import Dedup
 
         dedup = Dedup(plan, output, config.dedup, config.dedup_bucket_rows)
+    if dedup is not None and len(done) < len(plan.units):  # phases 1-2, until every part exists
         workers = [UnitFilter(plan, scorers, config.skip_bad, None, database.cursor()) for _ in range(threads)]
         dedup.prepare(workers, rank, config.dedup_wait, config.overwrite, config.skip_bad)
     with progress:

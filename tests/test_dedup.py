@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -122,8 +121,8 @@ def test_kill_9_in_each_phase_then_rerun_gives_the_same_output(inputs: Path, tmp
     while not (list(out.glob(f".dedup-*/{marker}")) + list(out.glob(marker))) and process.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    os.kill(process.pid, signal.SIGKILL)  # the phase has written at least one output, maybe more
-    process.wait()
+    process.send_signal(signal.SIGKILL)  # the phase has written at least one output, maybe more
+    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     run_cli("filter", inputs, "--output", out, *ARGS)
     assert parts(out).to_pylist() == expected(inputs).to_pylist()
     assert dedup_counts(out)[1] == expected(inputs).num_rows
