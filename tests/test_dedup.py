@@ -126,3 +126,25 @@ def test_kill_9_in_each_phase_then_rerun_gives_the_same_output(inputs: Path, tmp
     run_cli("filter", inputs, "--output", out, *ARGS)
     assert parts(out).to_pylist() == expected(inputs).to_pylist()
     assert dedup_counts(out)[1] == expected(inputs).num_rows
+
+
+def test_an_unreadable_unit_is_an_error_or_a_counted_skip_left_out_of_the_dedup(inputs: Path, tmp_path: Path):
+    b = inputs / "b.parquet"
+    pq.write_table(pq.read_table(b), b, row_group_size=50, compression="zstd")
+    page = pq.read_metadata(b).row_group(4).column(0).data_page_offset + 40  # URL of rows 200-249
+    data = bytearray(b.read_bytes())
+    data[page : page + 200] = b"\xff" * 200
+    b.write_bytes(bytes(data))
+    result = run_cli("filter", inputs, "--output", tmp_path / "out", *ARGS, check=False)
+    assert result.returncode == 2 and "b.parquet: cannot read row groups 4-5" in result.stderr
+    assert "Traceback" not in result.stderr
+    run_cli("filter", inputs, "--output", tmp_path / "out", *ARGS, "--skip-bad")
+    [stats] = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("stats-*.json")]
+    assert [(u["input"].endswith("b.parquet"), u["rows"]) for u in stats["bad_units"]] == [(True, 100)]
+    readable = tmp_path / "readable"
+    readable.mkdir()
+    for path in sorted(inputs.glob("*.parquet")):
+        table = pq.read_table(path) if path != b else pa.concat_tables(
+            [pq.ParquetFile(b).read_row_groups([g]) for g in range(9) if g not in (4, 5)])
+        pq.write_table(table, readable / path.name)
+    assert parts(tmp_path / "out").to_pylist() == expected(readable).to_pylist()
