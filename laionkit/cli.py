@@ -251,6 +251,8 @@ def pack(
     laionkit filter metadata/ --embeddings img_emb/ --score anime="prompt:an anime drawing|a manga page" --where "anime > 0.3" --output out/anime
 
     torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
+
+    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --dedup URL --output out/unique   # exact, ranks meet via files
 """)
 def filter_command(
     inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
@@ -263,7 +265,11 @@ def filter_command(
     rename: Annotated[Optional[list[str]], typer.Option(
         "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
     dedup: Annotated[Optional[str], typer.Option(
-        help="Drop rows whose COLUMN value was already kept (global, first occurrence; needs --world-size 1).")] = None,
+        help="Drop rows whose COLUMN value was already kept (global first occurrence, exact with any number of ranks).")] = None,
+    dedup_wait: Annotated[float, typer.Option(
+        help="--dedup: seconds a rank waits for the other ranks' partition / resolve outputs before it stops.")] = 3600.0,
+    dedup_bucket_rows: Annotated[int, typer.Option(
+        help="--dedup: input rows per hash bucket; one bucket is what a rank holds in memory to resolve it.")] = 4_000_000,
     embeddings: Annotated[Optional[list[str]], typer.Option(
         "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder.")] = None,
     score: Annotated[Optional[list[str]], typer.Option(
@@ -289,7 +295,8 @@ def filter_command(
         inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
-        world_size=world_size, skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
+        world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
+        skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
     )
     stats = filter_stage.run(config)
     if not quiet:

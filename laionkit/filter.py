@@ -11,8 +11,8 @@ killed run is simply rerun; ``_filter-plan.json`` pins inputs, units and rules s
 arguments is refused instead of mixing outputs.
 
 ``--dedup COLUMN`` is global: among rows passing every rule, the first occurrence of a value in global
-unit order is kept. No rank can know that while others run, so it needs ``--world-size 1`` (refused
-otherwise); resume stays exact because finished parts' values seed the set of values already kept.
+unit order is kept, with any number of ranks: the column is hash-partitioned to disk and resolved
+bucket by bucket before the parts are written (laionkit.dedup says how ranks meet through files).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
@@ -50,6 +51,9 @@ from laionkit.common import (
 )
 from laionkit.common.columns import COLUMN_ALIASES
 from laionkit.scores import ClipChoice, Scorer, ScoreSpec, build_scorer, score_embeddings
+
+if TYPE_CHECKING:
+    from laionkit.dedup import Dedup
 
 # Rule sets used in practice (LAION's advice; Stable Diffusion 1.x and 2.0 training sets). Names are
 # canonical: ALIASES makes them work on every LAION release's spelling.
@@ -95,6 +99,8 @@ class FilterConfig:
     threads: int | None = None  # DuckDB threads in all; None = every CPU this process may use
     rank: int | None = None
     world_size: int | None = None
+    dedup_wait: float = 3600.0  # --dedup: seconds a rank waits for the other ranks' phase outputs
+    dedup_bucket_rows: int = 4_000_000  # --dedup: input rows per bucket (bounds the memory of resolving one)
     skip_bad: bool = False
     overwrite: bool = False
     quiet: bool = False
@@ -379,6 +385,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Pl
         )
     if config.unit_rows < 1:
         raise LaionkitError(f"--unit-rows must be >= 1, got {config.unit_rows}")
+    if config.dedup_bucket_rows < 1:
+        raise LaionkitError(f"--dedup-bucket-rows must be >= 1, got {config.dedup_bucket_rows}")
     if config.threads is not None and config.threads < 1:
         raise LaionkitError(f"--threads must be >= 1, got {config.threads}")
     paths = find_inputs(config.inputs)
@@ -548,7 +556,7 @@ class UnitFilter:
     One UnitFilter (one cursor of the run's DuckDB database) filters one unit at a time; ``run`` keeps
     several busy."""
 
-    def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: str | None,
+    def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: Dedup | None,
                  connection: duckdb.DuckDBPyConnection):
         self.plan = plan
         self.scorers = scorers
@@ -623,6 +631,9 @@ class UnitFilter:
     def run(self, unit: Unit, part: Path, progress: tqdm) -> dict:
         file = self.plan.files[unit.file]
         started = time.perf_counter()
+        if self.dedup and (message := self.dedup.bad(unit)):  # unreadable in phase 1 (--skip-bad)
+            progress.update(unit.rows)
+            return self.record_bad_unit(unit, part, file, message)
         try:
             with atomic_output(part) as tmp:
                 try:
@@ -665,7 +676,7 @@ class UnitFilter:
         # Rows kept need no count here: COPY returns it (a count_if of all rules costs a third of this scan).
         counts = ["count(*)"] + [f"count(__laionkit_r{i}), count_if(__laionkit_r{i})" for i in range(len(rules))]
         if self.dedup:
-            counts += [f"count_if({keep})", f"count_if({keep} AND {quote(self.dedup)} IS NULL)"]
+            counts.append(f"count_if({keep} AND {quote(self.dedup.column)} IS NULL)")
         row = [value or 0 for value in  # count_if over no rows is NULL
                self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]]
         total = row[0]
@@ -674,43 +685,20 @@ class UnitFilter:
             for i, rule in enumerate(self.plan.rules)
         }
         kept = f"({source}) WHERE {where}"  # the rows passing: keep == where, row for row
-        if self.dedup:
-            selected = self.first_occurrences(kept, output, row[-2], row[-1], stats)
+        if self.dedup:  # phase 3: the rows phase 2 found taken by an earlier position are left out
+            column = quote(self.dedup.column)
+            [(dropped,)] = self.connection.execute(f"SELECT count(*) FROM ({self.dedup.dropped(unit)})").fetchall()
+            stats["rules"][f"dedup({self.dedup.column})"] = asdict(RuleCounts(dropped, row[-1]))
+            selected = (
+                f"SELECT {', '.join(map(nullable, output))} FROM {kept} AND {column} IS NOT NULL "
+                f"AND __laionkit_row NOT IN ({self.dedup.dropped(unit)}) ORDER BY __laionkit_row"
+            )
         else:
             selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}"
         metadata = literal(json.dumps(stats))  # rows_out is the part's row count (unit_stats_from_part)
         options = f"FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}}"
         [(written,)] = self.connection.execute(f"COPY ({selected}) TO {literal(str(tmp))} ({options})").fetchall()
-        if self.dedup:
-            self.connection.execute(f"INSERT INTO seen SELECT {quote(self.dedup)} FROM unit_kept").fetchall()
         return {**stats, "rows_out": written}
-
-    def first_occurrences(self, kept: str, output: list[str], passing: int, nulls: int, stats: dict) -> str:
-        """--dedup: among rows passing every rule, keep a value's first row in global unit order."""
-        column = quote(self.dedup)
-        self.ensure_seen(f"SELECT {column} AS value FROM {kept}")
-        self.connection.execute("DROP TABLE IF EXISTS unit_kept").fetchall()
-        self.connection.execute(
-            f"CREATE TEMP TABLE unit_kept AS SELECT {', '.join(map(quote, output))}, __laionkit_row "
-            f"FROM {kept} "
-            f"AND {column} IS NOT NULL AND {column} NOT IN (SELECT value FROM seen) "
-            f"QUALIFY row_number() OVER (PARTITION BY {column} ORDER BY __laionkit_row) = 1"
-        ).fetchall()
-        count = self.connection.execute("SELECT count(*) FROM unit_kept").fetchall()[0][0]
-        stats["rules"][f"dedup({self.dedup})"] = asdict(RuleCounts(passing - nulls - count, nulls))
-        return f"SELECT {', '.join(map(nullable, output))} FROM unit_kept ORDER BY __laionkit_row"
-
-    def ensure_seen(self, values: str) -> None:
-        """The table of dedup values already kept, typed like the column (created on first use)."""
-        self.connection.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS seen AS SELECT value FROM ({values}) WHERE false"
-        ).fetchall()
-
-    def seed_seen(self, part: Path) -> None:
-        """Resume with --dedup: values kept by finished units are already taken."""
-        values = f"SELECT {quote(self.dedup)} AS value FROM read_parquet({literal(str(part))})"
-        self.ensure_seen(values)
-        self.connection.execute(f"INSERT INTO seen {values}").fetchall()
 
     def record_bad_unit(self, unit: Unit, part: Path, file: InputFile, message: str) -> dict:
         """--skip-bad: an empty part marks the unit done; its footer says why, so the skip is counted."""
@@ -808,12 +796,6 @@ def run(config: FilterConfig) -> dict:
     """Filter this rank's units into ``config.output``; return (and write) this rank's stats."""
     started = time.perf_counter()
     rank = resolve_rank(config.rank, config.world_size)
-    if config.dedup is not None and rank.world_size > 1:
-        raise LaionkitError(
-            f"--dedup {config.dedup} keeps the first occurrence across ALL inputs, which one rank "
-            f"cannot know while {rank.world_size} ranks filter in parallel; run the dedup with "
-            "--world-size 1 (e.g. as a second pass over the filtered output)"
-        )
     # One database for the whole run, a cursor per worker: a cursor costs microseconds, a database ~25 ms.
     # A query runs on its calling thread plus the database's threads - 1 background threads.
     output = Path(config.output)
@@ -839,18 +821,18 @@ def run(config: FilterConfig) -> dict:
     threads = config.threads or available_cpus()
     progress = tqdm(total=sum(u.rows for u in todo), unit="rows", unit_scale=True, disable=config.quiet,
                     desc="filter")
+    dedup = None
+    if config.dedup is not None:
+        from laionkit.dedup import Dedup
+
+        dedup = Dedup(plan, output, config.dedup, config.dedup_bucket_rows)
+    if dedup is not None and len(done) < len(plan.units):  # phases 1-2, until every part exists
+        workers = [UnitFilter(plan, scorers, config.skip_bad, None, database.cursor()) for _ in range(threads)]
+        dedup.prepare(workers, rank, config.dedup_wait, config.overwrite, config.skip_bad)
     with progress:
-        if config.dedup is None:
-            filtered = filter_in_parallel(todo, plan, scorers, config, database, threads, output, rank, progress)
-        else:  # global first occurrence: one unit at a time, in unit order, finished units seeding
-            database.execute(f"SET threads = {threads}").fetchall()
-            worker = UnitFilter(plan, scorers, config.skip_bad, config.dedup, database.cursor())
-            filtered = {}
-            for unit in mine:
-                if unit.index in done:
-                    worker.seed_seen(done[unit.index])
-                else:
-                    filtered[unit.index] = worker.run(unit, part_path(output, rank, unit), progress)
+        filtered = filter_in_parallel(todo, plan, scorers, config, database, threads, output, rank, progress, dedup)
+    if dedup is not None:
+        dedup.finish(set(existing_parts(output)))
     unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
     write_json(output / f"_stats-{rank.rank:05d}.json", stats)
@@ -859,14 +841,14 @@ def run(config: FilterConfig) -> dict:
 
 def filter_in_parallel(todo: list[Unit], plan: Plan, scorers: list[Scorer], config: FilterConfig,
                        database: duckdb.DuckDBPyConnection, threads: int, output: Path, rank: Rank,
-                       progress: tqdm) -> dict[int, dict]:
+                       progress: tqdm, dedup: Dedup | None = None) -> dict[int, dict]:
     """Several units at once, one DuckDB thread each: this beats one unit on every thread, whose COPY
     leaves cores idle while its pipeline starts and its writer flushes (10M rows, 2 cores: 1.3 s vs 1.9 s).
     Outputs do not depend on the schedule: each unit writes its own part, in its own row order."""
     parallel = max(1, min(threads, len(todo)))
     idle: queue.SimpleQueue[UnitFilter] = queue.SimpleQueue()
     database.execute(f"SET threads = {threads - parallel + 1}").fetchall()  # + one calling thread per unit
-    workers = [UnitFilter(plan, scorers, config.skip_bad, None, database.cursor()) for _ in range(parallel)]
+    workers = [UnitFilter(plan, scorers, config.skip_bad, dedup, database.cursor()) for _ in range(parallel)]
     for worker in workers:
         idle.put(worker)
 

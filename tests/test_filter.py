@@ -222,7 +222,7 @@ def test_presets_work_on_every_release_spelling_and_with_rename(realdata: Path, 
     assert outputs["odd"].column_names == upper.column_names  # --rename renames the output too
 
 
-def test_dedup_keeps_first_occurrence_globally_and_refuses_several_ranks(realdata: Path, tmp_path: Path):
+def test_dedup_keeps_first_occurrence_globally(realdata: Path, tmp_path: Path):
     table = pq.read_table(realdata / "laion-sample" / "test_1000.parquet").select(["URL", "TEXT"])
     first, second = tmp_path / "in" / "a.parquet", tmp_path / "in" / "b.parquet"
     first.parent.mkdir()
@@ -240,20 +240,6 @@ def test_dedup_keeps_first_occurrence_globally_and_refuses_several_ranks(realdat
     (out / "part-00000-000005.parquet").unlink()
     run_cli("filter", first.parent, "--dedup", "URL", "--unit-rows", "100", "--output", out, "-q")
     assert read_parts(out).column("URL").to_pylist() == kept
-    result = run_cli(
-        "filter",
-        first.parent,
-        "--dedup",
-        "URL",
-        "--output",
-        tmp_path / "multi",
-        "--rank",
-        "0",
-        "--world-size",
-        "2",
-        check=False,
-    )
-    assert result.returncode == 2 and "--world-size 1" in result.stderr
 
 
 def test_bad_inputs_are_named_or_skipped_and_counted(sample: Path, tmp_path: Path):
