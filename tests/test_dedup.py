@@ -57,7 +57,7 @@ def parts(out: Path) -> pa.Table:
 
 
 def dedup_counts(out: Path) -> tuple[int, int]:
-    stats = [json.loads(p.read_text()) for p in out.glob("stats-*.json")]
+    stats = [json.loads(p.read_text()) for p in out.glob("_stats-*.json")]
     return (sum(s["rules"]["dedup(URL)"]["dropped"] for s in stats), sum(s["rows_out"] for s in stats))
 
 
@@ -139,7 +139,7 @@ def test_an_unreadable_unit_is_an_error_or_a_counted_skip_left_out_of_the_dedup(
     assert result.returncode == 2 and "b.parquet: cannot read row groups 4-5" in result.stderr
     assert "Traceback" not in result.stderr
     run_cli("filter", inputs, "--output", tmp_path / "out", *ARGS, "--skip-bad")
-    [stats] = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("stats-*.json")]
+    [stats] = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("_stats-*.json")]
     assert [(u["input"].endswith("b.parquet"), u["rows"]) for u in stats["bad_units"]] == [(True, 100)]
     readable = tmp_path / "readable"
     readable.mkdir()
