@@ -537,7 +537,8 @@ class StopFlag:
         one element per step. Reading the reduced value at once would make the CPU wait for the GPU
         every step (the loop has no other per-step sync), so the value all-reduced at step N is read at
         step N + 1, after that step's work is queued: by then it is long done, and the stop lands one
-        step later than it could. Gloo and NCCL both reduce a tensor on the accelerator's device.
+        step later than it could. The flag lives on the accelerator's device, as NCCL needs, and is
+        filled there by a kernel, not copied from the host (a copy would sync too).
         """
         if accelerator.num_processes == 1:
             return self.signal
