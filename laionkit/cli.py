@@ -327,7 +327,8 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     --max-steps 10000 --lr 1e-5 --validate-every 500
 
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
-sample count). SIGTERM / SIGINT save a checkpoint at the next log step and exit 128+signal.
+sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
+torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
 def train_command(
     latents: Annotated[Path, typer.Argument(help="An encode output folder (latent shards + manifest.json).")],

@@ -167,12 +167,22 @@ class LatentStream(IterableDataset):
         )
 
 
-def _ignore_interrupt(_worker: int) -> None:
-    """Ctrl-C reaches the whole process group: workers leave it to the trainer, which checkpoints first.
+# The signals a scheduler or launcher sends to stop a run (docker stop, Kubernetes, Slurm, torchrun
+# forwarding them, a closed terminal): the trainer turns each into a checkpoint and an exit.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    SIGTERM keeps its default: the DataLoader itself ends lingering workers with it at shutdown.
+
+def _ignore_interrupt(_worker: int) -> None:
+    """Workers leave the stop signals to the trainer, which checkpoints first.
+
+    torchrun, a Ctrl-C and a signal to a container or Slurm step reach the whole process group, workers
+    included; a worker that died of it made the trainer fail with "DataLoader worker ... killed by signal"
+    before it could checkpoint. Ignoring is safe: the DataLoader ends its workers through their index
+    queues at shutdown, a worker exits by itself once its trainer is gone (torch's manager watchdog), and
+    SIGKILL, which a launcher escalates to, still ends it.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False) -> DataLoader:

@@ -32,7 +32,15 @@ from laionkit.common import (
     versions,
 )
 from laionkit.common.outputs import partial_path
-from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
+from laionkit.latents import (
+    STOP_SIGNALS,
+    StreamLayout,
+    Unit,
+    decode,
+    latent_loader,
+    read_unit,
+    shard_paths,
+)
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -492,20 +500,60 @@ def validate(unet, vae, noise_scheduler, texts, empty, data: LatentSet, config: 
 # --- the loop -------------------------------------------------------------------------------------
 
 class StopFlag:
-    """SIGTERM / SIGINT ask for a checkpoint at the next log step; a second SIGINT stops at once."""
+    """The stop signals (SIGTERM, SIGINT, SIGHUP) turned into a checkpoint at a step boundary that every
+    rank agrees on; a second SIGINT stops at once.
+
+    A context manager: handlers are installed by ``install()`` when the loop starts (before it a signal
+    keeps its default effect: there is nothing new to save) and the previous ones are restored on exit,
+    so a caller training in-process (``laionkit run``, ``laionkit demo``) gets its Ctrl-C back.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self._previous: dict[int, object] = {}
+        self._pending: torch.Tensor | None = None
+
+    def __enter__(self) -> StopFlag:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signum
 
+    def agreed(self, accelerator) -> int | None:
+        """Called once per optimizer step on every rank: the signal to stop on now, the same on all ranks.
+
+        Ranks get a signal at different moments, so they stop on the max of their flags, all-reduced as
+        one element per step. Reading the reduced value at once would make the CPU wait for the GPU
+        every step (the loop has no other per-step sync), so the value all-reduced at step N is read at
+        step N + 1, after that step's work is queued: by then it is long done, and the stop lands one
+        step later than it could. The flag lives on the accelerator's device, as NCCL needs, and is
+        filled there by a kernel, not copied from the host (a copy would sync too).
+        """
+        if accelerator.num_processes == 1:
+            return self.signal
+        previous = self._pending
+        flag = torch.full((1,), float(self.signal or 0), device=accelerator.device)
+        self._pending = accelerator.reduce(flag, "max")
+        return (int(previous.item()) or None) if previous is not None else None
+
 
 def run(config: TrainConfig) -> TrainResult:
+    with StopFlag() as stop:
+        return _train(config, stop)
+
+
+def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
     from diffusers import UNet2DConditionModel
@@ -628,7 +676,7 @@ def run(config: TrainConfig) -> TrainResult:
         from laionkit.common.prometheus import MetricsServer
 
         exporter = MetricsServer(config.metrics_port, device.index if device.type == "cuda" else None)
-    stop = StopFlag()
+    stop.install()
     progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
                     unit="step")
     window_loss = torch.zeros((), device=device)
@@ -664,7 +712,6 @@ def run(config: TrainConfig) -> TrainResult:
 
         if step % config.log_every == 0 or step == max_steps:
             mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
-            stopping = accelerator.reduce(torch.tensor(float(stop.signal or 0), device=device), "max").item()
             elapsed = time.perf_counter() - window_start
             samples_per_s = window_steps * global_batch / elapsed
             record = {
@@ -685,8 +732,8 @@ def run(config: TrainConfig) -> TrainResult:
                 progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
             window_loss.zero_()
             window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
-            stopped_by = int(stopping) or None  # decided together, so every rank checkpoints and stops
 
+        stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
         if step % config.checkpoint_every == 0 or stopped_by:
             rank_state = {"step": step, "layout": asdict(layout), "generator": generator.get_state()}
             last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,

@@ -5,6 +5,9 @@ set -euo pipefail
 LATENTS=${1:?latent shard folder}
 RUN=${2:?run folder}
 shift 2
+# On SIGTERM torchrun forwards it to the ranks, which checkpoint within two steps; it SIGKILLs them after
+# this many seconds (torchrun's default is 30, too short for a large checkpoint).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 exec torchrun --nnodes "${NNODES:?}" --node_rank "${NODE_RANK:?}" \
   --nproc_per_node "${GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}" \
   --rdzv_backend c10d --rdzv_endpoint "${MAIN_HOST:?}:${MAIN_PORT:-29500}" --rdzv_id "${RUN_ID:-laionkit}" \
