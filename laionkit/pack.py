@@ -481,15 +481,13 @@ class Fetcher:
 
     def __call__(self, row: tuple[int, str], timeout: float, user_agent_token: str | None,
                  disallowed_header_directives: set[str] | None) -> tuple[int, io.BytesIO | None, str | None]:
-        from img2dataset.downloader import is_disallowed
-
         key, url = row
         try:
             check_scheme(url)
             download = _Download(timeout, self.allow_private_hosts)
             request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
             with _opener(download).open(request, timeout=download.remaining()) as response:
-                if disallowed_header_directives and is_disallowed(
+                if disallowed_header_directives and _is_disallowed(
                     response.headers, user_agent_token, disallowed_header_directives
                 ):
                     return key, None, "Use of image disallowed by X-Robots-Tag directive"
@@ -514,6 +512,13 @@ class Fetcher:
         if response.length:  # the server closed before sending the length it declared
             raise http.client.IncompleteRead(b"".join(chunks), response.length)
         return b"".join(chunks)
+
+
+def _is_disallowed(*args: Any) -> bool:
+    """img2dataset's X-Robots-Tag check (imported late: img2dataset is slow to import)."""
+    from img2dataset.downloader import is_disallowed
+
+    return is_disallowed(*args)
 
 
 # img2dataset's user agent, so sites treat pack like img2dataset.
@@ -814,9 +819,8 @@ def run(config: PackConfig) -> dict:
         record_path = config.output / f"{task.name}_stats.json"
         if not record_path.exists():
             todo.append(task)
-        elif load_record(record_path) is None:
-            console.print(f"pack: {record_path} is unreadable or incomplete: shard {task.name} is redone",
-                          highlight=False, markup=False)
+        elif load_record(record_path) is None:  # said even under --quiet: a done shard is being redone
+            print(f"pack: {record_path} is unreadable or incomplete: shard {task.name} is redone", file=sys.stderr)
             todo.append(task)
         else:
             check_done_record(record_path, task, options)
