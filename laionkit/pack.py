@@ -12,6 +12,9 @@ which rows form which global shard, which rank owns it, and when a shard counts 
   a rerun after kill -9 redoes only shards without one and never sees a half-written tar.
 - ``manifest.json`` is a merge of the records on disk, rewritten by each rank when it finishes and
   rebuilt by ``laionkit stats DIR``.
+- URLs come from untrusted metadata, so img2dataset's fetch is replaced by ``Fetcher``: http(s) only,
+  public addresses only (checked on every redirect hop) unless ``--allow-private-hosts``, one deadline
+  per download and a cap on the body; refusals are recorded per sample like any failed download.
 """
 
 from __future__ import annotations
