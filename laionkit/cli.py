@@ -187,6 +187,8 @@ def demo(
 
     srun --ntasks 4 laionkit pack filtered/ --output shards/   # 4 ranks (SLURM_PROCID / SLURM_NTASKS)
 
+    laionkit pack local-urls.parquet --output shards/ --allow-private-hosts   # URLs on 127.0.0.1 / 10.x
+
 Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
 """)
 def pack(
@@ -205,7 +207,13 @@ def pack(
     encode_quality: Annotated[int, typer.Option(help="Encoder quality, 0-100.")] = 95,
     processes: Annotated[Optional[int], typer.Option(help="Download processes (default: CPU count).")] = None,
     threads: Annotated[int, typer.Option(help="Download threads per process.")] = 64,
-    timeout: Annotated[float, typer.Option(help="Seconds before a download gives up.")] = 10.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds one download may take in all (connect, redirects, body).")
+    ] = 10.0,
+    max_bytes: Annotated[int, typer.Option(help="Refuse a response body larger than this many bytes.")] = 64 * 2**20,
+    allow_private_hosts: Annotated[bool, typer.Option(
+        "--allow-private-hosts",
+        help="Also fetch URLs that resolve to loopback, private or link-local addresses (off: refused).")] = False,
     retries: Annotated[int, typer.Option(help="Extra attempts per failed download.")] = 0,
     shard_size: Annotated[int, typer.Option(help="Input rows per tar shard.")] = 10_000,
     url_column: Annotated[Optional[str], typer.Option(help="URL column (default: URL or url).")] = None,
@@ -228,7 +236,8 @@ def pack(
         inputs=tuple(inputs), output=output, image_size=image_size, resize_mode=resize_mode,
         min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio, max_image_area=max_image_area,
         encode_format=encode_format, encode_quality=encode_quality, processes=processes or available_cpus(),
-        threads=threads, timeout=timeout, retries=retries, shard_size=shard_size, url_column=url_column,
+        threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
+        retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
         quiet=quiet,
     )

@@ -12,25 +12,39 @@ which rows form which global shard, which rank owns it, and when a shard counts 
   a rerun after kill -9 redoes only shards without one and never sees a half-written tar.
 - ``manifest.json`` is a merge of the records on disk, rewritten by each rank when it finishes and
   rebuilt by ``laionkit stats DIR``.
+- URLs come from untrusted metadata, so img2dataset's fetch is replaced by ``Fetcher``: http(s) only,
+  public addresses only (checked on every redirect hop) unless ``--allow-private-hosts``, one deadline
+  per download and a cap on the body; refusals are recorded per sample like any failed download.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import datetime
+import decimal
+import http.client
+import io
+import ipaddress
 import json
 import math
 import multiprocessing
 import os
 import re
 import shutil
+import socket
 import sys
+import tarfile
+import time
 import traceback
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin, urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,6 +57,7 @@ from laionkit.common import (
     available_cpus,
     read_json,
     refuse_other_settings,
+    refuse_overlap,
     resolve_rank,
     split,
     versions,
@@ -74,6 +89,12 @@ OUTPUT_SHAPING_OPTIONS = (
     "image_size", "resize_mode", "min_image_size", "max_aspect_ratio", "max_image_area", "encode_format",
     "encode_quality", "shard_size", "respect_optout",
 )
+# A body larger than this is refused while it downloads (the rest is never read).
+DEFAULT_MAX_BYTES = 64 * 2**20
+# Only these are fetched; file://, data:, ftp:// and the like are refused.
+ALLOWED_SCHEMES = ("http", "https")
+# A path written like a URL (s3://bucket/x; pathlib turns it into s3:/bucket/x): no remote storage yet.
+URL_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 # Shorter side of the original image, for the size histogram: bucket edges in pixels.
 SIZE_BUCKETS = (128, 256, 512, 1024, 2048)
 
@@ -91,7 +112,9 @@ class PackConfig:
     encode_quality: int = 95
     processes: int = field(default_factory=available_cpus)
     threads: int = 64
-    timeout: float = 10.0
+    timeout: float = 10.0  # a total deadline per download, redirects and body included
+    max_bytes: int = DEFAULT_MAX_BYTES
+    allow_private_hosts: bool = False
     retries: int = 0
     shard_size: int = 10_000
     url_column: str | None = None
@@ -115,6 +138,14 @@ class PackConfig:
                 raise LaionkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.timeout <= 0 or self.retries < 0 or self.max_image_area < 0:
             raise LaionkitError("--timeout must be > 0; --retries and --max-image-area must be >= 0")
+        if self.max_bytes < 1:
+            raise LaionkitError(f"--max-bytes must be >= 1, got {self.max_bytes}")
+        for flag, path in [*(("input", path) for path in self.inputs), ("--output", self.output)]:
+            match = URL_LIKE.match(str(path))
+            if match:
+                shown = URL_LIKE.sub(r"\1://", str(path))
+                raise LaionkitError(f"{flag} {shown}: {match.group(1)}:// URLs are not supported (no remote "
+                                    "storage yet); give a local path")
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
@@ -141,6 +172,7 @@ def input_files(inputs: Sequence[Path]) -> list[Path]:
     files = []
     for path in inputs:
         if path.is_dir():
+            # Hidden and underscore names are sidecars or temporaries (filter's _filter-plan.json, .x.partial).
             found = sorted(p for p in path.glob("*.parquet") if not p.name.startswith((".", "_")))
             if not found:
                 raise LaionkitError(f"{path}: folder holds no .parquet files")
@@ -209,11 +241,102 @@ def read_rows(task: ShardTask) -> pa.Table:
     columns = [name for name, _ in task.extra_columns] + [task.caption_column, task.url_column]
     table = parquet.read_row_groups(groups, columns=columns)
     table = table.slice(task.start - first_row, task.stop - task.start)
-    return table.rename_columns([renamed for _, renamed in task.extra_columns] + ["caption", "url"])
+    table = table.rename_columns([renamed for _, renamed in task.extra_columns] + ["caption", "url"])
+    return json_safe_table(table)
+
+
+def json_safe_table(table: pa.Table) -> tuple[pa.Table, dict[str, dict[str, Any]]]:
+    """Make every column something img2dataset can put in a sample's json, and say what was changed.
+
+    img2dataset serialises each sample's json only after counting it a success, and drops the sample
+    if that fails: a timestamp column used to empty whole tars while their records claimed success.
+    Text with invalid UTF-8 (which parquet writers do not always check) used to fail the whole shard on
+    every rerun; it is decoded with U+FFFD replacement and the values are counted. Returns the table
+    and ``{"invalid_utf8": {column: values repaired}, "converted_columns": {column: original type}}``.
+    """
+    repaired, converted = {}, {}
+    for index, name in enumerate(table.column_names):
+        column = table.column(index)
+        kind = column.type
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            try:
+                column.validate(full=True)
+                continue
+            except pa.ArrowInvalid:
+                values, bad = _decode_utf8(column.cast(pa.large_binary()).to_pylist())
+                repaired[name] = bad
+                column = pa.array(values, kind)
+        elif name in ("caption", "url") and _is_binary(kind):
+            values, bad = _decode_utf8(column.to_pylist())
+            repaired.update({name: bad} if bad else {})
+            converted[name] = str(kind)
+            column = pa.array(values, pa.string())
+        elif _json_unsafe(kind):
+            converted[name] = str(kind)
+            column = pa.array([_json_safe(value) for value in column.to_pylist()])
+        else:
+            continue
+        table = table.set_column(index, name, column)
+    return table, {"invalid_utf8": repaired, "converted_columns": converted}
+
+
+def _decode_utf8(values: list[bytes | None]) -> tuple[list[str | None], int]:
+    decoded, bad = [], 0
+    for value in values:
+        if value is None:
+            decoded.append(None)
+            continue
+        try:
+            decoded.append(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            decoded.append(value.decode("utf-8", errors="replace"))
+            bad += 1
+    return decoded, bad
+
+
+def _is_binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind)
+
+
+def _json_unsafe(kind: pa.DataType) -> bool:
+    """Types whose Python values json.dumps refuses (times, decimals, bytes), also inside lists/structs."""
+    if pa.types.is_temporal(kind) or pa.types.is_decimal(kind) or _is_binary(kind):
+        return True
+    if pa.types.is_dictionary(kind):
+        return _json_unsafe(kind.value_type)
+    if pa.types.is_map(kind):
+        return _json_unsafe(kind.key_type) or _json_unsafe(kind.item_type)
+    if pa.types.is_struct(kind):
+        return any(_json_unsafe(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _json_unsafe(kind.value_type)
+    return False
+
+
+def _json_safe(value: Any) -> Any:
+    """ISO 8601 for times, a string for decimals (no float rounding), base64 for bytes, seconds for durations."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        return str(value)  # e.g. an interval: readable rather than a lost sample
+    return value
 
 
 # Failure reasons, checked in order against img2dataset's error_message: (pattern, reason).
 FAILURE_REASONS: tuple[tuple[str, str], ...] = (
+    (r"URL refused: scheme", "refused scheme"),
+    (r"URL refused: .* address", "refused address"),
+    (r"--max-bytes", "body too large"),
     (r"HTTP Error (\d{3})", "http {0}"),
     (r"timed out", "timeout"),
     (r"X-Robots-Tag", "opt-out header"),
@@ -237,6 +360,175 @@ def failure_reason(error_message: str) -> str:
     return "other"
 
 
+class URLRefused(Exception):
+    """A URL or redirect hop pack will not fetch (scheme, or a non-public address)."""
+
+
+class _Download:
+    """One download's deadline and socket, shared by its connections (one per redirect hop)."""
+
+    def __init__(self, timeout: float, allow_private_hosts: bool) -> None:
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
+        self.allow_private_hosts = allow_private_hosts
+        self.sock: socket.socket | None = None
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"download timed out: over the --timeout total deadline of {self.timeout:g} s")
+        return left
+
+    def connect(self, address: tuple[str, int], timeout: float, source_address: Any = None) -> socket.socket:
+        """Resolve the host, refuse non-public addresses, and connect to the checked address itself, so a
+        second DNS answer cannot swap in another one."""
+        host, port = address
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if not self.allow_private_hosts:
+            for *_, sockaddr in infos:
+                kind = non_public_kind(sockaddr[0])
+                if kind:
+                    raise URLRefused(f"URL refused: {host} resolves to {sockaddr[0]}, a {kind} address "
+                                     "(--allow-private-hosts fetches it)")
+        error: OSError | None = None
+        for family, kind, proto, _, sockaddr in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(min(timeout, self.remaining()))
+                sock.connect(sockaddr)
+                return sock
+            except OSError as failed:
+                sock.close()
+                error = failed
+        raise error or OSError(f"{host}: no address")
+
+
+def non_public_kind(address: str) -> str | None:
+    """'loopback', 'private', 'link-local' ... for an address pack must not reach by default, else None."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    for kind in ("loopback", "link_local", "private", "multicast", "unspecified", "reserved"):
+        if getattr(ip, f"is_{kind}"):
+            return kind.replace("_", "-")
+    return None if ip.is_global else "non-public"
+
+
+def _connection_class(base: type, download: _Download) -> Any:
+    class Connection(base):
+        def __init__(self, host: str, **kwargs: Any) -> None:
+            kwargs["timeout"] = min(kwargs.get("timeout") or download.timeout, download.remaining())
+            super().__init__(host, **kwargs)
+            self._create_connection = download.connect
+
+        def connect(self) -> None:
+            super().connect()
+            download.sock = self.sock  # the TLS socket for https: the one reads go through
+
+    return Connection
+
+
+def _opener(download: _Download) -> urllib.request.OpenerDirector:
+    """http(s) only, no proxies from the environment, every redirect hop checked like the first URL."""
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+            return self.do_open(_connection_class(http.client.HTTPConnection, download), req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+            return self.do_open(_connection_class(http.client.HTTPSConnection, download), req,
+                                context=self._context)
+
+    class RedirectHandler(urllib.request.HTTPRedirectHandler):
+        def http_error_302(self, req, fp, code, msg, headers):  # noqa: ANN001, ANN201
+            location = headers.get("location") or headers.get("uri")
+            if location:
+                try:
+                    check_scheme(urljoin(req.full_url, location))
+                except URLRefused:
+                    fp.close()
+                    raise
+            return super().http_error_302(req, fp, code, msg, headers)
+
+        http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+    opener = urllib.request.OpenerDirector()
+    for handler in (HTTPHandler(), HTTPSHandler(), RedirectHandler(), urllib.request.HTTPDefaultErrorHandler(),
+                    urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
+
+
+def check_scheme(url: Any) -> None:
+    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    if scheme not in ALLOWED_SCHEMES:
+        shown = f"{scheme}:" if scheme else repr(url)[:100]
+        raise URLRefused(f"URL refused: scheme {shown} (only http and https are fetched)")
+
+
+@dataclass(frozen=True)
+class Fetcher:
+    """img2dataset's ``download_image``, made safe for hostile input.
+
+    urllib would fetch file:// and data: URLs and follow redirects anywhere, a socket timeout bounds only
+    each read (a server trickling a byte a second never trips it), and the whole body was read into
+    memory whatever its size. Here: http(s) only, every hop's resolved address must be public unless
+    ``allow_private_hosts``, ``timeout`` bounds the whole download, and a body over ``max_bytes`` is
+    refused as soon as it is known to be (Content-Length, else while reading). Failures come back as
+    img2dataset's error messages, so they are recorded per sample and counted by reason.
+    """
+
+    max_bytes: int
+    allow_private_hosts: bool
+
+    def __call__(self, row: tuple[int, str], timeout: float, user_agent_token: str | None,
+                 disallowed_header_directives: set[str] | None) -> tuple[int, io.BytesIO | None, str | None]:
+        key, url = row
+        try:
+            check_scheme(url)
+            download = _Download(timeout, self.allow_private_hosts)
+            request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+            with _opener(download).open(request, timeout=download.remaining()) as response:
+                if disallowed_header_directives and _is_disallowed(
+                    response.headers, user_agent_token, disallowed_header_directives
+                ):
+                    return key, None, "Use of image disallowed by X-Robots-Tag directive"
+                return key, io.BytesIO(self.read_body(response, download)), None
+        except Exception as error:  # noqa: BLE001 (each failure is this sample's recorded error)
+            return key, None, str(error)
+
+    def read_body(self, response: http.client.HTTPResponse, download: _Download) -> bytes:
+        declared = response.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            raise ValueError(f"body of {int(declared):,} bytes is over --max-bytes {self.max_bytes:,}")
+        chunks, size = [], 0
+        while True:
+            download.sock.settimeout(download.remaining())  # read1: one receive, so no read outlasts it
+            chunk = response.read1(min(READ_CHUNK, self.max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise ValueError(f"body is over --max-bytes {self.max_bytes:,}")
+        if response.length:  # the server closed before sending the length it declared
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
+        return b"".join(chunks)
+
+
+def _is_disallowed(*args: Any) -> bool:
+    """img2dataset's X-Robots-Tag check (imported late: img2dataset is slow to import)."""
+    from img2dataset.downloader import is_disallowed
+
+    return is_disallowed(*args)
+
+
+# img2dataset's user agent, so sites treat pack like img2dataset.
+USER_AGENT = "Mozilla/5.0 (X11; Ubuntu; Linux x86_64; rv:72.0) Gecko/20100101 Firefox/72.0"
+READ_CHUNK = 1 << 16
+
+
 def size_bucket(width: int, height: int) -> str:
     shorter = min(width, height)
     lower = 0
@@ -256,6 +548,7 @@ class ShardPacker:
     options: dict[str, Any]
     planned_shards: int
     laionkit_versions: dict[str, str]
+    fetcher: Fetcher
 
     def __call__(self, task: ShardTask) -> tuple[ShardTask, dict | None]:
         try:
@@ -270,15 +563,21 @@ class ShardPacker:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         arrow_file = staging / "input.arrow"
-        table = read_rows(task)
+        table, notes = read_rows(task)
         with pa.OSFile(str(arrow_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         downloader = copy.copy(self.downloader)
         downloader.output_folder = str(staging)
         downloader.column_list = table.column_names
         downloader.oom_shard_count = len(task.name)
+        # img2dataset's Downloader calls its module's download_image for every URL; this worker
+        # process is pack's own (spawned), so replacing it here changes nothing else.
+        import img2dataset.downloader
+
+        img2dataset.downloader.download_image = self.fetcher
         downloader.download_shard((task.shard_id, str(arrow_file)))
-        record = self.record(task, staging)
+        record = {**self.record(task, staging), **notes}
+        check_tar_samples(staging / f"{task.name}.tar", record["successes"])
         for suffix in (".tar", ".parquet"):
             os.replace(staging / f"{task.name}{suffix}", self.output / f"{task.name}{suffix}")
         write_json(self.output / f"{task.name}_stats.json", record)
@@ -314,6 +613,19 @@ class ShardPacker:
         }
 
 
+def check_tar_samples(tar: Path, successes: int) -> None:
+    """A shard is recorded done only if its tar holds as many samples as img2dataset counted successes.
+
+    img2dataset counts a success before writing the sample and only logs a sample it then fails to
+    write, so a count taken from its stats alone can claim samples that are not on disk.
+    """
+    with tarfile.open(tar) as archive:
+        keys = {member.name.split(".", 1)[0] for member in archive if member.name.endswith(".json")}
+    if len(keys) != successes:
+        raise RuntimeError(f"{tar.name}: img2dataset counted {successes} successes but the tar holds "
+                           f"{len(keys)} samples; the shard is not recorded as done")
+
+
 def make_downloader(config: PackConfig) -> Downloader:
     """img2dataset's Downloader and Resizer with laionkit's options; output folder set per shard.
 
@@ -338,6 +650,34 @@ def make_downloader(config: PackConfig) -> Downloader:
         encode_format=config.encode_format, retries=config.retries, user_agent_token=None,
         disallowed_header_directives=list(OPTOUT_DIRECTIVES) if config.respect_optout else None,
     )
+
+
+def make_output_folder(output: Path) -> None:
+    """Create --output, or say in one line why it cannot be (a file, no permission), before any download."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise LaionkitError(f"--output {output} is a file; give a folder") from None
+    except OSError as error:
+        raise LaionkitError(f"--output {output}: cannot create the folder ({error.strerror})") from None
+    if not os.access(output, os.W_OK | os.X_OK):
+        raise LaionkitError(f"--output {output}: the folder is not writable")
+
+
+# Keys every shard record has; a record without them (or not JSON) marks no shard done.
+RECORD_KEYS = ("count", "successes", "failures", "original_sizes", "status_dict", "shard", "tar", "tar_bytes",
+               "parquet_bytes", "input", "planned_shards", "options", "versions")
+
+
+def load_record(path: Path) -> dict | None:
+    """A shard record, or None if it is not valid JSON with every key (a damaged file, not a done shard)."""
+    try:
+        record = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
+        return None
+    return record
 
 
 def check_done_record(record_path: Path, task: ShardTask, options: dict[str, Any]) -> None:
@@ -386,12 +726,17 @@ def write_manifest(folder: Path) -> dict:
 
 
 def merge_records(folder: Path) -> dict:
-    records = [read_json(path) for path in sorted(folder.glob("*_stats.json"))]
-    failures, sizes, messages = Counter(), Counter(), Counter()
+    """The manifest: totals over readable records; damaged ones are listed under ``unreadable_records``
+    (their shards count as not done, and a pack rerun redoes them)."""
+    paths = sorted(folder.glob("*_stats.json"))
+    loaded = {path.name: load_record(path) for path in paths}
+    records = [record for record in loaded.values() if record is not None]
+    failures, sizes, messages, invalid_utf8 = Counter(), Counter(), Counter(), Counter()
     for record in records:
         failures.update(record["failures"])
         sizes.update(record["original_sizes"])
         messages.update({key: value for key, value in record["status_dict"].items() if key != "success"})
+        invalid_utf8.update(record.get("invalid_utf8", {}))
     rows = sum(record["count"] for record in records)
     samples = sum(record["successes"] for record in records)
 
@@ -412,6 +757,8 @@ def merge_records(folder: Path) -> dict:
         ],
         "planned_shards": planned,
         "complete": bool(records) and len(records) == planned,
+        "unreadable_records": sorted(name for name, record in loaded.items() if record is None),
+        "invalid_utf8": dict(sorted(invalid_utf8.items())),
         "rows": rows,
         "samples": samples,
         "success_rate": samples / rows if rows else 0.0,
@@ -440,6 +787,10 @@ def summarize(folder: Path) -> Group:
     overview.add_row("samples", f"{manifest['samples']:,}")
     overview.add_row("success rate", f"{manifest['success_rate']:.1%}")
     overview.add_row("size on disk", f"{manifest['bytes'] / 2**20:,.1f} MiB")
+    if manifest["invalid_utf8"]:
+        overview.add_row("invalid UTF-8 repaired", ", ".join(f"{k}: {v:,}" for k, v in manifest["invalid_utf8"].items()))
+    if manifest["unreadable_records"]:
+        overview.add_row("unreadable records (rerun pack)", ", ".join(manifest["unreadable_records"]))
     failures = Table(title="failures by reason")
     failures.add_column("reason")
     failures.add_column("rows", justify="right")
@@ -460,24 +811,29 @@ def run(config: PackConfig) -> dict:
     """Pack this rank's shards that are not done yet, then rewrite manifest.json; returns the manifest."""
     rank = resolve_rank(config.rank, config.world_size)
     files = input_files(config.inputs)
+    refuse_overlap(config.inputs, config.output, "pack")
     tasks = plan_shards(files, config)
     mine = split(tasks, rank)
-    config.output.mkdir(parents=True, exist_ok=True)
+    make_output_folder(config.output)
     options = config.options()
+    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True)
     todo = []
     for task in mine:
         record_path = config.output / f"{task.name}_stats.json"
-        if record_path.exists():
-            check_done_record(record_path, task, options)
-        else:
+        if not record_path.exists():
             todo.append(task)
-    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True)
+        elif load_record(record_path) is None:  # said even under --quiet: a done shard is being redone
+            print(f"pack: {record_path} is unreadable or incomplete: shard {task.name} is redone", file=sys.stderr)
+            todo.append(task)
+        else:
+            check_done_record(record_path, task, options)
     console.print(
         f"pack: rank {rank.rank}/{rank.world_size} ({rank.source}), {len(files)} input files, "
         f"{len(tasks)} shards, {len(mine)} mine, {len(todo)} to do -> {config.output}", highlight=False
     )
     console.print(f"options: {options}", highlight=False)
-    packer = ShardPacker(make_downloader(config), config.output, options, len(tasks), versions())
+    packer = ShardPacker(make_downloader(config), config.output, options, len(tasks), versions(),
+                         Fetcher(config.max_bytes, config.allow_private_hosts))
     failed = pack_shards(packer, todo, config) if todo else []
     manifest = write_manifest(config.output)
     if failed:

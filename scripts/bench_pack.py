@@ -85,7 +85,7 @@ def run_img2dataset(parquet: Path, output: Path, args: argparse.Namespace) -> No
 def run_laionkit(parquet: Path, output: Path, args: argparse.Namespace) -> None:
     run(PackConfig(
         inputs=(parquet,), output=output, processes=args.processes, threads=args.threads,
-        shard_size=args.shard_size, quiet=True,
+        shard_size=args.shard_size, allow_private_hosts=True, quiet=True,  # the server is on 127.0.0.1
     ))
 
 

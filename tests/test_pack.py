@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import signal
@@ -22,14 +23,23 @@ from conftest import run_cli
 from PIL import Image
 
 from laionkit.common import LaionkitError, Rank, read_json, split
-from laionkit.common.imageserver import Response, folder_routes, serve
-from laionkit.pack import PackConfig, failure_reason, plan_shards, size_bucket
+from laionkit.common.imageserver import Response, folder_routes, redirect, serve
+from laionkit.pack import (
+    DEFAULT_MAX_BYTES,
+    Fetcher,
+    PackConfig,
+    check_tar_samples,
+    failure_reason,
+    input_files,
+    plan_shards,
+    size_bucket,
+)
 
 TIMEOUT_S = 1
 SHARD_SIZE = 4
 PACK_OPTIONS = (
     "--processes", "1", "--threads", "4", "--timeout", str(TIMEOUT_S), "--shard-size", str(SHARD_SIZE),
-    "--quiet",
+    "--quiet", "--allow-private-hosts",  # the test server is on 127.0.0.1
 )
 
 
@@ -280,3 +290,209 @@ def test_shards_are_split_into_disjoint_rank_slices_that_cover_the_input(input_p
 def test_bad_options_are_refused():
     with pytest.raises(LaionkitError, match="--resize-mode 'squash'"):
         PackConfig(inputs=(), output=Path("x"), resize_mode="squash")
+
+
+# --- hostile and unusual input (issue 13) ---------------------------------------------------------------
+
+TRICKLE_S = 4 * TIMEOUT_S  # how long the trickling route takes to send its whole body
+
+
+@pytest.fixture(scope="module")
+def hostile(realdata):
+    """A second server: two photos, redirects, a trickling body and huge bodies."""
+    photos = folder_routes(realdata / "images")
+    photo = photos["524_316.jpg"].body
+    piece = len(photo) // 20 + 1
+    routes = {
+        "a.jpg": photos["123_456.jpg"], "b.jpg": photos["208_495.jpg"], "c.jpg": photos["321_421.jpg"],
+        "to-b.jpg": redirect("/b.jpg"),
+        "to-file.jpg": redirect("file:///etc/passwd"),
+        "trickle.jpg": Response(photo, trickle_bytes=piece, trickle_s=TRICKLE_S / 20),
+        "huge.jpg": Response(photo, padding=200 * 2**20),
+        "huge-unsized.jpg": Response(photo, padding=200 * 2**20, send_length=False),
+    }
+    with serve(routes) as server:
+        yield server
+
+
+def pack_rows(folder: Path, columns: dict | pa.Table, *options: str, check: bool = True,
+              private: bool = True):
+    """Write ``columns`` as kept.parquet in ``folder`` and pack it into folder/shards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns) if isinstance(columns, dict) else columns, folder / "kept.parquet")
+    flags = PACK_OPTIONS if private else tuple(flag for flag in PACK_OPTIONS if flag != "--allow-private-hosts")
+    return run_cli("pack", folder / "kept.parquet", "--output", folder / "shards", *flags, *options,
+                   check=check)
+
+
+def tar_samples(folder: Path) -> dict[str, dict]:
+    """The json of every sample in the folder's tars, by url file name."""
+    tars = [str(path) for path in sorted(folder.glob("*.tar"))]
+    dataset = wds.WebDataset(tars, shardshuffle=False, empty_check=False)
+    return {sample["json"]["url"].rsplit("/", 1)[1]: sample for sample in dataset.decode("pil")}
+
+
+def test_time_decimal_and_binary_columns_are_carried_as_json_and_counts_match_the_tar(hostile, tmp_path):
+    import datetime
+    import decimal
+
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc)
+    table = pa.table({
+        "url": [hostile.url(name) for name in ("a.jpg", "b.jpg", "c.jpg")],
+        "caption": ["a", "b", "c"],
+        "crawled": pa.array([when] * 3, pa.timestamp("us", tz="UTC")),
+        "day": pa.array([when.date()] * 3, pa.date32()),
+        "price": pa.array([decimal.Decimal("1.50")] * 3, pa.decimal128(5, 2)),
+        "blob": pa.array([b"\x00\xffraw"] * 3, pa.binary()),
+    })
+    pack_rows(tmp_path, table)
+    samples = tar_samples(tmp_path / "shards")
+    manifest = read_json(tmp_path / "shards" / "manifest.json")
+    assert manifest["samples"] == len(samples) == 3
+    meta = samples["a.jpg"]["json"]
+    assert (meta["crawled"], meta["day"], meta["price"]) == ("2024-05-06T07:08:09+00:00", "2024-05-06", "1.50")
+    assert base64.b64decode(meta["blob"]) == b"\x00\xffraw"
+    record = read_json(tmp_path / "shards" / "00000_stats.json")
+    assert record["converted_columns"] == {
+        "crawled": "timestamp[us, tz=UTC]", "day": "date32[day]", "price": "decimal128(5, 2)", "blob": "binary",
+    }
+
+
+def test_a_record_is_refused_when_the_tar_holds_fewer_samples_than_counted(tmp_path):
+    tar = tmp_path / "00000.tar"
+    with wds.TarWriter(str(tar)) as sink:
+        sink.write({"__key__": "000000000", "jpg": b"x", "txt": "a", "json": b"{}"})
+    check_tar_samples(tar, 1)
+    with pytest.raises(RuntimeError, match="counted 2 successes but the tar holds 1 samples"):
+        check_tar_samples(tar, 2)
+
+
+def test_invalid_utf8_caption_is_repaired_and_counted_not_the_shard_lost(hostile, tmp_path):
+    captions = pa.array([b"fine", b"caf\xe9 au lait", b"ok"], pa.binary()).view(pa.string())
+    result = pack_rows(tmp_path, pa.table({
+        "url": [hostile.url(name) for name in ("a.jpg", "b.jpg", "c.jpg")], "caption": captions,
+    }), check=False)
+    assert result.returncode == 0, result.stderr
+    samples = tar_samples(tmp_path / "shards")
+    assert samples["b.jpg"]["txt"] == samples["b.jpg"]["json"]["caption"] == "caf\ufffd au lait"
+    assert len(samples) == 3
+    assert read_json(tmp_path / "shards" / "00000_stats.json")["invalid_utf8"] == {"caption": 1}
+    assert read_json(tmp_path / "shards" / "manifest.json")["invalid_utf8"] == {"caption": 1}
+
+
+def test_only_public_http_urls_are_fetched_by_default(hostile, tmp_path):
+    png = base64.b64encode((Path(__file__).parents[1] / "laionkit/data/demo/original.png").read_bytes()).decode()
+    urls = ["file:///etc/passwd", f"data:image/png;base64,{png}", "ftp://127.0.0.1/a.jpg", hostile.url("a.jpg"),
+            f"http://localhost:{hostile.base_url.rsplit(':', 1)[1]}/a.jpg"]
+    hits = Counter(hostile.hits)
+    pack_rows(tmp_path, {"url": urls, "caption": ["x"] * len(urls)}, private=False)
+    manifest = read_json(tmp_path / "shards" / "manifest.json")
+    assert manifest["samples"] == 0 and not tar_samples(tmp_path / "shards")
+    assert manifest["failures"] == {"refused scheme": 3, "refused address": 2}
+    assert hostile.hits == hits  # nothing reached the loopback server
+    messages = set(manifest["error_messages"])
+    assert "URL refused: scheme file: (only http and https are fetched)" in messages
+    assert any(message.startswith("URL refused: 127.0.0.1 resolves to 127.0.0.1, a loopback address")
+               for message in messages), messages
+
+
+def test_redirects_are_followed_only_to_allowed_schemes(hostile, tmp_path):
+    urls = [hostile.url("to-b.jpg"), hostile.url("to-file.jpg")]
+    pack_rows(tmp_path, {"url": urls, "caption": ["x", "y"]})
+    manifest = read_json(tmp_path / "shards" / "manifest.json")
+    assert (manifest["samples"], manifest["failures"]) == (1, {"refused scheme": 1})
+    assert list(tar_samples(tmp_path / "shards")) == ["to-b.jpg"]
+
+
+def test_every_redirect_hop_is_checked_against_private_addresses(hostile, monkeypatch):
+    """The first hop's address is treated as public, the hop it redirects to as private."""
+    import laionkit.pack as pack
+
+    port = hostile.base_url.rsplit(":", 1)[1]
+    monkeypatch.setattr(pack, "non_public_kind", lambda address: "private" if address == "::1" else None)
+    fetch = Fetcher(max_bytes=DEFAULT_MAX_BYTES, allow_private_hosts=False)
+    with serve({"hop.jpg": redirect(f"http://[::1]:{port}/a.jpg")}) as first:
+        _, body, error = fetch((0, first.url("hop.jpg")), 5, None, None)
+    assert body is None and error == "URL refused: ::1 resolves to ::1, a private address (--allow-private-hosts fetches it)"
+    _, body, error = fetch((1, hostile.url("a.jpg")), 5, None, None)
+    assert error is None and body.getvalue()[:2] == b"\xff\xd8"
+
+
+def test_timeout_is_a_total_deadline_and_bodies_have_a_size_cap(hostile, tmp_path):
+    urls = [hostile.url(name) for name in ("trickle.jpg", "huge.jpg", "huge-unsized.jpg", "a.jpg")]
+    pack_rows(tmp_path, {"url": urls, "caption": ["x"] * 4}, "--max-bytes", "1000000")
+    manifest = read_json(tmp_path / "shards" / "manifest.json")
+    assert manifest["failures"] == {"timeout": 1, "body too large": 2}
+    assert manifest["samples"] == 1
+
+    fetch = Fetcher(max_bytes=DEFAULT_MAX_BYTES, allow_private_hosts=True)
+    start = time.monotonic()
+    _, body, error = fetch((0, hostile.url("trickle.jpg")), TIMEOUT_S, None, None)
+    assert body is None and "timed out" in error
+    assert time.monotonic() - start < TIMEOUT_S + 1.5 < TRICKLE_S  # a read never outlasts the deadline
+
+
+@pytest.mark.parametrize("flag", ["--output", "input"])
+def test_url_like_paths_are_refused_before_anything_is_written(input_parquet, tmp_path, flag):
+    args = (["pack", str(input_parquet), "--output", "s3://bucket/shards"] if flag == "--output"
+            else ["pack", "gs://bucket/kept.parquet", "--output", "shards"])
+    result = subprocess.run([sys.executable, "-m", "laionkit.cli", *args], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    url = "s3://bucket/shards" if flag == "--output" else "gs://bucket/kept.parquet"
+    assert f"{flag} {url}: " in result.stderr and "URLs are not supported" in result.stderr
+    assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())
+
+
+def test_output_that_overlaps_the_input_is_refused(input_parquet, tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "kept.parquet").write_bytes(input_parquet.read_bytes())
+    result = run_cli("pack", folder, "--output", folder, *PACK_OPTIONS, check=False)
+    assert result.returncode == 2
+    assert f"pack: --output {folder} is the input {folder}" in result.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["kept.parquet"]
+    assert (folder / "kept.parquet").read_bytes() == input_parquet.read_bytes()
+
+
+@pytest.mark.parametrize("output, message", [
+    ("a-file", "is a file; give a folder"),
+    ("a-file/shards", "cannot create the folder (Not a directory)"),
+    ("/sys/laionkit-test-shards", "cannot create the folder (Operation not permitted)"),
+])
+def test_an_output_that_cannot_be_a_folder_is_one_line(input_parquet, tmp_path, output, message):
+    (tmp_path / "a-file").write_text("not a folder")
+    target = output if output.startswith("/") else tmp_path / output
+    result = run_cli("pack", input_parquet, "--output", target, *PACK_OPTIONS, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--output {target}" in result.stderr and message in result.stderr
+
+
+def test_a_damaged_record_marks_its_shard_not_done_and_is_redone(hostile, tmp_path):
+    rows = {"url": [hostile.url(name) for name in ("a.jpg", "b.jpg", "c.jpg", "a.jpg", "b.jpg")],
+            "caption": ["x"] * 5}
+    pack_rows(tmp_path, rows)
+    output = tmp_path / "shards"
+    good = read_json(output / "00000_stats.json")
+    (output / "00000_stats.json").write_text('{"count": 4, "succ')
+    (output / "00001_stats.json").write_text("[]")
+    stats = run_cli("stats", output)
+    assert "00000_stats.json, 00001_stats.json" in stats.stdout.replace("\n", "")
+    assert read_json(output / "manifest.json")["complete"] is False
+
+    hits = Counter(hostile.hits)
+    result = pack_rows(tmp_path, rows)
+    assert "00000_stats.json is unreadable or incomplete: shard 00000 is redone" in result.stderr
+    assert "00001_stats.json is unreadable or incomplete: shard 00001 is redone" in result.stderr
+    assert sum((hostile.hits - hits).values()) == 5
+    record = read_json(output / "00000_stats.json")
+    assert {key: record[key] for key in ("count", "successes", "input")} == {
+        key: good[key] for key in ("count", "successes", "input")}
+    manifest = read_json(output / "manifest.json")
+    assert manifest["complete"] and manifest["samples"] == 5 and manifest["unreadable_records"] == []
+
+
+def test_folders_yield_only_data_parquet_not_sidecars_or_temporaries(input_parquet, tmp_path):
+    for name in ("part-00000-000000.parquet", "_stats-00000.parquet", ".part.parquet.partial.parquet"):
+        (tmp_path / name).write_bytes(input_parquet.read_bytes())
+    assert [path.name for path in input_files([tmp_path])] == ["part-00000-000000.parquet"]

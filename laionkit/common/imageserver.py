@@ -1,8 +1,9 @@
 """A loopback HTTP server for images, so tests, benchmarks and the demo can run `pack` offline.
 
 It binds 127.0.0.1 on a free port and answers each path from a fixed table of responses, which may
-also describe how a real web server misbehaves: an error status, a slow answer, an opt-out header,
-or a body cut short of its declared length.
+also describe how a real or hostile web server misbehaves: an error status, a slow answer, an opt-out
+header, a body cut short of its declared length, a redirect, a body trickled a few bytes at a time, or
+a huge body generated on the fly (never held in memory).
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ class Response:
     delay_s: float = 0.0
     # A Content-Length larger than the body: the connection closes mid-transfer.
     declared_length: int | None = None
+    # Send the body in pieces of trickle_bytes, sleeping trickle_s before each: per-read timeouts never fire.
+    trickle_bytes: int = 0
+    trickle_s: float = 0.0
+    # Append this many zero bytes after body, streamed (a huge download).
+    padding: int = 0
+    # False: no Content-Length, the body ends when the connection closes (its size is known only by reading).
+    send_length: bool = True
+
+
+def redirect(location: str, status: int = 302) -> Response:
+    """A redirect to ``location`` (a path on this server, or any URL such as file:///etc/passwd)."""
+    return Response(b"", status=status, content_type="text/plain", headers=(("Location", location),))
 
 
 @dataclass
@@ -70,15 +83,25 @@ def _handler(routes: Mapping[str, Response], hits: Counter, lock: threading.Lock
             try:
                 self.send_response(response.status)
                 self.send_header("Content-Type", response.content_type)
-                length = response.declared_length or len(response.body)
-                self.send_header("Content-Length", str(length))
+                length = response.declared_length or len(response.body) + response.padding
+                if response.send_length:
+                    self.send_header("Content-Length", str(length))
                 for name, value in response.headers:
                     self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(response.body)
+                if response.trickle_bytes:
+                    for start in range(0, len(response.body), response.trickle_bytes):
+                        time.sleep(response.trickle_s)
+                        self.wfile.write(response.body[start : start + response.trickle_bytes])
+                        self.wfile.flush()
+                else:
+                    self.wfile.write(response.body)
+                block = bytes(1 << 20)
+                for start in range(0, response.padding, len(block)):
+                    self.wfile.write(block[: min(len(block), response.padding - start)])
             except (BrokenPipeError, ConnectionResetError):
                 return  # the client gave up (a timeout under test): nothing left to answer
-            if response.declared_length:
+            if response.declared_length or not response.send_length:
                 self.close_connection = True
 
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
