@@ -190,9 +190,9 @@ def open_latents(latents: Path) -> LatentSet:
     shards, counts, empty_shards = [], [], []
     for path in shard_paths(latents):
         found = shard_samples(path)  # every shard now: a bad one would otherwise surface hours in
-        if path.name in records:
-            record_file = latents / records[path.name]
-            recorded = _read_record(record_file).get("samples_out") if record_file.is_file() else None
+        record_file = latents / str(records.get(path.name, ""))
+        if path.name in records and record_file.is_file():
+            recorded = _read_record(record_file).get("samples_out")
             if recorded != found:
                 raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
                                     f"{recorded}: the shard was damaged or replaced after encode; rerun encode")

@@ -142,52 +142,75 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     assert _checkpoint_dtypes(autocast / "checkpoints" / "step-00000003") == {torch.float32}
 
 
-@pytest.mark.parametrize("precision, strategy, compile, chosen, expected", [
-    ("bf16", "NO", False, None, True),            # eager: bf16 weights (measured faster)
-    ("bf16", "NO", True, None, False),            # compiled: autocast (measured faster)
-    ("bf16", "MULTI_GPU", True, True, True),      # asked for
-    ("bf16", "MULTI_GPU", False, False, False),   # refused
-    ("fp16", "NO", False, None, False),           # fp16 weights would need loss scaling: autocast
-    ("no", "NO", False, True, False),
-    ("bf16", "FSDP", False, True, False),         # FSDP2 and DeepSpeed own their precision
-    ("bf16", "DEEPSPEED", False, True, False),
-])
-def test_master_weights_are_used_where_chosen(tmp_path, precision, strategy, compile, chosen, expected):
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from laionkit.train import MasterWeights, TrainConfig
-
-    config = TrainConfig(latents=tmp_path, output=tmp_path, unet_config="tiny", max_steps=1,
-                         mixed_precision=precision, compile=compile, bf16_weights=chosen)
-    accelerator = SimpleNamespace(mixed_precision=precision, distributed_type=DistributedType[strategy])
-    assert MasterWeights.wanted(config, accelerator) is expected
+def _torchrun(ranks: int, port: int, *args, script: Path | None = None, timeout: float = 300):
+    """`laionkit` under torchrun on CPU (gloo), one thread per rank; ``script`` replaces the entry point."""
+    target = [str(script)] if script else ["-m", "laionkit.cli"]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+         str(port), *target, *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
-def test_master_gradients_sum_micro_batches_in_fp32_and_skip_frozen_weights():
-    """--grad-accum: each micro-batch's bf16 gradients are added to the fp32 master gradients (not
-    summed in bf16), the bf16 gradients are released, and a weight without a gradient is left alone."""
-    from types import SimpleNamespace
+def _rank_records(checkpoint: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(checkpoint.glob("rank-*.json"))]
 
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16-weights", "autocast"])
+def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards, tmp_path, precision, accum):
+    """Two real DDP ranks (torchrun, gloo): every checkpoint's weight fingerprints agree. With bf16
+    weights and --grad-accum 2 they drifted apart (the master gradients took the no_sync micro-batch's
+    local gradients, which DDP never all-reduced). FSDP is not in the matrix: on a CPU-only machine
+    accelerate runs fsdp.yaml as one process (train/README)."""
     import torch
+    from safetensors.torch import load_file
 
-    from laionkit.train import MasterWeights
+    run = tmp_path / "run"
+    weights = "--bf16-weights" if precision == "bf16-weights" else "--no-bf16-weights"
+    result = _torchrun(2, 29530 + 2 * accum + (precision == "autocast"), "train", latent_shards, "--output", run,
+                       *TINY, "--batch-size", "2", "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "2",
+                       "--workers", "0", "--mixed-precision", "bf16", weights, "--grad-accum", accum)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in (2, 4):
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        records = _rank_records(checkpoint)
+        assert len(records) == 2 and records[0]["fingerprint"] == records[1]["fingerprint"], step
+    # the precision the ranks trained in: bf16 weights with fp32 master copies, or fp32 under autocast
+    stored = {t.dtype for t in load_file(checkpoint / "model.safetensors").values()}
+    if precision == "bf16-weights":
+        assert stored == {torch.bfloat16}
+        master = torch.load(checkpoint / "master.pt", weights_only=True)["master"]
+        assert {t.dtype for t in master} == {torch.float32}
+    else:
+        assert stored == {torch.float32} and not (checkpoint / "master.pt").exists()
 
-    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
-    master = MasterWeights(SimpleNamespace(), module)
-    first = [torch.randn_like(w) for w in master.weights]
-    second = [torch.randn_like(w) for w in master.weights]
-    for grads in (first, second):
-        for weight, grad in zip(master.weights, grads):
-            weight.grad = grad
-        master.weights[-1].grad = None  # a frozen-for-now bias: no gradient this micro-batch
-        master.accumulate_grads()
-        assert all(w.grad is None for w in master.weights)
-    for index, fp32 in enumerate(master.master[:-1]):
-        assert fp32.grad.dtype == torch.float32
-        assert torch.equal(fp32.grad, first[index].float() + second[index].float())
-    assert master.master[-1].grad is None
+
+DRIFT = """
+import os, sys, torch
+if os.environ["RANK"] == "1":  # this rank's optimizer nudges one weight after every step
+    step = torch.optim.AdamW.step
+    def drifting(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].add_(1e-3)
+        return out
+    torch.optim.AdamW.step = drifting
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_rank_whose_weights_drift_stops_the_run_naming_it(latent_shards, tmp_path):
+    script = tmp_path / "drift.py"
+    script.write_text(DRIFT)
+    run = tmp_path / "run"
+    result = _torchrun(2, 29540, "train", latent_shards, "--output", run, *TINY, "--batch-size", "2",
+                       "--max-steps", "2", "--checkpoint-every", "2", "--workers", "0", script=script)
+    assert result.returncode != 0
+    assert "step 2: the weights of rank(s) 1 differ from rank 0's" in result.stderr, result.stderr[-3000:]
+    assert not (run / "checkpoints" / "step-00000002").exists()
 
 
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
@@ -205,8 +228,8 @@ def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, 
     rank_keys = [set(itertools.chain(*seen(run, rank).values())) for rank in (0, 1)]
     assert rank_keys[0] and rank_keys[1] and not rank_keys[0] & rank_keys[1]
     assert len(rank_keys[0] | rank_keys[1]) == 8
-    assert {p.name for p in (run / "checkpoints" / "step-00000006").glob("rank-*.pt")} == {
-        "rank-00000.pt", "rank-00001.pt"}
+    assert {p.name for p in (run / "checkpoints" / "step-00000006").glob("rank-*.json")} == {
+        "rank-00000.json", "rank-00001.json"}
 
 
 def _train(latents, run, *extra):
