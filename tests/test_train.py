@@ -307,9 +307,10 @@ def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(lat
     assert (run / "unet" / "config.json").is_file()
 
 
-def test_deepspeed_zero2_config_trains_checkpoints_and_resumes_on_two_cpu_processes(latent_shards, tmp_path):
-    """train/deepspeed-zero2.yaml for real (DeepSpeed's CPU accelerator, gloo): sharded optimizer state,
-    checkpoints through accelerate's DeepSpeed engine, resume, and an export diffusers loads."""
+def test_deepspeed_zero2_config_parses_and_launches_two_cpu_processes(latent_shards, tmp_path):
+    """train/deepspeed-zero2.yaml parses and launches 2 processes that train, checkpoint, resume and
+    export. On CPU accelerate runs it as plain multi-process training, so this does not exercise
+    DeepSpeed or ZeRO-2 sharding (untested here; see train/README)."""
     from diffusers import UNet2DConditionModel
 
     repo = Path(__file__).resolve().parents[1]
@@ -336,3 +337,142 @@ def test_deepspeed_zero2_config_trains_checkpoints_and_resumes_on_two_cpu_proces
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step-00000002", "step-00000004", "step-00000006"]
     assert UNet2DConditionModel.from_pretrained(run / "unet").config.in_channels == 4
+
+
+class _Exploit:
+    """A pickle that, once loaded with weights_only=False, creates the file named in it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(checkpoint: Path, name: str, payload) -> None:
+    """Replace a checkpoint file and re-record its size and hash, as someone who can write there could."""
+    import hashlib
+
+    import torch
+
+    torch.save(payload, checkpoint / name)
+    trainer = json.loads((checkpoint / "trainer.json").read_text())
+    data = (checkpoint / name).read_bytes()
+    trainer["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "trainer.json").write_text(json.dumps(trainer))
+
+
+def test_checkpoints_are_verified_data_resumed_by_content_and_runs_never_mix(latent_shards, tmp_path):
+    run = tmp_path / "run"
+    moved = tmp_path / "moved"
+    moved.symlink_to(latent_shards, target_is_directory=True)  # the same shards, reached another way
+    args = (*TINY, "--workers", "0", "--checkpoint-every", "2", "--log-every", "1", "--mixed-precision", "bf16",
+            "--ema")
+    run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "4")
+    reference = metrics(run)
+    second, fourth = (run / "checkpoints" / f"step-{n:08d}" for n in (2, 4))
+
+    # a fresh run into it is refused: it would mix its metrics and checkpoints into this run's
+    fresh = run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "2", check=False)
+    assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "--overwrite" in fresh.stderr
+    assert "Traceback" not in fresh.stderr and metrics(run) == reference
+
+    # damaged: an explicit --resume is refused, --resume latest falls back to the newest good one
+    model = fourth / "model.safetensors"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    bad = run_cli("train", moved, "--output", run, *args, "--max-steps", "4", "--resume", fourth, check=False)
+    assert bad.returncode == 2 and "damaged checkpoint: model.safetensors has" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
+    result = run_cli("train", moved, "--output", run, *args, "--max-steps", "4", "--resume", "latest")
+    assert f"checkpoint {fourth} is damaged" in result.stdout + result.stderr
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):  # resumed from step 2 through the symlink: the same run
+        assert got[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-7), step
+
+    # a checkpoint file that would run code when unpickled is refused, and no code runs
+    for name in ("optimizer.bin", "master.pt", "ema.pt"):
+        marker = tmp_path / f"pwned-{name}"
+        checkpoint = tmp_path / f"planted-{name}"
+        shutil.copytree(second, checkpoint)
+        _plant(checkpoint, name, {"state": _Exploit(marker)})
+        refused = run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "4", "--resume",
+                          checkpoint, check=False)
+        assert refused.returncode == 2 and "refused to load it" in refused.stderr, (name, refused.stderr[-2000:])
+        assert not marker.exists(), f"{name}: unpickling ran code"
+
+    # --overwrite starts over: nothing of the old run stays
+    run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "1", "--overwrite")
+    assert sorted(metrics(run)) == [1] and not (run / "checkpoints").exists()
+
+
+def test_empty_shard_is_skipped_and_three_ranks_share_the_samples(latent_shards, tmp_path):
+    """img2dataset writes an empty tar when every download of a shard fails: train skips it, counts it,
+    and three ranks split two shards' samples instead of one rank starving on the empty shard."""
+    latents = reshard(latent_shards, [0, 4, 4], tmp_path / "latents")  # 00000.tar is empty, and first
+    run = tmp_path / "run"
+    result = _torchrun(3, 29545, "train", latents, "--output", run, *TINY, "--batch-size", "1",
+                       "--max-steps", "2", "--log-every", "1", "--checkpoint-every", "2", "--workers", "0",
+                       "--record-keys")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping 1 empty latent shard(s): 00000.tar" in result.stdout
+    keys = [set(itertools.chain(*seen(run, rank).values())) for rank in range(3)]
+    assert all(len(k) == 2 for k in keys) and len(keys[0] | keys[1] | keys[2]) == 6
+
+
+def test_diverging_run_writes_strict_json_and_stops_keeping_the_last_good_checkpoint(latent_shards, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli("train", latent_shards, "--output", run, *TINY[:4], "--lr", "1e30", "--log-with", "none",
+                     "--quiet", "--workers", "0", "--max-steps", "20", "--log-every", "1", "--checkpoint-every", "1",
+                     "--max-nonfinite", "3", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "the loss was not finite for 3 consecutive steps" in result.stderr and "Traceback" not in result.stderr
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] is None and records[0]["loss"] is not None
+    good = {record["step"] for record in records if record["loss"] is not None}
+    saved = {int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir()}
+    assert saved and saved <= good, (saved, good)
+
+
+def _garbage_tar(latents: Path) -> None:
+    (latents / "00001.tar").write_bytes(os.urandom(20000))
+
+
+def _truncated_tar(latents: Path) -> None:
+    """Cut inside the last member's data: tarfile then reads a valid, shorter archive without a word."""
+    shard = latents / "00001.tar"
+    with tarfile.open(shard) as tar:
+        last = tar.getmembers()[-1]
+    shard.write_bytes(shard.read_bytes()[: last.offset_data + last.size - 10])
+
+
+@pytest.mark.parametrize("damage, args, message", [
+    (_garbage_tar, (), "00001.tar is not a readable tar"),
+    (_truncated_tar, (), "00001.tar is truncated"),
+    (lambda d: (d / "empty_caption.npy").unlink(), (), "empty_caption.npy (the manifest's empty_caption) cannot be read"),
+    (lambda d: (d / "manifest.json").write_text("{not json"), (), "manifest.json cannot be read as JSON"),
+    (None, ("--lr", "-1"), "--lr -1.0: must be a finite number > 0"),
+    (None, ("--lr", "nan"), "--lr nan: must be a finite number > 0"),
+    (None, ("--max-steps", "0"), "--max-steps 0: must be >= 1"),
+    (None, ("--epochs", "-1", "--max-steps", None), "--epochs -1.0: must be a finite number > 0"),
+    (None, ("--workers", "-1"), "--workers -1: must be >= 0"),
+    (None, ("--output", "FILE"), "is a file, not a run folder"),
+    (None, ("--output", "INSIDE"), "lies inside the input"),
+])
+def test_bad_input_is_one_clear_line(latent_shards, tmp_path, damage, args, message):
+    latents = tmp_path / "latents"
+    shutil.copytree(latent_shards, latents)
+    if damage:
+        damage(latents)
+    (tmp_path / "file").write_text("")
+    options = {"--output": str(tmp_path / "run"), "--max-steps": "1", "--workers": "0"}
+    replace = {"FILE": str(tmp_path / "file"), "INSIDE": str(latents / "run")}
+    options.update({k: replace.get(v, v) for k, v in zip(args[::2], args[1::2])})
+    flat = [x for k, v in options.items() if v is not None for x in (k, v)]
+    result = run_cli("train", latents, *TINY, *flat, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
