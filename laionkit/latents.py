@@ -20,7 +20,6 @@ import io
 import itertools
 import random
 import signal
-import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,24 +66,6 @@ def shard_paths(latents: Path) -> list[Path]:
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards
-
-
-def shard_samples(path: str | Path) -> int:
-    """Samples in a latent shard, from its tar headers, after checking that the file holds every byte
-    its headers promise: a shard cut short mid-member otherwise reads as a valid, shorter tar (tarfile
-    stops quietly at the missing bytes) or fails only when the stream reaches it."""
-    size = Path(path).stat().st_size
-    try:
-        with tarfile.open(path, "r:") as tar:
-            members = tar.getmembers()
-    except (tarfile.TarError, EOFError) as error:
-        raise LaionkitError(f"latent shard {path} is not a readable tar ({error}); rerun encode") from None
-    needed = max((member.offset_data + member.size for member in members), default=0)
-    if needed > size:
-        raise LaionkitError(f"latent shard {path} is truncated: its members need {needed} bytes, the file "
-                            f"has {size}; rerun encode")
-    return len({member.name.split(".", 1)[0] for member in members
-                if member.isfile() and not member.name.startswith("__")})
 
 
 def unit_length(unit: Unit, shard_sizes: dict[str, int]) -> int:

@@ -35,7 +35,8 @@ from laionkit.common import (
     versions,
 )
 from laionkit.common.outputs import partial_path
-from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths, shard_samples
+from laionkit.common.tars import count_samples
+from laionkit.latents import StreamLayout, Unit, decode, latent_loader, read_unit, shard_paths
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -189,7 +190,7 @@ def open_latents(latents: Path) -> LatentSet:
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
     shards, counts, empty_shards = [], [], []
     for path in shard_paths(latents):
-        found = shard_samples(path)  # every shard now: a bad one would otherwise surface hours in
+        found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
         if path.name in records and record_file.is_file():
             recorded = _read_record(record_file).get("samples_out")

@@ -443,7 +443,7 @@ def _garbage_tar(latents: Path) -> None:
 
 
 def _truncated_tar(latents: Path) -> None:
-    """Cut inside the last member's data: tarfile then reads a valid, shorter archive without a word."""
+    """Cut inside the last member's data, which only the stream would reach."""
     shard = latents / "00001.tar"
     with tarfile.open(shard) as tar:
         last = tar.getmembers()[-1]
@@ -451,8 +451,8 @@ def _truncated_tar(latents: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, args, message", [
-    (_garbage_tar, (), "00001.tar is not a readable tar"),
-    (_truncated_tar, (), "00001.tar is truncated"),
+    (_garbage_tar, (), "cannot read shard"),
+    (_truncated_tar, (), "00001.tar: unexpected end of data"),
     (lambda d: (d / "empty_caption.npy").unlink(), (), "empty_caption.npy (the manifest's empty_caption) cannot be read"),
     (lambda d: (d / "manifest.json").write_text("{not json"), (), "manifest.json cannot be read as JSON"),
     (None, ("--lr", "-1"), "--lr -1.0: must be a finite number > 0"),
