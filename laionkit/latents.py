@@ -50,7 +50,8 @@ class Unit:
 
 
 def partition(units: Sequence[Unit], consumer: int, consumers: int) -> list[Unit]:
-    """The units consumer ``consumer`` of ``consumers`` reads (see the module docstring for the rule)."""
+    """The units consumer ``consumer`` of ``consumers`` reads (see the module docstring for the rule).
+    Every consumer gets samples as long as every unit holds some: train leaves empty shards out."""
     if len(units) >= consumers:
         return split(units, Rank(consumer, consumers, "partition"))
     if not units:
@@ -162,8 +163,8 @@ class LatentStream(IterableDataset):
     def _starved(self, worker: int) -> LaionkitError:
         layout = self.layout
         return LaionkitError(
-            f"rank {layout.rank} worker {worker} got no samples: {len(layout.shards)} latent shards cannot "
-            f"feed {layout.world_size} ranks x {layout.consumers} workers; use fewer --workers"
+            f"rank {layout.rank} worker {worker} got no samples from {len(layout.shards)} latent shards "
+            f"({layout.world_size} ranks x {layout.consumers} workers): are some shards empty?"
         )
 
 

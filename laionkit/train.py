@@ -11,6 +11,8 @@ rank's data cursor equals ``N * grad_accum`` batches; its name exists only once 
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 import shutil
@@ -28,10 +30,12 @@ from laionkit.common import (
     atomic_output,
     read_json,
     refuse_other_settings,
+    refuse_overlap,
     resolve_rank,
     versions,
 )
 from laionkit.common.outputs import partial_path
+from laionkit.common.tars import count_samples
 from laionkit.latents import (
     STOP_SIGNALS,
     StreamLayout,
@@ -100,6 +104,8 @@ class TrainConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
     resume: str | None = None
+    overwrite: bool = False
+    max_nonfinite: int = 3
     log_every: int = 10
     log_with: str = "tensorboard"
     validate_every: int = 0
@@ -128,9 +134,19 @@ class TrainConfig:
             raise LaionkitError("give exactly one of --unet (fine-tune) or --unet-config (from scratch)")
         if (self.max_steps is None) == (self.epochs is None):
             raise LaionkitError("give exactly one of --max-steps or --epochs")
-        for name in ("batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise LaionkitError(f"--{name.replace('_', '-')} must be >= 1")
+        at_least = {"batch_size": 1, "grad_accum": 1, "log_every": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
+                    "max_steps": 1, "max_nonfinite": 1, "workers": 0, "shuffle_buffer": 0, "warmup_steps": 0,
+                    "validate_every": 0, "validation_count": 1, "validation_steps": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+        for name in ("lr", "epochs"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise LaionkitError(f"--{name} {value}: must be a finite number > 0")
+        if self.resume is not None and self.overwrite:
+            raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
 
@@ -146,9 +162,12 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class LatentSet:
-    """What training needs from an encode output folder (docs/FORMATS.md §3)."""
+    """What training needs from an encode output folder (docs/FORMATS.md §3). ``shards`` are the
+    non-empty shards with their sample counts in ``shard_samples``; empty ones are listed apart."""
 
     shards: tuple[str, ...]
+    shard_samples: tuple[int, ...]
+    empty_shards: tuple[str, ...]
     samples: int
     scaling_factor: float
     shift_factor: float
@@ -164,33 +183,65 @@ def open_latents(latents: Path) -> LatentSet:
     manifest_path = latents / "manifest.json"
     if not manifest_path.is_file():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
-    manifest = read_json(manifest_path)
+    manifest = _read_record(manifest_path)
     try:
-        vae, samples = manifest["vae"], manifest["counts"]["samples_out"]
+        vae = manifest["vae"]
+        scaling_factor = float(vae["scaling_factor"])
         empty_path = latents / manifest["empty_caption"]
-    except KeyError as error:
-        raise LaionkitError(f"{manifest_path} has no {error} (not a laionkit-latents manifest)") from None
+        records = manifest.get("records") or {}
+    except (KeyError, TypeError, ValueError) as error:
+        raise LaionkitError(f"{manifest_path} has no valid {error} (not a laionkit-latents manifest)") from None
     if manifest.get("buckets"):
         raise LaionkitError(f"{manifest_path}: bucketed latents are not supported by train yet")
     if not manifest.get("complete"):
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
-    shards = tuple(str(path) for path in shard_paths(latents))
+    shards, counts, empty_shards = [], [], []
+    for path in shard_paths(latents):
+        found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
+        record_file = latents / str(records.get(path.name, ""))
+        if path.name in records and record_file.is_file():
+            recorded = _read_record(record_file).get("samples_out")
+            if recorded != found:
+                raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
+                                    f"{recorded}: the shard was damaged or replaced after encode; rerun encode")
+        if found:
+            shards.append(str(path))
+            counts.append(found)
+        else:
+            empty_shards.append(str(path))
+    if not shards:
+        raise LaionkitError(f"every latent shard in {latents} is empty: nothing to train on")
     first = decode(next(read_unit(Unit(shards[0]))))
-    empty = torch.from_numpy(np.load(empty_path))
+    try:
+        empty = torch.from_numpy(np.load(empty_path))
+    except (OSError, ValueError) as error:
+        raise LaionkitError(f"{empty_path} (the manifest's empty_caption) cannot be read: {error}") from None
     if tuple(empty.shape) != tuple(first["text"].shape):
         raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
                             f"{tuple(first['text'].shape)} in {shards[0]}")
     return LatentSet(
-        shards=shards,
-        samples=int(samples),
-        scaling_factor=float(vae["scaling_factor"]),
+        shards=tuple(shards),
+        shard_samples=tuple(counts),
+        empty_shards=tuple(empty_shards),
+        samples=sum(counts),
+        scaling_factor=scaling_factor,
         shift_factor=float(vae.get("shift_factor") or 0.0),
         vae_source=(manifest.get("models") or {}).get("vae", {}).get("source"),
         moments_shape=tuple(first["moments"].shape),
         text_shape=tuple(first["text"].shape),
         empty_caption=empty,
     )
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = read_json(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise LaionkitError(f"{path} cannot be read as JSON ({error}): rerun encode") from None
+    if not isinstance(record, dict):
+        raise LaionkitError(f"{path} is not a JSON object: rerun encode")
+    return record
 
 
 # --- model and objective --------------------------------------------------------------------------
@@ -316,8 +367,10 @@ class MasterWeights:
     fused bf16 GroupNorm kernels and the master round trip cost ~11 ms of GPU time per step), so
     ``--compile`` keeps autocast unless --bf16-weights is given.
 
-    Gradients leave the bf16 weights after every micro-batch and add up in fp32 (--grad-accum sums
-    in fp32). DDP all-reduces them in bf16, as FSDP2 reduce-scatters them by default."""
+    With --grad-accum on one process, gradients leave the bf16 weights after every micro-batch and add
+    up in fp32. Under DDP the micro-batches before the last run in ``no_sync``: their gradients exist on
+    one rank only until DDP all-reduces the bf16 ``.grad`` sum at the sync micro-batch, so they stay in
+    bf16 until then (see apply_gradients). DDP all-reduces in bf16, as FSDP2 reduce-scatters by default."""
 
     def __init__(self, accelerator, unet) -> None:
         from accelerate.utils import AutocastKwargs
@@ -376,8 +429,13 @@ class MasterWeights:
 
 def apply_gradients(accelerator, unet, optimizer, master: MasterWeights | None, max_grad_norm: float):
     """After a micro-batch's backward: clip and step once per optimizer step (accelerate skips both on
-    accumulating micro-steps). Returns the gradient norm of a sync step, else None."""
-    if master is not None:
+    accumulating micro-steps). Returns the gradient norm of a sync step, else None.
+
+    The master gradients take the bf16 gradients only where those are already what every rank agrees
+    on: at the sync micro-batch (DDP has just all-reduced the accumulated ``.grad``), or on every
+    micro-batch when there is one process. Moving them earlier under DDP would take each rank's
+    ``no_sync`` gradients out of DDP's reach and let the ranks' weights drift apart."""
+    if master is not None and (accelerator.sync_gradients or accelerator.num_processes == 1):
         master.accumulate_grads()
     grad_norm = None
     if accelerator.sync_gradients:
@@ -411,38 +469,177 @@ def complete_checkpoints(output: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
 
 
-def find_resume(config: TrainConfig) -> Path | None:
+def verify_checkpoint(folder: Path) -> str | None:
+    """Why ``folder`` cannot be resumed from (a file missing, of another size or content than recorded
+    when it was saved), or None when it is whole."""
+    try:
+        files = read_json(folder / "trainer.json")["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"its trainer.json is unreadable or lists no files ({error})"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if _sha256(path) != want["sha256"]:
+            return f"{name} does not hold what was written (sha256 differs)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def choose_resume(config: TrainConfig, say) -> Path | None:
+    """--resume latest: the newest checkpoint that verifies, saying which ones were passed over;
+    an explicit folder must verify."""
     if config.resume is None:
         return None
     if config.resume == "latest":
-        found = complete_checkpoints(config.output)
-        return found[-1] if found else None
+        for folder in reversed(complete_checkpoints(config.output)):
+            problem = verify_checkpoint(folder)
+            if problem is None:
+                return folder
+            say(f"warning: checkpoint {folder} is damaged ({problem}); trying an older one")
+        return None
     path = Path(config.resume)
     if not (path / "trainer.json").is_file():
         raise LaionkitError(f"--resume {path}: not a complete checkpoint folder (no trainer.json)")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise LaionkitError(f"--resume {path}: damaged checkpoint: {problem}")
     return path
 
 
+def find_resume(config: TrainConfig, accelerator) -> Path | None:
+    """Rank 0 reads and verifies the checkpoint files (once, not once per rank) and tells the others."""
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None, None]
+    if accelerator.is_main_process:
+        try:
+            found = choose_resume(config, accelerator.print)
+            answer = [None if found is None else str(found), None]
+        except LaionkitError as error:
+            answer = [None, str(error)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(answer)
+    if answer[1] is not None:
+        raise LaionkitError(answer[1])
+    return None if answer[0] is None else Path(answer[0])
+
+
+def weights_fingerprint(accelerator, unet, master: MasterWeights | None) -> tuple[str, bool] | None:
+    """sha256 of the fp32 (master) weights in parameter-name order, and whether all are finite. Ranks
+    of DDP / ZeRO-2 hold the same whole weights after every step, so their fingerprints must agree;
+    FSDP ranks hold different shards, so it has no fingerprint to compare (None)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return None
+    if master is not None:
+        named = zip(master.names, master.master)
+    else:
+        named = accelerator.unwrap_model(unet).named_parameters()
+    digest, finite = hashlib.sha256(), True
+    with torch.no_grad():
+        for name, weight in named:
+            values = weight.detach().float()
+            finite = finite and bool(torch.isfinite(values).all())
+            digest.update(name.encode())
+            digest.update(values.cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest(), finite
+
+
+def check_ranks_agree(accelerator, fingerprint: tuple[str, bool] | None, step: int) -> None:
+    """Every rank compares all ranks' fingerprints, so all stop together with the same message."""
+    from accelerate.utils import gather_object
+
+    if fingerprint is None:
+        return
+    found = gather_object([fingerprint[0]]) if accelerator.num_processes > 1 else [fingerprint[0]]
+    differ = [rank for rank, digest in enumerate(found) if digest != found[0]]
+    if differ:
+        raise LaionkitError(
+            f"step {step}: the weights of rank(s) {', '.join(map(str, differ))} differ from rank 0's "
+            f"(sha256 {', '.join(f'rank {r}: {d[:12]}' for r, d in enumerate(found))}); the ranks no "
+            "longer train one model, so no checkpoint was written. Please report this with the command line"
+        )
+
+
 def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep: int,
-                    config: TrainConfig) -> Path:
-    """All ranks write into a hidden temporary folder; rank 0 renames it once every rank is done."""
+                    config: TrainConfig, extra_states: dict) -> Path:
+    """All ranks write into a hidden temporary folder; rank 0 renames it once every rank is done.
+
+    Everything a resume reads is data, never code: accelerate's weights (safetensors) and optimizer /
+    scheduler files (loaded with weights_only=True), the rank records as JSON, and the master / EMA
+    weights (``extra_states``, written by rank 0: equal on every rank) as plain tensors. trainer.json,
+    written last, records the size and sha256 of every file, so a damaged checkpoint is found before
+    anything is loaded from it."""
     final = checkpoint_dir(output, step)
     main = accelerator.is_main_process
     with (atomic_output(final) if main else nullcontext(None)) as tmp:
         accelerator.wait_for_everyone()  # rank 0 has cleared any stale temporary
         folder = tmp if main else partial_path(final)
         accelerator.save_state(str(folder))
-        torch.save(rank_state, folder / f"rank-{accelerator.process_index:05d}.pt")
+        (folder / f"rank-{accelerator.process_index:05d}.json").write_text(json.dumps(rank_state))
+        if main:
+            for name, state in extra_states.items():
+                torch.save(state, folder / f"{name}.pt")
         accelerator.wait_for_everyone()
         if main:
+            files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+                     for path in sorted(folder.rglob("*")) if path.is_file()}
             (folder / "trainer.json").write_text(json.dumps(
                 {"step": step, "world_size": accelerator.num_processes, "config": asdict(config),
-                 "versions": versions()}, indent=2, default=str))
+                 "versions": versions(), "files": files}, indent=2, default=str))
     if main:
         for old in complete_checkpoints(output)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_tensors(path: Path):
+    """torch.load restricted to tensors and plain containers: a pickle that would run code is refused."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise LaionkitError(f"{path}: not plain tensor data, refused to load it (checkpoints are data, "
+                            f"never code): {str(error).splitlines()[0]}") from None
+
+
+def read_rank_record(accelerator, folder: Path) -> dict:
+    """This rank's step, data layout, generator state and weights fingerprint (JSON)."""
+    rank_file = folder / f"rank-{accelerator.process_index:05d}.json"
+    if not rank_file.is_file():
+        raise LaionkitError(f"{folder} has no {rank_file.name}: it was written by fewer ranks than the "
+                            f"{accelerator.num_processes} running now; resume with the same number of processes")
+    try:
+        state = json.loads(rank_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise LaionkitError(f"{rank_file} is not JSON ({error})") from None
+    return state
+
+
+def load_checkpoint_state(accelerator, folder: Path, extra_states: dict) -> None:
+    """accelerate's state with weights_only=True (its RNG files too), then the master / EMA weights."""
+    import pickle
+
+    try:
+        accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
+    except pickle.UnpicklingError as error:
+        raise LaionkitError(f"{folder}: a file of accelerate's state is not plain tensor data, refused to "
+                            f"load it (checkpoints are data, never code): {str(error).splitlines()[0]}") from None
+    for name, target in extra_states.items():
+        target.load_state_dict(load_tensors(folder / f"{name}.pt"))
 
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
@@ -579,6 +776,10 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     device, main, world = accelerator.device, accelerator.is_main_process, accelerator.num_processes
     if config.ema and accelerator.distributed_type == DistributedType.FSDP:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
+    if output.exists() and not output.is_dir():
+        raise LaionkitError(f"--output {output} is a file, not a run folder")
+    refuse_overlap([config.latents], output, "train")
+    claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
         accelerator.print(f"laionkit train: {json.dumps(asdict(config), default=str)}")
@@ -587,6 +788,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
 
     data = open_latents(config.latents)
+    if data.empty_shards:
+        accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
+                          f"{', '.join(Path(s).name for s in data.empty_shards)}")
     global_batch = config.batch_size * config.grad_accum * world
     max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
 
@@ -608,9 +812,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         ema = EMAModel(trained, decay=config.ema_decay, foreach=True,
                        model_cls=UNet2DConditionModel, model_config=unet.config)
         ema.to(device)
-        accelerator.register_for_checkpointing(ema)
-    if master is not None:
-        accelerator.register_for_checkpointing(master)
+    # Saved by save_checkpoint as plain tensors, not through accelerate, which unpickles these with
+    # weights_only=False on load.
+    extra_states = {name: obj for name, obj in (("master", master), ("ema", ema)) if obj is not None}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # we prepare no DataLoader to infer these
         deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config
         deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
@@ -629,18 +833,15 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
     layout = StreamLayout(data.shards, accelerator.process_index, world, config.workers, config.batch_size,
                           config.seed, config.shuffle_buffer)
-    step, resumed_from = 0, find_resume(config)
+    data_key = layout_key(layout, data)
+    step, resumed_from = 0, find_resume(config, accelerator)
     if resumed_from is not None:
-        rank_file = resumed_from / f"rank-{accelerator.process_index:05d}.pt"
-        if not rank_file.is_file():
-            raise LaionkitError(f"{resumed_from} has no {rank_file.name}: it was written by fewer ranks "
-                                f"than the {world} running now; resume with the same number of processes")
-        state = torch.load(rank_file, weights_only=False)  # checked before the model and optimizer load
-        refuse_other_settings(resumed_from, state["layout"], asdict(layout), "written",
-                              "exact resume needs the same latents, number of ranks, --workers, --batch-size, "
-                              "--seed and --shuffle-buffer")
-        accelerator.load_state(str(resumed_from))
-        generator.set_state(state["generator"])
+        state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
+        refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
+                              "exact resume needs the same latent shards (names, sample counts, sizes), number "
+                              "of ranks, --workers, --batch-size, --seed and --shuffle-buffer")
+        load_checkpoint_state(accelerator, resumed_from, extra_states)
+        generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
         step = state["step"]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
     loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
@@ -649,7 +850,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
 
     metrics_path = output / "metrics.jsonl"
     keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
-    if resumed_from is not None:
+    if config.resume is not None:  # also with no checkpoint yet: a killed run's records are redone
         if main:
             truncate_jsonl(metrics_path, step)
         if config.record_keys:
@@ -682,9 +883,12 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     window_loss = torch.zeros((), device=device)
     window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
     grad_norm = torch.zeros((), device=device)
+    # Consecutive steps with a non-finite loss, and the longest such run in this log window; counted on
+    # the device so that no step waits for the host, read at log and checkpoint steps.
+    nonfinite, worst_nonfinite = torch.zeros((), device=device), torch.zeros((), device=device)
     last_checkpoint, stopped_by = None, None
     while step < max_steps:
-        step_keys = []
+        step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
             waited = time.perf_counter()
             batch = next(batches)
@@ -699,7 +903,10 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                 norm = apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
                 if accelerator.sync_gradients:
                     grad_norm = norm  # None under DeepSpeed, which clips inside its step
-            window_loss += loss.detach() / config.grad_accum
+            step_loss += loss.detach().float() / config.grad_accum
+        window_loss += step_loss
+        nonfinite = torch.where(torch.isfinite(step_loss), torch.zeros_like(nonfinite), nonfinite + 1)
+        worst_nonfinite = torch.maximum(worst_nonfinite, nonfinite)
         lr_scheduler.step()
         if ema is not None:
             ema.step(trained)
@@ -716,7 +923,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             samples_per_s = window_steps * global_batch / elapsed
             record = {
                 "step": step, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0],
-                "grad_norm": math.nan if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
+                "grad_norm": None if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
                 "samples_per_s_per_gpu": samples_per_s / world,
                 "mfu": model_flops * samples_per_s / world / (config.peak_tflops * 1e12),
                 "data_wait_pct": 100.0 * data_wait / elapsed,
@@ -724,7 +931,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             }
             if main:
                 with open(metrics_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                    handle.write(strict_json(record) + "\n")
                 if accelerator.log_with:
                     accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
                 if exporter is not None:
@@ -733,11 +940,28 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             window_loss.zero_()
             window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
+            worst = accelerator.reduce(worst_nonfinite, "max").item()
+            worst_nonfinite.zero_()
+            if worst >= config.max_nonfinite:
+                raise LaionkitError(
+                    f"step {step}: the loss was not finite for {int(worst)} consecutive steps (--max-nonfinite "
+                    f"{config.max_nonfinite}); the run diverged. Last good checkpoint: {last_good(output)}; "
+                    "resume from it with a lower --lr, more --warmup-steps or --max-grad-norm"
+                )
+
         stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
         if step % config.checkpoint_every == 0 or stopped_by:
-            rank_state = {"step": step, "layout": asdict(layout), "generator": generator.get_state()}
-            last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
-                                              config)
+            fingerprint = weights_fingerprint(accelerator, unet, master)
+            check_ranks_agree(accelerator, fingerprint, step)
+            healthy = nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
+            if accelerator.reduce(torch.tensor(float(healthy), device=device), "min").item():
+                rank_state = {"step": step, "layout": data_key, "fingerprint": fingerprint and fingerprint[0],
+                              "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
+                last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
+                                                  config, {name: obj.state_dict() for name, obj in extra_states.items()})
+            else:
+                accelerator.print(f"warning: step {step}: loss or weights not finite, no checkpoint written "
+                                  f"(the last good one stays: {last_good(output)})")
         if validation is not None and (step % config.validate_every == 0 or step == max_steps):
             vae, texts = validation
             unet.eval()
@@ -755,6 +979,45 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         export(accelerator, unet, ema, master, output)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+
+
+def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
+    """What exact resume compares: the stream layout with the shards as content (name, samples, bytes),
+    not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
+    key = asdict(layout)
+    key["shards"] = [[Path(shard).name, samples, Path(shard).stat().st_size]
+                     for shard, samples in zip(data.shards, data.shard_samples)]
+    return key
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "samples", "seen", "logs")
+
+
+def claim_run_folder(config: TrainConfig, accelerator) -> None:
+    """A fresh run never mixes into another's outputs: a folder that holds one is refused unless
+    --resume continues it or --overwrite deletes it first."""
+    found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
+    if found and config.resume is None:
+        if not config.overwrite:
+            raise LaionkitError(f"--output {config.output} already holds a run ({', '.join(found)}): give "
+                                "--resume latest to continue it, or --overwrite to delete it and start over")
+        accelerator.wait_for_everyone()  # every rank has looked before rank 0 deletes
+        if accelerator.is_main_process:
+            for name in found:
+                path = config.output / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    accelerator.wait_for_everyone()
+
+
+def last_good(output: Path) -> str:
+    found = complete_checkpoints(output)
+    return str(found[-1]) if found else "none"
+
+
+def strict_json(record: dict) -> str:
+    """JSON as the standard has it: a non-finite number (a diverged loss) becomes null, not NaN."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
 
 
 def save_grid(images: torch.Tensor, path: Path) -> None:

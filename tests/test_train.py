@@ -142,52 +142,75 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     assert _checkpoint_dtypes(autocast / "checkpoints" / "step-00000003") == {torch.float32}
 
 
-@pytest.mark.parametrize("precision, strategy, compile, chosen, expected", [
-    ("bf16", "NO", False, None, True),            # eager: bf16 weights (measured faster)
-    ("bf16", "NO", True, None, False),            # compiled: autocast (measured faster)
-    ("bf16", "MULTI_GPU", True, True, True),      # asked for
-    ("bf16", "MULTI_GPU", False, False, False),   # refused
-    ("fp16", "NO", False, None, False),           # fp16 weights would need loss scaling: autocast
-    ("no", "NO", False, True, False),
-    ("bf16", "FSDP", False, True, False),         # FSDP2 and DeepSpeed own their precision
-    ("bf16", "DEEPSPEED", False, True, False),
-])
-def test_master_weights_are_used_where_chosen(tmp_path, precision, strategy, compile, chosen, expected):
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from laionkit.train import MasterWeights, TrainConfig
-
-    config = TrainConfig(latents=tmp_path, output=tmp_path, unet_config="tiny", max_steps=1,
-                         mixed_precision=precision, compile=compile, bf16_weights=chosen)
-    accelerator = SimpleNamespace(mixed_precision=precision, distributed_type=DistributedType[strategy])
-    assert MasterWeights.wanted(config, accelerator) is expected
+def _torchrun(ranks: int, port: int, *args, script: Path | None = None, timeout: float = 300):
+    """`laionkit` under torchrun on CPU (gloo), one thread per rank; ``script`` replaces the entry point."""
+    target = [str(script)] if script else ["-m", "laionkit.cli"]
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+         str(port), *target, *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
-def test_master_gradients_sum_micro_batches_in_fp32_and_skip_frozen_weights():
-    """--grad-accum: each micro-batch's bf16 gradients are added to the fp32 master gradients (not
-    summed in bf16), the bf16 gradients are released, and a weight without a gradient is left alone."""
-    from types import SimpleNamespace
+def _rank_records(checkpoint: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(checkpoint.glob("rank-*.json"))]
 
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("precision", ["bf16-weights", "autocast"])
+def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards, tmp_path, precision, accum):
+    """Two real DDP ranks (torchrun, gloo): every checkpoint's weight fingerprints agree. With bf16
+    weights and --grad-accum 2 they drifted apart (the master gradients took the no_sync micro-batch's
+    local gradients, which DDP never all-reduced). FSDP is not in the matrix: on a CPU-only machine
+    accelerate runs fsdp.yaml as one process (train/README)."""
     import torch
+    from safetensors.torch import load_file
 
-    from laionkit.train import MasterWeights
+    run = tmp_path / "run"
+    weights = "--bf16-weights" if precision == "bf16-weights" else "--no-bf16-weights"
+    result = _torchrun(2, 29530 + 2 * accum + (precision == "autocast"), "train", latent_shards, "--output", run,
+                       *TINY, "--batch-size", "2", "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "2",
+                       "--workers", "0", "--mixed-precision", "bf16", weights, "--grad-accum", accum)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in (2, 4):
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        records = _rank_records(checkpoint)
+        assert len(records) == 2 and records[0]["fingerprint"] == records[1]["fingerprint"], step
+    # the precision the ranks trained in: bf16 weights with fp32 master copies, or fp32 under autocast
+    stored = {t.dtype for t in load_file(checkpoint / "model.safetensors").values()}
+    if precision == "bf16-weights":
+        assert stored == {torch.bfloat16}
+        master = torch.load(checkpoint / "master.pt", weights_only=True)["master"]
+        assert {t.dtype for t in master} == {torch.float32}
+    else:
+        assert stored == {torch.float32} and not (checkpoint / "master.pt").exists()
 
-    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
-    master = MasterWeights(SimpleNamespace(), module)
-    first = [torch.randn_like(w) for w in master.weights]
-    second = [torch.randn_like(w) for w in master.weights]
-    for grads in (first, second):
-        for weight, grad in zip(master.weights, grads):
-            weight.grad = grad
-        master.weights[-1].grad = None  # a frozen-for-now bias: no gradient this micro-batch
-        master.accumulate_grads()
-        assert all(w.grad is None for w in master.weights)
-    for index, fp32 in enumerate(master.master[:-1]):
-        assert fp32.grad.dtype == torch.float32
-        assert torch.equal(fp32.grad, first[index].float() + second[index].float())
-    assert master.master[-1].grad is None
+
+DRIFT = """
+import os, sys, torch
+if os.environ["RANK"] == "1":  # this rank's optimizer nudges one weight after every step
+    step = torch.optim.AdamW.step
+    def drifting(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].add_(1e-3)
+        return out
+    torch.optim.AdamW.step = drifting
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_rank_whose_weights_drift_stops_the_run_naming_it(latent_shards, tmp_path):
+    script = tmp_path / "drift.py"
+    script.write_text(DRIFT)
+    run = tmp_path / "run"
+    result = _torchrun(2, 29540, "train", latent_shards, "--output", run, *TINY, "--batch-size", "2",
+                       "--max-steps", "2", "--checkpoint-every", "2", "--workers", "0", script=script)
+    assert result.returncode != 0
+    assert "step 2: the weights of rank(s) 1 differ from rank 0's" in result.stderr, result.stderr[-3000:]
+    assert not (run / "checkpoints" / "step-00000002").exists()
 
 
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
@@ -205,8 +228,8 @@ def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, 
     rank_keys = [set(itertools.chain(*seen(run, rank).values())) for rank in (0, 1)]
     assert rank_keys[0] and rank_keys[1] and not rank_keys[0] & rank_keys[1]
     assert len(rank_keys[0] | rank_keys[1]) == 8
-    assert {p.name for p in (run / "checkpoints" / "step-00000006").glob("rank-*.pt")} == {
-        "rank-00000.pt", "rank-00001.pt"}
+    assert {p.name for p in (run / "checkpoints" / "step-00000006").glob("rank-*.json")} == {
+        "rank-00000.json", "rank-00001.json"}
 
 
 def _train(latents, run, *extra):
@@ -284,9 +307,10 @@ def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(lat
     assert (run / "unet" / "config.json").is_file()
 
 
-def test_deepspeed_zero2_config_trains_checkpoints_and_resumes_on_two_cpu_processes(latent_shards, tmp_path):
-    """train/deepspeed-zero2.yaml for real (DeepSpeed's CPU accelerator, gloo): sharded optimizer state,
-    checkpoints through accelerate's DeepSpeed engine, resume, and an export diffusers loads."""
+def test_deepspeed_zero2_config_parses_and_launches_two_cpu_processes(latent_shards, tmp_path):
+    """train/deepspeed-zero2.yaml parses and launches 2 processes that train, checkpoint, resume and
+    export. On CPU accelerate runs it as plain multi-process training, so this does not exercise
+    DeepSpeed or ZeRO-2 sharding (untested here; see train/README)."""
     from diffusers import UNet2DConditionModel
 
     repo = Path(__file__).resolve().parents[1]
@@ -313,3 +337,142 @@ def test_deepspeed_zero2_config_trains_checkpoints_and_resumes_on_two_cpu_proces
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step-00000002", "step-00000004", "step-00000006"]
     assert UNet2DConditionModel.from_pretrained(run / "unet").config.in_channels == 4
+
+
+class _Exploit:
+    """A pickle that, once loaded with weights_only=False, creates the file named in it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(checkpoint: Path, name: str, payload) -> None:
+    """Replace a checkpoint file and re-record its size and hash, as someone who can write there could."""
+    import hashlib
+
+    import torch
+
+    torch.save(payload, checkpoint / name)
+    trainer = json.loads((checkpoint / "trainer.json").read_text())
+    data = (checkpoint / name).read_bytes()
+    trainer["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "trainer.json").write_text(json.dumps(trainer))
+
+
+def test_checkpoints_are_verified_data_resumed_by_content_and_runs_never_mix(latent_shards, tmp_path):
+    run = tmp_path / "run"
+    moved = tmp_path / "moved"
+    moved.symlink_to(latent_shards, target_is_directory=True)  # the same shards, reached another way
+    args = (*TINY, "--workers", "0", "--checkpoint-every", "2", "--log-every", "1", "--mixed-precision", "bf16",
+            "--ema")
+    run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "4")
+    reference = metrics(run)
+    second, fourth = (run / "checkpoints" / f"step-{n:08d}" for n in (2, 4))
+
+    # a fresh run into it is refused: it would mix its metrics and checkpoints into this run's
+    fresh = run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "2", check=False)
+    assert fresh.returncode == 2 and "already holds a run" in fresh.stderr and "--overwrite" in fresh.stderr
+    assert "Traceback" not in fresh.stderr and metrics(run) == reference
+
+    # damaged: an explicit --resume is refused, --resume latest falls back to the newest good one
+    model = fourth / "model.safetensors"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    bad = run_cli("train", moved, "--output", run, *args, "--max-steps", "4", "--resume", fourth, check=False)
+    assert bad.returncode == 2 and "damaged checkpoint: model.safetensors has" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
+    result = run_cli("train", moved, "--output", run, *args, "--max-steps", "4", "--resume", "latest")
+    assert f"checkpoint {fourth} is damaged" in result.stdout + result.stderr
+    got = metrics(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):  # resumed from step 2 through the symlink: the same run
+        assert got[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-7), step
+
+    # a checkpoint file that would run code when unpickled is refused, and no code runs
+    for name in ("optimizer.bin", "master.pt", "ema.pt"):
+        marker = tmp_path / f"pwned-{name}"
+        checkpoint = tmp_path / f"planted-{name}"
+        shutil.copytree(second, checkpoint)
+        _plant(checkpoint, name, {"state": _Exploit(marker)})
+        refused = run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "4", "--resume",
+                          checkpoint, check=False)
+        assert refused.returncode == 2 and "refused to load it" in refused.stderr, (name, refused.stderr[-2000:])
+        assert not marker.exists(), f"{name}: unpickling ran code"
+
+    # --overwrite starts over: nothing of the old run stays
+    run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "1", "--overwrite")
+    assert sorted(metrics(run)) == [1] and not (run / "checkpoints").exists()
+
+
+def test_empty_shard_is_skipped_and_three_ranks_share_the_samples(latent_shards, tmp_path):
+    """img2dataset writes an empty tar when every download of a shard fails: train skips it, counts it,
+    and three ranks split two shards' samples instead of one rank starving on the empty shard."""
+    latents = reshard(latent_shards, [0, 4, 4], tmp_path / "latents")  # 00000.tar is empty, and first
+    run = tmp_path / "run"
+    result = _torchrun(3, 29545, "train", latents, "--output", run, *TINY, "--batch-size", "1",
+                       "--max-steps", "2", "--log-every", "1", "--checkpoint-every", "2", "--workers", "0",
+                       "--record-keys")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipping 1 empty latent shard(s): 00000.tar" in result.stdout
+    keys = [set(itertools.chain(*seen(run, rank).values())) for rank in range(3)]
+    assert all(len(k) == 2 for k in keys) and len(keys[0] | keys[1] | keys[2]) == 6
+
+
+def test_diverging_run_writes_strict_json_and_stops_keeping_the_last_good_checkpoint(latent_shards, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli("train", latent_shards, "--output", run, *TINY[:4], "--lr", "1e30", "--log-with", "none",
+                     "--quiet", "--workers", "0", "--max-steps", "20", "--log-every", "1", "--checkpoint-every", "1",
+                     "--max-nonfinite", "3", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "the loss was not finite for 3 consecutive steps" in result.stderr and "Traceback" not in result.stderr
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] is None and records[0]["loss"] is not None
+    good = {record["step"] for record in records if record["loss"] is not None}
+    saved = {int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir()}
+    assert saved and saved <= good, (saved, good)
+
+
+def _garbage_tar(latents: Path) -> None:
+    (latents / "00001.tar").write_bytes(os.urandom(20000))
+
+
+def _truncated_tar(latents: Path) -> None:
+    """Cut inside the last member's data, which only the stream would reach."""
+    shard = latents / "00001.tar"
+    with tarfile.open(shard) as tar:
+        last = tar.getmembers()[-1]
+    shard.write_bytes(shard.read_bytes()[: last.offset_data + last.size - 10])
+
+
+@pytest.mark.parametrize("damage, args, message", [
+    (_garbage_tar, (), "cannot read shard"),
+    (_truncated_tar, (), "00001.tar: unexpected end of data"),
+    (lambda d: (d / "empty_caption.npy").unlink(), (), "empty_caption.npy (the manifest's empty_caption) cannot be read"),
+    (lambda d: (d / "manifest.json").write_text("{not json"), (), "manifest.json cannot be read as JSON"),
+    (None, ("--lr", "-1"), "--lr -1.0: must be a finite number > 0"),
+    (None, ("--lr", "nan"), "--lr nan: must be a finite number > 0"),
+    (None, ("--max-steps", "0"), "--max-steps 0: must be >= 1"),
+    (None, ("--epochs", "-1", "--max-steps", None), "--epochs -1.0: must be a finite number > 0"),
+    (None, ("--workers", "-1"), "--workers -1: must be >= 0"),
+    (None, ("--output", "FILE"), "is a file, not a run folder"),
+    (None, ("--output", "INSIDE"), "lies inside the input"),
+])
+def test_bad_input_is_one_clear_line(latent_shards, tmp_path, damage, args, message):
+    latents = tmp_path / "latents"
+    shutil.copytree(latent_shards, latents)
+    if damage:
+        damage(latents)
+    (tmp_path / "file").write_text("")
+    options = {"--output": str(tmp_path / "run"), "--max-steps": "1", "--workers": "0"}
+    replace = {"FILE": str(tmp_path / "file"), "INSIDE": str(latents / "run")}
+    options.update({k: replace.get(v, v) for k, v in zip(args[::2], args[1::2])})
+    flat = [x for k, v in options.items() if v is not None for x in (k, v)]
+    result = run_cli("train", latents, *TINY, *flat, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
