@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from laionkit.common import (
     LaionkitError,
     atomic_output,
-    read_json,
     refuse_other_settings,
     resolve_rank,
     versions,
@@ -156,7 +155,9 @@ def open_latents(latents: Path) -> LatentSet:
     manifest_path = latents / "manifest.json"
     if not manifest_path.is_file():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
-    manifest = read_json(manifest_path)
+    from laionkit.encode import latent_status
+
+    manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
     try:
         vae, samples = manifest["vae"], manifest["counts"]["samples_out"]
         empty_path = latents / manifest["empty_caption"]

@@ -18,7 +18,9 @@ import torch
 import webdataset as wds
 from conftest import run_cli
 from fixtures import CAPTIONS, write_image_shards
+from PIL import Image
 
+import laionkit.encode as encode_stage
 from laionkit.common import LaionkitError
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
 from laionkit.encode import (
@@ -82,6 +84,83 @@ def test_nearest_bucket_and_center_crop(width, height):
     assert crop_width == width or crop_height == height  # the largest centred crop
     assert abs(crop_width / crop_height - chosen[0] / chosen[1]) < 0.02
     assert target_size(width, height, 256, None) == (256, 256)
+
+
+def random_sizes(count: int, seed: int) -> list[tuple[int, int]]:
+    """Web photo sizes: sides 257-2000 px, any aspect, plus the sizes whose rounding once broke the crop."""
+    rng = np.random.default_rng(seed)
+    sizes = [(257, 2000), (2000, 257), (513, 1999), (1031, 777), (259, 1283)]
+    return sizes + [tuple(int(side) for side in rng.integers(257, 2001, size=2)) for _ in range(count - len(sizes))]
+
+
+def test_crop_boxes_fit_every_decode_of_500_web_sizes():
+    """Pure geometry of both decode paths. The CPU path resizes from a JPEG decoded at 1/1..1/8 (PIL
+    draft: ceil(side / s) pixels); the GPU path slices the crop out of the full-size nvjpeg decode."""
+    all_buckets = {resolution: bucket_sizes(resolution) for resolution in (64, 256, 512, 1024)}
+    for width, height in random_sizes(500, seed=1):
+        full = np.broadcast_to(np.zeros((), np.uint8), (height, width))  # a decoded image's shape, no memory
+        for resolution, sizes in all_buckets.items():
+            for buckets in (None, sizes):
+                size = target_size(width, height, resolution, buckets)
+                box = center_crop_box(width, height, *size)
+                left, top, crop_width, crop_height = box
+                assert 0 <= left and 0 <= top and left + crop_width <= width and top + crop_height <= height
+                assert abs(crop_width / crop_height - size[0] / size[1]) < 0.02 or min(crop_width, crop_height) < 64
+                assert full[top : top + crop_height, left : left + crop_width].shape == (crop_height, crop_width)
+                for factor in (1, 2, 4, 8):
+                    scaled = encode_stage.drafted_box(box, (1 / factor, 1 / factor))
+                    assert 0 <= scaled[0] < scaled[2] <= math.ceil(width / factor)
+                    assert 0 <= scaled[1] < scaled[3] <= math.ceil(height / factor)
+
+
+def smooth_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A photo-like JPEG (smooth colour fields): compression artefacts stay small next to the content."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    coarse.resize((width, height), Image.Resampling.BICUBIC).save(buffer, format="JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def full_decode(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
+    """The reference: plain PIL, full-size decode, crop, bicubic resize."""
+    left, top, crop_width, crop_height = box
+    image = Image.open(io.BytesIO(data)).convert("RGB").crop((left, top, left + crop_width, top + crop_height))
+    return np.asarray(image.resize(size, Image.Resampling.BICUBIC), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def web_jpegs(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    shard = tmp_path_factory.mktemp("web") / "00000.tar"
+    images = {f"{index:09d}": smooth_jpeg(width, height, index)
+              for index, (width, height) in enumerate(random_sizes(32, seed=2))}
+    with wds.TarWriter(str(shard)) as sink:
+        for key, data in images.items():
+            sink.write({"__key__": key, "jpg": data, "txt": "a photo"})
+    return shard, images
+
+
+@pytest.mark.parametrize("resolution, buckets", [(256, False), (256, True), (512, False)])
+def test_shrunk_jpegs_are_never_skipped_and_match_a_full_decode(web_jpegs, tiny_models, resolution, buckets):
+    shard, images = web_jpegs
+    tokenizer = load_tokenizer(str(tiny_models))
+    sizes = bucket_sizes(resolution) if buckets else None
+    for gpu_decode in (False, True):  # True: the nvjpeg path's code, with torchvision's CPU decoder
+        items = list(ShardBatches([shard], tokenizer, resolution, sizes, 8, gpu_decode).shard_batches(shard))
+        done = items.pop()
+        assert done.samples_in == len(images) and done.skips == []
+        seen = 0
+        for batch in items:
+            pixels = _gpu_batch(batch, torch.device("cpu"), torch.float32)["pixels"]
+            assert batch.get("skips", []) == []
+            for key, record, image in zip(batch["keys"], batch["records"], pixels):
+                got = ((image.permute(1, 2, 0) + 1) * 127.5).numpy()
+                expected = full_decode(images[key], tuple(record["size"]), tuple(record["crop"]))
+                assert got.shape == expected.shape
+                # Reduced-DCT decodes and antialiased bicubic differ from a full decode by a few levels.
+                assert np.abs(got - expected).mean() < 3.0, (key, record["image_size"], record["size"])
+                seen += 1
+        assert seen == len(images)
 
 
 # --- outputs -------------------------------------------------------------------------------------
