@@ -486,9 +486,10 @@ def test_train_trusts_the_records_not_a_stale_manifest(tmp_path, latent_shards):
     folder = tmp_path / "latents"
     shutil.copytree(latent_shards, folder)
     (folder / "00001.stats.json").rename(tmp_path / "00001.stats.json")
-    stale = encode_stage.update_manifest(folder) if hasattr(encode_stage, "update_manifest") else None
+    stale = encode_stage.merge_records(folder, ["00000.tar", "00001.tar"])  # merged before 00001's record landed
+    (folder / "manifest.json").write_text(json.dumps(stale))
     (tmp_path / "00001.stats.json").rename(folder / "00001.stats.json")
-    assert stale is None or not json.loads((folder / "manifest.json").read_text())["complete"]
+    assert not stale["complete"]
     data = open_latents(folder)
     assert data.samples == 8 and len(data.shards) == 2
 
