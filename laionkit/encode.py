@@ -488,8 +488,9 @@ class Encoders:
         self.device = device
         self.dtype = _compute_dtype(config.dtype, device)
         self.layer = config.layer
-        # The SD VAE encoder measured slower channels_last than contiguous in eager mode on an H200
-        # (docs/BENCHMARKS.md); compiled, channels_last is kept.
+        # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
+        # on channels_last tensors costs more than it saves); compiled, channels_last is kept.
+        # scripts/bench_encode.py measures both layouts.
         self.layout = torch.channels_last if config.compile else torch.contiguous_format
         self.vae = load_vae(config.source("vae"), dtype=self.dtype).to(device, memory_format=self.layout)
         self.text_encoder = load_text_encoder(config.source("text_encoder"), dtype=self.dtype).to(device)
