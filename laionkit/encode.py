@@ -4,7 +4,7 @@ Data flows one way through four stages, each bounded so memory stays flat:
 
     DataLoader workers      read tars, decode + resize on CPU (or pass JPEG bytes on), tokenize, batch by size
     -> prepare thread       host->GPU copy, nvjpeg decode + resize on its own CUDA stream
-    -> main thread          VAE encode + text encode (bf16/fp16, channels_last, optionally compiled)
+    -> main thread          VAE encode + text encode (bf16/fp16; channels_last only when compiled)
     -> writer thread        GPU->host copy lands, one tar per input shard, renamed when complete
 
 The shard is the unit of work, of resume and of record: each worker owns whole shards, so every batch
@@ -45,6 +45,7 @@ from laionkit.common import (
     atomic_output,
     read_json,
     refuse_other_settings,
+    refuse_overlap,
     resolve_rank,
     split,
     versions,
@@ -65,6 +66,7 @@ DECODE_MODES = ("auto", "cpu", "gpu")
 COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 RECORD_SUFFIX = ".stats.json"
 MANIFEST = "manifest.json"
+PLAN = "plan.json"
 EMPTY_CAPTION = "empty_caption.npy"
 FORMAT = "laionkit-latents/1"
 RERUN_REMEDY = "write to a new --output or remove the old shards"
@@ -157,15 +159,45 @@ def center_crop_box(width: int, height: int, out_width: int, out_height: int) ->
 
 # --- input shards ------------------------------------------------------------------------------
 
-def find_shards(specs: Sequence[str]) -> list[Path]:
-    """Tar shards from folders (all *.tar), files, globs and brace patterns, in sorted order."""
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what webdataset reads (gzip through tarfile's r|*)
+PACK_RECORD_SUFFIX = "_stats.json"  # pack's and img2dataset's per-shard done record
+
+
+def shard_stem(path: Path) -> str:
+    return next(path.name[: -len(suffix)] for suffix in SHARD_SUFFIXES + ("",) if path.name.endswith(suffix))
+
+
+def output_name(path: Path) -> str:
+    """The output tar of an input shard: its name, as a plain .tar (lineage by name)."""
+    return shard_stem(path) + ".tar"
+
+
+def _pack_count(record: Path) -> int:
+    try:
+        return int(read_json(record)["successes"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LaionkitError(f"{record}: not a pack / img2dataset shard record (no 'successes': {error})") from None
+
+
+def find_shards(specs: Sequence[str], log: Callable[[str], None] = print) -> dict[Path, int | None]:
+    """Finished input shards from folders, files, globs and brace patterns, sorted, each with the sample
+    count its done record gives (None for a plain webdataset folder, which has no records).
+
+    pack renames a shard's tar into place before it writes ``<shard>_stats.json`` (img2dataset writes the
+    same record), so in a folder with records a tar without one is unfinished and is left out (said once);
+    a folder with no record at all is plain webdataset, whose tars are taken as complete (said once).
+    """
     found: list[Path] = []
     for spec in specs:
         path = Path(spec)
         if path.is_dir():
-            tars = sorted(path.glob("*.tar"))
+            tars = sorted(p for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and not p.name.startswith("."))
             if not tars:
-                raise LaionkitError(f"no *.tar shards in {path}")
+                raise LaionkitError(f"no tar shards ({', '.join('*' + s for s in SHARD_SUFFIXES)}) in {path}")
+            for record in sorted(path.glob("*" + PACK_RECORD_SUFFIX)):
+                stem = record.name.removesuffix(PACK_RECORD_SUFFIX)
+                if not any(shard_stem(tar) == stem for tar in tars):
+                    raise LaionkitError(f"{record} marks shard {stem} done but its tar is missing from {path}")
             found += tars
             continue
         matches = [Path(name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
@@ -173,11 +205,43 @@ def find_shards(specs: Sequence[str]) -> list[Path]:
             raise LaionkitError(f"input shard {spec} does not exist")
         found += matches
     found = sorted(set(found))
-    names = Counter(path.name for path in found)
+    names = Counter(output_name(path) for path in found)
     clashes = [name for name, count in names.items() if count > 1]
     if clashes:
         raise LaionkitError(f"input shards share the name {clashes[0]} (outputs are named after inputs)")
-    return found
+    shards: dict[Path, int | None] = {}
+    unfinished: list[Path] = []
+    plain: set[Path] = set()
+    with_records = {folder for folder in {path.parent for path in found}
+                    if any(folder.glob("*" + PACK_RECORD_SUFFIX))}
+    for path in found:
+        record = path.with_name(shard_stem(path) + PACK_RECORD_SUFFIX)
+        if record.is_file():
+            shards[path] = _pack_count(record)
+        elif path.parent in with_records:
+            unfinished.append(path)
+        else:
+            shards[path] = None
+            plain.add(path.parent)
+    if unfinished:
+        log(f"laionkit encode: left out {len(unfinished)} shard(s) without a done record <shard>"
+            f"{PACK_RECORD_SUFFIX} (unfinished pack?): {', '.join(str(p) for p in unfinished[:5])}"
+            + (" ..." if len(unfinished) > 5 else ""))
+    for folder in sorted(plain):
+        log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its tars as "
+            "complete (plain webdataset)")
+    if not shards:
+        raise LaionkitError(f"no finished shards in {', '.join(specs)}: every tar lacks its done record "
+                            f"<shard>{PACK_RECORD_SUFFIX}")
+    return shards
+
+
+def check_count(shard: Path, expected: int | None, found: int) -> None:
+    """A tar cut at a member boundary reads as a valid, shorter tar: only the done record tells."""
+    if expected is not None and found != expected:
+        raise LaionkitError(f"{shard} holds {found} samples but its done record "
+                            f"{shard_stem(shard)}{PACK_RECORD_SUFFIX} says {expected}: truncated or changed "
+                            "since pack; repack it")
 
 
 # --- DataLoader side: decode, resize, tokenize, batch --------------------------------------------
@@ -191,26 +255,52 @@ class ShardDone:
     skips: list[dict] = field(default_factory=list)
 
 
+def original_size(meta: dict | None, width: int, height: int) -> tuple[int, int]:
+    """The photo's size before pack resized it (img2dataset's original_width/height), for SDXL-style
+    size conditioning; the shard image's own size when the json does not say."""
+    try:
+        found = int(meta["original_width"]), int(meta["original_height"])
+    except (TypeError, KeyError, ValueError):
+        return width, height
+    return found if min(found) > 0 else (width, height)
+
+
+def crop_top_left(box: tuple[int, int, int, int], size: tuple[int, int]) -> list[int]:
+    """[top, left] of the crop in pixels of the image resized so the crop becomes ``size``: what
+    diffusers' SDXL script records as crop_top_left (resize the short side, then centre-crop)."""
+    left, top, crop_width, crop_height = box
+    return [round(top * size[1] / crop_height), round(left * size[0] / crop_width)]
+
+
 def caption_of(sample: dict, meta: dict | None) -> str:
     if "txt" in sample:
         return sample["txt"].decode("utf-8", errors="replace")
     return str((meta or {}).get("caption") or "")
 
 
+def drafted_box(box: tuple[int, int, int, int], scale: tuple[float, float]) -> tuple[float, float, float, float]:
+    """The crop ``box`` (left, top, width, height in original pixels) as a PIL resize box in an image
+    decoded at ``scale`` (x, y). JPEG's reduced-size decode rounds the drafted size up (257 px at 1/2 is
+    129 px), so the scale must be the DCT factor PIL reports, not drafted size / original size: the
+    latter overshoots and puts the box past the decoded image's edge."""
+    left, top, crop_width, crop_height = box
+    return (left * scale[0], top * scale[1], (left + crop_width) * scale[0], (top + crop_height) * scale[1])
+
+
 def resize_rgb(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
     """Decode on CPU (JPEG at a reduced DCT scale when the crop is >= 2x the output) -> (H, W, 3) uint8."""
 
     with Image.open(io.BytesIO(data)) as image:
-        width, _ = image.size
-        left, top, crop_width, crop_height = box
-        image.draft("RGB", (math.ceil(image.size[0] * size[0] / crop_width),
-                            math.ceil(image.size[1] * size[1] / crop_height)))
-        scale = image.size[0] / width
+        width, height = image.size
+        _, _, crop_width, crop_height = box
+        drafted = image.draft("RGB", (math.ceil(width * size[0] / crop_width),
+                                      math.ceil(height * size[1] / crop_height)))
+        # draft returns the original's extent in drafted pixels (e.g. 128.5 for 257 px at 1/2).
+        scale = (drafted[1][2] / width, drafted[1][3] / height) if drafted else (1.0, 1.0)
         image = image.convert("RGB")
         if image.size == size and (crop_width, crop_height) == size:
             return np.asarray(image)
-        scaled = (left * scale, top * scale, (left + crop_width) * scale, (top + crop_height) * scale)
-        return np.asarray(image.resize(size, Image.Resampling.BICUBIC, box=scaled))
+        return np.asarray(image.resize(size, Image.Resampling.BICUBIC, box=drafted_box(box, scale)))
 
 
 class ShardBatches(torch.utils.data.IterableDataset):
@@ -239,7 +329,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
     def shard_batches(self, shard: Path) -> Iterator[dict | ShardDone]:
 
         pending: dict[tuple[int, int], list[dict]] = {}
-        done = ShardDone(shard.name, 0)
+        done = ShardDone(output_name(shard), 0)
         try:
             for sample in wds.tariterators.tarfile_samples([{"url": str(shard)}]):
                 done.samples_in += 1
@@ -252,11 +342,11 @@ class ShardBatches(torch.utils.data.IterableDataset):
                 group = pending.setdefault(item["size"], [])
                 group.append(item)
                 if len(group) == self.batch_size:
-                    yield self.collate(shard.name, pending.pop(item["size"]))
+                    yield self.collate(done.shard, pending.pop(item["size"]))
         except (OSError, ValueError, tarfile.TarError) as error:
             raise LaionkitError(f"cannot read shard {shard}: {error}") from error
         for size in sorted(pending):
-            yield self.collate(shard.name, pending[size])
+            yield self.collate(done.shard, pending[size])
         yield done
 
     def prepare(self, sample: dict) -> dict:
@@ -278,7 +368,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
         size = target_size(width, height, self.resolution, self.buckets)
         box = center_crop_box(width, height, *size)
         item = {
-            "key": sample["__key__"], "size": size, "box": box, "original_size": (width, height),
+            "key": sample["__key__"], "size": size, "box": box, "image_size": (width, height),
+            "original_size": original_size(meta, width, height),
             "caption": caption_of(sample, meta), "source": meta,
         }
         if on_gpu:
@@ -300,8 +391,10 @@ class ShardBatches(torch.utils.data.IterableDataset):
             input_ids[row, : len(tokens)] = torch.tensor(tokens)
             records.append({
                 "caption": item["caption"], "num_tokens": len(tokens), "truncated": truncated,
-                "original_size": list(item["original_size"]), "crop": list(item["box"]),
-                "size": list(item["size"]), "bucket": list(item["size"]) if self.buckets else None,
+                "original_size": list(item["original_size"]), "image_size": list(item["image_size"]),
+                "crop": list(item["box"]), "crop_top_left": crop_top_left(item["box"], item["size"]),
+                "size": list(item["size"]), "target_size": list(item["size"]),
+                "bucket": list(item["size"]) if self.buckets else None,
                 "source": item["source"],
             })
         cpu_rows = [row for row, item in enumerate(items) if "pixels" in item]
@@ -356,8 +449,9 @@ def _decode_jpegs(batch: dict, device) -> tuple[list, list[dict]]:
     return images, skips
 
 
-def _gpu_batch(batch: dict, device, dtype) -> dict:
-    """Pixels of a batch on the device as (B, 3, H, W) in [-1, 1], channels_last; drops rows that failed."""
+def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
+    """Pixels of a batch on the device as (B, 3, H, W) in [-1, 1] in the encoders' memory format; drops
+    rows that failed."""
     width, height = batch["size"]
     count = len(batch["keys"])
     pixels = torch.empty((count, 3, height, width), device=device, dtype=torch.float32)
@@ -381,7 +475,8 @@ def _gpu_batch(batch: dict, device, dtype) -> dict:
         batch["keys"] = [batch["keys"][row] for row in keep]
         batch["records"] = [batch["records"][row] for row in keep]
         batch["input_ids"] = batch["input_ids"][keep]
-    batch["pixels"] = (pixels / 127.5 - 1).to(dtype).contiguous(memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    batch["pixels"] = (pixels / 127.5 - 1).to(dtype).contiguous(memory_format=layout)
     batch["input_ids"] = batch["input_ids"].to(device, non_blocking=True)
     return batch
 
@@ -393,7 +488,11 @@ class Encoders:
         self.device = device
         self.dtype = _compute_dtype(config.dtype, device)
         self.layer = config.layer
-        self.vae = load_vae(config.source("vae"), dtype=self.dtype).to(device, memory_format=torch.channels_last)
+        # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
+        # on channels_last tensors costs more than it saves); compiled, channels_last is kept.
+        # scripts/bench_encode.py measures both layouts.
+        self.layout = torch.channels_last if config.compile else torch.contiguous_format
+        self.vae = load_vae(config.source("vae"), dtype=self.dtype).to(device, memory_format=self.layout)
         self.text_encoder = load_text_encoder(config.source("text_encoder"), dtype=self.dtype).to(device)
         self.tokenizer = load_tokenizer(config.source("tokenizer"))
         self.encode_images = self._encode_images
@@ -526,31 +625,76 @@ def record_path(output: Path, shard: str) -> Path:
     return output / (shard.removesuffix(".tar") + RECORD_SUFFIX)
 
 
-def shard_complete(output: Path, shard: Path, settings: dict) -> bool:
+def shard_complete(output: Path, shard: Path, settings: dict, samples: int) -> bool:
     """Output tar and record exist, the record matches this run's settings and the input's sample count."""
-    record_file = record_path(output, shard.name)
-    if not (output / shard.name).exists() or not record_file.exists():
+    record_file = record_path(output, output_name(shard))
+    if not (output / output_name(shard)).exists() or not record_file.exists():
         return False
     record = read_json(record_file)
     refuse_other_settings(record_file, record["settings"], settings, "encoded", RERUN_REMEDY)
-    return record["samples_in"] == count_samples(shard)
+    return record["samples_in"] == samples
+
+
+def write_plan(output: Path, shards: Sequence[Path]) -> None:
+    """The run's full list of output shards; every rank writes the same list, so any rename wins whole."""
+    write_json(output / PLAN, {"shards": sorted(output_name(shard) for shard in shards)}, shared=True)
+
+
+def latent_status(output: Path) -> dict:
+    """The folder's manifest, derived from what is on disk: the plan and the per-shard records.
+
+    manifest.json is only a cache of this: ranks rewrite it concurrently, and a rank that merged before
+    another's last record landed can rename its stale merge last. Readers that decide anything (train's
+    "is the encode complete") call this instead.
+    """
+    plan = output / PLAN
+    if plan.is_file():
+        expected = _read_folder_json(plan).get("shards")
+    else:  # written before plan.json existed: its manifest said whether every planned shard was done
+        cached = _read_folder_json(output / MANIFEST) if (output / MANIFEST).is_file() else {}
+        expected = [_read_folder_json(r).get("shard") for r in sorted(output.glob("*" + RECORD_SUFFIX))] \
+            if cached.get("complete") else None
+    try:
+        return merge_records(output, expected)
+    except (KeyError, TypeError) as error:
+        raise LaionkitError(f"{output}: a shard record lacks {error} (not a laionkit encode record); "
+                            "rerun encode") from None
+
+
+def _read_folder_json(path: Path) -> dict:
+    """A record, plan or manifest of a latent folder, or a one-line error naming the damaged file."""
+    try:
+        found = read_json(path)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise LaionkitError(f"{path} cannot be read as JSON ({error}): rerun encode") from None
+    if not isinstance(found, dict):
+        raise LaionkitError(f"{path} is not a JSON object: rerun encode")
+    return found
+
+
+def update_manifest(output: Path) -> dict:
+    manifest = latent_status(output)
+    write_json(output / MANIFEST, manifest, shared=True)
+    return manifest
 
 
 def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
     """The folder manifest as the merge of every shard record present (no coordinator needed)."""
-    records = [read_json(path) for path in sorted(output.glob("*" + RECORD_SUFFIX))]
+    records = [_read_folder_json(path) for path in sorted(output.glob("*" + RECORD_SUFFIX))]
     if not records:
-        raise LaionkitError(f"no encode records (*{RECORD_SUFFIX}) in {output}")
+        raise LaionkitError(f"no encode records (*{RECORD_SUFFIX}) in {output}: is it an encode output folder?")
     settings = records[0]["settings"]
     skips: Counter = Counter()
     sizes: Counter = Counter()
     for record in records:
         skips.update(record["skipped"])
         sizes.update(record["sizes"])
-    done = sorted(record["shard"] for record in records)
+    done = sorted(record["shard"] for record in records if (output / record["shard"]).is_file())
     manifest = {
         "format": FORMAT,
         **settings,
+        # Where the models were loaded from (settings keep only their content, the file hashes).
+        "models": records[-1].get("models", settings["models"]),
         "stored_dtype": "float16",
         "empty_caption": EMPTY_CAPTION,
         "shards": {"done": len(done), "expected": len(expected) if expected is not None else None,
@@ -572,7 +716,7 @@ def summarize(folder: Path):
     from rich.console import Group
     from rich.table import Table
 
-    manifest = merge_records(folder)
+    manifest = latent_status(folder)
     overview = Table(title=f"encode: {folder}", show_header=False)
     overview.add_row("shards", str(manifest["shards"]["done"]))
     counts = manifest["counts"]
@@ -607,11 +751,21 @@ def _device(config: EncodeConfig, rank: Rank):
     return torch.device("cpu")
 
 
-def _settings(config: EncodeConfig, encoders: Encoders, buckets) -> dict:
-    """What every shard of one folder must share; a rerun with other settings is refused."""
+def _models(config: EncodeConfig) -> dict:
+    return {component: fingerprint(config.source(component), component)
+            for component in ("vae", "text_encoder", "tokenizer")}
+
+
+def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -> dict:
+    """What every shard of one folder must share; a rerun with other settings is refused.
+
+    Models count by content (their files' sha256), not by the path they were reached through: the same
+    folder via a symlink, a copy or a hub cache is the same model. Without hashes (a hub id not in the
+    cache), the source string is all there is to compare.
+    """
     return {
-        "models": {component: fingerprint(config.source(component), component)
-                   for component in ("vae", "text_encoder", "tokenizer")},
+        "models": {component: {"files": model["files"]} if model.get("files") else {"source": model["source"]}
+                   for component, model in models.items()},
         **encoders.facts(),
         "resolution": config.resolution,
         "buckets": [list(size) for size in buckets] if buckets else None,
@@ -626,7 +780,9 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     """
 
     rank = resolve_rank(config.rank, config.world_size)
-    shards = find_shards(config.shards)
+    inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None))
+    shards = list(inputs)
+    refuse_overlap([*config.shards, *shards], config.output, "encode")
     if config.quiet:
         import diffusers.utils.logging
         import transformers.utils.logging
@@ -641,16 +797,21 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     if gpu_decode and device.type != "cuda":
         raise LaionkitError("--decode gpu needs a CUDA device")
     buckets = bucket_sizes(config.resolution) if config.buckets else None
-    settings = _settings(config, encoders, buckets)
+    models = _models(config)
+    settings = _settings(config, models, encoders, buckets)
     for record_file in sorted(config.output.glob("*" + RECORD_SUFFIX)):
         refuse_other_settings(record_file, read_json(record_file)["settings"], settings, "encoded", RERUN_REMEDY)
+    write_plan(config.output, shards)
     empty_path = config.output / EMPTY_CAPTION
     if not empty_path.exists():
         with atomic_output(empty_path, shared=True) as tmp:
             tmp.write_bytes(npy_bytes(encoders.empty_caption()))
 
     mine = split(shards, rank)
-    todo = [shard for shard in mine if not shard_complete(config.output, shard, settings)]
+    counts = {shard: count_samples(shard) for shard in mine}
+    for shard in mine:
+        check_count(shard, inputs[shard], counts[shard])
+    todo = [shard for shard in mine if not shard_complete(config.output, shard, settings, counts[shard])]
     if not config.quiet:
         log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
             f"device {device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
@@ -658,15 +819,24 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0,
                "decoded": {}, "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
     if todo:
-        total = sum(count_samples(shard) for shard in todo)
-        progress = tqdm(total=total, desc=f"encode rank {rank.rank}", unit="img", disable=config.quiet)
+        progress = tqdm(total=sum(counts[shard] for shard in todo), desc=f"encode rank {rank.rank}", unit="img",
+                        disable=config.quiet)
         with progress:
-            summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, progress))
-    write_json(config.output / MANIFEST, merge_records(config.output, [s.name for s in shards]), shared=True)
+            summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank,
+                                          progress))
+    manifest = update_manifest(config.output)
+    if manifest["complete"] and not manifest["counts"]["samples_out"]:
+        raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
+                            f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
+                            "are these image shards?")
     return summary
 
 
-def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, progress) -> dict:
+def _reasons(skips: dict) -> str:
+    return ", ".join(f"{reason}: {count}" for reason, count in skips.items()) or "no samples in the tars"
+
+
+def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress) -> dict:
     device = encoders.device
     on_cuda = device.type == "cuda"
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode)
@@ -688,15 +858,15 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, 
                 yield item
                 continue
             if prep_stream is None:
-                yield _gpu_batch(item, device, encoders.dtype), None
+                yield _gpu_batch(item, device, encoders.dtype, config.compile), None
                 continue
             with torch.cuda.stream(prep_stream):
-                batch = _gpu_batch(item, device, encoders.dtype)
+                batch = _gpu_batch(item, device, encoders.dtype, config.compile)
                 ready = torch.cuda.Event()
                 ready.record(prep_stream)
             yield batch, ready
 
-    writer = _Writer(config.output, settings, rank, progress)
+    writer = _Writer(config.output, settings, models, rank, progress)
     started = None
     try:
         with torch.inference_mode():
@@ -724,7 +894,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, rank, 
 def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
     """Compile for the one batch shape before the loader starts, so compile time is not encode time."""
     pixels = torch.zeros((config.batch_size, 3, config.resolution, config.resolution), device=encoders.device,
-                         dtype=encoders.dtype).contiguous(memory_format=torch.channels_last)
+                         dtype=encoders.dtype).contiguous(memory_format=encoders.layout)
     ids = torch.zeros((config.batch_size, encoders.tokenizer.model_max_length), dtype=torch.long,
                       device=encoders.device)
     encoders.encode_images(pixels)
@@ -739,7 +909,7 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
         # One shape per compiled graph: pad the shard's last batch and drop the padding after.
         pad = config.batch_size - count
         pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=encoders.layout)
         input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
     moments = text = None
     if count:
@@ -759,9 +929,10 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
 class _Writer:
     """The writer thread: host copies land, samples go into their shard's tar, finished shards are renamed."""
 
-    def __init__(self, output: Path, settings: dict, rank: Rank, progress) -> None:
+    def __init__(self, output: Path, settings: dict, models: dict, rank: Rank, progress) -> None:
         self.output = output
         self.settings = settings
+        self.models = models
         self.rank = rank
         self.progress = progress
         self.open: dict[str, ShardOutput] = {}
@@ -836,6 +1007,7 @@ class _Writer:
             "samples_out": shard.samples, "truncated": shard.truncated,
             "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
             "sizes": dict(shard.sizes), "seconds": round(seconds, 3), "settings": self.settings,
+            "models": self.models,
         }
         write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples

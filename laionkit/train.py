@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from laionkit.common import (
     LaionkitError,
     atomic_output,
-    read_json,
     refuse_other_settings,
     refuse_overlap,
     resolve_rank,
@@ -183,7 +182,12 @@ def open_latents(latents: Path) -> LatentSet:
     manifest_path = latents / "manifest.json"
     if not manifest_path.is_file():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
-    manifest = _read_record(manifest_path)
+    from laionkit.encode import RECORD_SUFFIX, latent_status
+
+    if any(latents.glob("*" + RECORD_SUFFIX)):
+        manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
+    else:
+        manifest = _read_record(manifest_path)  # a folder assembled by hand: its manifest is all there is
     try:
         vae = manifest["vae"]
         scaling_factor = float(vae["scaling_factor"])

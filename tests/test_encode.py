@@ -18,7 +18,9 @@ import torch
 import webdataset as wds
 from conftest import run_cli
 from fixtures import CAPTIONS, write_image_shards
+from PIL import Image
 
+import laionkit.encode as encode_stage
 from laionkit.common import LaionkitError
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
 from laionkit.encode import (
@@ -84,22 +86,112 @@ def test_nearest_bucket_and_center_crop(width, height):
     assert target_size(width, height, 256, None) == (256, 256)
 
 
+def random_sizes(count: int, seed: int) -> list[tuple[int, int]]:
+    """Web photo sizes: sides 257-2000 px, any aspect, plus the sizes whose rounding once broke the crop."""
+    rng = np.random.default_rng(seed)
+    sizes = [(257, 2000), (2000, 257), (513, 1999), (1031, 777), (259, 1283)]
+    return sizes + [tuple(int(side) for side in rng.integers(257, 2001, size=2)) for _ in range(count - len(sizes))]
+
+
+def test_crop_boxes_fit_every_decode_of_500_web_sizes():
+    """Pure geometry of both decode paths. The CPU path resizes from a JPEG decoded at 1/1..1/8 (PIL
+    draft: ceil(side / s) pixels); the GPU path slices the crop out of the full-size nvjpeg decode."""
+    all_buckets = {resolution: bucket_sizes(resolution) for resolution in (64, 256, 512, 1024)}
+    for width, height in random_sizes(500, seed=1):
+        full = np.broadcast_to(np.zeros((), np.uint8), (height, width))  # a decoded image's shape, no memory
+        for resolution, sizes in all_buckets.items():
+            for buckets in (None, sizes):
+                size = target_size(width, height, resolution, buckets)
+                box = center_crop_box(width, height, *size)
+                left, top, crop_width, crop_height = box
+                assert 0 <= left and 0 <= top and left + crop_width <= width and top + crop_height <= height
+                assert abs(crop_width / crop_height - size[0] / size[1]) < 0.02 or min(crop_width, crop_height) < 64
+                assert full[top : top + crop_height, left : left + crop_width].shape == (crop_height, crop_width)
+                for factor in (1, 2, 4, 8):
+                    scaled = encode_stage.drafted_box(box, (1 / factor, 1 / factor))
+                    assert 0 <= scaled[0] < scaled[2] <= math.ceil(width / factor)
+                    assert 0 <= scaled[1] < scaled[3] <= math.ceil(height / factor)
+
+
+def smooth_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A photo-like JPEG (smooth colour fields): compression artefacts stay small next to the content."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, size=(6, 6, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    coarse.resize((width, height), Image.Resampling.BICUBIC).save(buffer, format="JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def full_decode(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
+    """The reference: plain PIL, full-size decode, crop, bicubic resize."""
+    left, top, crop_width, crop_height = box
+    image = Image.open(io.BytesIO(data)).convert("RGB").crop((left, top, left + crop_width, top + crop_height))
+    return np.asarray(image.resize(size, Image.Resampling.BICUBIC), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def web_jpegs(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    shard = tmp_path_factory.mktemp("web") / "00000.tar"
+    images = {f"{index:09d}": smooth_jpeg(width, height, index)
+              for index, (width, height) in enumerate(random_sizes(32, seed=2))}
+    with wds.TarWriter(str(shard)) as sink:
+        for key, data in images.items():
+            sink.write({"__key__": key, "jpg": data, "txt": "a photo"})
+    return shard, images
+
+
+@pytest.mark.parametrize("resolution, buckets", [(256, False), (256, True), (512, False)])
+def test_shrunk_jpegs_are_never_skipped_and_match_a_full_decode(web_jpegs, tiny_models, resolution, buckets):
+    shard, images = web_jpegs
+    tokenizer = load_tokenizer(str(tiny_models))
+    sizes = bucket_sizes(resolution) if buckets else None
+    for gpu_decode in (False, True):  # True: the nvjpeg path's code, with torchvision's CPU decoder
+        items = list(ShardBatches([shard], tokenizer, resolution, sizes, 8, gpu_decode).shard_batches(shard))
+        done = items.pop()
+        assert done.samples_in == len(images) and done.skips == []
+        seen = 0
+        for batch in items:
+            pixels = _gpu_batch(batch, torch.device("cpu"), torch.float32)["pixels"]
+            assert batch.get("skips", []) == []
+            for key, record, image in zip(batch["keys"], batch["records"], pixels):
+                got = ((image.permute(1, 2, 0) + 1) * 127.5).numpy()
+                expected = full_decode(images[key], tuple(record["size"]), tuple(record["crop"]))
+                assert got.shape == expected.shape
+                # Reduced-DCT decodes and antialiased bicubic differ from a full decode by a few levels.
+                assert np.abs(got - expected).mean() < 3.0, (key, record["image_size"], record["size"])
+                seen += 1
+        assert seen == len(images)
+
+
 # --- outputs -------------------------------------------------------------------------------------
 
-def test_round_trip_decodes_to_an_image_of_the_right_size(latent_shards, tiny_models):
+def test_stored_moments_equal_a_plain_diffusers_encode(latent_shards, tiny_models, realdata):
+    """Each stored posterior is diffusers' own vae.encode of the photo, preprocessed by hand with PIL + numpy:
+    the largest centred square, bicubic to 64 px, [-1, 1]. Like encode, a JPEG whose square is >= 2x the
+    output is decoded at PIL's reduced DCT scale (draft) first; the others are decoded at full size."""
     vae = load_vae(str(tiny_models))
-    manifest = json.loads((latent_shards / "manifest.json").read_text())
-    samples = read_shard(latent_shards / "00000.tar")
-    moments = torch.from_numpy(samples[0]["moments"]).float()[None]
-    assert moments.shape == (1, 8, 8, 8)  # 2 x 4 channels, 64 px / 8
-    mean = moments[:, : manifest["vae"]["latent_channels"]]
-    image = vae.decode(mean).sample
-    assert image.shape == (1, 3, 64, 64)
-    # The stored mean is the VAE's own posterior of the photo: encoding the decoded image lands near it.
-    assert torch.isfinite(image).all()
+    stored = {s["json"]["source"]["url"].rsplit("/", 1)[1]: s for shard in ("00000.tar", "00001.tar")
+              for s in read_shard(latent_shards / shard)}
+    expected = {}
+    for name in ("123_456.jpg", "321_421.jpg", "389_535.jpg", "416_264.jpg", "456_123.jpg", "original.png"):
+        image = Image.open(realdata / "images" / name)
+        width, height = image.size
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        image.draft("RGB", (math.ceil(width * 64 / side), math.ceil(height * 64 / side)))
+        scale = 1 / 2 ** round(math.log2(width / image.width))  # JPEG decodes at 1/1, 1/2, 1/4 or 1/8
+        box = (left * scale, top * scale, (left + side) * scale, (top + side) * scale)
+        image = image.convert("RGB").resize((64, 64), Image.Resampling.BICUBIC, box=box)
+        pixels = torch.from_numpy(np.asarray(image, np.float32) / 127.5 - 1).permute(2, 0, 1)[None]
+        with torch.no_grad():
+            expected[name] = vae.encode(pixels).latent_dist.parameters[0].numpy()
+    for name, moments in expected.items():
+        np.testing.assert_allclose(stored[name]["moments"].astype(np.float32), moments, atol=2e-3, rtol=1e-2,
+                                   err_msg=name)  # float16 storage
 
 
-def test_lineage_keys_and_sample_fields(latent_shards, image_shards):
+def test_lineage_keys_and_sample_fields(latent_shards, image_shards, tiny_models):
+    tokenizer = load_tokenizer(str(tiny_models))
     assert sorted(p.name for p in latent_shards.glob("*.tar")) == ["00000.tar", "00001.tar"]
     captions = set(CAPTIONS.values())
     for shard in ("00000.tar", "00001.tar"):
@@ -111,12 +203,13 @@ def test_lineage_keys_and_sample_fields(latent_shards, image_shards):
             assert sample["text"].dtype == np.float16 and sample["text"].shape == (77, 32)
             assert record["caption"] in captions and record["size"] == [64, 64] and record["bucket"] is None
             assert record["source"]["key"] == sample["key"] and "aesthetic" in record["source"]  # scores survive
-            width, height = record["original_size"]
+            width, height = record["image_size"]
             assert record["source"]["width"] == width and record["source"]["height"] == height
             left, top, crop_width, crop_height = record["crop"]
             assert crop_width == crop_height == min(width, height)
+            assert record["target_size"] == [64, 64]
             assert record["truncated"] == (record["caption"] == CAPTIONS["416_264.jpg"])
-            assert record["num_tokens"] == (77 if record["truncated"] else record["num_tokens"])
+            assert record["num_tokens"] == min(77, len(tokenizer(record["caption"]).input_ids))
 
 
 def test_manifest_carries_what_training_needs(latent_shards, tiny_models):
@@ -273,3 +366,194 @@ def test_bytes_path_decode_matches_cpu_decode(image_shards, tiny_models):
 def test_help_has_examples():
     result = run_cli("encode", "--help")
     assert "Examples" in result.stdout and "--buckets" in result.stdout
+
+
+# --- inputs from pack and from peer tools ----------------------------------------------------------
+
+def pack_folder(folder: Path, realdata: Path, records: bool = True) -> Path:
+    """pack's layout: the fixture tars plus each shard's done record <shard>_stats.json (successes = samples)."""
+    write_image_shards(realdata / "images", folder)
+    if records:
+        for tar in sorted(folder.glob("*.tar")):
+            (folder / f"{tar.stem}_stats.json").write_text(json.dumps({"count": 4, "successes": 4}))
+    return folder
+
+
+def test_output_that_is_the_input_folder_is_refused(tmp_path, realdata, tiny_models):
+    inputs = pack_folder(tmp_path / "good", realdata)
+    before = tar_bytes(inputs)
+    for output in (inputs, inputs / "latents"):
+        with pytest.raises(LaionkitError, match="outputs never overwrite inputs"):
+            encode(inputs, output, tiny_models)
+    assert tar_bytes(inputs) == before
+
+
+def test_tar_cut_at_a_member_boundary_is_refused(tmp_path, realdata, tiny_models):
+    import tarfile
+
+    inputs = pack_folder(tmp_path / "in", realdata)
+    shard = inputs / "00001.tar"
+    with tarfile.open(shard) as tar:
+        third = [member for member in tar if member.name.startswith("000010002")][0]
+    with open(shard, "r+b") as handle:  # cut where sample 3's first header starts: 2 whole samples remain
+        handle.truncate(third.offset)
+    with pytest.raises(LaionkitError, match=r"00001.tar holds 2 samples but its done record 00001_stats.json says 4"):
+        encode(inputs, tmp_path / "out", tiny_models)
+
+
+def test_unfinished_pack_shard_waits_for_its_done_record(tmp_path, realdata, tiny_models):
+    inputs = pack_folder(tmp_path / "in", realdata)
+    (inputs / "00001_stats.json").unlink()  # pack renamed the tar but has not written its record yet
+    lines = []
+    summary = run(EncodeConfig(shards=(str(inputs),), output=tmp_path / "out", model=str(tiny_models),
+                               resolution=64, batch_size=4, workers=0, quiet=True), log=lines.append)
+    assert summary["shards"] == 1 and sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["00000.tar"]
+    assert [line for line in lines if "without a done record" in line and "00001.tar" in line]
+    (inputs / "00001_stats.json").write_text(json.dumps({"count": 4, "successes": 4}))  # pack finishes
+    assert encode(inputs, tmp_path / "out", tiny_models)["shards"] == 1
+    assert encode_stage.latent_status(tmp_path / "out")["complete"]
+
+
+def test_plain_webdataset_folder_is_taken_whole_and_said_once(tmp_path, image_shards, tiny_models):
+    lines = []
+    run(EncodeConfig(shards=(str(image_shards),), output=tmp_path / "out", model=str(tiny_models),
+                     resolution=64, batch_size=4, workers=0, quiet=True), log=lines.append)
+    assert len([line for line in lines if "plain webdataset" in line]) == 1
+    assert encode_stage.latent_status(tmp_path / "out")["counts"]["samples_out"] == 8
+
+
+def test_true_original_size_and_sdxl_crop_coordinates(tmp_path, realdata, tiny_models):
+    """pack resized the photo: the json's original_width/height is the photo, the tar holds a smaller image."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    with wds.TarWriter(str(inputs / "00000.tar")) as sink:
+        for index, name in enumerate(("123_456.jpg", "524_316.jpg")):
+            data = (realdata / "images" / name).read_bytes()
+            width, height = Image.open(io.BytesIO(data)).size
+            meta = {"original_width": width * 3, "original_height": height * 3, "width": width, "height": height}
+            sink.write({"__key__": f"{index:09d}", "jpg": data, "txt": name, "json": json.dumps(meta)})
+    encode(inputs, tmp_path / "out", tiny_models, resolution=64)
+    for sample in read_shard(tmp_path / "out" / "00000.tar"):
+        record = sample["json"]
+        width, height = record["image_size"]
+        assert record["original_size"] == [width * 3, height * 3] and record["target_size"] == [64, 64]
+        # diffusers' SDXL script: Resize(short side = 64), then a centre crop at round((side - 64) / 2).
+        resized = (64, round(height * 64 / width)) if width < height else (round(width * 64 / height), 64)
+        top, left = (round((side - 64) / 2) for side in (resized[1], resized[0]))
+        assert record["crop_top_left"] == [top, left] and max(top, left) > 0
+
+
+def _raw_tar(path: Path, members: dict[str, bytes], mode: str = "w") -> None:
+    import tarfile
+
+    with tarfile.open(path, mode) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_peer_tool_tars_read_as_webdataset_reads_them(tmp_path, realdata, tiny_models):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    photos = [(realdata / "images" / name).read_bytes() for name in ("123_456.jpg", "321_421.jpg", "389_535.jpg")]
+    members = {f"./{index:09d}.{ext}": data for index, photo in enumerate(photos)
+               for ext, data in (("jpg", photo), ("txt", b"a photo"))}
+    _raw_tar(inputs / "00000.tar", members)  # GNU tar's `tar -cf x.tar .` names: ./key.ext
+    _raw_tar(inputs / "00001.tar.gz", members, "w:gz")
+    _raw_tar(inputs / "00002.tgz", {name.replace("./", ""): data for name, data in members.items()}, "w:gz")
+    summary = encode(inputs, tmp_path / "out", tiny_models)
+    assert summary["shards"] == 3 and summary["samples_out"] == 9
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["00000.tar", "00001.tar", "00002.tar"]
+    assert len(read_shard(tmp_path / "out" / "00001.tar")) == 3
+    assert encode(inputs, tmp_path / "out", tiny_models)["shards"] == 0  # a rerun finds them complete
+
+
+def test_shards_without_images_are_an_error_that_says_why(tmp_path, tiny_models):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    _raw_tar(inputs / "00000.tar", {f"{index:09d}.txt": b"caption only" for index in range(3)})
+    with pytest.raises(LaionkitError, match=r"wrote no sample: 3 read .*no_image: 3"):
+        encode(inputs, tmp_path / "out", tiny_models)
+
+
+# --- manifest races and lineage -------------------------------------------------------------------
+
+def test_train_trusts_the_records_not_a_stale_manifest(tmp_path, latent_shards):
+    """The end state of the race: all records landed, but the last manifest rename was a stale merge."""
+    from laionkit.train import open_latents
+
+    folder = tmp_path / "latents"
+    shutil.copytree(latent_shards, folder)
+    (folder / "00001.stats.json").rename(tmp_path / "00001.stats.json")
+    stale = encode_stage.merge_records(folder, ["00000.tar", "00001.tar"])  # merged before 00001's record landed
+    (folder / "manifest.json").write_text(json.dumps(stale))
+    (tmp_path / "00001.stats.json").rename(folder / "00001.stats.json")
+    assert not stale["complete"]
+    data = open_latents(folder)
+    assert data.samples == 8 and len(data.shards) == 2
+
+
+def _finish_rank(folder: str, name: str, record: str, barrier) -> None:
+    barrier.wait()
+    Path(folder, name).write_text(record)  # the rank's last record lands...
+    encode_stage.update_manifest(Path(folder))  # ...and it rewrites the folder manifest
+
+
+def test_ranks_finishing_together_leave_a_complete_folder(tmp_path, latent_shards):
+    """Four real processes finish their shard at the same moment, twelve times over."""
+    import multiprocessing
+
+    from laionkit.train import open_latents
+
+    folder = tmp_path / "latents"
+    shutil.copytree(latent_shards, folder)
+    template = {name: (folder / f"0000{name[-1]}.tar").read_bytes() for name in ("00000", "00001")}
+    records = {}
+    for index in range(4):
+        source = json.loads((folder / f"0000{index % 2}.stats.json").read_text())
+        records[f"{index:05d}.stats.json"] = json.dumps({**source, "shard": f"{index:05d}.tar"})
+        (folder / f"{index:05d}.tar").write_bytes(template[f"0000{index % 2}"])
+    encode_stage.write_plan(folder, [Path(f"{index:05d}.tar") for index in range(4)])
+    context = multiprocessing.get_context("fork")
+    for _ in range(12):
+        for name in records:
+            (folder / name).unlink(missing_ok=True)
+        barrier = context.Barrier(4)
+        ranks = [context.Process(target=_finish_rank, args=(str(folder), name, record, barrier))
+                 for name, record in records.items()]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(60)
+            assert process.exitcode == 0
+        status = encode_stage.latent_status(folder)
+        assert status["complete"] and status["counts"]["samples_out"] == 16
+        assert open_latents(folder).samples == 16
+
+
+def test_same_model_through_a_symlink_or_a_copy_resumes(tmp_path, image_shards, tiny_models, latent_shards):
+    shutil.copytree(latent_shards, tmp_path / "out")
+    (tmp_path / "link").symlink_to(tiny_models)
+    shutil.copytree(tiny_models, tmp_path / "copy")
+    for models in (tmp_path / "link", tmp_path / "copy"):
+        assert encode(image_shards, tmp_path / "out", models)["shards"] == 0
+    config = tmp_path / "copy" / "vae" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()), indent=1))  # same model, other bytes
+    with pytest.raises(LaionkitError, match="with other models"):
+        encode(image_shards, tmp_path / "out", tmp_path / "copy")
+
+
+def test_eager_encode_is_contiguous_compiled_is_channels_last(image_shards, tiny_models):
+    tokenizer = load_tokenizer(str(tiny_models))
+    shard = image_shards / "00000.tar"
+    batch = next(ShardBatches([shard], tokenizer, 64, None, 4, gpu_decode=False).shard_batches(shard))
+    for compiled in (False, True):
+        config = EncodeConfig(shards=(str(shard),), output=Path("unused"), model=str(tiny_models),
+                              resolution=64, compile=compiled)
+        encoders = encode_stage.Encoders(config, torch.device("cpu"))
+        layout = torch.channels_last if compiled else torch.contiguous_format
+        weight = encoders.vae.encoder.conv_in.weight
+        pixels = _gpu_batch(dict(batch), torch.device("cpu"), torch.float32, compiled)["pixels"]
+        assert weight.is_contiguous(memory_format=layout) and pixels.is_contiguous(memory_format=layout)
+        assert compiled == (not pixels.is_contiguous())
