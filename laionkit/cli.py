@@ -25,11 +25,13 @@ err_console = Console(stderr=True)
 
 # Options every rank-sharded command shares; resolved by laionkit.common.ranks.resolve_rank.
 RankOption = Annotated[
-    Optional[int], typer.Option("--rank", help="This process's rank (default: RANK, SLURM_PROCID, else 0).")
+    Optional[int],
+    typer.Option("--rank", help="This process's rank (default: RANK, the Slurm array task's, SLURM_PROCID, else 0)."),
 ]
 WorldSizeOption = Annotated[
     Optional[int],
-    typer.Option("--world-size", help="Number of processes (default: WORLD_SIZE, SLURM_NTASKS, else 1)."),
+    typer.Option("--world-size", help="Number of processes (default: WORLD_SIZE, the Slurm array's size, "
+                 "SLURM_NTASKS, else 1). Alone in a Slurm array task: the task id is the rank."),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
