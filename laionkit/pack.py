@@ -471,7 +471,7 @@ def run(config: PackConfig) -> dict:
             check_done_record(record_path, task, options)
         else:
             todo.append(task)
-    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True)
+    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True, markup=False, emoji=False)  # paths are data
     console.print(
         f"pack: rank {rank.rank}/{rank.world_size} ({rank.source}), {len(files)} input files, "
         f"{len(tasks)} shards, {len(mine)} mine, {len(todo)} to do -> {config.output}", highlight=False
