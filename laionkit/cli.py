@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from laionkit import __version__
 from laionkit.common import LaionkitError, available_cpus
@@ -21,15 +22,19 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     pretty_exceptions_enable=False,
 )
-err_console = Console(stderr=True)
+# User text (paths, model names, SQL, error messages) is printed as data: with markup on, `owner/name[/sub]`
+# raises MarkupError, `[red]` in a path vanishes and `:x:` turns into an emoji. Styled parts use rich.text.Text.
+err_console = Console(stderr=True, markup=False, emoji=False, highlight=False)
 
 # Options every rank-sharded command shares; resolved by laionkit.common.ranks.resolve_rank.
 RankOption = Annotated[
-    Optional[int], typer.Option("--rank", help="This process's rank (default: RANK, SLURM_PROCID, else 0).")
+    Optional[int],
+    typer.Option("--rank", help="This process's rank (default: RANK, the Slurm array task's, SLURM_PROCID, else 0)."),
 ]
 WorldSizeOption = Annotated[
     Optional[int],
-    typer.Option("--world-size", help="Number of processes (default: WORLD_SIZE, SLURM_NTASKS, else 1)."),
+    typer.Option("--world-size", help="Number of processes (default: WORLD_SIZE, the Slurm array's size, "
+                 "SLURM_NTASKS, else 1). Alone in a Slurm array task: the task id is the rank."),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 
@@ -81,7 +86,7 @@ def doctor(
     table = Table("check", "value", "verdict", title="laionkit doctor")
     for row in rows:
         style = "green" if row.verdict.startswith("ok") else "yellow"
-        table.add_row(row.name, row.value, f"[{style}]{row.verdict}[/]")
+        table.add_row(Text(row.name), Text(row.value), Text(row.verdict, style=style))
     Console().print(table)
 
 
@@ -456,7 +461,7 @@ def main() -> None:
     try:
         app()
     except LaionkitError as error:
-        err_console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        err_console.print(Text.assemble(("error:", "bold red"), f" {error}"), soft_wrap=True)
         sys.exit(2)
 
 

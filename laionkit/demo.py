@@ -41,10 +41,11 @@ def write_metadata(path: Path, base_url: str, seed: int = 0) -> int:
         width, height = Image.open(DEMO_DATA / name).size
         rows.append({"URL": f"{base_url}/{name}", "TEXT": caption, "WIDTH": width, "HEIGHT": height,
                      "punsafe": rng.uniform(0, 0.1), "pwatermark": rng.uniform(0, 0.3)})
+    photos = len(rows)
     for index in range(UNSAFE_ROWS):
         rows.append({**rows[index], "punsafe": rng.uniform(0.9, 1.0)})
-    for index in range(WATERMARKED_ROWS):
-        rows.append({**rows[-1 - index], "pwatermark": rng.uniform(0.85, 1.0)})
+    for index in range(WATERMARKED_ROWS):  # copies of safe photo rows, so this rule alone drops them
+        rows.append({**rows[photos - 1 - index], "pwatermark": rng.uniform(0.85, 1.0)})
     rows.append({**rows[0], "URL": f"{base_url}/{MISSING_PATH}", "TEXT": "a photo the server no longer has"})
     table = pa.Table.from_pylist(rows)
     table = table.append_column("similarity", pa.array(rng.uniform(0.28, 0.4, len(rows)), pa.float32()))

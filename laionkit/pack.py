@@ -816,7 +816,7 @@ def run(config: PackConfig) -> dict:
     mine = split(tasks, rank)
     make_output_folder(config.output)
     options = config.options()
-    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True)
+    console = Console(stderr=True, quiet=config.quiet, soft_wrap=True, markup=False, emoji=False)  # paths are data
     todo = []
     for task in mine:
         record_path = config.output / f"{task.name}_stats.json"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from laionkit.common import LaionkitError, read_json
 from laionkit.common.tars import count_samples
@@ -92,11 +93,11 @@ def print_filter_summary(folder: Path, console: Console) -> None:
     status = "complete" if totals["units_done"] == totals["units_total"] else "INCOMPLETE: rerun to finish"
     console.print(f"units: {totals['units_done']} of {totals['units_total']} done ({status})")
     for bad in totals["bad_inputs"]:
-        console.print(f"[yellow]skipped input[/] {bad['path']}: {bad['error']}", highlight=False)
+        console.print(Text.assemble(("skipped input", "yellow"), f" {bad['path']}: {bad['error']}"))
     for bad in totals["bad_units"]:
         first, stop = bad["row_groups"]
-        console.print(f"[yellow]skipped {bad['bad_rows']:,} rows[/] of {bad['input']} "
-                      f"(row groups {first}-{stop - 1}): {bad['bad']}", highlight=False)
+        console.print(Text.assemble((f"skipped {bad['bad_rows']:,} rows", "yellow"),
+                                    f" of {bad['input']} (row groups {first}-{stop - 1}): {bad['bad']}"))
 
 
 def print_shard_summary(folder: Path, console: Console) -> None:
@@ -171,7 +172,8 @@ def run(config: StatsConfig) -> None:
         raise LaionkitError(f"not a folder: {folder}")
     for marker, summarise in SUMMARIES.items():
         if any(folder.glob(marker)):
-            summarise(folder, Console(width=max(Console().width, 120)))
+            # Paths, rule SQL and model sources are data: no markup, emoji codes or highlighting.
+            summarise(folder, Console(width=max(Console().width, 120), markup=False, emoji=False, highlight=False))
             return
     raise LaionkitError(
         f"{folder}: nothing laionkit stats knows how to summarise (looked for {', '.join(SUMMARIES)})"

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from laionkit.common import (
     LaionkitError,
     atomic_output,
+    read_json,
     refuse_other_settings,
     refuse_overlap,
     resolve_rank,

@@ -11,7 +11,7 @@ import webdataset as wds
 from conftest import REPO, run_cli
 from PIL import Image
 
-from laionkit.demo import DEMO_DATA, MISSING_PATH, UNSAFE_ROWS, WATERMARKED_ROWS
+from laionkit.demo import DEMO_DATA, MISSING_PATH, write_metadata
 
 PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))
 
@@ -27,16 +27,31 @@ def test_demo_runs_every_stage_for_real(demo):
     workdir, stdout = demo
     for stage in ("filter", "pack", "encode", "train"):
         assert f"[{stage}] laionkit {stage}" in stdout
-    kept = pq.read_table(sorted((workdir / "filtered").glob("part-*.parquet"))).num_rows
-    assert kept == PHOTOS + 1  # unsafe and watermarked rows dropped; the dead URL is kept
-    assert UNSAFE_ROWS + WATERMARKED_ROWS > 0
+    metadata = pq.read_table(workdir / "metadata.parquet").to_pandas()
+    unsafe, watermarked = metadata.punsafe >= 0.5, metadata.pwatermark >= 0.8
+    assert (unsafe & ~watermarked).any() and (watermarked & ~unsafe).any()  # each rule alone drops rows
+    expected = metadata[~unsafe & ~watermarked & (metadata.TEXT.str.len() >= 10)
+                        & (metadata.WIDTH >= 64) & (metadata.HEIGHT >= 64)]
+    kept = pq.read_table(sorted((workdir / "filtered").glob("part-*.parquet"))).to_pandas()
+    assert kept.URL.tolist() == expected.URL.tolist() and len(kept) == PHOTOS + 1
+    assert [u for u in kept.URL if u.endswith("/" + MISSING_PATH)]  # the dead URL passes the filter...
     manifest = json.loads((workdir / "shards" / "manifest.json").read_text())
-    assert manifest["samples"] == PHOTOS and manifest["failures"] == {"http 404": 1}
+    assert manifest["samples"] == PHOTOS and manifest["failures"] == {"http 404": 1}  # ...and fails pack
     shards = [str(path) for path in sorted((workdir / "shards").glob("*.tar"))]
     assert sum(1 for _ in wds.WebDataset(shards, shardshuffle=False)) == PHOTOS
     latents = json.loads((workdir / "latents" / "manifest.json").read_text())
     assert latents["counts"]["samples_out"] == PHOTOS
     assert "http 404" in stdout and "== laionkit stats" in stdout
+
+
+def test_demo_metadata_has_rows_that_each_safety_rule_alone_drops(tmp_path):
+    """Otherwise the demo could not show a broken rule: its output would not change."""
+    rows = write_metadata(tmp_path / "metadata.parquet", "http://127.0.0.1:9")
+    metadata = pq.read_table(tmp_path / "metadata.parquet").to_pandas()
+    unsafe, watermarked = metadata.punsafe >= 0.5, metadata.pwatermark >= 0.8
+    assert len(metadata) == rows
+    assert (unsafe & ~watermarked).sum() > 0 and (watermarked & ~unsafe).sum() > 0, metadata
+    assert metadata.URL.str.endswith("/" + MISSING_PATH).sum() == 1
 
 
 def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
@@ -52,7 +67,6 @@ def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
         with Image.open(workdir / picture) as image:
             assert image.format == "PNG" and min(image.size) >= 64
     assert str(workdir / "samples.png") in stdout and str(workdir / "training.png") in stdout
-    assert MISSING_PATH not in {path.name for path in DEMO_DATA.iterdir()}
 
 
 def test_run_skips_stages_already_complete(demo):

@@ -10,6 +10,7 @@ from conftest import run_cli
 
 from laionkit.common import LaionkitError
 from laionkit.common.models import (
+    COMPONENTS,
     PRESETS,
     fingerprint,
     load_scheduler,
@@ -55,8 +56,14 @@ def test_folder_without_the_component_is_refused(tmp_path):
         resolve_source(str(tmp_path), "vae")
 
 
-def test_presets_are_the_sd_families():
-    assert set(PRESETS) == {"sd15", "sd2"}
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_every_preset_resolves_every_component_and_a_typo_lists_them(component):
+    for name, preset in PRESETS.items():
+        where = resolve_source(name, component)
+        assert (where.location, where.subfolder, where.local) == (preset.repo, component, False)
+    with pytest.raises(LaionkitError) as error:
+        resolve_source("sd51", component)
+    assert f"not a preset ({', '.join(PRESETS)})" in str(error.value)
 
 
 def test_tiny_tokenizer_is_openai_clip(tiny_models):

@@ -4,6 +4,10 @@ Every stage splits an ordered list of work units (parquet row groups, tar shards
 any number of processes started by torchrun, accelerate, Slurm or by hand cover the input exactly
 once with no coordinator. Invariant: for every world size W, the union over r < W of
 ``split(units, Rank(r, W))`` is ``units``, and the slices are pairwise disjoint.
+
+Where the rank comes from, first match wins: --rank/--world-size; RANK/WORLD_SIZE (torchrun,
+accelerate); a Slurm array task's SLURM_ARRAY_TASK_* (see _slurm_array_rank); SLURM_PROCID/SLURM_NTASKS
+(srun tasks); else rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -16,13 +20,6 @@ from typing import TypeVar
 from laionkit.common.errors import LaionkitError
 
 T = TypeVar("T")
-
-# Checked in order; the first pair present wins. torchrun and accelerate both export RANK/WORLD_SIZE.
-ENV_SOURCES = (
-    ("torch", "RANK", "WORLD_SIZE"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
-)
-
 
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity: what Slurm's --cpus-per-task or taskset allow), not the
@@ -58,18 +55,67 @@ def _parse_int(value: str, name: str) -> int:
         raise LaionkitError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in env:
+        if default is None:
+            raise LaionkitError(f"environment variable {name} is not set (a Slurm array task sets it)")
+        return default
+    return _parse_int(env[name], name)
+
+
+def _slurm_array_rank(env: Mapping[str, str], world_size: int | None) -> Rank:
+    """A Slurm array task's rank. Array tasks are separate jobs, so the array variables, not
+    SLURM_PROCID/SLURM_NTASKS (0/1 in every task), say which slice is whose.
+
+    Whole array (no flags): rank = (ID - MIN) / STEP of COUNT, so 0-31 and 100-130:10 both work.
+    A task resubmitted alone (``--array=17``) has MIN = MAX = ID and COUNT = 1, which says nothing about
+    the original array; it must be given the original ``--world-size N``, and then the task id *is* the
+    rank. A one-task array without it is refused, not run as rank 0 of 1 (the whole input).
+    Several srun tasks inside one array task (``--ntasks``) split that task's slice further:
+    rank = array_rank * SLURM_NTASKS + SLURM_PROCID, world = arrays * SLURM_NTASKS.
+    """
+    task = _env_int(env, "SLURM_ARRAY_TASK_ID")
+    ntasks = _env_int(env, "SLURM_NTASKS", 1)
+    procid = _env_int(env, "SLURM_PROCID", 0)
+    if world_size is not None:
+        return Rank(task * ntasks + procid, world_size, f"slurm array task {task}, --world-size")
+    count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
+    if count == 1:
+        raise LaionkitError(
+            f"Slurm array task {task} is the only task of its array (a resubmit like --array={task}): "
+            "give --world-size N, the number of ranks of the original array, and the task id is the rank"
+        )
+    first = _env_int(env, "SLURM_ARRAY_TASK_MIN")
+    last = _env_int(env, "SLURM_ARRAY_TASK_MAX")
+    step = _env_int(env, "SLURM_ARRAY_TASK_STEP", 1)
+    if step < 1 or last != first + step * (count - 1) or (task - first) % step:
+        raise LaionkitError(
+            f"Slurm array {first}-{last} with step {step} and {count} tasks is not an evenly spaced range: "
+            "give --world-size N of the original array, and the task id is the rank"
+        )
+    array_rank = (task - first) // step
+    return Rank(array_rank * ntasks + procid, count * ntasks, f"slurm array task {task}")
+
+
 def resolve_rank(
     rank: int | None = None, world_size: int | None = None, environ: Mapping[str, str] | None = None
 ) -> Rank:
-    """Flags beat the environment; a half-given pair of flags is refused rather than guessed."""
-    if (rank is None) != (world_size is None):
-        raise LaionkitError("give both --rank and --world-size, or neither")
+    """Flags beat the environment; a half-given pair of flags is refused rather than guessed, except
+    ``--world-size`` alone in a Slurm array task (a resubmitted task keeps its id as its rank)."""
+    env = os.environ if environ is None else environ
+    in_array = "SLURM_ARRAY_TASK_ID" in env
     if rank is not None and world_size is not None:
         return Rank(rank, world_size, "flags")
-    env = os.environ if environ is None else environ
-    for source, rank_var, world_var in ENV_SOURCES:
-        if rank_var in env and world_var in env:
-            return Rank(_parse_int(env[rank_var], rank_var), _parse_int(env[world_var], world_var), source)
+    if rank is not None or (world_size is not None and not in_array):
+        raise LaionkitError(
+            "give both --rank and --world-size, or neither (--world-size alone only in a Slurm array task)"
+        )
+    if "RANK" in env and "WORLD_SIZE" in env and world_size is None:
+        return Rank(_parse_int(env["RANK"], "RANK"), _parse_int(env["WORLD_SIZE"], "WORLD_SIZE"), "torch")
+    if in_array:
+        return _slurm_array_rank(env, world_size)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return Rank(_env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_NTASKS"), "slurm")
     return Rank()
 
 
