@@ -51,10 +51,11 @@ def start_server() -> tuple[subprocess.Popen, str]:
     return server, endpoint
 
 
-def read_whole(url: str, prefetch: int = 0, cache_dir: str | None = None, cache_bytes: int = 0) -> int:
+def read_whole(url: str, prefetch: int = 0, cache_dir: str | None = None, cache_bytes: int = 0,
+               block_size: int = storage.DEFAULT_BLOCK) -> int:
     cache = ReadCache(cache_dir, cache_bytes) if cache_dir else None
     total = 0
-    with storage.open_cached(url, cache, prefetch=prefetch) as handle:
+    with storage.open_cached(url, cache, prefetch=prefetch, block_size=block_size) as handle:
         while block := handle.read(CHUNK):
             total += len(block)
     return total
@@ -88,7 +89,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=20)
     parser.add_argument("--megabytes", type=int, default=50, help="size of each shard")
     parser.add_argument("--readers", type=int, default=4, help="parallel reader processes")
-    parser.add_argument("--prefetch", type=int, default=4, help="blocks (8 MiB) read ahead")
+    parser.add_argument("--prefetch", type=int, default=4, help="blocks read ahead")
+    parser.add_argument("--block-mib", type=int, default=storage.DEFAULT_BLOCK // 2**20,
+                        help="size of each ranged GET (read-ahead block)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-storage"))
     args = parser.parse_args()
 
@@ -125,8 +128,9 @@ def main() -> None:
         ]
         print(f"{args.shards} shards x {args.megabytes} MiB, upload {upload:.1f} s (incl. generating)")
         print("| read path | readers | seconds | MiB/s |\n| --- | --- | --- | --- |")
+        print(f"read blocks of {args.block_mib} MiB")
         for label, readers, kwargs, urls in rows:
-            seconds, total = timed(urls, readers, **kwargs)
+            seconds, total = timed(urls, readers, block_size=args.block_mib * 2**20, **kwargs)
             assert total == args.shards * args.megabytes * 2**20, (label, total)
             print(f"| {label} | {readers} | {seconds:.2f} | {total / 2**20 / seconds:,.0f} |", flush=True)
     finally:

@@ -156,14 +156,17 @@ def test_cache_bounds_its_size_evicts_lru_and_refetches_rewritten_objects(s3, tm
     assert cache.used_bytes() <= 2500
 
 
-def test_duckdb_reads_parquet_from_s3_without_httpfs(s3):
+def test_duckdb_reads_parquet_from_s3_without_httpfs(s3, tmp_path):
     import duckdb
+
+    from laionkit.filter import lock_down
 
     sample = REPO / "laionkit" / "data" / "laion-sample.parquet"
     url = s3.url("meta", "part-0.parquet")
     storage.write_bytes(url, sample.read_bytes())
     connection = duckdb.connect()
     source = storage.register_with_duckdb(connection, Location.parse(url))
+    lock_down(connection, [source], tmp_path)  # filter's sandbox: only the planned inputs are readable
     rows = connection.execute(f"select count(*) from read_parquet('{source}')").fetchone()[0]
     assert rows == duckdb.connect().execute(f"select count(*) from read_parquet('{sample}')").fetchone()[0]
     assert rows > 0
@@ -231,3 +234,35 @@ def test_storage_options_per_protocol(s3):
     assert location.options == s3.storage_options
     storage.write_bytes(location, b"ok")
     assert location.read_bytes() == b"ok"
+
+
+def test_two_ranks_write_one_bucket_and_share_one_cache(s3, tmp_path):
+    """Two real processes, as two ranks of a job: each writes its own shards and both rewrite the shared
+    manifest, then each reads every shard through one cache folder smaller than the data."""
+    code = textwrap.dedent(f"""
+        import sys
+        from laionkit.common import storage
+        from laionkit.common.storage import Location, ReadCache
+        rank = int(sys.argv[1])
+        out = Location.parse({s3.url("out")!r})
+        for shard in range(rank, 6, 2):
+            storage.write_bytes(out / f"{{shard:05d}}.tar", bytes([shard]) * 4000)
+        storage.write_json(out / "manifest.json", {{"shards": 6}}, shared=True)
+        while len(out.list("*.tar")) < 6:
+            pass
+        cache = ReadCache({str(tmp_path / "cache")!r}, max_bytes=10000)
+        for shard in out.list("*.tar"):
+            with cache.open(shard) as handle:
+                assert handle.read() == bytes([int(shard.name[:5])]) * 4000
+    """)
+    env = {**s3.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(rank)], env=env, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    for rank in ranks:
+        assert rank.wait(timeout=120) == 0, rank.stderr.read()
+    out = Location.parse(s3.url("out"))
+    assert [loc.name for loc in out.list()] == [*(f"{i:05d}.tar" for i in range(6)), "manifest.json"]
+    assert out.join("manifest.json").read_json() == {"shards": 6}
+    cache = tmp_path / "cache"
+    assert sum(p.stat().st_size for p in cache.iterdir()) <= 10000
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]

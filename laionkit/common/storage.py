@@ -370,7 +370,7 @@ class PrefetchReader(io.RawIOBase):
     """Sequential reads of a remote file with ``depth`` blocks fetched ahead on a background thread."""
 
     def __init__(self, raw, block_size: int, depth: int, name: str):
-        self.name, self._raw, self._buffer = name, raw, b""
+        self.name, self._raw, self._buffer, self._offset = name, raw, b"", 0
         self._blocks: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(block_size,), daemon=True)
@@ -398,19 +398,24 @@ class PrefetchReader(io.RawIOBase):
         return True
 
     def read(self, size: int = -1) -> bytes:
-        while (size < 0 or len(self._buffer) < size) and self._buffer is not None:
-            block = self._blocks.get()
-            if isinstance(block, BaseException):
-                raise LaionkitError(f"cannot read {self.name}: {_one_line(block)}")
-            if not block:
-                self._blocks.put(block)  # end of file stays visible to the next read
-                break
-            self._buffer += block
-        if size < 0:
-            out, self._buffer = self._buffer, b""
-        else:
-            out, self._buffer = self._buffer[:size], self._buffer[size:]
-        return out
+        # Slices of the current block by offset: re-slicing the remainder on every small read would
+        # copy a whole block per read.
+        parts, wanted = [], size
+        while wanted != 0:
+            if self._offset >= len(self._buffer):
+                block = self._blocks.get()
+                if isinstance(block, BaseException):
+                    raise LaionkitError(f"cannot read {self.name}: {_one_line(block)}")
+                if not block:
+                    self._blocks.put(block)  # end of file stays visible to the next read
+                    break
+                self._buffer, self._offset = block, 0
+            end = len(self._buffer) if wanted < 0 else min(len(self._buffer), self._offset + wanted)
+            parts.append(self._buffer[self._offset:end])
+            if wanted > 0:
+                wanted -= end - self._offset
+            self._offset = end
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def readinto(self, buffer) -> int:
         data = self.read(len(buffer))
@@ -582,13 +587,14 @@ class ReadCache:
         return sum(p.stat().st_size for p in self.folder.iterdir() if not p.name.startswith("."))
 
 
-def open_cached(location: Location | str, cache: ReadCache | None = None, prefetch: int = 0) -> BinaryIO:
+def open_cached(location: Location | str, cache: ReadCache | None = None, prefetch: int = 0,
+                block_size: int = DEFAULT_BLOCK) -> BinaryIO:
     """What train's latent reader calls per shard: through the cache when ``--cache-dir`` is set, else
     streamed with read-ahead."""
     location = Location.parse(location)
     if cache is not None:
         return cache.open(location)
-    return location.open_read(prefetch=prefetch)
+    return location.open_read(block_size=block_size, prefetch=prefetch)
 
 
 def register_with_duckdb(connection, location: Location) -> str:
