@@ -139,7 +139,7 @@ def _errors(what: str, location: Location) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Location:
-    """A file or folder: a local path (``path`` absolute-free, as given) or an object in a filesystem.
+    """A file or folder: a local path (``path`` as given, unresolved) or an object in an fsspec filesystem.
 
     ``path`` is what the filesystem calls it (``bucket/key`` for s3). Build one with ``Location.parse``;
     ``str()`` gives back a URL that parses to the same place.
