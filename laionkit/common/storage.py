@@ -546,11 +546,15 @@ class ReadCache:
         entry, size = self._entry(location)
         try:
             handle = open(entry, "rb")  # noqa: SIM115
-            os.utime(entry)  # recency for LRU
-            self.hits += 1
-            return handle
         except FileNotFoundError:
             pass
+        else:
+            try:
+                os.utime(entry)  # recency for LRU
+            except FileNotFoundError:
+                pass  # evicted by another process since: the open file still reads whole
+            self.hits += 1
+            return handle
         self.misses += 1
         if size > self.max_bytes:
             return location.open_read()
