@@ -1037,18 +1037,30 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path) -
 
     The weights go into a fresh, unwrapped UNet of the same config before saving: under FSDP2 the
     prepared module's parameters are DTensor shards, which diffusers' save_pretrained cannot write
-    even when handed the gathered state dict (seen on 2 H200s, 2026-11-30). With MasterWeights the
-    fp32 master weights are written, not their bf16 rounding."""
+    even when handed the gathered state dict (seen on 2 H200s, 2026-11-30). With MasterWeights or
+    DeepSpeed the fp32 master weights are written, not their bf16 rounding."""
+    from accelerate.utils import DistributedType
+
     state_dict = accelerator.get_state_dict(unet)  # gathers FSDP / ZeRO shards; every rank must call it
+    fp32 = {}
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # ZeRO's module weights are its bf16/fp16 copies; the fp32 master lives in the optimizer's partitions.
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in accelerator.unwrap_model(unet).named_parameters():  # collective: every rank, in order
+            full = safe_get_full_fp32_param(param)
+            if full is not None and accelerator.is_main_process:
+                fp32[name] = full.detach().cpu()
+    elif master is not None:
+        fp32 = dict(zip(master.names, master.master))
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(unet)
         plain = type(model).from_config(model.config)
         plain.load_state_dict(state_dict)
-        if master is not None:
-            params = dict(plain.named_parameters())
-            with torch.no_grad():
-                for name, weight in zip(master.names, master.master):
-                    params[name].copy_(weight)
+        params = dict(plain.named_parameters())
+        with torch.no_grad():
+            for name, weight in fp32.items():
+                params[name].copy_(weight)
         with atomic_output(output / "unet") as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:

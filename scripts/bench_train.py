@@ -10,8 +10,9 @@ Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random ini
 (c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
     DataLoader workers (decode, resize, crop, tokenize), with diffusers' train_text_to_image.py settings
     (torch's default AdamW, no channels_last, no cuDNN autotuning);
-(ddp, fsdp) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp}.yaml` on each GPU count
-    of --gpus (default 2) vs (b) on one: samples/s, speed-up and scaling efficiency.
+(ddp, fsdp, deepspeed) `laionkit train` under `accelerate launch --config_file train/{ddp,fsdp,deepspeed-zero2}.yaml`
+    on each GPU count of --gpus (default 2) vs (b) on one: samples/s, speed-up and scaling efficiency, and
+    whether the export holds fp32 weights (export_not_bf16_share > 0) or their bf16 rounding (0).
 Every measurement runs in its own process (torch.compile with dynamic=False: one shape per process).
 
     python scripts/bench_train.py --out results/                 # GPU machine
@@ -39,6 +40,21 @@ from bench_encode import make_shards, write_real_size_models  # noqa: E402  (sha
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {256: 128, 512: 64}  # resolution -> batch per GPU
+STRATEGIES = {"ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "deepspeed": "deepspeed-zero2.yaml"}
+
+
+def export_precision(folder: Path) -> dict:
+    """Whether an exported UNet holds fp32 master weights or only their bf16 rounding: the share of its
+    floating-point values that a bf16 round trip would change (0.0 means bf16-rounded weights were saved)."""
+    from safetensors.torch import load_file
+
+    changed = total = 0
+    for path in folder.glob("*.safetensors"):
+        for tensor in load_file(path).values():
+            if tensor.is_floating_point():
+                changed += int((tensor.float() != tensor.bfloat16().float()).sum())
+                total += tensor.numel()
+    return {"export_not_bf16_share": changed / max(total, 1)}
 
 
 def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int, compiled: bool,
@@ -292,7 +308,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="also copy results.json and the child logs (one file) here")
     parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
     parser.add_argument("--parts", default="a,b,c,ddp",
-                        help="comma list of a, b, c, ddp, fsdp, precision (ceiling under the other precision "
+                        help="comma list of a, b, c, ddp, fsdp, deepspeed, precision (ceiling under the other precision "
                              "policy), variants (eager ceiling with channels_last, with cuDNN autotuning), push")
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
@@ -385,7 +401,7 @@ def main() -> None:
                 measure(f"c-{tag}", child_argv(args.out, f"c-{tag}", "raw", steps=args.steps, jpegs=jpegs,
                                                models=prepared["models"], resolution=resolution, **common),
                         env=env)
-        for strategy, gpus in itertools.product(("ddp", "fsdp"), args.gpus):  # the launch configs in train/
+        for strategy, gpus in itertools.product(STRATEGIES, args.gpus):  # the launch configs in train/
             if strategy not in parts or compiled:
                 continue
             resolution = args.resolutions[0]
@@ -393,12 +409,14 @@ def main() -> None:
             log_every = max(2, args.steps // 3)
             run = args.out / f"run-{strategy}"
             launch = [sys.executable, "-m", "accelerate.commands.launch",
-                      "--config_file", str(REPO / "train" / f"{strategy}.yaml"), "--num_processes", str(gpus),
+                      "--config_file", str(REPO / "train" / STRATEGIES[strategy]), "--num_processes", str(gpus),
                       *(["--cpu", "--mixed_precision", "no"] if args.smoke else [])]
             latents = prepared["data"][resolution][1]
             cli = [*launch, "-m", "laionkit.cli",
                    *train_args(latents, run, batch, log_every * 4, log_every, False, args.smoke)]
             measure(f"{strategy}{gpus}-{resolution}-eager", cli, run=run, env=env)
+            if (run / "unet").is_dir():
+                results[f"{strategy}{gpus}-{resolution}-eager"].update(export_precision(run / "unet"))
     if "push" in parts:
         resolution = args.resolutions[0]
         batch = 4 if args.smoke else SIZES[resolution]
@@ -452,7 +470,7 @@ def report(results: dict[str, dict], args) -> None:
         if plain and other:
             print(f"  eager ceiling with {variant} / without: {other / plain:.3f}")
     one = rate(f"b-{resolution}-eager")
-    for strategy, gpus in itertools.product(("ddp", "fsdp"), args.gpus):
+    for strategy, gpus in itertools.product(STRATEGIES, args.gpus):
         many = rate(f"{strategy}{gpus}-{resolution}-eager")
         if one and many:
             print(f"  {strategy} {gpus} GPUs / 1 GPU {resolution} eager: {many / one:.2f}x, scaling efficiency "
