@@ -135,9 +135,9 @@ def ceiling(models: Path, dtype, device: str, batch_size: int, resolution: int, 
         pixels = torch.randn((batch_size, 3, resolution, resolution), device=device).to(dtype)
         pixels = pixels.contiguous(memory_format=layout)
 
-        def step(vae=vae, pixels=pixels, text=text):
-            vae.encode(pixels).latent_dist.parameters.to(torch.float16)
-            text(ids).last_hidden_state.to(torch.float16)
+        def step(vae=vae, pixels=pixels, text=text):  # returns its outputs: a compiled graph drops unused work
+            return (vae.encode(pixels).latent_dist.parameters.to(torch.float16),
+                    text(ids).last_hidden_state.to(torch.float16))
 
         if compiled:
             torch._dynamo.reset()
