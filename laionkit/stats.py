@@ -100,19 +100,32 @@ def print_filter_summary(folder: Path, console: Console) -> None:
                                     f" of {bad['input']} (row groups {first}-{stop - 1}): {bad['bad']}"))
 
 
+def _is_pack_folder(folder: Path, records: list) -> bool:
+    """laionkit pack wrote this folder: a record carries its fields, or its manifest cache says so."""
+    if any(isinstance(record, dict) and "failures" in record for record in records):
+        return True
+    try:
+        return "planned_shards" in read_json(folder / "manifest.json")
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def print_shard_summary(folder: Path, console: Console) -> None:
     """Shard folders: laionkit pack's (its records carry laionkit's fields), else plain img2dataset."""
-    records = []
+    records, unreadable = [], []
     for path in sorted(folder.glob("*_stats.json")):
         try:
             records.append(read_json(path))
         except (OSError, ValueError) as error:
-            raise LaionkitError(f"{path}: unreadable shard record ({error})") from None
-    if all(isinstance(r, dict) and "failures" in r for r in records):
+            unreadable.append(f"{path}: unreadable shard record ({error})")
+    if _is_pack_folder(folder, records):
+        # laionkit pack's own folder: its summary lists damaged records (a rerun of pack redoes them)
         from laionkit.pack import summarize
 
         console.print(summarize(folder))
         return
+    if unreadable:
+        raise LaionkitError(unreadable[0])
     try:
         rows = sum(r["count"] for r in records)
         samples = sum(r["successes"] for r in records)

@@ -21,7 +21,7 @@ from fixtures import CAPTIONS, write_image_shards
 from PIL import Image
 
 import laionkit.encode as encode_stage
-from laionkit.common import LaionkitError
+from laionkit.common import LaionkitError, write_json
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
 from laionkit.encode import (
     EncodeConfig,
@@ -496,7 +496,7 @@ def test_train_trusts_the_records_not_a_stale_manifest(tmp_path, latent_shards):
 
 def _finish_rank(folder: str, name: str, record: str, barrier) -> None:
     barrier.wait()
-    Path(folder, name).write_text(record)  # the rank's last record lands...
+    write_json(Path(folder, name), json.loads(record))  # the rank's last record lands (atomically, as encode writes it)...
     encode_stage.update_manifest(Path(folder))  # ...and it rewrites the folder manifest
 
 

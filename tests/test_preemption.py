@@ -106,7 +106,7 @@ def test_sigterm_to_torchrun_checkpoints_with_workers_and_resumes_exactly(latent
     assert code == 1 and "SignalException" in out, out[-3000:]
     assert out.count("stopped by signal 15") == 2, out[-3000:]  # each rank's own exit, 128 + 15
     [checkpoint] = checkpoints(run)
-    assert {p.name for p in checkpoint.glob("rank-*.pt")} == {"rank-00000.pt", "rank-00001.pt"}
+    assert {p.name for p in checkpoint.glob("rank-*.json")} == {"rank-00000.json", "rank-00001.json"}
     assert_resumes_like_uninterrupted(lambda *a: torchrun(2, *a), latent_shards, run, tmp_path)
 
 
@@ -132,7 +132,7 @@ def test_ranks_agree_to_stop_within_steps_not_at_the_next_log_step(latent_shards
     # the signal lands during step done + 1 (+ 1 if torchrun forwards it late); its flag is reduced then
     # and read one step later
     assert done <= stopped_at <= done + 4, (done, stopped_at)
-    assert {p.name for p in checkpoint.glob("rank-*.pt")} == {"rank-00000.pt", "rank-00001.pt"}
+    assert {p.name for p in checkpoint.glob("rank-*.json")} == {"rank-00000.json", "rank-00001.json"}
     for rank in (0, 1):  # neither rank ran past the agreed step
         assert (run / "seen" / f"rank-0000{rank}.jsonl").read_text().count("\n") == stopped_at
 
