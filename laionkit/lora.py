@@ -88,6 +88,15 @@ def attach(unet, config, accelerator) -> None:
             param.data = param.data.float()
 
 
+def seed_dropout(config, rank: int, step: int) -> None:
+    """LoRA dropout draws its masks from torch's global RNG, which a resume does not bring back to the
+    same point (the data loader, built after the checkpoint loads, draws from it too). Seeding it per
+    (seed, rank, step) makes the masks a function of the step, so a resumed run draws what the
+    uninterrupted one drew. Nothing else in the loop uses the global RNG."""
+    if config.lora_rank is not None and config.lora_dropout:
+        torch.manual_seed(hash((config.seed, rank, step)) & (2**63 - 1))
+
+
 def trainable(unet) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in unet.named_parameters() if p.requires_grad]
 
@@ -140,8 +149,9 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
     master copies with MasterWeights, not their bf16 rounding)."""
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(unet)
-        names = [name for name, _ in trainable(model)]
-        values = master.master if master is not None else [p for _, p in trainable(model)]
+        names, values = zip(*trainable(model))
+        if master is not None:
+            names, values = master.names, master.master
         _save_lora(model, dict(zip(names, values)), output / "lora")
         if ema is not None:
             _save_lora(model, dict(zip(names, ema.shadow_params)), output / "lora_ema")

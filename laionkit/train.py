@@ -917,6 +917,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     nonfinite, worst_nonfinite = torch.zeros((), device=device), torch.zeros((), device=device)
     last_checkpoint, stopped_by = None, None
     while step < max_steps:
+        lora.seed_dropout(config, accelerator.process_index, step)  # LoRA hook: dropout masks as exact as the rest
         step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
             waited = time.perf_counter()

@@ -15,6 +15,7 @@ masked samples), which FSDP needs.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -68,20 +69,18 @@ def load(config, data) -> ValSet:
                             f"{theirs[2]}, shift {theirs[3]} differ from the training latents' {ours}: encode "
                             "it with the same models and resolution")
     keys, latents, noise, u, texts = [], [], [], [], []
-    for shard in val.shards:
-        for raw in read_unit(Unit(shard)):
-            if len(keys) == config.val_samples:
-                break
-            sample = decode(raw)
-            generator = sample_generator(config.seed, sample["key"])
-            mean, logvar = sample["moments"].float().chunk(2, dim=0)
-            std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-            latent = mean + std * torch.randn(mean.shape, generator=generator)
-            keys.append(sample["key"])
-            latents.append((latent - data.shift_factor) * data.scaling_factor)
-            noise.append(torch.randn(mean.shape, generator=generator))
-            u.append(torch.rand((), generator=generator, dtype=torch.float64))
-            texts.append(sample["text"])
+    samples = itertools.chain.from_iterable(read_unit(Unit(shard)) for shard in val.shards)
+    for raw in itertools.islice(samples, config.val_samples):
+        sample = decode(raw)
+        generator = sample_generator(config.seed, sample["key"])
+        mean, logvar = sample["moments"].float().chunk(2, dim=0)
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+        latent = mean + std * torch.randn(mean.shape, generator=generator)
+        keys.append(sample["key"])
+        latents.append((latent - data.shift_factor) * data.scaling_factor)
+        noise.append(torch.randn(mean.shape, generator=generator))
+        u.append(torch.rand((), generator=generator, dtype=torch.float64))
+        texts.append(sample["text"])
     return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u), torch.stack(texts))
 
 
