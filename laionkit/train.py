@@ -963,7 +963,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
                 unet.eval()
                 record["val_loss"] = valloss.evaluate(
-                    accelerator, lambda noisy, t, text: unet(noisy, t, text, return_dict=False)[0], valset,
+                    accelerator, lambda noisy, t, cond: unet(noisy, t, cond["text"], return_dict=False)[0], valset,
                     config.batch_size, input_dtype, noise_scheduler)
                 record["val_samples"] = len(valset.keys)
                 unet.train()

@@ -31,7 +31,7 @@ class ValSet:
     latents: torch.Tensor  # (N, C, h, w) fp32, scaled as the denoiser sees them
     noise: torch.Tensor  # (N, C, h, w) fp32
     u: torch.Tensor  # (N,) fp64 in [0, 1)
-    text: torch.Tensor  # (N, T, D) as stored
+    cond: dict[str, torch.Tensor]  # every stored conditioning member (decode's keys but key and moments)
 
 
 def check_config(config) -> None:
@@ -68,7 +68,7 @@ def load(config, data) -> ValSet:
         raise LaionkitError(f"--val-latents {config.val_latents}: latents {theirs[0]}, text {theirs[1]}, scaling "
                             f"{theirs[2]}, shift {theirs[3]} differ from the training latents' {ours}: encode "
                             "it with the same models and resolution")
-    keys, latents, noise, u, texts = [], [], [], [], []
+    keys, latents, noise, u, cond = [], [], [], [], {}
     samples = itertools.chain.from_iterable(read_unit(Unit(shard)) for shard in val.shards)
     for raw in itertools.islice(samples, config.val_samples):
         sample = decode(raw)
@@ -80,15 +80,21 @@ def load(config, data) -> ValSet:
         latents.append((latent - data.shift_factor) * data.scaling_factor)
         noise.append(torch.randn(mean.shape, generator=generator))
         u.append(torch.rand((), generator=generator, dtype=torch.float64))
-        texts.append(sample["text"])
-    return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u), torch.stack(texts))
+        for name, value in sample.items():
+            if name not in ("key", "moments"):
+                cond.setdefault(name, []).append(value)
+    if not keys:
+        raise LaionkitError(f"--val-latents {config.val_latents}: no samples")
+    return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u),
+                  {name: torch.stack(values) for name, values in cond.items()})
 
 
 @torch.no_grad()
 def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: torch.dtype,
              noise_scheduler=None, flow_shift: float | None = None) -> float:
-    """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, text)`` is the denoiser's
-    prediction; DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift``."""
+    """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, cond)`` is the denoiser's
+    prediction, ``cond`` the batch's stored conditioning by member name (floats in ``input_dtype``);
+    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift``."""
     from laionkit.families import flow
 
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -100,7 +106,9 @@ def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: to
     for start in range(0, slots, batch_size):
         chosen = index[start:start + batch_size]
         x0, noise = val.latents[chosen].to(device), val.noise[chosen].to(device)
-        u, text = val.u[chosen].to(device), val.text[chosen].to(device, input_dtype)
+        u = val.u[chosen].to(device)
+        cond = {name: v[chosen].to(device, input_dtype if v.is_floating_point() else v.dtype)
+                for name, v in val.cond.items()}
         if noise_scheduler is not None:
             steps = noise_scheduler.config.num_train_timesteps
             timesteps = (u * steps).long().clamp(max=steps - 1)
@@ -113,7 +121,7 @@ def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: to
             sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
             noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
             timesteps = flow.timesteps(sigmas.float())
-        prediction = forward(noisy.to(input_dtype), timesteps, text)
+        prediction = forward(noisy.to(input_dtype), timesteps, cond)
         losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         weights = mask[start:start + batch_size].to(device, torch.float64)
         total += torch.stack([(losses.double() * weights).sum(), weights.sum()])

@@ -28,7 +28,7 @@ data = open_latents(latents)
 torch.manual_seed(0)
 unet = build_unet(config, data).eval()
 val = valloss.load(config, data)
-forward = lambda noisy, t, text: unet(noisy, t, text, return_dict=False)[0]
+forward = lambda noisy, t, cond: unet(noisy, t, cond["text"], return_dict=False)[0]
 found = [valloss.evaluate(accelerator, forward, val, batch, torch.float32, load_noise_scheduler(config)),
          valloss.evaluate(accelerator, forward, val, batch, torch.float32, None, flow_shift=3.0)]
 with torch.no_grad():
