@@ -340,6 +340,9 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     laionkit train latents/ --output runs/ft --unet stable-diffusion-v1-5/stable-diffusion-v1-5
     --max-steps 10000 --lr 1e-5 --validate-every 500
 
+    laionkit train latents/ --output runs/lora --unet stable-diffusion-v1-5/stable-diffusion-v1-5
+    --lora-rank 16 --lr 1e-4 --max-steps 2000 --val-latents val-latents/ --val-every 200
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -395,6 +398,13 @@ def train_command(
     peak_tflops: Annotated[float, typer.Option(help="Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")] = 989.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (rank 0).")] = None,
     record_keys: Annotated[bool, typer.Option(help="Write the sample keys of every step to RUN/seen/rank-N.jsonl.")] = False,
+    lora_rank: Annotated[Optional[int], typer.Option(help="Train LoRA adapters of this rank on a frozen --unet (PEFT); checkpoints hold the adapters, RUN/lora/ is what diffusers' pipe.load_lora_weights loads.")] = None,
+    lora_alpha: Annotated[Optional[float], typer.Option(help="LoRA alpha (scale alpha/rank; default: the rank).")] = None,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA branch while training.")] = 0.0,
+    lora_targets: Annotated[str, typer.Option(help="Comma-separated module names that get adapters.")] = "to_q,to_k,to_v,to_out.0",
+    val_latents: Annotated[Optional[Path], typer.Option(help="A latent folder (encode output) for a deterministic validation loss, written to metrics.jsonl as val_loss.")] = None,
+    val_every: Annotated[int, typer.Option(help="Validation loss every N steps and at the end (default: --validate-every, else --checkpoint-every).")] = 0,
+    val_samples: Annotated[int, typer.Option(help="The first N samples of --val-latents (shards by name, tar order), each with fixed noise and timestep.")] = 64,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,

@@ -66,8 +66,12 @@ def plot_metrics(metrics: Path, output: Path) -> None:
     records = [record for record in records if "loss" in record]
     steps = [record["step"] for record in records]
     figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
-    loss_axis.plot(steps, [record["loss"] for record in records])
-    loss_axis.set(xlabel="step", ylabel="loss", title="training loss")
+    loss_axis.plot(steps, [record["loss"] for record in records], label="train")
+    validated = [record for record in records if record.get("val_loss") is not None]  # train --val-latents
+    if validated:
+        loss_axis.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], "o-", label="validation")
+        loss_axis.legend()
+    loss_axis.set(xlabel="step", ylabel="loss", title="loss")
     speed_axis.plot(steps, [record.get("samples_per_s", float("nan")) for record in records])
     speed_axis.set(xlabel="step", ylabel="samples/s", title="throughput")
     figure.tight_layout()

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from laionkit import lora, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -118,6 +119,14 @@ class TrainConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
+    # --- LoRA and the validation loss (laionkit/lora.py, laionkit/valloss.py) ---
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str = "to_q,to_k,to_v,to_out.0"  # lora.DEFAULT_TARGETS
+    val_latents: Path | None = None
+    val_every: int = 0
+    val_samples: int = 64
 
     def __post_init__(self) -> None:
         choices = {
@@ -149,6 +158,9 @@ class TrainConfig:
             raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
+
+        lora.check_config(self)
+        valloss.check_config(self)
 
 
 @dataclass(frozen=True)
@@ -344,8 +356,9 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     channels, height, width = data.moments_shape
-    sample = torch.zeros(1, channels // 2, height, width, device=device)
-    text = torch.zeros(1, *data.text_shape, device=device)
+    dtype = next(unet.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
+    sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
+    text = torch.zeros(1, *data.text_shape, device=device, dtype=dtype)
     counter = FlopCounterMode(display=False)
     with counter:
         unet(sample, torch.tensor([500], device=device), text, return_dict=False)[0].sum().backward()
@@ -549,8 +562,8 @@ def weights_fingerprint(accelerator, unet, master: MasterWeights | None) -> tupl
         return None
     if master is not None:
         named = zip(master.names, master.master)
-    else:
-        named = accelerator.unwrap_model(unet).named_parameters()
+    else:  # what trains: all weights, or the adapters of a LoRA run (the frozen base cannot drift)
+        named = ((n, p) for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad)
     digest, finite = hashlib.sha256(), True
     with torch.no_grad():
         for name, weight in named:
@@ -783,7 +796,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    refuse_overlap([config.latents], output, "train")
+    refuse_overlap([config.latents, *([config.val_latents] if config.val_latents else [])], output, "train")
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -801,6 +814,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
 
     set_seed(config.seed)  # the same initial weights on every rank
     unet = build_unet(config, data).to(device)
+    if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
+        lora.attach(unet, config, accelerator)
     noise_scheduler = load_noise_scheduler(config)
     model_flops = flops_per_sample(unet, data, device)
     if config.gradient_checkpointing:
@@ -809,7 +824,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         unet = unet.to(memory_format=torch.channels_last)
     unet.train()
     master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
-    trained = master.master if master is not None else list(unet.parameters())
+    trained = master.master if master is not None else [p for p in unet.parameters() if p.requires_grad]
     lr = scaled_lr(config, global_batch)
     optimizer = make_optimizer(config, trained, lr, device)
     ema = None
@@ -825,6 +840,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
         deepspeed["gradient_clipping"] = config.max_grad_norm
     unet, optimizer = accelerator.prepare(unet, optimizer)
+    if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
+        lora.register_checkpoint_hooks(accelerator, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
     lr_scheduler = get_scheduler(
@@ -842,6 +859,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     step, resumed_from = 0, find_resume(config, accelerator)
     if resumed_from is not None:
         state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
+        lora.check_resume(resumed_from, config)
         refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
                               "exact resume needs the same latent shards (names, sample counts, sizes), number "
                               "of ranks, --workers, --batch-size, --seed and --shuffle-buffer")
@@ -877,6 +895,12 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
         validation = (load_vae(data.vae_source).to(device), texts)
 
+    valset = None  # validation-loss hook (laionkit/valloss.py)
+    if config.val_latents is not None:
+        valset = valloss.load(config, data)
+        accelerator.print(f"validation loss: {len(valset.keys)} samples of {config.val_latents}, "
+                          f"every {valloss.every(config)} steps")
+
     exporter = None
     if main and config.metrics_port:
         from laionkit.common.prometheus import MetricsServer
@@ -893,6 +917,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     nonfinite, worst_nonfinite = torch.zeros((), device=device), torch.zeros((), device=device)
     last_checkpoint, stopped_by = None, None
     while step < max_steps:
+        lora.seed_dropout(config, accelerator.process_index, step)  # LoRA hook: dropout masks as exact as the rest
         step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
             waited = time.perf_counter()
@@ -922,7 +947,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             with open(keys_path, "a") as handle:
                 handle.write(json.dumps({"step": step, "keys": step_keys}) + "\n")
 
-        if step % config.log_every == 0 or step == max_steps:
+        val_due = valset is not None and (step % valloss.every(config) == 0 or step == max_steps)
+        if step % config.log_every == 0 or step == max_steps or val_due:
             mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
             elapsed = time.perf_counter() - window_start
             samples_per_s = window_steps * global_batch / elapsed
@@ -934,6 +960,13 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                 "data_wait_pct": 100.0 * data_wait / elapsed,
                 "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
             }
+            if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
+                unet.eval()
+                record["val_loss"] = valloss.evaluate(
+                    accelerator, lambda noisy, t, cond: unet(noisy, t, cond["text"], return_dict=False)[0], valset,
+                    config.batch_size, input_dtype, noise_scheduler)
+                record["val_samples"] = len(valset.keys)
+                unet.train()
             if main:
                 with open(metrics_path, "a") as handle:
                     handle.write(strict_json(record) + "\n")
@@ -981,7 +1014,10 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         exporter.close()
 
     if not stopped_by:
-        export(accelerator, unet, ema, master, output)
+        if config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
+            lora.export(accelerator, unet, ema, master, output)
+        else:
+            export(accelerator, unet, ema, master, output)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 
@@ -995,7 +1031,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     return key
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "samples", "seen", "logs")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "lora", "lora_ema", "samples", "seen", "logs")
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:

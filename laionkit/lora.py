@@ -1,0 +1,175 @@
+"""LoRA for `laionkit train --lora-rank N`: PEFT adapters on a frozen denoiser, checkpointed and exported alone.
+
+Why its own module: train.py stays one loop for full and adapter training; the differences live here and
+train.py calls them at four marked points (after the model is built, checkpoint hooks, resume check,
+export). The invariants:
+
+- only adapter parameters require grad, so the optimizer, clipping, EMA, the rank fingerprint and
+  MasterWeights (which copies exactly the parameters that require grad) cover the adapters alone;
+- the frozen base runs in the mixed-precision dtype: MasterWeights casts the whole model to bf16 and
+  keeps fp32 copies of the adapters; under autocast the base is cast here and the adapters stay fp32,
+  as diffusers' train_text_to_image_lora.py does;
+- a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings as metadata) and no
+  base weights: accelerate's model file is suppressed by a save hook and its load replaced by ours, so a
+  resume reads data only and a run with other LoRA settings is refused before anything loads;
+- the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
+  ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
+
+# diffusers' train_text_to_image_lora.py default; the SD3 / Flux transformers' attention uses the same names.
+DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
+ADAPTER_FILE = "adapter.safetensors"
+EXPORT_FILE = "pytorch_lora_weights.safetensors"
+
+
+def settings(config) -> dict:
+    """The LoRA settings a checkpoint records and a resume must match (they shape or change the adapters)."""
+    return {"lora_rank": config.lora_rank, "lora_alpha": alpha(config), "lora_dropout": config.lora_dropout,
+            "lora_targets": targets(config)}
+
+
+def alpha(config) -> float:
+    return float(config.lora_alpha if config.lora_alpha is not None else config.lora_rank)
+
+
+def targets(config) -> list[str]:
+    return [name.strip() for name in config.lora_targets.split(",") if name.strip()]
+
+
+def check_config(config) -> None:
+    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
+    if config.lora_rank is None:
+        return
+    if config.lora_rank < 1:
+        raise LaionkitError(f"--lora-rank {config.lora_rank}: must be >= 1")
+    if not 0 <= config.lora_dropout < 1:
+        raise LaionkitError(f"--lora-dropout {config.lora_dropout}: must be in [0, 1)")
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
+    if not targets(config):
+        raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
+    if config.compile:
+        raise LaionkitError("--lora-rank with --compile is not supported (untested with PEFT's layers): "
+                            "drop --compile")
+
+
+def attach(unet, config, accelerator) -> None:
+    """Freeze ``unet`` and add the adapters (in place), with the dtype policy of the module docstring."""
+    from accelerate.utils import DistributedType
+    from peft import LoraConfig
+
+    from laionkit.train import MasterWeights
+
+    if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_GPU,
+                                            DistributedType.MULTI_CPU):
+        raise LaionkitError(f"--lora-rank runs on one device or DDP, not {accelerator.distributed_type.value}: "
+                            "launch with train/ddp.yaml (adapters are small: no sharding is needed)")
+    unet.requires_grad_(False)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if low is not None and not MasterWeights.wanted(config, accelerator):
+        torch.nn.Module.to(unet, low)  # not diffusers' .to, which warns to use from_pretrained
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=alpha(config), lora_dropout=config.lora_dropout,
+                      init_lora_weights="gaussian", target_modules=targets(config))
+    try:
+        unet.add_adapter(lora)
+    except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
+        raise LaionkitError(f"--lora-targets {config.lora_targets}: {str(error).splitlines()[0]}") from None
+    for param in unet.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+
+
+def seed_dropout(config, rank: int, step: int) -> None:
+    """LoRA dropout draws its masks from torch's global RNG, which a resume does not bring back to the
+    same point (the data loader, built after the checkpoint loads, draws from it too). Seeding it per
+    (seed, rank, step) makes the masks a function of the step, so a resumed run draws what the
+    uninterrupted one drew. Nothing else in the loop uses the global RNG."""
+    if config.lora_rank is not None and config.lora_dropout:
+        torch.manual_seed(hash((config.seed, rank, step)) & (2**63 - 1))
+
+
+def trainable(unet) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in unet.named_parameters() if p.requires_grad]
+
+
+def register_checkpoint_hooks(accelerator, config) -> None:
+    """accelerate saves and loads the optimizer, scheduler and RNG states; the model's part is ours."""
+    from safetensors.torch import load_file, safe_open, save_file
+
+    recorded = {"laionkit_lora": json.dumps(settings(config))}
+
+    def save(models, weights, output_dir) -> None:
+        weights.clear()  # no model.safetensors: the frozen base is not part of the checkpoint
+        if accelerator.is_main_process:
+            named = trainable(accelerator.unwrap_model(models[0]))
+            save_file({name: p.detach().contiguous().cpu() for name, p in named},
+                      str(Path(output_dir) / ADAPTER_FILE), metadata=recorded)
+
+    def load(models, input_dir) -> None:
+        model = accelerator.unwrap_model(models.pop(0))
+        path = Path(input_dir) / ADAPTER_FILE
+        with safe_open(str(path), "pt") as handle:
+            found = json.loads((handle.metadata() or {}).get("laionkit_lora", "{}"))
+        refuse_other_settings(Path(input_dir), found, settings(config), "trained",
+                              "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
+        stored = load_file(str(path))
+        named = dict(trainable(model))
+        if set(stored) != set(named) or any(stored[n].shape != p.shape for n, p in named.items()):
+            raise LaionkitError(f"{path}: its adapters do not fit this model (another --unet or --unet-config?)")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(stored[name])
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def check_resume(folder: Path, config) -> None:
+    """A full-model checkpoint and an adapter checkpoint are not interchangeable: say so in one line."""
+    has_adapters = (folder / ADAPTER_FILE).is_file()
+    if config.lora_rank is not None and not has_adapters:
+        raise LaionkitError(f"--resume {folder}: it holds no {ADAPTER_FILE} (written by a run without "
+                            "--lora-rank); resume it without --lora-rank or start a new run")
+    if config.lora_rank is None and has_adapters:
+        raise LaionkitError(f"--resume {folder}: it holds LoRA adapters only (written with --lora-rank); "
+                            "give the same --lora-rank to resume it")
+
+
+def export(accelerator, unet, ema, master, output: Path) -> None:
+    """RUN/lora (and RUN/lora_ema with --ema) in diffusers' LoRA format, the fp32 adapter weights (the
+    master copies with MasterWeights, not their bf16 rounding)."""
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(unet)
+        names, values = zip(*trainable(model))
+        if master is not None:
+            names, values = master.names, master.master
+        _save_lora(model, dict(zip(names, values)), output / "lora")
+        if ema is not None:
+            _save_lora(model, dict(zip(names, ema.shadow_params)), output / "lora_ema")
+    accelerator.wait_for_everyone()
+
+
+def _save_lora(model, named: dict, folder: Path) -> None:
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model, state_dict=state))
+    if type(model).__name__.startswith("UNet"):
+        pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
+    else:  # SD3 / Flux transformers: their pipelines name the denoiser "transformer"
+        pipeline = {"SD3Transformer2DModel": diffusers.StableDiffusion3Pipeline}.get(
+            type(model).__name__, diffusers.FluxPipeline)
+        keyword = "transformer_lora_layers"
+    with atomic_output(folder) as tmp:
+        pipeline.save_lora_weights(str(tmp), **{keyword: layers}, weight_name=EXPORT_FILE)

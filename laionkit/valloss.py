@@ -1,0 +1,131 @@
+"""A deterministic validation loss: `laionkit train --val-latents DIR` writes ``val_loss`` to metrics.jsonl.
+
+The training loss is noisy (fresh noise, timesteps and latent draws every step), so two checkpoints or
+two runs cannot be compared on it. Here every sample of a fixed set (the first ``--val-samples`` of DIR:
+shards in name order, samples in tar order) gets its own fixed draws, from a generator seeded by the
+sample key and --seed, never by the rank: the posterior sample of its latent, the noise and a uniform
+``u`` that becomes its timestep (DDPM: ``floor(u * T)``) or its sigma (flow matching: ``u``, shifted).
+The loss is the plain MSE to the objective's target (no min-SNR or flow weighting, so runs with other
+weightings compare), summed with its count on every rank over every world-th sample and all-reduced.
+The value is therefore the same for any number of ranks or --workers (up to float summation order), and
+changes only when the weights do. Ranks run the same number of forward passes (short ranks pad with
+masked samples), which FSDP needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from laionkit.common import LaionkitError
+
+
+@dataclass(frozen=True)
+class ValSet:
+    keys: tuple[str, ...]
+    latents: torch.Tensor  # (N, C, h, w) fp32, scaled as the denoiser sees them
+    noise: torch.Tensor  # (N, C, h, w) fp32
+    u: torch.Tensor  # (N,) fp64 in [0, 1)
+    cond: dict[str, torch.Tensor]  # every stored conditioning member (decode's keys but key and moments)
+
+
+def check_config(config) -> None:
+    """Flag checks run by TrainConfig.__post_init__."""
+    if config.val_latents is None:
+        if config.val_every or config.val_samples != 64:
+            raise LaionkitError("--val-every and --val-samples need --val-latents DIR (a latent folder)")
+        return
+    if config.val_every < 0 or config.val_samples < 1:
+        raise LaionkitError(f"--val-every {config.val_every} / --val-samples {config.val_samples}: "
+                            "must be >= 0 and >= 1")
+
+
+def every(config) -> int:
+    """--val-every, else --validate-every, else --checkpoint-every."""
+    return config.val_every or config.validate_every or config.checkpoint_every
+
+
+def sample_generator(seed: int, key: str) -> torch.Generator:
+    digest = hashlib.sha256(f"laionkit-val/{seed}/{key}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def load(config, data) -> ValSet:
+    """The fixed samples and their fixed draws, on the CPU; DIR must come from the training data's VAE
+    and text encoder (same latent and text shapes, scaling and shift)."""
+    from laionkit.latents import Unit, decode, read_unit
+    from laionkit.train import open_latents
+
+    val = open_latents(config.val_latents)
+    ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)
+    theirs = (val.moments_shape, val.text_shape, val.scaling_factor, val.shift_factor)
+    if ours != theirs:
+        raise LaionkitError(f"--val-latents {config.val_latents}: latents {theirs[0]}, text {theirs[1]}, scaling "
+                            f"{theirs[2]}, shift {theirs[3]} differ from the training latents' {ours}: encode "
+                            "it with the same models and resolution")
+    keys, latents, noise, u, cond = [], [], [], [], {}
+    samples = itertools.chain.from_iterable(read_unit(Unit(shard)) for shard in val.shards)
+    for raw in itertools.islice(samples, config.val_samples):
+        sample = decode(raw)
+        generator = sample_generator(config.seed, sample["key"])
+        mean, logvar = sample["moments"].float().chunk(2, dim=0)
+        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+        latent = mean + std * torch.randn(mean.shape, generator=generator)
+        keys.append(sample["key"])
+        latents.append((latent - data.shift_factor) * data.scaling_factor)
+        noise.append(torch.randn(mean.shape, generator=generator))
+        u.append(torch.rand((), generator=generator, dtype=torch.float64))
+        for name, value in sample.items():
+            if name not in ("key", "moments"):
+                cond.setdefault(name, []).append(value)
+    if not keys:
+        raise LaionkitError(f"--val-latents {config.val_latents}: no samples")
+    return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u),
+                  {name: torch.stack(values) for name, values in cond.items()})
+
+
+@torch.no_grad()
+def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: torch.dtype,
+             noise_scheduler=None, flow_shift: float | None = None) -> float:
+    """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, cond)`` is the denoiser's
+    prediction, ``cond`` the batch's stored conditioning by member name (floats in ``input_dtype``);
+    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift``."""
+    from laionkit.families import flow
+
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(val.keys), world))
+    slots = math.ceil(len(val.keys) / world)
+    index = torch.tensor(mine + [0] * (slots - len(mine)))  # padding: sample 0, masked out
+    mask = torch.tensor([1.0] * len(mine) + [0.0] * (slots - len(mine)))
+    total = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, sample count
+    for start in range(0, slots, batch_size):
+        chosen = index[start:start + batch_size]
+        x0, noise = val.latents[chosen].to(device), val.noise[chosen].to(device)
+        u = val.u[chosen].to(device)
+        cond = {name: v[chosen].to(device, input_dtype if v.is_floating_point() else v.dtype)
+                for name, v in val.cond.items()}
+        if noise_scheduler is not None:
+            steps = noise_scheduler.config.num_train_timesteps
+            timesteps = (u * steps).long().clamp(max=steps - 1)
+            noisy = noise_scheduler.add_noise(x0, noise, timesteps)
+            if noise_scheduler.config.prediction_type == "epsilon":
+                target = noise
+            else:
+                target = noise_scheduler.get_velocity(x0, noise, timesteps)
+        else:
+            sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
+            noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
+            timesteps = flow.timesteps(sigmas.float())
+        prediction = forward(noisy.to(input_dtype), timesteps, cond)
+        losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        weights = mask[start:start + batch_size].to(device, torch.float64)
+        total += torch.stack([(losses.double() * weights).sum(), weights.sum()])
+    total = accelerator.reduce(total, "sum")  # float64: 1 and N ranks differ only in summation order
+    loss_sum, count = total.tolist()
+    return loss_sum / count
+
