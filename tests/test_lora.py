@@ -113,12 +113,23 @@ def test_lora_mistakes_are_one_clear_line(latent_shards, tiny_models, tmp_path):
           "--lora-rank", "2", "--resume", "latest"), "holds no adapter.safetensors"),
         ((*base[:3], tmp_path / "new", *base[4:], "--lora-rank", "2", "--lora-targets", "nope", "--max-steps", "1"),
          "--lora-targets nope: Target modules"),
-        ((*base[:3], tmp_path / "new", *base[4:], "--lora-rank", "2", "--compile", "--max-steps", "1"),
-         "--lora-rank with --compile is not supported"),
-        ((*base[:3], tmp_path / "new", *base[4:], "--lora-rank", "0", "--max-steps", "1"), "--lora-rank 0: must be >= 1"),
     ]
     for args, message in cases:
         result = run_cli(*args, check=False)
         assert result.returncode == 2 and message in result.stderr, (message, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
     assert sorted(metrics(run)) == [1]  # nothing trained on the refused resumes
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lora_rank": 2, "compile": True}, "--lora-rank with --compile is not supported"),
+    ({"lora_rank": 0}, "--lora-rank 0: must be >= 1"),
+    ({"lora_rank": 2, "lora_dropout": 1.0}, "--lora-dropout 1.0: must be in [0, 1)"),
+])
+def test_lora_flag_mistakes_are_refused_before_anything_loads(tmp_path, options, message):
+    from laionkit.common import LaionkitError
+    from laionkit.train import TrainConfig
+
+    with pytest.raises(LaionkitError) as error:
+        TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1, **options)
+    assert str(error.value).startswith(message)
