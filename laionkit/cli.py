@@ -374,7 +374,7 @@ def train_command(
     ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Trade compute for activation memory.")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one shape per process).")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one graph per latent shape, i.e. per bucket).")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
     channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
     tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,

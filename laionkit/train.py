@@ -163,7 +163,10 @@ class TrainResult:
 @dataclass(frozen=True)
 class LatentSet:
     """What training needs from an encode output folder (docs/FORMATS.md §3). ``shards`` are the
-    non-empty shards with their sample counts in ``shard_samples``; empty ones are listed apart."""
+    non-empty shards with their sample counts in ``shard_samples``; empty ones are listed apart.
+    ``buckets`` name the latent shapes a batch may have ("WxH" in pixels, as encode names them), in the
+    manifest's order, with their moments shapes in ``bucket_shapes``: one entry without --buckets.
+    ``moments_shape`` is the square bucket's, the size validation draws."""
 
     shards: tuple[str, ...]
     shard_samples: tuple[int, ...]
@@ -175,6 +178,18 @@ class LatentSet:
     moments_shape: tuple[int, ...]
     text_shape: tuple[int, ...]
     empty_caption: torch.Tensor
+    bucketed: bool = False
+    buckets: tuple[str, ...] = ()
+    bucket_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def bucket_of(self, shape) -> int:
+        """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
+        try:
+            return self.bucket_shapes.index(tuple(shape))
+        except ValueError:
+            raise LaionkitError(f"latents of shape {tuple(shape)} fit none of the manifest's buckets "
+                                f"({', '.join(self.buckets)}): was the folder assembled from several encode "
+                                "runs? Re-encode it") from None
 
 
 def open_latents(latents: Path) -> LatentSet:
@@ -196,8 +211,6 @@ def open_latents(latents: Path) -> LatentSet:
         records = manifest.get("records") or {}
     except (KeyError, TypeError, ValueError) as error:
         raise LaionkitError(f"{manifest_path} has no valid {error} (not a laionkit-latents manifest)") from None
-    if manifest.get("buckets"):
-        raise LaionkitError(f"{manifest_path}: bucketed latents are not supported by train yet")
     if not manifest.get("complete"):
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
@@ -218,6 +231,18 @@ def open_latents(latents: Path) -> LatentSet:
     if not shards:
         raise LaionkitError(f"every latent shard in {latents} is empty: nothing to train on")
     first = decode(next(read_unit(Unit(shards[0]))))
+    channels, height, width = first["moments"].shape
+    factor = int(vae.get("downsample_factor") or 8)  # SD's, for manifests written before it was recorded
+    sizes = manifest.get("buckets") or [[width * factor, height * factor]]
+    try:
+        bucket_shapes = tuple((channels, int(h) // factor, int(w) // factor) for w, h in sizes)
+    except (TypeError, ValueError):
+        raise LaionkitError(f"{manifest_path}: buckets {sizes!r} are not a list of [width, height]") from None
+    if tuple(first["moments"].shape) not in bucket_shapes:
+        raise LaionkitError(f"{manifest_path}: the latents in {shards[0]} have shape {tuple(first['moments'].shape)}, "
+                            f"none of the manifest's buckets {sizes} at 1/{factor} scale; rerun encode")
+    buckets = tuple(f"{w}x{h}" for w, h in sizes)
+    square = [shape for shape in bucket_shapes if shape[1] == shape[2]]
     try:
         empty = torch.from_numpy(np.load(empty_path))
     except (OSError, ValueError) as error:
@@ -233,9 +258,12 @@ def open_latents(latents: Path) -> LatentSet:
         scaling_factor=scaling_factor,
         shift_factor=float(vae.get("shift_factor") or 0.0),
         vae_source=(manifest.get("models") or {}).get("vae", {}).get("source"),
-        moments_shape=tuple(first["moments"].shape),
+        moments_shape=square[0] if square else tuple(first["moments"].shape),
         text_shape=tuple(first["text"].shape),
         empty_caption=empty,
+        bucketed=bool(manifest.get("buckets")),
+        buckets=buckets,
+        bucket_shapes=bucket_shapes,
     )
 
 
@@ -339,11 +367,12 @@ def diffusion_loss(model, moments, text, empty_text, noise_scheduler, config: Tr
     return loss.mean()
 
 
-def flops_per_sample(unet, data: LatentSet, device: torch.device) -> float:
-    """Model FLOPs of one sample's forward + backward, counted once by torch's flop counter."""
+def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[int, ...]) -> float:
+    """Model FLOPs of one sample's forward + backward at moments ``shape`` (a bucket's: attention grows
+    faster than the pixel count, so buckets differ), counted once by torch's flop counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    channels, height, width = data.moments_shape
+    channels, height, width = shape
     sample = torch.zeros(1, channels // 2, height, width, device=device)
     text = torch.zeros(1, *data.text_shape, device=device)
     counter = FlopCounterMode(display=False)
@@ -802,7 +831,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     set_seed(config.seed)  # the same initial weights on every rank
     unet = build_unet(config, data).to(device)
     noise_scheduler = load_noise_scheduler(config)
-    model_flops = flops_per_sample(unet, data, device)
+    model_flops = [flops_per_sample(unet, data, device, shape) for shape in data.bucket_shapes]
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.channels_last:
@@ -832,14 +861,21 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
     )
     lr_scheduler = accelerator.prepare(lr_scheduler)
+    if config.compile:
+        # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
+        # per function, 256 in all), else the shapes past the limit would run uncompiled.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(data.buckets))
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(data.buckets))
     model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
 
     # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
     generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
     layout = StreamLayout(data.shards, accelerator.process_index, world, config.workers, config.batch_size,
-                          config.seed, config.shuffle_buffer)
+                          config.seed, config.shuffle_buffer, bucketed=data.bucketed)
     data_key = layout_key(layout, data)
     step, resumed_from = 0, find_resume(config, accelerator)
+    bucket_samples = [0] * len(data.buckets)  # this rank's samples per bucket since the run began
     if resumed_from is not None:
         state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
         refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
@@ -848,6 +884,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         load_checkpoint_state(accelerator, resumed_from, extra_states)
         generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
         step = state["step"]
+        # A checkpoint from before per-bucket counts had one bucket, which took every sample.
+        counted = state.get("bucket_samples") or {data.buckets[0]: step * config.batch_size * config.grad_accum}
+        bucket_samples = [int(counted.get(key, 0)) for key in data.buckets]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
     loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
     batches = iter(loader)
@@ -886,7 +925,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
                     unit="step")
     window_loss = torch.zeros((), device=device)
-    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
     grad_norm = torch.zeros((), device=device)
     # Consecutive steps with a non-finite loss, and the longest such run in this log window; counted on
     # the device so that no step waits for the host, read at log and checkpoint steps.
@@ -899,6 +938,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             batch = next(batches)
             data_wait += time.perf_counter() - waited
             step_keys += batch["key"]
+            bucket = data.bucket_of(batch["moments"].shape[1:])
+            bucket_samples[bucket] += len(batch["key"])
+            window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
             text = batch["text"].to(device, non_blocking=True).to(input_dtype)
             with accelerator.accumulate(unet):
@@ -926,24 +968,30 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
             elapsed = time.perf_counter() - window_start
             samples_per_s = window_steps * global_batch / elapsed
+            totals = accelerator.reduce(torch.tensor([window_flops, *bucket_samples], dtype=torch.float64,
+                                                     device=device), "sum").tolist()
             record = {
                 "step": step, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": None if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
                 "samples_per_s_per_gpu": samples_per_s / world,
-                "mfu": model_flops * samples_per_s / world / (config.peak_tflops * 1e12),
+                "mfu": totals[0] / elapsed / world / (config.peak_tflops * 1e12),
                 "data_wait_pct": 100.0 * data_wait / elapsed,
                 "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+                # all ranks, since the run began: sums to step x global batch
+                "samples_per_bucket": {key: int(n) for key, n in zip(data.buckets, totals[1:])},
             }
             if main:
                 with open(metrics_path, "a") as handle:
                     handle.write(strict_json(record) + "\n")
                 if accelerator.log_with:
-                    accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                    scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")}
+                    scalars.update({f"samples_per_bucket/{k}": v for k, v in record["samples_per_bucket"].items()})
+                    accelerator.log(scalars, step=step)
                 if exporter is not None:
                     exporter.update(record)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
             window_loss.zero_()
-            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
 
             worst = accelerator.reduce(worst_nonfinite, "max").item()
             worst_nonfinite.zero_()
@@ -961,6 +1009,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             healthy = nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
             if accelerator.reduce(torch.tensor(float(healthy), device=device), "min").item():
                 rank_state = {"step": step, "layout": data_key, "fingerprint": fingerprint and fingerprint[0],
+                              "bucket_samples": dict(zip(data.buckets, bucket_samples)),
                               "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
                 last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                                                   config, {name: obj.state_dict() for name, obj in extra_states.items()})
@@ -981,6 +1030,10 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         exporter.close()
 
     if not stopped_by:
+        if data.bucketed:
+            seen = accelerator.reduce(torch.tensor(bucket_samples, dtype=torch.float64, device=device), "sum")
+            accelerator.print("samples per bucket (all ranks): " + ", ".join(
+                f"{key} {int(n)}" for key, n in zip(data.buckets, seen.tolist())))
         export(accelerator, unet, ema, master, output)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
@@ -990,6 +1043,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     """What exact resume compares: the stream layout with the shards as content (name, samples, bytes),
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
+    del key["bucketed"]  # follows from the shards' content, pinned below (and absent from older checkpoints)
     key["shards"] = [[Path(shard).name, samples, Path(shard).stat().st_size]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key
