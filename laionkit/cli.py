@@ -340,6 +340,9 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     laionkit train latents/ --output runs/ft --unet stable-diffusion-v1-5/stable-diffusion-v1-5
     --max-steps 10000 --lr 1e-5 --validate-every 500
 
+    laionkit train latents-256/ --output runs/multires --unet-config sd15 --max-steps 50000
+    --stage latents-512-buckets/:20000 --resume latest
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -395,6 +398,7 @@ def train_command(
     peak_tflops: Annotated[float, typer.Option(help="Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")] = 989.0,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (rank 0).")] = None,
     record_keys: Annotated[bool, typer.Option(help="Write the sample keys of every step to RUN/seen/rank-N.jsonl.")] = False,
+    stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -115,6 +116,7 @@ class TrainConfig:
     peak_tflops: float = 989.0
     record_keys: bool = False
     metrics_port: int | None = None
+    stage: tuple[str, ...] | None = None  # DIR:STEPS, trained after --latents in this order
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
@@ -149,6 +151,17 @@ class TrainConfig:
             raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
+        self.later_stages()
+
+    def later_stages(self) -> list[tuple[Path, int]]:
+        """The --stage folders and their steps, trained after the LATENTS stage."""
+        found = []
+        for spec in self.stage or ():
+            folder, colon, steps = spec.rpartition(":")
+            if not colon or not folder or not steps.isdigit() or int(steps) < 1:
+                raise LaionkitError(f"--stage {spec!r}: give DIR:STEPS, STEPS a whole number of steps >= 1")
+            found.append((Path(folder), int(steps)))
+        return found
 
 
 @dataclass(frozen=True)
@@ -812,7 +825,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    refuse_overlap([config.latents], output, "train")
+    refuse_overlap([config.latents, *(folder for folder, _ in config.later_stages())], output, "train")
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -827,11 +840,20 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     global_batch = config.batch_size * config.grad_accum * world
     max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
+    # --stage: a schedule of latent folders (e.g. low resolution first), each for its number of steps.
+    stages = [(config.latents, data, max_steps)]
+    for folder, steps in config.later_stages():
+        stages.append((folder, same_model_latents(stages[0], folder, open_latents(folder)), steps))
+    stage_ends = list(itertools.accumulate(steps for _, _, steps in stages))
+    max_steps = stage_ends[-1]
+    all_buckets = list(dict.fromkeys(key for _, latents, _ in stages for key in latents.buckets))
+    to_all = [[all_buckets.index(key) for key in latents.buckets] for _, latents, _ in stages]
 
     set_seed(config.seed)  # the same initial weights on every rank
     unet = build_unet(config, data).to(device)
     noise_scheduler = load_noise_scheduler(config)
-    model_flops = [flops_per_sample(unet, data, device, shape) for shape in data.bucket_shapes]
+    shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
+    model_flops = [flops_per_sample(unet, data, device, shapes[key]) for key in all_buckets]
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.channels_last:
@@ -865,31 +887,37 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
         # per function, 256 in all), else the shapes past the limit would run uncompiled.
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(data.buckets))
-        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(data.buckets))
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(all_buckets))
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(all_buckets))
     model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
 
     # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
     generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
-    layout = StreamLayout(data.shards, accelerator.process_index, world, config.workers, config.batch_size,
-                          config.seed, config.shuffle_buffer, bucketed=data.bucketed)
-    data_key = layout_key(layout, data)
+    layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers, config.batch_size,
+                            config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
+               for _, latents, _ in stages]
+    data_key = layout_key(layouts[0], data)
+    if len(stages) > 1:  # which data each step trains on: every stage's layout and steps
+        data_key["stages"] = [[steps, layout_key(layout, latents)] for (_, latents, steps), layout in zip(stages, layouts)]
     step, resumed_from = 0, find_resume(config, accelerator)
-    bucket_samples = [0] * len(data.buckets)  # this rank's samples per bucket since the run began
+    bucket_samples = [0] * len(all_buckets)  # this rank's samples per bucket since the run began
     if resumed_from is not None:
         state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
         refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
                               "exact resume needs the same latent shards (names, sample counts, sizes), number "
-                              "of ranks, --workers, --batch-size, --seed and --shuffle-buffer")
+                              "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
         load_checkpoint_state(accelerator, resumed_from, extra_states)
         generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
         step = state["step"]
         # A checkpoint from before per-bucket counts had one bucket, which took every sample.
-        counted = state.get("bucket_samples") or {data.buckets[0]: step * config.batch_size * config.grad_accum}
-        bucket_samples = [int(counted.get(key, 0)) for key in data.buckets]
+        counted = state.get("bucket_samples") or {all_buckets[0]: step * config.batch_size * config.grad_accum}
+        bucket_samples = [int(counted.get(key, 0)) for key in all_buckets]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
-    loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
-    batches = iter(loader)
+    stage = next((i for i, end in enumerate(stage_ends) if step < end), len(stages) - 1)
+    current = stages[stage][1]  # the stage's latents; `data` (the first stage's) holds what all share
+    stage_start = stage_ends[stage] - stages[stage][2]
+    batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
+                                 pin_memory=device.type == "cuda"))
     empty_text = data.empty_caption.to(device, input_dtype)
 
     metrics_path = output / "metrics.jsonl"
@@ -932,13 +960,19 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     nonfinite, worst_nonfinite = torch.zeros((), device=device), torch.zeros((), device=device)
     last_checkpoint, stopped_by = None, None
     while step < max_steps:
+        if step == stage_ends[stage]:  # the next stage's stream starts at its first batch
+            stage += 1
+            current = stages[stage][1]
+            del batches  # ends the previous stage's workers
+            batches = iter(latent_loader(layouts[stage], pin_memory=device.type == "cuda"))
+            accelerator.print(f"step {step}: stage {stage + 1} of {len(stages)}, {stages[stage][0]}")
         step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
             step_keys += batch["key"]
-            bucket = data.bucket_of(batch["moments"].shape[1:])
+            bucket = to_all[stage][current.bucket_of(batch["moments"].shape[1:])]
             bucket_samples[bucket] += len(batch["key"])
             window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
@@ -978,7 +1012,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                 "data_wait_pct": 100.0 * data_wait / elapsed,
                 "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
                 # all ranks, since the run began: sums to step x global batch
-                "samples_per_bucket": {key: int(n) for key, n in zip(data.buckets, totals[1:])},
+                "samples_per_bucket": {key: int(n) for key, n in zip(all_buckets, totals[1:])},
             }
             if main:
                 with open(metrics_path, "a") as handle:
@@ -1009,7 +1043,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             healthy = nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
             if accelerator.reduce(torch.tensor(float(healthy), device=device), "min").item():
                 rank_state = {"step": step, "layout": data_key, "fingerprint": fingerprint and fingerprint[0],
-                              "bucket_samples": dict(zip(data.buckets, bucket_samples)),
+                              "bucket_samples": dict(zip(all_buckets, bucket_samples)),
                               "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
                 last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                                                   config, {name: obj.state_dict() for name, obj in extra_states.items()})
@@ -1019,7 +1053,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         if validation is not None and (step % config.validate_every == 0 or step == max_steps):
             vae, texts = validation
             unet.eval()
-            images = validate(unet, vae, noise_scheduler, texts, empty_text, data, config, device)
+            images = validate(unet, vae, noise_scheduler, texts, empty_text, current, config, device)
             unet.train()
             if main:
                 save_grid(images, output / "samples" / f"step-{step:06d}.png")
@@ -1030,13 +1064,26 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         exporter.close()
 
     if not stopped_by:
-        if data.bucketed:
+        if len(all_buckets) > 1:
             seen = accelerator.reduce(torch.tensor(bucket_samples, dtype=torch.float64, device=device), "sum")
             accelerator.print("samples per bucket (all ranks): " + ", ".join(
-                f"{key} {int(n)}" for key, n in zip(data.buckets, seen.tolist())))
+                f"{key} {int(n)}" for key, n in zip(all_buckets, seen.tolist())))
         export(accelerator, unet, ema, master, output)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+
+
+def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: LatentSet) -> LatentSet:
+    """A --stage folder must feed the same model as LATENTS: latent channels, text embeddings and the
+    VAE's scaling (its validation grids decode with LATENTS' VAE)."""
+    def facts(data: LatentSet) -> tuple:
+        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor)
+
+    if facts(later) != facts(first[1]):
+        raise LaionkitError(
+            f"--stage {folder}: (latent channels, text shape, scaling factor, shift factor) {facts(later)} differ "
+            f"from {first[0]}'s {facts(first[1])}: stages must come from the same VAE and text encoder")
+    return later
 
 
 def layout_key(layout: StreamLayout, data: LatentSet) -> dict:

@@ -187,3 +187,34 @@ def test_compile_takes_one_graph_per_bucket(bucket_latents, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     counts = _records(run, "metrics.jsonl")[6]["samples_per_bucket"]
     assert sum(1 for n in counts.values() if n) >= 2, counts
+
+
+def test_stages_switch_latent_folders_and_resume_exactly_on_either_side_of_the_switch(
+        latent_shards, bucket_latents, tmp_path):
+    """--stage: 4 steps on the square 64 px latents, then 4 on the bucketed ones; resuming from the
+    checkpoint before the switch (step 3) and after it (step 6) reproduces the uninterrupted run."""
+    from laionkit.common import LaionkitError
+    from laionkit.train import TrainConfig
+
+    with pytest.raises(LaionkitError, match="DIR:STEPS"):
+        TrainConfig(latents=latent_shards, output=tmp_path / "x", unet_config="tiny", max_steps=1, stage=["no-steps"])
+    args = (*TINY, "--batch-size", "2", "--max-steps", "4", "--stage", f"{bucket_latents}:4", "--checkpoint-every",
+            "3", "--log-every", "1", "--workers", "2", "--shuffle-buffer", "3", "--record-keys")
+    whole = tmp_path / "whole"
+    assert "stage 2 of 2" in run_cli("train", latent_shards, "--output", whole, *args).stdout
+    expected = _records(whole, "metrics.jsonl")
+    assert set(expected[4]["samples_per_bucket"].values()) == {0, 8} and expected[4]["samples_per_bucket"]["64x64"] == 8
+    assert expected[8]["samples_per_bucket"]["64x64"] == 8 and sum(expected[8]["samples_per_bucket"].values()) == 16
+    for step in (3, 6):
+        run = tmp_path / f"from-{step}"
+        run_cli("train", latent_shards, "--output", run, *args, "--resume", whole / "checkpoints" / f"step-{step:08d}")
+        got = _records(run, "metrics.jsonl")
+        assert sorted(got) == list(range(step + 1, 9))
+        for later in got:
+            assert got[later]["loss"] == pytest.approx(expected[later]["loss"], rel=1e-5, abs=1e-7), (step, later)
+            assert got[later]["samples_per_bucket"] == expected[later]["samples_per_bucket"], (step, later)
+        assert _records(run, "seen/rank-00000.jsonl") == {
+            k: v for k, v in _records(whole, "seen/rank-00000.jsonl").items() if k > step}
+    other = run_cli("train", latent_shards, "--output", tmp_path / "other", *args, "--stage", f"{bucket_latents}:2",
+                    "--resume", whole / "checkpoints" / "step-00000006", check=False)
+    assert other.returncode == 2 and "other stages" in other.stderr, other.stderr[-2000:]
