@@ -343,6 +343,9 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     laionkit train latents/ --output runs/lora --unet stable-diffusion-v1-5/stable-diffusion-v1-5
     --lora-rank 16 --lr 1e-4 --max-steps 2000 --val-latents val-latents/ --val-every 200
 
+    laionkit train latents-256/ --output runs/multires --unet-config sd15 --max-steps 50000
+    --stage latents-512-buckets/:20000 --resume latest
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -377,7 +380,7 @@ def train_command(
     ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Trade compute for activation memory.")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one shape per process).")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one graph per latent shape, i.e. per bucket).")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
     channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
     tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,
@@ -405,6 +408,7 @@ def train_command(
     val_latents: Annotated[Optional[Path], typer.Option(help="A latent folder (encode output) for a deterministic validation loss, written to metrics.jsonl as val_loss.")] = None,
     val_every: Annotated[int, typer.Option(help="Validation loss every N steps and at the end (default: --validate-every, else --checkpoint-every).")] = 0,
     val_samples: Annotated[int, typer.Option(help="The first N samples of --val-latents (shards by name, tar order), each with fixed noise and timestep.")] = 64,
+    stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,

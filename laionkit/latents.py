@@ -5,7 +5,14 @@ infinite stream, one pass per epoch, each epoch in its own seeded order. Trainin
 in steps, so every rank runs the same number of steps whatever its share of the data: a rank whose
 shards are smaller simply starts its next epoch sooner, and no rank ever waits for data that isn't
 there. The stream is a pure function of (seed, rank, worker, epoch), so the data cursor is one number
-per rank (batches consumed) and resuming means skipping that many samples without decoding them.
+per rank (batches consumed) and resuming means skipping that many batches without decoding them.
+
+Batches. A batch holds samples of one latent shape: with aspect-ratio buckets (``encode --buckets``) each
+consumer puts its samples, in stream order after the shuffle buffer, into one buffer per shape and emits
+a buffer as a batch when it holds ``batch_size`` samples; shapes are never mixed and nothing is padded.
+Samples left in a bucket's buffer at the end of an epoch are carried into the next epoch, not dropped,
+so every sample is trained on and a bucket smaller than a batch still fills up over epochs. Without
+buckets there is one shape and a batch is simply the next ``batch_size`` samples of the endless stream.
 
 Units. With at least as many shards as consumers, shard *i* goes to consumer *i mod n*
 (``laionkit.common.split``). With fewer shards than consumers, consumer *c* reads shard *c mod S* and
@@ -20,14 +27,14 @@ import io
 import itertools
 import random
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from laionkit.common import LaionkitError, Rank, split
 from laionkit.common.tars import count_samples
@@ -82,10 +89,30 @@ def read_unit(unit: Unit) -> Iterator[dict]:
     return itertools.islice(samples, unit.offset, None, unit.stride)
 
 
-def decode(sample: dict) -> dict:
+def _require_members(sample: dict) -> None:
     for member in (MOMENTS, TEXT):
         if member not in sample:
             raise LaionkitError(f"{sample['__url__']}: sample {sample['__key__']} has no .{member} member")
+
+
+def moments_shape(sample: dict) -> tuple[int, ...]:
+    """The shape of a raw sample's moments from its .npy header alone: the bucket key, known without
+    decoding, so skipped batches cost no decode."""
+    _require_members(sample)
+    stream = io.BytesIO(sample[MOMENTS])
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version not in ((1, 0), (2, 0)):
+            return tuple(np.load(io.BytesIO(sample[MOMENTS])).shape)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return tuple(reader(stream)[0])
+    except ValueError as error:
+        raise LaionkitError(f"{sample['__url__']}: sample {sample['__key__']}: .{MOMENTS} is not a numpy "
+                            f"array ({error})") from None
+
+
+def decode(sample: dict) -> dict:
+    _require_members(sample)
     return {
         "key": sample["__key__"],
         "moments": torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS]))),
@@ -97,11 +124,15 @@ def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, rank, worker]).generate_state(1)[0])
 
 
-def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int) -> Iterator[dict]:
-    """One pass over ``units``: unit order permuted, then samples mixed through a shuffle buffer."""
+def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int,
+                  read: Callable[[Unit], Iterable] = read_unit) -> Iterator:
+    """One pass over ``units``: unit order permuted, then samples mixed through a shuffle buffer.
+
+    The random draws depend only on the number of samples per unit, never on their content, so ``read``
+    may yield stand-ins (resume replays an epoch's bucketing on shapes alone)."""
     order = list(units)
     rng.shuffle(order)
-    samples = itertools.chain.from_iterable(read_unit(unit) for unit in order)
+    samples = itertools.chain.from_iterable(read(unit) for unit in order)
     if shuffle_buffer <= 1:
         return samples
     return wds.filters.shuffle(bufsize=shuffle_buffer, initial=shuffle_buffer, rng=rng)(samples)
@@ -118,6 +149,8 @@ class StreamLayout:
     batch_size: int
     seed: int
     shuffle_buffer: int
+    # Several latent shapes (encode --buckets): resume replays the bucketing instead of counting samples.
+    bucketed: bool = False
 
     @property
     def consumers(self) -> int:
@@ -125,7 +158,7 @@ class StreamLayout:
 
 
 class LatentStream(IterableDataset):
-    """One rank's infinite sample stream, starting after ``batches_done`` batches (the data cursor)."""
+    """One rank's infinite stream of single-shape batches, starting after ``batches_done`` batches."""
 
     def __init__(self, layout: StreamLayout, batches_done: int = 0) -> None:
         self.layout = layout
@@ -142,23 +175,71 @@ class LatentStream(IterableDataset):
         worker = ((info.id if info is not None else 0) + self.batches_done) % layout.consumers
         units = partition(self.rank_units, worker, layout.consumers)
         batches = max(0, -(-(self.batches_done - worker) // layout.consumers))
-        skip = batches * layout.batch_size
-        first_epoch = 0
-        if skip:
+        first_epoch, skip, pending, skip_batches = 0, 0, {}, 0
+        if batches and layout.bucketed:
+            first_epoch, pending, skip_batches = self._resume_point(units, worker, batches)
+        elif batches:  # one shape: a batch is the next batch_size samples, so skip whole epochs by count
             sizes = {unit.shard: count_samples(unit.shard) for unit in units}
             length = sum(unit_length(unit, sizes) for unit in units)
             if length == 0:
                 raise self._starved(worker)
-            first_epoch, skip = divmod(skip, length)
+            first_epoch, skip = divmod(batches * layout.batch_size, length)
         for epoch in itertools.count(first_epoch):
             rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
             produced = 0
             for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer), skip, None):
                 produced += 1
-                yield decode(sample)
+                shape = moments_shape(sample)
+                if not layout.bucketed and pending and shape not in pending:
+                    raise LaionkitError(
+                        f"{sample['__url__']}: sample {sample['__key__']} has latent shape {shape}, others "
+                        f"{next(iter(pending))}: the folder's manifest names no buckets, so all must match"
+                    )
+                bucket = pending.setdefault(shape, [])
+                bucket.append(sample)
+                if len(bucket) == layout.batch_size:
+                    pending[shape] = []
+                    if skip_batches:
+                        skip_batches -= 1
+                    else:
+                        yield default_collate([decode(raw) for raw in bucket])
             if produced == 0 and skip == 0:
                 raise self._starved(worker)
             skip = 0
+
+    def _resume_point(self, units: list[Unit], worker: int, batches: int) -> tuple[int, dict, int]:
+        """Where a bucketed stream that has delivered ``batches`` batches stands: the epoch to restart,
+        the buckets' buffers at its start (raw samples) and the batches of it already delivered.
+
+        Leftovers carried over make an epoch's batches depend on every epoch before it, so the
+        bucketing is replayed from epoch 0 on stand-ins (unit, index, shape), which consume the same
+        random draws as the samples; reading the shapes costs one pass over this consumer's units,
+        and only the carried-over samples are read again."""
+        layout = self.layout
+        shapes = {unit: [moments_shape(sample) for sample in read_unit(unit)] for unit in units}
+        if not any(shapes.values()):
+            raise self._starved(worker)
+
+        def stand_ins(unit: Unit) -> Iterator[tuple]:
+            return ((unit, index, shape) for index, shape in enumerate(shapes[unit]))
+
+        pending: dict[tuple, list] = {}
+        done = 0
+        for epoch in itertools.count():
+            at_start = {shape: list(items) for shape, items in pending.items()}
+            rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
+            emitted = 0
+            for unit, index, shape in epoch_samples(units, rng, layout.shuffle_buffer, stand_ins):
+                bucket = pending.setdefault(shape, [])
+                bucket.append((unit, index))
+                if len(bucket) == layout.batch_size:
+                    pending[shape] = []
+                    emitted += 1
+            if done + emitted > batches:
+                return epoch, _fetch(at_start), batches - done
+            done += emitted
+            if done == batches:
+                return epoch + 1, _fetch(pending), 0
 
     def _starved(self, worker: int) -> LaionkitError:
         layout = self.layout
@@ -166,6 +247,20 @@ class LatentStream(IterableDataset):
             f"rank {layout.rank} worker {worker} got no samples from {len(layout.shards)} latent shards "
             f"({layout.world_size} ranks x {layout.consumers} workers): are some shards empty?"
         )
+
+
+def _fetch(pending: dict[tuple, list[tuple[Unit, int]]]) -> dict[tuple, list[dict]]:
+    """The raw samples behind the stand-ins (unit, index in unit) of a bucket state."""
+    wanted: dict[Unit, set[int]] = {}
+    for items in pending.values():
+        for unit, index in items:
+            wanted.setdefault(unit, set()).add(index)
+    found = {}
+    for unit, indices in wanted.items():
+        for index, sample in enumerate(itertools.islice(read_unit(unit), max(indices) + 1)):
+            if index in indices:
+                found[unit, index] = sample
+    return {shape: [found[item] for item in items] for shape, items in pending.items()}
 
 
 # The signals a scheduler or launcher sends to stop a run (docker stop, Kubernetes, Slurm, torchrun
@@ -187,10 +282,11 @@ def _ignore_interrupt(_worker: int) -> None:
 
 
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False) -> DataLoader:
-    """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``."""
+    """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``, one (h, w)
+    per batch; the workers form the batches (see the module docstring)."""
     return DataLoader(
         LatentStream(layout, batches_done),
-        batch_size=layout.batch_size,
+        batch_size=None,
         num_workers=layout.workers,
         pin_memory=pin_memory,
         worker_init_fn=_ignore_interrupt if layout.workers else None,

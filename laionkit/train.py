@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import math
 import shutil
@@ -116,6 +117,7 @@ class TrainConfig:
     peak_tflops: float = 989.0
     record_keys: bool = False
     metrics_port: int | None = None
+    stage: tuple[str, ...] | None = None  # DIR:STEPS, trained after --latents in this order
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
@@ -158,6 +160,17 @@ class TrainConfig:
             raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
+        self.later_stages()
+
+    def later_stages(self) -> list[tuple[Path, int]]:
+        """The --stage folders and their steps, trained after the LATENTS stage."""
+        found = []
+        for spec in self.stage or ():
+            folder, colon, steps = spec.rpartition(":")
+            if not colon or not folder or not steps.isdigit() or int(steps) < 1:
+                raise LaionkitError(f"--stage {spec!r}: give DIR:STEPS, STEPS a whole number of steps >= 1")
+            found.append((Path(folder), int(steps)))
+        return found
 
         lora.check_config(self)
         valloss.check_config(self)
@@ -175,7 +188,10 @@ class TrainResult:
 @dataclass(frozen=True)
 class LatentSet:
     """What training needs from an encode output folder (docs/FORMATS.md §3). ``shards`` are the
-    non-empty shards with their sample counts in ``shard_samples``; empty ones are listed apart."""
+    non-empty shards with their sample counts in ``shard_samples``; empty ones are listed apart.
+    ``buckets`` name the latent shapes a batch may have ("WxH" in pixels, as encode names them), in the
+    manifest's order, with their moments shapes in ``bucket_shapes``: one entry without --buckets.
+    ``moments_shape`` is the square bucket's, the size validation draws."""
 
     shards: tuple[str, ...]
     shard_samples: tuple[int, ...]
@@ -187,6 +203,18 @@ class LatentSet:
     moments_shape: tuple[int, ...]
     text_shape: tuple[int, ...]
     empty_caption: torch.Tensor
+    bucketed: bool = False
+    buckets: tuple[str, ...] = ()
+    bucket_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def bucket_of(self, shape) -> int:
+        """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
+        try:
+            return self.bucket_shapes.index(tuple(shape))
+        except ValueError:
+            raise LaionkitError(f"latents of shape {tuple(shape)} fit none of the manifest's buckets "
+                                f"({', '.join(self.buckets)}): was the folder assembled from several encode "
+                                "runs? Re-encode it") from None
 
 
 def open_latents(latents: Path) -> LatentSet:
@@ -208,8 +236,6 @@ def open_latents(latents: Path) -> LatentSet:
         records = manifest.get("records") or {}
     except (KeyError, TypeError, ValueError) as error:
         raise LaionkitError(f"{manifest_path} has no valid {error} (not a laionkit-latents manifest)") from None
-    if manifest.get("buckets"):
-        raise LaionkitError(f"{manifest_path}: bucketed latents are not supported by train yet")
     if not manifest.get("complete"):
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
@@ -230,6 +256,18 @@ def open_latents(latents: Path) -> LatentSet:
     if not shards:
         raise LaionkitError(f"every latent shard in {latents} is empty: nothing to train on")
     first = decode(next(read_unit(Unit(shards[0]))))
+    channels, height, width = first["moments"].shape
+    factor = int(vae.get("downsample_factor") or 8)  # SD's, for manifests written before it was recorded
+    sizes = manifest.get("buckets") or [[width * factor, height * factor]]
+    try:
+        bucket_shapes = tuple((channels, int(h) // factor, int(w) // factor) for w, h in sizes)
+    except (TypeError, ValueError):
+        raise LaionkitError(f"{manifest_path}: buckets {sizes!r} are not a list of [width, height]") from None
+    if tuple(first["moments"].shape) not in bucket_shapes:
+        raise LaionkitError(f"{manifest_path}: the latents in {shards[0]} have shape {tuple(first['moments'].shape)}, "
+                            f"none of the manifest's buckets {sizes} at 1/{factor} scale; rerun encode")
+    buckets = tuple(f"{w}x{h}" for w, h in sizes)
+    square = [shape for shape in bucket_shapes if shape[1] == shape[2]]
     try:
         empty = torch.from_numpy(np.load(empty_path))
     except (OSError, ValueError) as error:
@@ -245,9 +283,12 @@ def open_latents(latents: Path) -> LatentSet:
         scaling_factor=scaling_factor,
         shift_factor=float(vae.get("shift_factor") or 0.0),
         vae_source=(manifest.get("models") or {}).get("vae", {}).get("source"),
-        moments_shape=tuple(first["moments"].shape),
+        moments_shape=square[0] if square else tuple(first["moments"].shape),
         text_shape=tuple(first["text"].shape),
         empty_caption=empty,
+        bucketed=bool(manifest.get("buckets")),
+        buckets=buckets,
+        bucket_shapes=bucket_shapes,
     )
 
 
@@ -351,11 +392,12 @@ def diffusion_loss(model, moments, text, empty_text, noise_scheduler, config: Tr
     return loss.mean()
 
 
-def flops_per_sample(unet, data: LatentSet, device: torch.device) -> float:
-    """Model FLOPs of one sample's forward + backward, counted once by torch's flop counter."""
+def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[int, ...]) -> float:
+    """Model FLOPs of one sample's forward + backward at moments ``shape`` (a bucket's: attention grows
+    faster than the pixel count, so buckets differ), counted once by torch's flop counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    channels, height, width = data.moments_shape
+    channels, height, width = shape
     dtype = next(unet.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
     sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
     text = torch.zeros(1, *data.text_shape, device=device, dtype=dtype)
@@ -796,7 +838,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    refuse_overlap([config.latents, *([config.val_latents] if config.val_latents else [])], output, "train")
+    refuse_overlap([config.latents, *(folder for folder, _ in config.later_stages()),
+                    *([config.val_latents] if config.val_latents else [])], output, "train")
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -811,13 +854,22 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     global_batch = config.batch_size * config.grad_accum * world
     max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
+    # --stage: a schedule of latent folders (e.g. low resolution first), each for its number of steps.
+    stages = [(config.latents, data, max_steps)]
+    for folder, steps in config.later_stages():
+        stages.append((folder, same_model_latents(stages[0], folder, open_latents(folder)), steps))
+    stage_ends = list(itertools.accumulate(steps for _, _, steps in stages))
+    max_steps = stage_ends[-1]
+    all_buckets = list(dict.fromkeys(key for _, latents, _ in stages for key in latents.buckets))
+    to_all = [[all_buckets.index(key) for key in latents.buckets] for _, latents, _ in stages]
 
     set_seed(config.seed)  # the same initial weights on every rank
     unet = build_unet(config, data).to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
         lora.attach(unet, config, accelerator)
     noise_scheduler = load_noise_scheduler(config)
-    model_flops = flops_per_sample(unet, data, device)
+    shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
+    model_flops = [flops_per_sample(unet, data, device, shapes[key]) for key in all_buckets]
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.channels_last:
@@ -849,26 +901,42 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
     )
     lr_scheduler = accelerator.prepare(lr_scheduler)
+    if config.compile:
+        # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
+        # per function, 256 in all), else the shapes past the limit would run uncompiled.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(all_buckets))
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(all_buckets))
     model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
 
     # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
     generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
-    layout = StreamLayout(data.shards, accelerator.process_index, world, config.workers, config.batch_size,
-                          config.seed, config.shuffle_buffer)
-    data_key = layout_key(layout, data)
+    layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers, config.batch_size,
+                            config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
+               for _, latents, _ in stages]
+    data_key = layout_key(layouts[0], data)
+    if len(stages) > 1:  # which data each step trains on: every stage's layout and steps
+        data_key["stages"] = [[steps, layout_key(layout, latents)] for (_, latents, steps), layout in zip(stages, layouts)]
     step, resumed_from = 0, find_resume(config, accelerator)
+    bucket_samples = [0] * len(all_buckets)  # this rank's samples per bucket since the run began
     if resumed_from is not None:
         state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
         lora.check_resume(resumed_from, config)
         refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
                               "exact resume needs the same latent shards (names, sample counts, sizes), number "
-                              "of ranks, --workers, --batch-size, --seed and --shuffle-buffer")
+                              "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
         load_checkpoint_state(accelerator, resumed_from, extra_states)
         generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
         step = state["step"]
+        # A checkpoint from before per-bucket counts had one bucket, which took every sample.
+        counted = state.get("bucket_samples") or {all_buckets[0]: step * config.batch_size * config.grad_accum}
+        bucket_samples = [int(counted.get(key, 0)) for key in all_buckets]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
-    loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
-    batches = iter(loader)
+    stage = next((i for i, end in enumerate(stage_ends) if step < end), len(stages) - 1)
+    current = stages[stage][1]  # the stage's latents; `data` (the first stage's) holds what all share
+    stage_start = stage_ends[stage] - stages[stage][2]
+    batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
+                                 pin_memory=device.type == "cuda"))
     empty_text = data.empty_caption.to(device, input_dtype)
 
     metrics_path = output / "metrics.jsonl"
@@ -910,7 +978,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
                     unit="step")
     window_loss = torch.zeros((), device=device)
-    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+    window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
     grad_norm = torch.zeros((), device=device)
     # Consecutive steps with a non-finite loss, and the longest such run in this log window; counted on
     # the device so that no step waits for the host, read at log and checkpoint steps.
@@ -918,12 +986,21 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     last_checkpoint, stopped_by = None, None
     while step < max_steps:
         lora.seed_dropout(config, accelerator.process_index, step)  # LoRA hook: dropout masks as exact as the rest
+        if step == stage_ends[stage]:  # the next stage's stream starts at its first batch
+            stage += 1
+            current = stages[stage][1]
+            del batches  # ends the previous stage's workers
+            batches = iter(latent_loader(layouts[stage], pin_memory=device.type == "cuda"))
+            accelerator.print(f"step {step}: stage {stage + 1} of {len(stages)}, {stages[stage][0]}")
         step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
             waited = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - waited
             step_keys += batch["key"]
+            bucket = to_all[stage][current.bucket_of(batch["moments"].shape[1:])]
+            bucket_samples[bucket] += len(batch["key"])
+            window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
             text = batch["text"].to(device, non_blocking=True).to(input_dtype)
             with accelerator.accumulate(unet):
@@ -952,13 +1029,17 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
             elapsed = time.perf_counter() - window_start
             samples_per_s = window_steps * global_batch / elapsed
+            totals = accelerator.reduce(torch.tensor([window_flops, *bucket_samples], dtype=torch.float64,
+                                                     device=device), "sum").tolist()
             record = {
                 "step": step, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": None if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
                 "samples_per_s_per_gpu": samples_per_s / world,
-                "mfu": model_flops * samples_per_s / world / (config.peak_tflops * 1e12),
+                "mfu": totals[0] / elapsed / world / (config.peak_tflops * 1e12),
                 "data_wait_pct": 100.0 * data_wait / elapsed,
                 "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+                # all ranks, since the run began: sums to step x global batch
+                "samples_per_bucket": {key: int(n) for key, n in zip(all_buckets, totals[1:])},
             }
             if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
                 unet.eval()
@@ -971,12 +1052,14 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                 with open(metrics_path, "a") as handle:
                     handle.write(strict_json(record) + "\n")
                 if accelerator.log_with:
-                    accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                    scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")}
+                    scalars.update({f"samples_per_bucket/{k}": v for k, v in record["samples_per_bucket"].items()})
+                    accelerator.log(scalars, step=step)
                 if exporter is not None:
                     exporter.update(record)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
             window_loss.zero_()
-            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
 
             worst = accelerator.reduce(worst_nonfinite, "max").item()
             worst_nonfinite.zero_()
@@ -994,6 +1077,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             healthy = nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
             if accelerator.reduce(torch.tensor(float(healthy), device=device), "min").item():
                 rank_state = {"step": step, "layout": data_key, "fingerprint": fingerprint and fingerprint[0],
+                              "bucket_samples": dict(zip(all_buckets, bucket_samples)),
                               "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
                 last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                                                   config, {name: obj.state_dict() for name, obj in extra_states.items()})
@@ -1003,7 +1087,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         if validation is not None and (step % config.validate_every == 0 or step == max_steps):
             vae, texts = validation
             unet.eval()
-            images = validate(unet, vae, noise_scheduler, texts, empty_text, data, config, device)
+            images = validate(unet, vae, noise_scheduler, texts, empty_text, current, config, device)
             unet.train()
             if main:
                 save_grid(images, output / "samples" / f"step-{step:06d}.png")
@@ -1014,6 +1098,10 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         exporter.close()
 
     if not stopped_by:
+        if len(all_buckets) > 1:
+            seen = accelerator.reduce(torch.tensor(bucket_samples, dtype=torch.float64, device=device), "sum")
+            accelerator.print("samples per bucket (all ranks): " + ", ".join(
+                f"{key} {int(n)}" for key, n in zip(all_buckets, seen.tolist())))
         if config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
             lora.export(accelerator, unet, ema, master, output)
         else:
@@ -1022,10 +1110,24 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 
 
+def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: LatentSet) -> LatentSet:
+    """A --stage folder must feed the same model as LATENTS: latent channels, text embeddings and the
+    VAE's scaling (its validation grids decode with LATENTS' VAE)."""
+    def facts(data: LatentSet) -> tuple:
+        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor)
+
+    if facts(later) != facts(first[1]):
+        raise LaionkitError(
+            f"--stage {folder}: (latent channels, text shape, scaling factor, shift factor) {facts(later)} differ "
+            f"from {first[0]}'s {facts(first[1])}: stages must come from the same VAE and text encoder")
+    return later
+
+
 def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     """What exact resume compares: the stream layout with the shards as content (name, samples, bytes),
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
+    del key["bucketed"]  # follows from the shards' content, pinned below (and absent from older checkpoints)
     key["shards"] = [[Path(shard).name, samples, Path(shard).stat().st_size]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key

@@ -96,7 +96,7 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
     device = accelerator.device
     torch.manual_seed(0)
     unet = build_unet(config, data).to(device)
-    flops = flops_per_sample(unet, data, device)
+    flops = flops_per_sample(unet, data, device, data.moments_shape)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
     master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
