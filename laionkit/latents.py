@@ -29,7 +29,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from laionkit.common import LaionkitError, Rank, split
+from laionkit.common import LaionkitError, Rank, split, storage
+from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 
 # The members a training sample needs; others (the json, extra encoders) are skipped unread.
@@ -61,8 +62,9 @@ def partition(units: Sequence[Unit], consumer: int, consumers: int) -> list[Unit
     return [shared.narrow(consumer // len(units), sharers)]
 
 
-def shard_paths(latents: Path) -> list[Path]:
-    shards = sorted(latents.glob("*.tar"))
+def shard_paths(latents: Path | Location) -> list[Location]:
+    """The folder's complete latent tars (in an object store: those with their done record)."""
+    shards = Location.parse(latents).list("*.tar")
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards
@@ -72,9 +74,15 @@ def unit_length(unit: Unit, shard_sizes: dict[str, int]) -> int:
     return len(range(unit.offset, shard_sizes[unit.shard], unit.stride))
 
 
-def read_unit(unit: Unit) -> Iterator[dict]:
-    """Raw (undecoded) samples of one unit, in tar order."""
-    opened = wds.tariterators.url_opener([{"url": unit.shard}])
+def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
+    """Raw (undecoded) samples of one unit, in tar order. A shard in an object store is streamed with
+    read-ahead (the next blocks download while this one decodes), or read through ``cache`` (train's
+    ``--cache-dir``: later epochs read local copies)."""
+    location = Location.parse(unit.shard)
+    if location.local and cache is None:
+        opened = wds.tariterators.url_opener([{"url": unit.shard}])
+    else:
+        opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
     files = wds.tariterators.tar_file_expander(
         opened, select_files=lambda name: name.endswith((MOMENTS, TEXT))
     )
@@ -97,11 +105,12 @@ def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, rank, worker]).generate_state(1)[0])
 
 
-def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int) -> Iterator[dict]:
+def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int,
+                  cache: ReadCache | None = None) -> Iterator[dict]:
     """One pass over ``units``: unit order permuted, then samples mixed through a shuffle buffer."""
     order = list(units)
     rng.shuffle(order)
-    samples = itertools.chain.from_iterable(read_unit(unit) for unit in order)
+    samples = itertools.chain.from_iterable(read_unit(unit, cache) for unit in order)
     if shuffle_buffer <= 1:
         return samples
     return wds.filters.shuffle(bufsize=shuffle_buffer, initial=shuffle_buffer, rng=rng)(samples)
@@ -127,9 +136,10 @@ class StreamLayout:
 class LatentStream(IterableDataset):
     """One rank's infinite sample stream, starting after ``batches_done`` batches (the data cursor)."""
 
-    def __init__(self, layout: StreamLayout, batches_done: int = 0) -> None:
+    def __init__(self, layout: StreamLayout, batches_done: int = 0, cache: ReadCache | None = None) -> None:
         self.layout = layout
         self.batches_done = batches_done
+        self.cache = cache  # where shards are read from does not change the stream: not in the layout
         units = [Unit(shard) for shard in layout.shards]
         self.rank_units = partition(units, layout.rank, layout.world_size)
 
@@ -153,7 +163,7 @@ class LatentStream(IterableDataset):
         for epoch in itertools.count(first_epoch):
             rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
             produced = 0
-            for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer), skip, None):
+            for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer, self.cache), skip, None):
                 produced += 1
                 yield decode(sample)
             if produced == 0 and skip == 0:
@@ -186,10 +196,11 @@ def _ignore_interrupt(_worker: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False) -> DataLoader:
+def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,
+                  cache: ReadCache | None = None) -> DataLoader:
     """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``."""
     return DataLoader(
-        LatentStream(layout, batches_done),
+        LatentStream(layout, batches_done, cache),
         batch_size=layout.batch_size,
         num_workers=layout.workers,
         pin_memory=pin_memory,

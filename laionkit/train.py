@@ -30,11 +30,12 @@ from laionkit.common import (
     atomic_output,
     read_json,
     refuse_other_settings,
-    refuse_overlap,
     resolve_rank,
+    storage,
     versions,
 )
 from laionkit.common.outputs import partial_path
+from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 from laionkit.latents import (
     STOP_SIGNALS,
@@ -65,7 +66,7 @@ UNET_PRESETS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    latents: Path
+    latents: Path | str  # a folder or a URL (s3://...), streamed
     output: Path
     unet: str | None = None
     unet_config: str | None = None
@@ -118,6 +119,8 @@ class TrainConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
+    cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
+    cache_size: int = 100 * 2**30
 
     def __post_init__(self) -> None:
         choices = {
@@ -177,15 +180,18 @@ class LatentSet:
     empty_caption: torch.Tensor
 
 
-def open_latents(latents: Path) -> LatentSet:
+def open_latents(latents: Path | str) -> LatentSet:
+    import io
+
     import numpy as np
 
+    latents = Location.parse(latents)
     manifest_path = latents / "manifest.json"
-    if not manifest_path.is_file():
+    if not manifest_path.is_complete() or manifest_path.is_dir():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
     from laionkit.encode import RECORD_SUFFIX, latent_status
 
-    if any(latents.glob("*" + RECORD_SUFFIX)):
+    if latents.list("*" + RECORD_SUFFIX):
         manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
     else:
         manifest = _read_record(manifest_path)  # a folder assembled by hand: its manifest is all there is
@@ -205,7 +211,7 @@ def open_latents(latents: Path) -> LatentSet:
     for path in shard_paths(latents):
         found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
-        if path.name in records and record_file.is_file():
+        if path.name in records and record_file.is_complete() and not record_file.is_dir():
             recorded = _read_record(record_file).get("samples_out")
             if recorded != found:
                 raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
@@ -219,8 +225,8 @@ def open_latents(latents: Path) -> LatentSet:
         raise LaionkitError(f"every latent shard in {latents} is empty: nothing to train on")
     first = decode(next(read_unit(Unit(shards[0]))))
     try:
-        empty = torch.from_numpy(np.load(empty_path))
-    except (OSError, ValueError) as error:
+        empty = torch.from_numpy(np.load(io.BytesIO(empty_path.read_bytes())))
+    except (OSError, ValueError, LaionkitError) as error:
         raise LaionkitError(f"{empty_path} (the manifest's empty_caption) cannot be read: {error}") from None
     if tuple(empty.shape) != tuple(first["text"].shape):
         raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
@@ -239,10 +245,10 @@ def open_latents(latents: Path) -> LatentSet:
     )
 
 
-def _read_record(path: Path) -> dict:
+def _read_record(path: Location) -> dict:
     try:
-        record = read_json(path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        record = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, LaionkitError) as error:
         raise LaionkitError(f"{path} cannot be read as JSON ({error}): rerun encode") from None
     if not isinstance(record, dict):
         raise LaionkitError(f"{path} is not a JSON object: rerun encode")
@@ -665,7 +671,7 @@ def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], tor
     import numpy as np
     import webdataset as wds
 
-    opened = wds.tariterators.url_opener([{"url": data.shards[0]}])
+    opened = [{"url": data.shards[0], "stream": Location.parse(data.shards[0]).open_read()}]  # path or URL
     samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))
     captions, texts = [], []
     for sample in samples:
@@ -783,7 +789,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    refuse_overlap([config.latents], output, "train")
+    storage.refuse_overlap([config.latents], output, "train")
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -849,7 +855,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
         step = state["step"]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
-    loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda")
+    cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
+    loader = latent_loader(layout, batches_done=step * config.grad_accum, pin_memory=device.type == "cuda",
+                           cache=cache)
     batches = iter(loader)
     empty_text = data.empty_caption.to(device, input_dtype)
 
@@ -990,7 +998,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     """What exact resume compares: the stream layout with the shards as content (name, samples, bytes),
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
-    key["shards"] = [[Path(shard).name, samples, Path(shard).stat().st_size]
+    key["shards"] = [[Location.parse(shard).name, samples, Location.parse(shard).size()]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key
 

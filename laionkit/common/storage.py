@@ -85,14 +85,16 @@ def _s3_environment(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-_FILESYSTEMS: dict[tuple[str, str], Any] = {}
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 _FS_LOCK = threading.Lock()
 
 
 def _filesystem(protocol: str, options: dict[str, Any]):
     if protocol == "s3":
         options = _s3_environment(options)
-    key = (protocol, json.dumps(options, sort_keys=True, default=str))
+    # Per process: a forked DataLoader worker must not reuse its parent's instance, whose event loop
+    # thread does not exist in the child (every request would wait forever).
+    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=str))
     with _FS_LOCK:
         if key not in _FILESYSTEMS:
             import fsspec
