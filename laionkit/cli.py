@@ -37,6 +37,11 @@ WorldSizeOption = Annotated[
                  "SLURM_NTASKS, else 1). Alone in a Slurm array task: the task id is the rank."),
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+# Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
+# AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
+StorageOption = Annotated[Optional[str], typer.Option(
+    "--storage-options", help='JSON options for URL paths, e.g. \'{"endpoint_url": "http://minio:9000"}\' '
+    'or \'{"s3": {...}, "hf": {...}}\'; credentials otherwise come from AWS_* / fsspec config.')]
 
 
 def _show_version(value: bool) -> None:
@@ -194,11 +199,13 @@ def demo(
 
     laionkit pack local-urls.parquet --output shards/ --allow-private-hosts   # URLs on 127.0.0.1 / 10.x
 
+    laionkit pack s3://bucket/filtered/ --output s3://bucket/shards/   # AWS_* credentials / AWS_ENDPOINT_URL
+
 Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
 """)
 def pack(
-    inputs: Annotated[list[Path], typer.Argument(help="Parquet files or folders of them (filter's output).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the WebDataset tar shards.")],
+    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders of them (filter's output); paths or URLs.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Folder for the WebDataset tar shards (a path or URL).")],
     image_size: Annotated[int, typer.Option(help="Output image side in pixels.")] = 512,
     resize_mode: Annotated[str, typer.Option(help="center_crop, keep_ratio, border or no.")] = "center_crop",
     min_image_size: Annotated[int, typer.Option(help="Drop images whose shorter side is smaller.")] = 0,
@@ -228,6 +235,7 @@ def pack(
     respect_optout: Annotated[
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
+    storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
@@ -244,7 +252,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet,
+        quiet=quiet, storage_options=storage_options,
     )
     manifest = run(config)
     if not quiet:
@@ -267,6 +275,8 @@ def pack(
     torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
 
     torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --dedup URL --output out/unique   # exact, ranks meet via files
+
+    laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
 """)
 def filter_command(
     inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
@@ -298,6 +308,7 @@ def filter_command(
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
+    storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
@@ -310,7 +321,7 @@ def filter_command(
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
-        skip_bad=skip_bad, overwrite=overwrite, quiet=quiet,
+        skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
     )
     stats = filter_stage.run(config)
     if not quiet:
@@ -321,12 +332,16 @@ def filter_command(
 
     laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
     laionkit stats out/shards          # pack or plain img2dataset output; plain WebDataset tars too (read-only)
+    laionkit stats s3://bucket/shards  # any fsspec URL; credentials from AWS_* / --storage-options
 """)
-def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder of a laionkit stage.")]) -> None:
+def stats_command(
+    folder: Annotated[str, typer.Argument(help="An output folder of a laionkit stage (a path or URL).")],
+    storage_options: StorageOption = None,
+) -> None:
     """Print a readable summary of a stage's output folder, merged across ranks."""
     from laionkit import stats as stats_stage
 
-    stats_stage.run(stats_stage.StatsConfig(folder=folder))
+    stats_stage.run(stats_stage.StatsConfig(folder=folder, storage_options=storage_options))
 
 
 @app.command("train", epilog="""Examples:
@@ -346,12 +361,14 @@ def stats_command(folder: Annotated[Path, typer.Argument(help="An output folder 
     laionkit train latents-256/ --output runs/multires --unet-config sd15 --max-steps 50000
     --stage latents-512-buckets/:20000 --resume latest
 
+    laionkit train s3://bucket/latents --output runs/tiny --unet-config tiny --cache-dir /scratch/cache --cache-size 200000000000
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
 def train_command(
-    latents: Annotated[Path, typer.Argument(help="An encode output folder (latent shards + manifest.json).")],
+    latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
     unet: Annotated[Optional[str], typer.Option(help="Fine-tune: a hub id, preset (sd15, sd2) or folder with unet weights.")] = None,
     unet_config: Annotated[Optional[str], typer.Option(help="From scratch: sd15, sd2-base, tiny, or a config folder/file.")] = None,
@@ -409,6 +426,8 @@ def train_command(
     val_every: Annotated[int, typer.Option(help="Validation loss every N steps and at the end (default: --validate-every, else --checkpoint-every).")] = 0,
     val_samples: Annotated[int, typer.Option(help="The first N samples of --val-latents (shards by name, tar order), each with fixed noise and timestep.")] = 64,
     stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Latents at a URL: keep local copies of their shards here (shared by workers and ranks).")] = None,
+    cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
@@ -433,10 +452,12 @@ def train_command(
     accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
 
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
+
+    laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
 """)
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output folder: one latent tar per input tar.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
     model: Annotated[str, typer.Option(help="Preset (sd15, sd2), diffusers folder or hub id for all components.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
     text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
@@ -450,6 +471,7 @@ def encode(
     dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
@@ -462,7 +484,7 @@ def encode(
         shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
-        rank=rank, world_size=world_size, quiet=quiet,
+        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

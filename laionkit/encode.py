@@ -42,14 +42,11 @@ from tqdm import tqdm
 from laionkit.common import (
     LaionkitError,
     Rank,
-    atomic_output,
-    read_json,
     refuse_other_settings,
-    refuse_overlap,
     resolve_rank,
     split,
+    storage,
     versions,
-    write_json,
 )
 from laionkit.common.models import (
     PRESETS,
@@ -58,6 +55,7 @@ from laionkit.common.models import (
     load_tokenizer,
     load_vae,
 )
+from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
@@ -80,7 +78,7 @@ GPU_DECODE_BELOW_WORKERS = 4
 @dataclass(frozen=True)
 class EncodeConfig:
     shards: tuple[str, ...]
-    output: Path
+    output: str | Path  # a folder or a URL (s3://...)
     model: str = "sd15"
     vae: str | None = None
     text_encoder: str | None = None
@@ -97,6 +95,7 @@ class EncodeConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
+    storage_options: str | None = None  # --storage-options JSON for URL paths
 
     def __post_init__(self) -> None:
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES}
@@ -163,60 +162,70 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what webdataset reads (gzip thro
 PACK_RECORD_SUFFIX = "_stats.json"  # pack's and img2dataset's per-shard done record
 
 
-def shard_stem(path: Path) -> str:
+def shard_stem(path: Path | Location) -> str:
     return next(path.name[: -len(suffix)] for suffix in SHARD_SUFFIXES + ("",) if path.name.endswith(suffix))
 
 
-def output_name(path: Path) -> str:
+def output_name(path: Path | Location) -> str:
     """The output tar of an input shard: its name, as a plain .tar (lineage by name)."""
     return shard_stem(path) + ".tar"
 
 
-def _pack_count(record: Path) -> int:
+def _pack_count(record: Location) -> int:
     try:
-        return int(read_json(record)["successes"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        return int(record.read_json()["successes"])
+    except (OSError, ValueError, KeyError, TypeError, LaionkitError) as error:
         raise LaionkitError(f"{record}: not a pack / img2dataset shard record (no 'successes': {error})") from None
 
 
-def find_shards(specs: Sequence[str], log: Callable[[str], None] = print) -> dict[Path, int | None]:
+def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
+                storage_options: dict | None = None) -> dict[Location, int | None]:
     """Finished input shards from folders, files, globs and brace patterns, sorted, each with the sample
     count its done record gives (None for a plain webdataset folder, which has no records).
 
     pack renames a shard's tar into place before it writes ``<shard>_stats.json`` (img2dataset writes the
     same record), so in a folder with records a tar without one is unfinished and is left out (said once);
     a folder with no record at all is plain webdataset, whose tars are taken as complete (said once).
+    In an object store, only objects with their done record are seen at all (laionkit.common.storage).
     """
-    found: list[Path] = []
+    found: list[Location] = []
     for spec in specs:
-        path = Path(spec)
+        path = Location.parse(spec, storage_options)
         if path.is_dir():
-            tars = sorted(p for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and not p.name.startswith("."))
+            entries = path.list(complete_only=None)
+            tars = [p for p in entries if p.name.endswith(SHARD_SUFFIXES)]
             if not tars:
                 raise LaionkitError(f"no tar shards ({', '.join('*' + s for s in SHARD_SUFFIXES)}) in {path}")
-            for record in sorted(path.glob("*" + PACK_RECORD_SUFFIX)):
+            for record in (p for p in entries if p.name.endswith(PACK_RECORD_SUFFIX)):
                 stem = record.name.removesuffix(PACK_RECORD_SUFFIX)
                 if not any(shard_stem(tar) == stem for tar in tars):
                     raise LaionkitError(f"{record} marks shard {stem} done but its tar is missing from {path}")
             found += tars
             continue
-        matches = [Path(name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
+        if path.local:
+            matches = [Location("", name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
+        else:
+            matches = [match for pattern in braceexpand(spec)
+                       for match in ([Location.parse(pattern, storage_options)] if not glob.has_magic(pattern)
+                                     else Location.parse(pattern, storage_options).parent.glob(
+                                         Location.parse(pattern).name))
+                       if match.exists()]
         if not matches:
             raise LaionkitError(f"input shard {spec} does not exist")
         found += matches
-    found = sorted(set(found))
+    found = sorted(set(found), key=str)
     names = Counter(output_name(path) for path in found)
     clashes = [name for name, count in names.items() if count > 1]
     if clashes:
         raise LaionkitError(f"input shards share the name {clashes[0]} (outputs are named after inputs)")
-    shards: dict[Path, int | None] = {}
-    unfinished: list[Path] = []
-    plain: set[Path] = set()
+    shards: dict[Location, int | None] = {}
+    unfinished: list[Location] = []
+    plain: set[Location] = set()
     with_records = {folder for folder in {path.parent for path in found}
-                    if any(folder.glob("*" + PACK_RECORD_SUFFIX))}
+                    if folder.list("*" + PACK_RECORD_SUFFIX, complete_only=None)}
     for path in found:
-        record = path.with_name(shard_stem(path) + PACK_RECORD_SUFFIX)
-        if record.is_file():
+        record = path.parent / (shard_stem(path) + PACK_RECORD_SUFFIX)
+        if record.is_complete() and not record.is_dir():
             shards[path] = _pack_count(record)
         elif path.parent in with_records:
             unfinished.append(path)
@@ -227,7 +236,7 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print) -> dic
         log(f"laionkit encode: left out {len(unfinished)} shard(s) without a done record <shard>"
             f"{PACK_RECORD_SUFFIX} (unfinished pack?): {', '.join(str(p) for p in unfinished[:5])}"
             + (" ..." if len(unfinished) > 5 else ""))
-    for folder in sorted(plain):
+    for folder in sorted(plain, key=str):
         log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its tars as "
             "complete (plain webdataset)")
     if not shards:
@@ -236,7 +245,7 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print) -> dic
     return shards
 
 
-def check_count(shard: Path, expected: int | None, found: int) -> None:
+def check_count(shard: Location, expected: int | None, found: int) -> None:
     """A tar cut at a member boundary reads as a valid, shorter tar: only the done record tells."""
     if expected is not None and found != expected:
         raise LaionkitError(f"{shard} holds {found} samples but its done record "
@@ -310,7 +319,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
     Per-sample problems (no image, undecodable) become recorded skips; a broken tar is an error.
     """
 
-    def __init__(self, shards: Sequence[Path], tokenizer, resolution: int,
+    def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
                  buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool) -> None:
         super().__init__()
         self.shards = list(shards)
@@ -326,12 +335,16 @@ class ShardBatches(torch.utils.data.IterableDataset):
         for shard in mine:
             yield from self.shard_batches(shard)
 
-    def shard_batches(self, shard: Path) -> Iterator[dict | ShardDone]:
-
+    def shard_batches(self, shard: Location | Path) -> Iterator[dict | ShardDone]:
+        shard = Location.parse(shard)
         pending: dict[tuple[int, int], list[dict]] = {}
         done = ShardDone(output_name(shard), 0)
         try:
-            for sample in wds.tariterators.tarfile_samples([{"url": str(shard)}]):
+            # One sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding.
+            stream = ExitStack()
+            handle = stream.enter_context(shard.open_read(prefetch=0 if shard.local else 4))
+            files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
+            for sample in wds.tariterators.group_by_keys(files):
                 done.samples_in += 1
                 try:
                     item = self.prepare(sample)
@@ -345,6 +358,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
                     yield self.collate(done.shard, pending.pop(item["size"]))
         except (OSError, ValueError, tarfile.TarError) as error:
             raise LaionkitError(f"cannot read shard {shard}: {error}") from error
+        finally:
+            stream.close()
         for size in sorted(pending):
             yield self.collate(done.shard, pending[size])
         yield done
@@ -585,13 +600,14 @@ def npy_rows(batch: np.ndarray) -> list[bytes]:
 
 
 class ShardOutput:
-    """One output tar, written under a temporary name and renamed by ``finish`` (webdataset.TarWriter)."""
+    """One output tar, written under a temporary name and renamed (uploaded, done record last) by
+    ``finish`` (webdataset.TarWriter)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Location) -> None:
 
         self.path = path
         self.stack = ExitStack()
-        tmp = self.stack.enter_context(atomic_output(path))
+        tmp = self.stack.enter_context(storage.atomic_write(path))
         # An int mtime: a float one makes tarfile add a pax header to every member (2x the CPU).
         self.sink = wds.TarWriter(str(tmp), encoder=False, mtime=0)
         self.samples = 0
@@ -621,38 +637,40 @@ class ShardOutput:
         self.stack.__exit__(type(error), error, error.__traceback__)
 
 
-def record_path(output: Path, shard: str) -> Path:
+def record_path(output: Location, shard: str) -> Location:
     return output / (shard.removesuffix(".tar") + RECORD_SUFFIX)
 
 
-def shard_complete(output: Path, shard: Path, settings: dict, samples: int) -> bool:
+def shard_complete(output: Location, shard: Location, settings: dict, samples: int) -> bool:
     """Output tar and record exist, the record matches this run's settings and the input's sample count."""
     record_file = record_path(output, output_name(shard))
-    if not (output / output_name(shard)).exists() or not record_file.exists():
+    if not (output / output_name(shard)).is_complete() or not record_file.is_complete():
         return False
-    record = read_json(record_file)
+    record = record_file.read_json()
     refuse_other_settings(record_file, record["settings"], settings, "encoded", RERUN_REMEDY)
     return record["samples_in"] == samples
 
 
-def write_plan(output: Path, shards: Sequence[Path]) -> None:
+def write_plan(output: Location, shards: Sequence[Location]) -> None:
     """The run's full list of output shards; every rank writes the same list, so any rename wins whole."""
-    write_json(output / PLAN, {"shards": sorted(output_name(shard) for shard in shards)}, shared=True)
+    storage.write_json(output / PLAN, {"shards": sorted(output_name(shard) for shard in shards)}, shared=True)
 
 
-def latent_status(output: Path) -> dict:
+def latent_status(output: Path | Location) -> dict:
     """The folder's manifest, derived from what is on disk: the plan and the per-shard records.
 
     manifest.json is only a cache of this: ranks rewrite it concurrently, and a rank that merged before
     another's last record landed can rename its stale merge last. Readers that decide anything (train's
     "is the encode complete") call this instead.
     """
+    output = Location.parse(output)
     plan = output / PLAN
-    if plan.is_file():
+    if plan.is_complete() and not plan.is_dir():
         expected = _read_folder_json(plan).get("shards")
     else:  # written before plan.json existed: its manifest said whether every planned shard was done
-        cached = _read_folder_json(output / MANIFEST) if (output / MANIFEST).is_file() else {}
-        expected = [_read_folder_json(r).get("shard") for r in sorted(output.glob("*" + RECORD_SUFFIX))] \
+        manifest = output / MANIFEST
+        cached = _read_folder_json(manifest) if manifest.is_complete() and not manifest.is_dir() else {}
+        expected = [_read_folder_json(r).get("shard") for r in output.list("*" + RECORD_SUFFIX)] \
             if cached.get("complete") else None
     try:
         return merge_records(output, expected)
@@ -661,26 +679,27 @@ def latent_status(output: Path) -> dict:
                             "rerun encode") from None
 
 
-def _read_folder_json(path: Path) -> dict:
+def _read_folder_json(path: Location) -> dict:
     """A record, plan or manifest of a latent folder, or a one-line error naming the damaged file."""
     try:
-        found = read_json(path)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        found = path.read_json()
+    except (OSError, UnicodeDecodeError, ValueError, LaionkitError) as error:
         raise LaionkitError(f"{path} cannot be read as JSON ({error}): rerun encode") from None
     if not isinstance(found, dict):
         raise LaionkitError(f"{path} is not a JSON object: rerun encode")
     return found
 
 
-def update_manifest(output: Path) -> dict:
+def update_manifest(output: Location) -> dict:
     manifest = latent_status(output)
-    write_json(output / MANIFEST, manifest, shared=True)
+    storage.write_json(output / MANIFEST, manifest, shared=True)
     return manifest
 
 
-def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
+def merge_records(output: Path | Location, expected: Sequence[str] | None = None) -> dict:
     """The folder manifest as the merge of every shard record present (no coordinator needed)."""
-    records = [_read_folder_json(path) for path in sorted(output.glob("*" + RECORD_SUFFIX))]
+    output = Location.parse(output)
+    records = [_read_folder_json(path) for path in output.list("*" + RECORD_SUFFIX)]
     if not records:
         raise LaionkitError(f"no encode records (*{RECORD_SUFFIX}) in {output}: is it an encode output folder?")
     settings = records[0]["settings"]
@@ -689,7 +708,8 @@ def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
     for record in records:
         skips.update(record["skipped"])
         sizes.update(record["sizes"])
-    done = sorted(record["shard"] for record in records if (output / record["shard"]).is_file())
+    done = sorted(record["shard"] for record in records
+                  if (output / record["shard"]).is_complete() and not (output / record["shard"]).is_dir())
     manifest = {
         "format": FORMAT,
         **settings,
@@ -711,7 +731,7 @@ def merge_records(output: Path, expected: Sequence[str] | None = None) -> dict:
     return manifest
 
 
-def summarize(folder: Path):
+def summarize(folder: Path | Location):
     """`laionkit stats DIR` for a latent folder: the merged records as tables."""
     from rich.console import Group
     from rich.table import Table
@@ -729,7 +749,8 @@ def summarize(folder: Path):
                              f"({manifest['text']['layer']} layer)")
     for component, model in manifest["models"].items():
         overview.add_row(component, f"{model['source']} ({model['subfolder']})")
-    overview.add_row("size on disk", f"{sum(p.stat().st_size for p in folder.glob('*.tar')) / 2**20:,.1f} MiB")
+    size = sum(p.size() for p in Location.parse(folder).list("*.tar"))
+    overview.add_row("size on disk", f"{size / 2**20:,.1f} MiB")
     tables = [overview]
     for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
         if counter:
@@ -780,16 +801,19 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     """
 
     rank = resolve_rank(config.rank, config.world_size)
-    inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None))
+    options = storage.parse_storage_options(config.storage_options)
+    output = Location.parse(str(config.output), options)
+    inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
-    refuse_overlap([*config.shards, *shards], config.output, "encode")
+    storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
     if config.quiet:
         import diffusers.utils.logging
         import transformers.utils.logging
 
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
-    config.output.mkdir(parents=True, exist_ok=True)
+    if output.local:
+        Path(output.path).mkdir(parents=True, exist_ok=True)
     encoders = encoders or Encoders(config, _device(config, rank))
     device = encoders.device
     gpu_decode = config.decode == "gpu" or (
@@ -799,19 +823,19 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     models = _models(config)
     settings = _settings(config, models, encoders, buckets)
-    for record_file in sorted(config.output.glob("*" + RECORD_SUFFIX)):
-        refuse_other_settings(record_file, read_json(record_file)["settings"], settings, "encoded", RERUN_REMEDY)
-    write_plan(config.output, shards)
-    empty_path = config.output / EMPTY_CAPTION
-    if not empty_path.exists():
-        with atomic_output(empty_path, shared=True) as tmp:
+    for record_file in output.list("*" + RECORD_SUFFIX):
+        refuse_other_settings(record_file, record_file.read_json()["settings"], settings, "encoded", RERUN_REMEDY)
+    write_plan(output, shards)
+    empty_path = output / EMPTY_CAPTION
+    if not empty_path.is_complete():
+        with storage.atomic_write(empty_path, shared=True) as tmp:
             tmp.write_bytes(npy_bytes(encoders.empty_caption()))
 
     mine = split(shards, rank)
     counts = {shard: count_samples(shard) for shard in mine}
     for shard in mine:
         check_count(shard, inputs[shard], counts[shard])
-    todo = [shard for shard in mine if not shard_complete(config.output, shard, settings, counts[shard])]
+    todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
     if not config.quiet:
         log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
             f"device {device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
@@ -824,7 +848,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         with progress:
             summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank,
                                           progress))
-    manifest = update_manifest(config.output)
+    manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
                             f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
@@ -866,7 +890,8 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
                 ready.record(prep_stream)
             yield batch, ready
 
-    writer = _Writer(config.output, settings, models, rank, progress)
+    output = Location.parse(str(config.output), storage.parse_storage_options(config.storage_options))
+    writer = _Writer(output, settings, models, rank, progress)
     started = None
     try:
         with torch.inference_mode():
@@ -929,7 +954,7 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
 class _Writer:
     """The writer thread: host copies land, samples go into their shard's tar, finished shards are renamed."""
 
-    def __init__(self, output: Path, settings: dict, models: dict, rank: Rank, progress) -> None:
+    def __init__(self, output: Location, settings: dict, models: dict, rank: Rank, progress) -> None:
         self.output = output
         self.settings = settings
         self.models = models
@@ -1009,6 +1034,6 @@ class _Writer:
             "sizes": dict(shard.sizes), "seconds": round(seconds, 3), "settings": self.settings,
             "models": self.models,
         }
-        write_json(record_path(self.output, done.shard), record)
+        storage.write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples
         self.skipped += len(skips)

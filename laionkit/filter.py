@@ -21,11 +21,14 @@ import functools
 import glob
 import hashlib
 import json
+import os
 import queue
 import re
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,17 +42,15 @@ from tqdm import tqdm
 from laionkit.common import (
     LaionkitError,
     Rank,
-    atomic_output,
     available_cpus,
-    read_json,
     refuse_other_settings,
-    refuse_overlap,
     resolve_rank,
     split,
+    storage,
     versions,
-    write_json,
 )
 from laionkit.common.columns import COLUMN_ALIASES
+from laionkit.common.storage import Location
 from laionkit.scores import ClipChoice, Scorer, ScoreSpec, build_scorer, score_embeddings
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class FilterConfig:
     skip_bad: bool = False
     overwrite: bool = False
     quiet: bool = False
+    storage_options: str | None = None  # --storage-options JSON for s3:// and other URLs
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ class InputFile:
     row_group_rows: tuple[int, ...]
     schema: pa.Schema = field(compare=False, repr=False)
     embeddings: str | None = None
+    location: Location | None = field(default=None, compare=False, repr=False)  # where to open ``path``
+
+    def open(self) -> pq.ParquetFile:
+        return pq.ParquetFile(self.location.open_read() if self.location else self.path)
 
 
 @dataclass(frozen=True)
@@ -256,13 +262,19 @@ def lock_down(connection: duckdb.DuckDBPyConnection, readable: Sequence[str], wr
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def find_inputs(paths: Sequence[str]) -> list[Path]:
+def find_inputs(paths: Sequence[str], options: dict | None = None) -> list[Location]:
     """Files given, plus every ``*.parquet`` under folders given; sorted by path (the unit order).
 
     Expanded here, once: a path that exists is literal (even ``star*.parquet``), one that does not is
     a glob pattern. Files and folders named with "." or "_" are skipped in folders, as dataset readers do."""
     found: set[Path] = set()
+    remote: set[Location] = set()
     for given in paths:
+        location = Location.parse(given, options)
+        if not location.local:
+            remote.update(find_remote_inputs(location, given))
+            continue
+        given = location.path
         matches = [given] if Path(given).exists() else sorted(glob.glob(given, recursive=True))
         if not matches:
             raise LaionkitError(f"input not found: {given}")
@@ -272,25 +284,56 @@ def find_inputs(paths: Sequence[str]) -> list[Path]:
                     part.startswith((".", "_")) for part in p.relative_to(match).parts))
             elif match.is_file():
                 found.add(match)
-    if not found:
+    if not found and not remote:
         raise LaionkitError(f"no parquet files in {', '.join(paths)}")
-    return sorted((p.resolve() for p in found), key=str)
+    return sorted([Location("", str(p.resolve())) for p in found] + list(remote), key=str)
 
 
-def read_footer(path: Path) -> tuple[pq.ParquetFile, dict]:
-    """The file's footer, and what identifies this version of the file: size, mtime and a hash of the
-    footer bytes (which hold every row group's offsets and statistics), so a replaced input is noticed."""
+def find_remote_inputs(location: Location, given: str) -> list[Location]:
+    """``find_inputs`` for a URL. In a folder that holds done records (a laionkit output, possibly of a
+    killed run) only objects with their record count; a folder uploaded by other tools has none, so
+    all its ``*.parquet`` objects do."""
+    if location.exists() and not location.is_dir():
+        return [location]
+    if not location.is_dir():
+        matches = [m for m in location.parent.glob(location.name) if m.name.endswith(".parquet")]
+        if not matches:
+            raise LaionkitError(f"input not found: {given}")
+        return matches
     try:
-        footer = pq.ParquetFile(path)
-        stat = path.stat()
-        with path.open("rb") as file:
+        names = [str(name) for name in location.fs.find(location.path)]
+    except Exception as error:  # noqa: BLE001 -- storage errors of any fsspec backend, named in one line
+        raise LaionkitError(f"cannot list {given}: {type(error).__name__}: {error}") from None
+    relative = [name[len(location.path.rstrip("/")) + 1:] for name in names]
+    done = set()
+    for rel in relative:
+        folder, _, name = rel.rpartition("/")
+        if name.startswith(".") and name.endswith(storage.DONE_SUFFIX):
+            done.add(f"{folder}/{name[1:-len(storage.DONE_SUFFIX)]}".lstrip("/"))
+    return [location.join(rel) for rel in relative if rel.endswith(".parquet")
+            and not any(part.startswith((".", "_")) for part in rel.split("/")) and (not done or rel in done)]
+
+
+def read_footer(location: Location) -> tuple[pq.ParquetFile, dict]:
+    """The file's footer, and what identifies this version of the file: size, mtime (an object's ETag)
+    and a hash of the footer bytes (which hold every row group's offsets and statistics), so a replaced
+    input is noticed."""
+    try:
+        with location.open_read(block_size=2**20) as file:
+            footer = pq.ParquetFile(file)
             file.seek(-8, 2)
             length = int.from_bytes(file.read(4), "little")
             file.seek(-8 - length, 2)
             digest = hashlib.sha256(file.read(length + 8)).hexdigest()
-    except (pa.ArrowException, OSError) as error:
-        raise LaionkitError(f"{path}: not a readable parquet file ({error})") from None
-    return footer, {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "footer_sha256": digest}
+        if location.local:
+            stat = os.stat(location.path)
+            identity = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        else:
+            info = location.fs.info(location.path)
+            identity = {"bytes": int(info["size"]), "etag": str(info.get("ETag") or info.get("etag") or "")}
+    except (pa.ArrowException, OSError, ValueError) as error:
+        raise LaionkitError(f"{location}: not a readable parquet file ({error})") from None
+    return footer, {**identity, "footer_sha256": digest}
 
 
 def embeddings_by_number(paths: Sequence[str]) -> list[Path]:
@@ -354,6 +397,7 @@ class Plan:
     scores: list[ScoreSpec]
     renames: dict[str, str]
     record: dict  # what _filter-plan.json holds; equal records = interchangeable runs
+    staging: str | None = None  # local folder for parts on their way to an object store
 
     @property
     def plan_id(self) -> str:
@@ -372,8 +416,9 @@ def plan_id(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Plan:
-    """Find and check the inputs, and lock ``connection`` down to them before any rule is bound."""
+def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writable: Path | None = None) -> Plan:
+    """Find and check the inputs, and lock ``connection`` down to them (and writes to ``writable``, by
+    default the output folder) before any rule is bound."""
     rules = preset_rules(config.presets, config.where)
     for rule in rules:
         parse_rule(rule)
@@ -389,27 +434,34 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection) -> Pl
         raise LaionkitError(f"--dedup-bucket-rows must be >= 1, got {config.dedup_bucket_rows}")
     if config.threads is not None and config.threads < 1:
         raise LaionkitError(f"--threads must be >= 1, got {config.threads}")
-    paths = find_inputs(config.inputs)
+    locations = find_inputs(config.inputs, storage.parse_storage_options(config.storage_options))
+    if config.embeddings and not all(location.local for location in locations):
+        raise LaionkitError("--embeddings is read memory-mapped: use it with local parquet inputs "
+                            f"(not {next(str(loc) for loc in locations if not loc.local)})")
+    paths = [Path(location.path) for location in locations]
     npys = match_embeddings(paths, embeddings_by_number(config.embeddings)) if config.embeddings else {}
     files, bad, versions_of = [], [], {}
-    for path in paths:
+    for location in locations:
         try:
-            footer, version = read_footer(path)
+            footer, version = read_footer(location)
         except LaionkitError as error:
             if not config.skip_bad:
                 raise
-            bad.append({"path": str(path), "error": str(error)})
+            bad.append({"path": str(location), "error": str(error)})
             continue
         meta = footer.metadata
         rows = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-        npy = npys.get(path)
+        npy = npys.get(Path(location.path)) if location.local else None
         if npy is not None:
-            check_embeddings(npy, path, meta.num_rows)
-        files.append(InputFile(str(path), meta.num_rows, rows, footer.schema_arrow, npy and str(npy)))
-        versions_of[str(path)] = version
+            check_embeddings(npy, Path(location.path), meta.num_rows)
+        files.append(InputFile(str(location), meta.num_rows, rows, footer.schema_arrow, npy and str(npy),
+                               None if location.local else location))
+        versions_of[str(location)] = version
     if not files:
         raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
-    lock_down(connection, [f.path for f in files], Path(config.output))
+    for location in {file.location.protocol: file.location for file in files if file.location}.values():
+        storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
+    lock_down(connection, [f.path for f in files], writable or Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection)
     units = make_units(files, config.unit_rows)
     uses_clip = any(spec.kind == "prompt" for spec in scores)
@@ -577,7 +629,7 @@ class UnitFilter:
         and DuckDB's arrow scan pass them through untouched). Costs one unit of memory.
         """
         if via_arrow:
-            table = pq.ParquetFile(file.path).read_row_groups(range(unit.start, unit.stop), use_threads=True)
+            table = file.open().read_row_groups(range(unit.start, unit.stop), use_threads=True)
             rows = pa.array(np.arange(unit.offset, unit.offset + table.num_rows))
             self.connection.register("unit_rows", table.append_column("__laionkit_row", rows))
             source = "SELECT * FROM unit_rows"
@@ -628,14 +680,14 @@ class UnitFilter:
                 tested.append(f"({rule})")
         return tested, " AND ".join(keep) or "true"
 
-    def run(self, unit: Unit, part: Path, progress: tqdm) -> dict:
+    def run(self, unit: Unit, part: Location, progress: tqdm) -> dict:
         file = self.plan.files[unit.file]
         started = time.perf_counter()
         if self.dedup and (message := self.dedup.bad(unit)):  # unreadable in phase 1 (--skip-bad)
             progress.update(unit.rows)
             return self.record_bad_unit(unit, part, file, message)
         try:
-            with atomic_output(part) as tmp:
+            with storage.atomic_write(part, staging=self.plan.staging) as tmp:
                 try:
                     stats = self.write_unit(unit, file, tmp, via_arrow=ROW_NUMBER in file.schema.names)
                 except duckdb.InvalidInputException as error:
@@ -700,7 +752,7 @@ class UnitFilter:
         [(written,)] = self.connection.execute(f"COPY ({selected}) TO {literal(str(tmp))} ({options})").fetchall()
         return {**stats, "rows_out": written}
 
-    def record_bad_unit(self, unit: Unit, part: Path, file: InputFile, message: str) -> dict:
+    def record_bad_unit(self, unit: Unit, part: Location, file: InputFile, message: str) -> dict:
         """--skip-bad: an empty part marks the unit done; its footer says why, so the skip is counted."""
         stats = {
             "unit": unit.index,
@@ -712,7 +764,7 @@ class UnitFilter:
             "bad_rows": unit.rows,
         }
         schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
-        with atomic_output(part) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+        with storage.atomic_write(part, staging=self.plan.staging) as tmp, pq.ParquetWriter(tmp, schema) as writer:
             writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
         return {**stats, "rows_out": 0}
 
@@ -720,75 +772,78 @@ class UnitFilter:
 # ------------------------------------------------------------------------------------------ the folder
 
 
-def existing_parts(output: Path) -> dict[int, Path]:
+def existing_parts(output: Location) -> dict[int, Location]:
+    """Finished parts (in an object store: those with their done record)."""
     parts = {}
-    for path in output.glob("part-*.parquet"):
+    for path in output.list("part-*.parquet"):
         match = PART_NAME.match(path.name)
         if match:
             parts[int(match.group(2))] = path
     return parts
 
 
-def unit_stats_from_part(path: Path) -> dict:
+def unit_stats_from_part(path: Location) -> dict:
     """A finished unit's stats: the counts its footer records, and its rows kept, which the part holds."""
-    footer = pq.read_metadata(path)
+    with path.open_read(block_size=2**20) as handle:
+        footer = pq.read_metadata(handle)
     metadata = footer.metadata or {}
     if STATS_KEY.encode() not in metadata:
         raise LaionkitError(f"{path}: no laionkit stats in its footer (not written by laionkit filter?)")
     return {**json.loads(metadata[STATS_KEY.encode()]), "rows_out": footer.num_rows}
 
 
-def read_record(path: Path) -> dict:
+def read_record(path: Location) -> dict:
     """A sidecar JSON record (plan or rank stats), or a one-line error naming it."""
     try:
-        record = read_json(path)
-    except (OSError, ValueError) as error:
+        record = path.read_json()
+    except (OSError, ValueError, LaionkitError) as error:
         raise LaionkitError(f"{path}: unreadable ({error}); delete it and rerun the filter") from None
     if not isinstance(record, dict):
         raise LaionkitError(f"{path}: not a laionkit filter record; delete it and rerun the filter")
     return record
 
 
-def refuse_changed_inputs(plan_path: Path, found: dict, wanted: dict) -> None:
+def refuse_changed_inputs(plan_path: Location, found: dict, wanted: dict) -> None:
     """An input replaced since the folder was filtered (same path, other size, mtime or footer) would mix
     rows of two files in one output: name it."""
     now = {entry["path"]: entry for entry in wanted["inputs"]}
     for entry in found.get("inputs", []):
         current = now.get(entry.get("path"))
-        keys = ("bytes", "mtime_ns", "footer_sha256")
-        if current is not None and any(entry.get(key) != current[key] for key in keys):
+        keys = ("bytes", "mtime_ns", "etag", "footer_sha256")
+        if current is not None and any(entry.get(key) != current.get(key) for key in keys):
             raise LaionkitError(f"{entry['path']} changed since {plan_path.parent} was filtered from it "
                                 "(size, mtime or footer differ); use --overwrite to redo it, or another --output")
 
 
-def prepare_output(output: Path, plan: Plan, rank: Rank, overwrite: bool) -> None:
+def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool) -> None:
     """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
     plan_path = output / PLAN_NAME
-    if (output / LEGACY_PLAN_NAME).exists() and not overwrite:
+    if (output / LEGACY_PLAN_NAME).is_complete() and not overwrite:
         raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
                             "use --overwrite to redo it, or another --output")
-    if plan_path.exists() and not overwrite:
+    if plan_path.is_complete() and not overwrite:
         found = read_record(plan_path)
         refuse_changed_inputs(plan_path, found, plan.record)
         refuse_other_settings(plan_path, found, plan.record, "filtered",
                               "use --overwrite to redo it, or another --output")
     try:
-        output.mkdir(parents=True, exist_ok=True)
+        if output.local:
+            Path(output.path).mkdir(parents=True, exist_ok=True)
         if overwrite:
             for unit, path in existing_parts(output).items():
                 if unit % rank.world_size == rank.rank:
-                    path.unlink()
-            for path in [*output.glob(STATS_GLOB), *output.glob("stats-*.json")]:
+                    path.remove()
+            for path in [*output.list(STATS_GLOB), *output.list("stats-*.json")]:
                 number = re.search(r"-(\d+)\.json$", path.name)
                 if number is None or int(number.group(1)) % rank.world_size == rank.rank:
-                    path.unlink(missing_ok=True)
-            (output / LEGACY_PLAN_NAME).unlink(missing_ok=True)
-        write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
+                    path.remove()
+            (output / LEGACY_PLAN_NAME).remove()
+        storage.write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
     except OSError as error:
         raise LaionkitError(f"--output {output}: cannot write there ({error.strerror or error})") from None
 
 
-def part_path(output: Path, rank: Rank, unit: Unit) -> Path:
+def part_path(output: Location, rank: Rank, unit: Unit) -> Location:
     return output / f"part-{rank.rank:05d}-{unit.index:06d}.parquet"
 
 
@@ -798,12 +853,24 @@ def run(config: FilterConfig) -> dict:
     rank = resolve_rank(config.rank, config.world_size)
     # One database for the whole run, a cursor per worker: a cursor costs microseconds, a database ~25 ms.
     # A query runs on its calling thread plus the database's threads - 1 background threads.
-    output = Path(config.output)
-    refuse_overlap(config.inputs, output, "filter")
+    options = storage.parse_storage_options(config.storage_options)
+    output = Location.parse(config.output, options)
+    storage.refuse_overlap([Location.parse(given, options) for given in config.inputs], output, "filter")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
+    if config.dedup is not None and not output.local:
+        raise LaionkitError(f"--dedup: ranks meet through files in --output, which must be a shared local "
+                            f"folder, not {output}; filter without --dedup to object storage")
+    with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=os.environ.get("LAIONKIT_STAGING")) \
+            if not output.local else nullcontext() as staging:
+        return run_in(config, rank, output, staging, started)
+
+
+def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | None, started: float) -> dict:
+    """``run`` once the output is known; ``staging``: where parts bound for an object store are written."""
     database = duckdb.connect(config={"threads": 1})
-    plan = make_plan(config, database)
+    plan = make_plan(config, database, Path(staging) if staging else None)
+    plan.staging = staging
     prepare_output(output, plan, rank, config.overwrite)
     clip = ClipChoice(
         config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
@@ -825,7 +892,7 @@ def run(config: FilterConfig) -> dict:
     if config.dedup is not None:
         from laionkit.dedup import Dedup
 
-        dedup = Dedup(plan, output, config.dedup, config.dedup_bucket_rows)
+        dedup = Dedup(plan, Path(output.path), config.dedup, config.dedup_bucket_rows)
     if dedup is not None and len(done) < len(plan.units):  # phases 1-2, until every part exists
         workers = [UnitFilter(plan, scorers, config.skip_bad, None, database.cursor()) for _ in range(threads)]
         dedup.prepare(workers, rank, config.dedup_wait, config.overwrite, config.skip_bad)
@@ -835,12 +902,12 @@ def run(config: FilterConfig) -> dict:
         dedup.finish(set(existing_parts(output)))
     unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
-    write_json(output / f"_stats-{rank.rank:05d}.json", stats)
+    storage.write_json(output / f"_stats-{rank.rank:05d}.json", stats)
     return stats
 
 
 def filter_in_parallel(todo: list[Unit], plan: Plan, scorers: list[Scorer], config: FilterConfig,
-                       database: duckdb.DuckDBPyConnection, threads: int, output: Path, rank: Rank,
+                       database: duckdb.DuckDBPyConnection, threads: int, output: Location, rank: Rank,
                        progress: tqdm, dedup: Dedup | None = None) -> dict[int, dict]:
     """Several units at once, one DuckDB thread each: this beats one unit on every thread, whose COPY
     leaves cores idle while its pipeline starts and its writer flushes (10M rows, 2 cores: 1.3 s vs 1.9 s).

@@ -23,6 +23,7 @@ number of consumers, the slices of each shard partition its samples exactly.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import random
@@ -36,7 +37,8 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from laionkit.common import LaionkitError, Rank, split
+from laionkit.common import LaionkitError, Rank, split, storage
+from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 
 # The members a training sample needs; others (the json, extra encoders) are skipped unread.
@@ -68,8 +70,9 @@ def partition(units: Sequence[Unit], consumer: int, consumers: int) -> list[Unit
     return [shared.narrow(consumer // len(units), sharers)]
 
 
-def shard_paths(latents: Path) -> list[Path]:
-    shards = sorted(latents.glob("*.tar"))
+def shard_paths(latents: Path | Location) -> list[Location]:
+    """The folder's complete latent tars (in an object store: those with their done record)."""
+    shards = Location.parse(latents).list("*.tar")
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards
@@ -79,9 +82,15 @@ def unit_length(unit: Unit, shard_sizes: dict[str, int]) -> int:
     return len(range(unit.offset, shard_sizes[unit.shard], unit.stride))
 
 
-def read_unit(unit: Unit) -> Iterator[dict]:
-    """Raw (undecoded) samples of one unit, in tar order."""
-    opened = wds.tariterators.url_opener([{"url": unit.shard}])
+def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
+    """Raw (undecoded) samples of one unit, in tar order. A shard in an object store is streamed with
+    read-ahead (the next blocks download while this one decodes), or read through ``cache`` (train's
+    ``--cache-dir``: later epochs read local copies)."""
+    location = Location.parse(unit.shard)
+    if location.local and cache is None:
+        opened = wds.tariterators.url_opener([{"url": unit.shard}])
+    else:
+        opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
     files = wds.tariterators.tar_file_expander(
         opened, select_files=lambda name: name.endswith((MOMENTS, TEXT))
     )
@@ -160,9 +169,11 @@ class StreamLayout:
 class LatentStream(IterableDataset):
     """One rank's infinite stream of single-shape batches, starting after ``batches_done`` batches."""
 
-    def __init__(self, layout: StreamLayout, batches_done: int = 0) -> None:
+    def __init__(self, layout: StreamLayout, batches_done: int = 0, cache: ReadCache | None = None) -> None:
         self.layout = layout
         self.batches_done = batches_done
+        # where shards are read from does not change the stream: the cache is not in the layout
+        self.read = functools.partial(read_unit, cache=cache)
         units = [Unit(shard) for shard in layout.shards]
         self.rank_units = partition(units, layout.rank, layout.world_size)
 
@@ -187,7 +198,7 @@ class LatentStream(IterableDataset):
         for epoch in itertools.count(first_epoch):
             rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
             produced = 0
-            for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer), skip, None):
+            for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer, self.read), skip, None):
                 produced += 1
                 shape = moments_shape(sample)
                 if not layout.bucketed and pending and shape not in pending:
@@ -216,7 +227,7 @@ class LatentStream(IterableDataset):
         random draws as the samples; reading the shapes costs one pass over this consumer's units,
         and only the carried-over samples are read again."""
         layout = self.layout
-        shapes = {unit: [moments_shape(sample) for sample in read_unit(unit)] for unit in units}
+        shapes = {unit: [moments_shape(sample) for sample in self.read(unit)] for unit in units}
         if not any(shapes.values()):
             raise self._starved(worker)
 
@@ -236,10 +247,10 @@ class LatentStream(IterableDataset):
                     pending[shape] = []
                     emitted += 1
             if done + emitted > batches:
-                return epoch, _fetch(at_start), batches - done
+                return epoch, _fetch(at_start, self.read), batches - done
             done += emitted
             if done == batches:
-                return epoch + 1, _fetch(pending), 0
+                return epoch + 1, _fetch(pending, self.read), 0
 
     def _starved(self, worker: int) -> LaionkitError:
         layout = self.layout
@@ -249,7 +260,8 @@ class LatentStream(IterableDataset):
         )
 
 
-def _fetch(pending: dict[tuple, list[tuple[Unit, int]]]) -> dict[tuple, list[dict]]:
+def _fetch(pending: dict[tuple, list[tuple[Unit, int]]], read: Callable[[Unit], Iterable] = read_unit,
+           ) -> dict[tuple, list[dict]]:
     """The raw samples behind the stand-ins (unit, index in unit) of a bucket state."""
     wanted: dict[Unit, set[int]] = {}
     for items in pending.values():
@@ -257,7 +269,7 @@ def _fetch(pending: dict[tuple, list[tuple[Unit, int]]]) -> dict[tuple, list[dic
             wanted.setdefault(unit, set()).add(index)
     found = {}
     for unit, indices in wanted.items():
-        for index, sample in enumerate(itertools.islice(read_unit(unit), max(indices) + 1)):
+        for index, sample in enumerate(itertools.islice(read(unit), max(indices) + 1)):
             if index in indices:
                 found[unit, index] = sample
     return {shape: [found[item] for item in items] for shape, items in pending.items()}
@@ -281,11 +293,12 @@ def _ignore_interrupt(_worker: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False) -> DataLoader:
+def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,
+                  cache: ReadCache | None = None) -> DataLoader:
     """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``, one (h, w)
     per batch; the workers form the batches (see the module docstring)."""
     return DataLoader(
-        LatentStream(layout, batches_done),
+        LatentStream(layout, batches_done, cache),
         batch_size=None,
         num_workers=layout.workers,
         pin_memory=pin_memory,

@@ -7,9 +7,11 @@ which rows form which global shard, which rank owns it, and when a shard counts 
   rows that never span two files; shard *i* belongs to rank *i mod W* (``laionkit.common.split``),
   so shard names are globally unique and the ranks together cover the input exactly once.
 - img2dataset writes its tar in place, so each shard is downloaded into a hidden staging folder
-  ``DIR/.<shard>.partial/``; the tar and status parquet are then renamed into ``DIR`` and the shard
-  record ``<shard>_stats.json`` is written last, atomically. A shard is done iff its record exists;
-  a rerun after kill -9 redoes only shards without one and never sees a half-written tar.
+  ``DIR/.<shard>.partial/`` (for an object-store ``DIR``: a local one, ``$LAIONKIT_STAGING`` or the
+  system temp folder); the tar and status parquet are then renamed (uploaded, each with its done
+  record) into ``DIR`` and the shard record ``<shard>_stats.json`` is written last, atomically. A shard
+  is done iff its record is complete; a rerun after kill -9 redoes only shards without one and never
+  sees a half-written tar.
 - ``manifest.json`` is a merge of the records on disk, rewritten by each rank when it finishes and
   rebuilt by ``laionkit stats DIR``.
 - URLs come from untrusted metadata, so img2dataset's fetch is replaced by ``Fetcher``: http(s) only,
@@ -23,6 +25,7 @@ import base64
 import copy
 import datetime
 import decimal
+import hashlib
 import http.client
 import io
 import ipaddress
@@ -57,14 +60,14 @@ from laionkit.common import (
     available_cpus,
     read_json,
     refuse_other_settings,
-    refuse_overlap,
     resolve_rank,
     split,
+    storage,
     versions,
-    write_json,
 )
 from laionkit.common.columns import find_column
 from laionkit.common.outputs import partial_path
+from laionkit.common.storage import Location
 
 if TYPE_CHECKING:
     from img2dataset.downloader import Downloader
@@ -93,16 +96,16 @@ OUTPUT_SHAPING_OPTIONS = (
 DEFAULT_MAX_BYTES = 64 * 2**20
 # Only these are fetched; file://, data:, ftp:// and the like are refused.
 ALLOWED_SCHEMES = ("http", "https")
-# A path written like a URL (s3://bucket/x; pathlib turns it into s3:/bucket/x): no remote storage yet.
-URL_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
+# A URL that went through pathlib (s3://bucket/x became s3:/bucket/x) would name a local "s3:" folder.
+URL_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
 # Shorter side of the original image, for the size histogram: bucket edges in pixels.
 SIZE_BUCKETS = (128, 256, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)
 class PackConfig:
-    inputs: tuple[Path, ...]
-    output: Path
+    inputs: tuple[str | Path, ...]  # paths or URLs (s3://, gs://, ...)
+    output: str | Path
     image_size: int = 512
     resize_mode: str = "center_crop"
     min_image_size: int = 0
@@ -123,6 +126,7 @@ class PackConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
+    storage_options: str | None = None  # --storage-options JSON for URL paths
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
@@ -144,12 +148,16 @@ class PackConfig:
             match = URL_LIKE.match(str(path))
             if match:
                 shown = URL_LIKE.sub(r"\1://", str(path))
-                raise LaionkitError(f"{flag} {shown}: {match.group(1)}:// URLs are not supported (no remote "
-                                    "storage yet); give a local path")
+                raise LaionkitError(f"{flag} {path}: a URL that lost a slash (a pathlib.Path?); pass {shown} "
+                                    "as a string")
+
+    def locations(self) -> tuple[list[Location], Location]:
+        options = storage.parse_storage_options(self.storage_options)
+        return [Location.parse(str(p), options) for p in self.inputs], Location.parse(str(self.output), options)
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
-        skipped = {"inputs", "output", "rank", "world_size", "quiet"}
+        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options"}
         return {key: value for key, value in asdict(self).items() if key not in skipped}
 
 
@@ -167,21 +175,25 @@ class ShardTask:
     extra_columns: tuple[tuple[str, str], ...]  # (input name, name in the sample json)
 
 
-def input_files(inputs: Sequence[Path]) -> list[Path]:
-    """Parquet files named or inside the named folders, sorted by path: the global row order."""
+def input_files(inputs: Sequence[Path | Location]) -> list[Location]:
+    """Parquet files named or inside the named folders, sorted by path: the global row order.
+
+    In an object-store folder written by laionkit (it holds done records) only complete objects count,
+    so a killed filter's leftovers are never packed; a folder uploaded by other tools has no records."""
     files = []
-    for path in inputs:
+    for given in inputs:
+        path = Location.parse(given)
         if path.is_dir():
             # Hidden and underscore names are sidecars or temporaries (filter's _filter-plan.json, .x.partial).
-            found = sorted(p for p in path.glob("*.parquet") if not p.name.startswith((".", "_")))
+            found = [p for p in path.list("*.parquet", complete_only=None) if not p.name.startswith("_")]
             if not found:
                 raise LaionkitError(f"{path}: folder holds no .parquet files")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():
             files.append(path)
         else:
             raise LaionkitError(f"{path}: no such file or folder")
-    return sorted({p.resolve() for p in files})
+    return sorted({Location("", str(Path(p.path).resolve())) if p.local else p for p in files}, key=str)
 
 
 def carried_columns(columns: Sequence[str], url: str, caption: str) -> tuple[tuple[str, str], ...]:
@@ -194,12 +206,13 @@ def carried_columns(columns: Sequence[str], url: str, caption: str) -> tuple[tup
     return tuple(carried)
 
 
-def plan_shards(files: Sequence[Path], config: PackConfig) -> list[ShardTask]:
+def plan_shards(files: Sequence[Location], config: PackConfig) -> list[ShardTask]:
     """The global shard list; deterministic given the sorted files, their row counts and shard_size."""
     per_file = []
     for path in files:
         try:
-            metadata = pq.ParquetFile(path)
+            with path.open_read(block_size=2**20) as handle:
+                metadata = pq.ParquetFile(handle)
         except (OSError, pa.ArrowInvalid) as error:
             raise LaionkitError(f"{path}: not a readable parquet file ({error})") from None
         names = metadata.schema_arrow.names
@@ -228,9 +241,9 @@ def task_input(task: ShardTask) -> dict[str, Any]:
     }
 
 
-def read_rows(task: ShardTask) -> pa.Table:
+def read_rows(task: ShardTask, storage_options: dict | None = None) -> pa.Table:
     """The shard's rows, reading only the row groups that hold them, renamed for img2dataset."""
-    parquet = pq.ParquetFile(task.input)
+    parquet = pq.ParquetFile(Location.parse(task.input, storage_options).open_read())
     groups, first_row, offset = [], None, 0
     for index in range(parquet.metadata.num_row_groups):
         group_rows = parquet.metadata.row_group(index).num_rows
@@ -544,11 +557,13 @@ class ShardPacker:
     """Pack one shard in a worker process: img2dataset into staging, then promote, record last."""
 
     downloader: Downloader
-    output: Path
+    output: Location
     options: dict[str, Any]
     planned_shards: int
     laionkit_versions: dict[str, str]
     fetcher: Fetcher
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    staging: str | None = None  # local folder for shards bound for an object store; None: in ``output``
 
     def __call__(self, task: ShardTask) -> tuple[ShardTask, dict | None]:
         try:
@@ -559,11 +574,14 @@ class ShardPacker:
             return task, None
 
     def pack(self, task: ShardTask) -> dict:
-        staging = partial_path(self.output / task.name)
+        if self.staging is None:
+            staging = partial_path(Path(self.output.path, task.name))
+        else:
+            staging = Path(self.staging, f".{task.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         arrow_file = staging / "input.arrow"
-        table, notes = read_rows(task)
+        table, notes = read_rows(task, self.storage_options)
         with pa.OSFile(str(arrow_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         downloader = copy.copy(self.downloader)
@@ -578,9 +596,10 @@ class ShardPacker:
         downloader.download_shard((task.shard_id, str(arrow_file)))
         record = {**self.record(task, staging), **notes}
         check_tar_samples(staging / f"{task.name}.tar", record["successes"])
-        for suffix in (".tar", ".parquet"):
-            os.replace(staging / f"{task.name}{suffix}", self.output / f"{task.name}{suffix}")
-        write_json(self.output / f"{task.name}_stats.json", record)
+        for suffix in (".tar", ".parquet"):  # renamed locally; uploaded (done record last) to a store
+            with storage.atomic_write(self.output / f"{task.name}{suffix}", staging=staging.parent) as tmp:
+                os.replace(staging / f"{task.name}{suffix}", tmp)
+        storage.write_json(self.output / f"{task.name}_stats.json", record)
         shutil.rmtree(staging)
         return record
 
@@ -652,8 +671,13 @@ def make_downloader(config: PackConfig) -> Downloader:
     )
 
 
-def make_output_folder(output: Path) -> None:
+def make_output_folder(location: Location) -> None:
     """Create --output, or say in one line why it cannot be (a file, no permission), before any download."""
+    if not location.local:
+        if location.protocol in storage.READ_ONLY or (location.exists() and not location.is_dir()):
+            raise LaionkitError(f"--output {location}: not a writable folder (a file, or a read-only URL)")
+        return
+    output = Path(location.path)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -669,20 +693,20 @@ RECORD_KEYS = ("count", "successes", "failures", "original_sizes", "status_dict"
                "parquet_bytes", "input", "planned_shards", "options", "versions")
 
 
-def load_record(path: Path) -> dict | None:
+def load_record(path: Location) -> dict | None:
     """A shard record, or None if it is not valid JSON with every key (a damaged file, not a done shard)."""
     try:
-        record = read_json(path)
-    except (OSError, ValueError):
+        record = path.read_json()
+    except (OSError, ValueError, LaionkitError):
         return None
     if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
         return None
     return record
 
 
-def check_done_record(record_path: Path, task: ShardTask, options: dict[str, Any]) -> None:
+def check_done_record(record_path: Location, task: ShardTask, options: dict[str, Any]) -> None:
     """A finished shard must come from the same rows and the same output-shaping options."""
-    record = read_json(record_path)
+    record = record_path.read_json()
     planned = task_input(task)
     if record.get("input") != planned:
         raise LaionkitError(
@@ -714,21 +738,21 @@ def opencv_pixel_limit(max_area: int) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def write_manifest(folder: Path) -> dict:
+def write_manifest(folder: Location) -> dict:
     """Merge the shard records on disk into manifest.json, atomically, safe against concurrent ranks.
 
     Every rank rewrites it, so the temporary name carries host and pid: two ranks finishing together
     never share (and delete) each other's temporary, and the last rename wins with a full merge.
     """
     manifest = merge_records(folder)
-    write_json(folder / "manifest.json", manifest, shared=True)
+    storage.write_json(folder / "manifest.json", manifest, shared=True)
     return manifest
 
 
-def merge_records(folder: Path) -> dict:
+def merge_records(folder: Path | Location) -> dict:
     """The manifest: totals over readable records; damaged ones are listed under ``unreadable_records``
     (their shards count as not done, and a pack rerun redoes them)."""
-    paths = sorted(folder.glob("*_stats.json"))
+    paths = Location.parse(folder).list("*_stats.json")
     loaded = {path.name: load_record(path) for path in paths}
     records = [record for record in loaded.values() if record is not None]
     failures, sizes, messages, invalid_utf8 = Counter(), Counter(), Counter(), Counter()
@@ -776,9 +800,9 @@ def _bucket_order(bucket: str) -> int:
     return int(bucket.removeprefix(">=").split("-")[0])
 
 
-def summarize(folder: Path) -> Group:
+def summarize(folder: Path | Location) -> Group:
     """`laionkit stats DIR` for a shard folder: the merged records as tables (read-only: writes nothing)."""
-    manifest = merge_records(Path(folder))
+    manifest = merge_records(folder)
     overview = Table(title=f"pack: {folder}", show_header=False)
     overview.add_column(style="bold")
     overview.add_column(justify="right")
@@ -810,17 +834,18 @@ def summarize(folder: Path) -> Group:
 def run(config: PackConfig) -> dict:
     """Pack this rank's shards that are not done yet, then rewrite manifest.json; returns the manifest."""
     rank = resolve_rank(config.rank, config.world_size)
-    files = input_files(config.inputs)
-    refuse_overlap(config.inputs, config.output, "pack")
+    inputs, output = config.locations()
+    files = input_files(inputs)
+    storage.refuse_overlap(inputs, output, "pack")
     tasks = plan_shards(files, config)
     mine = split(tasks, rank)
-    make_output_folder(config.output)
+    make_output_folder(output)
     options = config.options()
     console = Console(stderr=True, quiet=config.quiet, soft_wrap=True, markup=False, emoji=False)  # paths are data
     todo = []
     for task in mine:
-        record_path = config.output / f"{task.name}_stats.json"
-        if not record_path.exists():
+        record_path = output / f"{task.name}_stats.json"
+        if not record_path.is_complete():
             todo.append(task)
         elif load_record(record_path) is None:  # said even under --quiet: a done shard is being redone
             print(f"pack: {record_path} is unreadable or incomplete: shard {task.name} is redone", file=sys.stderr)
@@ -829,13 +854,21 @@ def run(config: PackConfig) -> dict:
             check_done_record(record_path, task, options)
     console.print(
         f"pack: rank {rank.rank}/{rank.world_size} ({rank.source}), {len(files)} input files, "
-        f"{len(tasks)} shards, {len(mine)} mine, {len(todo)} to do -> {config.output}", highlight=False
+        f"{len(tasks)} shards, {len(mine)} mine, {len(todo)} to do -> {output}", highlight=False
     )
     console.print(f"options: {options}", highlight=False)
-    packer = ShardPacker(make_downloader(config), config.output, options, len(tasks), versions(),
-                         Fetcher(config.max_bytes, config.allow_private_hosts))
-    failed = pack_shards(packer, todo, config) if todo else []
-    manifest = write_manifest(config.output)
+    # One staging folder per output and rank, so a rerun after kill -9 clears what the killed run left.
+    tag = hashlib.sha256(str(output).encode()).hexdigest()[:12]
+    staging = None if output.local else os.path.join(storage._staging(None), f"laionkit-pack-{tag}-{rank.rank}")
+    packer = ShardPacker(make_downloader(config), output, options, len(tasks), versions(),
+                         Fetcher(config.max_bytes, config.allow_private_hosts),
+                         storage.parse_storage_options(config.storage_options), staging)
+    try:
+        failed = pack_shards(packer, todo, config) if todo else []
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    manifest = write_manifest(output)
     if failed:
         names = ", ".join(task.name for task in failed)
         raise LaionkitError(f"{len(failed)} shards failed after a retry ({names}); rerun the same command")

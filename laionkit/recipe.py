@@ -4,7 +4,8 @@ A recipe is validated whole before any stage runs (unknown stages or options, mi
 because a typo found after an hour of downloading is an hour lost. Each stage is invoked exactly as
 `laionkit STAGE ...` would be, so a recipe can always be replayed by hand. A stage whose last run
 finished with the same options is skipped (a `.laionkit-run/STAGE.json` record in the workdir); each
-stage resumes its own unfinished work anyway.
+stage resumes its own unfinished work anyway. Inputs, outputs and the workdir may be URLs (s3://...);
+their credentials come from the environment (AWS_*), as for the stages themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from laionkit.common import LaionkitError, read_json, write_json
+from laionkit.common import LaionkitError, storage
+from laionkit.common.storage import Location
 
 STAGES = ("filter", "pack", "encode", "train")
 RECIPE_KEYS = {"workdir", "stages", "description"}
@@ -35,7 +37,7 @@ class Step:
     stage: str
     argv: list[str]
     launch: dict[str, Any] | None
-    output: Path
+    output: str  # a path or URL
 
 
 def _as_list(value: Any) -> list:
@@ -72,7 +74,7 @@ def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[st
 
 
 def load(path: Path, commands: dict[str, Any],
-         variables: dict[str, str] | None = None) -> tuple[Path, list[Step]]:
+         variables: dict[str, str] | None = None) -> tuple[Location, list[Step]]:
     """Parse and validate a recipe into (workdir, steps); `{NAME}` is replaced by variable NAME in
     strings, `{workdir}` by the recipe's `workdir:` unless a variable overrides it."""
     if not path.is_file():
@@ -99,15 +101,15 @@ def load(path: Path, commands: dict[str, Any],
         if not isinstance(spec, dict) or INPUT_KEY not in spec or "output" not in spec:
             raise LaionkitError(f"{where}: needs `input` and `output`")
         for item in _as_list(spec[INPUT_KEY]):
-            if str(item) not in produced and not Path(item).exists():
+            if str(item) not in produced and not Location.parse(str(item)).exists():
                 raise LaionkitError(f"{where}: input `{item}` does not exist and no earlier stage writes it")
         steps.append(Step(stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
-                          Path(spec["output"])))
+                          str(spec["output"])))
         produced.add(str(spec["output"]))
-    return Path(values["workdir"]), steps
+    return Location.parse(values["workdir"]), steps
 
 
-def _record_path(workdir: Path, stage: str) -> Path:
+def _record_path(workdir: Location, stage: str) -> Location:
     return workdir / ".laionkit-run" / f"{stage}.json"
 
 
@@ -140,12 +142,13 @@ def _run_step(step: Step, invoke: Callable[[list[str]], None]) -> None:
         raise LaionkitError(f"`accelerate launch` exited with {result.returncode}")
 
 
-def execute(steps: list[Step], workdir: Path, invoke: Callable[[list[str]], None],
+def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], None],
             echo: Callable[[str], None]) -> None:
     """Run the steps in order; `invoke` runs one laionkit command in-process and raises LaionkitError."""
     for step in steps:
         record = _record_path(workdir, step.stage)
-        if record.exists() and read_json(record).get("fingerprint") == _fingerprint(step) and step.output.exists():
+        if record.is_complete() and record.read_json().get("fingerprint") == _fingerprint(step) \
+                and Location.parse(step.output).exists():
             echo(f"[{step.stage}] complete with these options; skipped ({record})")
             continue
         echo(f"[{step.stage}] {shlex.join(command_line(step))}")
@@ -154,5 +157,5 @@ def execute(steps: list[Step], workdir: Path, invoke: Callable[[list[str]], None
             _run_step(step, invoke)
         except LaionkitError as error:
             raise LaionkitError(f"stage `{step.stage}` failed: {error}; later stages not run") from None
-        write_json(record, {"fingerprint": _fingerprint(step), "argv": step.argv,
+        storage.write_json(record, {"fingerprint": _fingerprint(step), "argv": step.argv,
                             "seconds": round(time.perf_counter() - start, 2)})

@@ -6,7 +6,8 @@ unit index and only those of the folder's current plan count, so stale files fro
 size or a resumed run never count twice.
 
 Read-only: a summary writes nothing (folders may sit on read-only storage, or be shared), and it also
-covers folders laionkit did not write: plain img2dataset output and plain WebDataset tars.
+covers folders laionkit did not write: plain img2dataset output and plain WebDataset tars. The folder
+may be a URL (s3://...): there, in a folder holding done records, only complete objects count.
 """
 
 from __future__ import annotations
@@ -20,27 +21,34 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from laionkit.common import LaionkitError, read_json
+from laionkit.common import LaionkitError, storage
+from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
 
 
 @dataclass(frozen=True)
 class StatsConfig:
-    folder: Path
+    folder: str | Path
+    storage_options: str | None = None  # --storage-options JSON for a URL folder
 
 
-def filter_totals(folder: Path) -> dict:
+def listed(folder: Location, pattern: str) -> list[Location]:
+    """Complete entries (done records count where the folder has them; other tools' uploads have none)."""
+    return folder.list(pattern, complete_only=None)
+
+
+def filter_totals(folder: Location) -> dict:
     """Merge a filter folder's rank stats: one record per unit, totals, per-rank and per-rule counts."""
     from laionkit.filter import PLAN_NAME, STATS_GLOB, plan_id, read_record
 
     plan_path = folder / PLAN_NAME
-    if not plan_path.is_file():
+    if not plan_path.is_complete() or plan_path.is_dir():
         raise LaionkitError(f"{folder}: no {PLAN_NAME}, so not a laionkit filter folder")
     plan_record = read_record(plan_path)
     current = plan_id(plan_record)
     units: dict[int, dict] = {}
     ranks = []
-    for path in sorted(folder.glob(STATS_GLOB)):
+    for path in listed(folder, STATS_GLOB):
         stats = read_record(path)
         if stats.get("plan_id") != current:
             continue
@@ -71,7 +79,7 @@ def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def print_filter_summary(folder: Path, console: Console) -> None:
+def print_filter_summary(folder: Location, console: Console) -> None:
     totals = filter_totals(folder)
     rows_in = totals["rows_in"]
     ranks = Table("rank", "world", "rows in", "rows out", "kept", "seconds", "rows/s",
@@ -100,23 +108,23 @@ def print_filter_summary(folder: Path, console: Console) -> None:
                                     f" of {bad['input']} (row groups {first}-{stop - 1}): {bad['bad']}"))
 
 
-def _is_pack_folder(folder: Path, records: list) -> bool:
+def _is_pack_folder(folder: Location, records: list) -> bool:
     """laionkit pack wrote this folder: a record carries its fields, or its manifest cache says so."""
     if any(isinstance(record, dict) and "failures" in record for record in records):
         return True
     try:
-        return "planned_shards" in read_json(folder / "manifest.json")
-    except (OSError, ValueError, TypeError):
+        return "planned_shards" in (folder / "manifest.json").read_json()
+    except (OSError, ValueError, TypeError, LaionkitError):
         return False
 
 
-def print_shard_summary(folder: Path, console: Console) -> None:
+def print_shard_summary(folder: Location, console: Console) -> None:
     """Shard folders: laionkit pack's (its records carry laionkit's fields), else plain img2dataset."""
     records, unreadable = [], []
-    for path in sorted(folder.glob("*_stats.json")):
+    for path in listed(folder, "*_stats.json"):
         try:
-            records.append(read_json(path))
-        except (OSError, ValueError) as error:
+            records.append(path.read_json())
+        except (OSError, ValueError, LaionkitError) as error:
             unreadable.append(f"{path}: unreadable shard record ({error})")
     if _is_pack_folder(folder, records):
         # laionkit pack's own folder: its summary lists damaged records (a rerun of pack redoes them)
@@ -144,7 +152,7 @@ def print_shard_summary(folder: Path, console: Console) -> None:
     table.add_row("samples", f"{samples:,} ({percent(samples, rows)})")
     table.add_row("failed to download", f"{download:,}")
     table.add_row("failed to resize", f"{resize:,}")
-    table.add_row("tar bytes", f"{sum(p.stat().st_size for p in folder.glob('*.tar')):,}")
+    table.add_row("tar bytes", f"{sum(p.size() for p in listed(folder, '*.tar')):,}")
     console.print(table)
     errors = Table("error", "rows", title="commonest errors")
     for message, count in messages.most_common(20):
@@ -152,26 +160,26 @@ def print_shard_summary(folder: Path, console: Console) -> None:
     console.print(errors)
 
 
-def print_tar_summary(folder: Path, console: Console) -> None:
+def print_tar_summary(folder: Location, console: Console) -> None:
     """Plain WebDataset: only tars; samples are counted from the tar headers."""
     table = Table("shard", "samples", "bytes", title=f"webdataset: {folder}")
     total = 0
-    for path in sorted(folder.glob("*.tar")):
+    for path in listed(folder, "*.tar"):
         samples = count_samples(path)
         total += samples
-        table.add_row(path.name, f"{samples:,}", f"{path.stat().st_size:,}")
+        table.add_row(path.name, f"{samples:,}", f"{path.size():,}")
     table.add_row("all", f"{total:,}", "", style="bold")
     console.print(table)
 
 
-def print_encode_summary(folder: Path, console: Console) -> None:
+def print_encode_summary(folder: Location, console: Console) -> None:
     from laionkit.encode import summarize
 
     console.print(summarize(folder))
 
 
 # Marker glob -> summary; the first whose marker the folder holds wins.
-SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
+SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
     "_stats-*.json": print_filter_summary,
     "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
@@ -180,11 +188,11 @@ SUMMARIES: dict[str, Callable[[Path, Console], None]] = {
 
 
 def run(config: StatsConfig) -> None:
-    folder = Path(config.folder)
+    folder = Location.parse(str(config.folder), storage.parse_storage_options(config.storage_options))
     if not folder.is_dir():
         raise LaionkitError(f"not a folder: {folder}")
     for marker, summarise in SUMMARIES.items():
-        if any(folder.glob(marker)):
+        if listed(folder, marker):
             # Paths, rule SQL and model sources are data: no markup, emoji codes or highlighting.
             summarise(folder, Console(width=max(Console().width, 120), markup=False, emoji=False, highlight=False))
             return

@@ -32,11 +32,12 @@ from laionkit.common import (
     atomic_output,
     read_json,
     refuse_other_settings,
-    refuse_overlap,
     resolve_rank,
+    storage,
     versions,
 )
 from laionkit.common.outputs import partial_path
+from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 from laionkit.latents import (
     STOP_SIGNALS,
@@ -67,7 +68,7 @@ UNET_PRESETS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    latents: Path
+    latents: Path | str  # a folder or a URL (s3://...), streamed
     output: Path
     unet: str | None = None
     unet_config: str | None = None
@@ -129,6 +130,8 @@ class TrainConfig:
     val_latents: Path | None = None
     val_every: int = 0
     val_samples: int = 64
+    cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
+    cache_size: int = 100 * 2**30
 
     def __post_init__(self) -> None:
         choices = {
@@ -217,15 +220,18 @@ class LatentSet:
                                 "runs? Re-encode it") from None
 
 
-def open_latents(latents: Path) -> LatentSet:
+def open_latents(latents: Path | str) -> LatentSet:
+    import io
+
     import numpy as np
 
+    latents = Location.parse(latents)
     manifest_path = latents / "manifest.json"
-    if not manifest_path.is_file():
+    if not manifest_path.is_complete() or manifest_path.is_dir():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
     from laionkit.encode import RECORD_SUFFIX, latent_status
 
-    if any(latents.glob("*" + RECORD_SUFFIX)):
+    if latents.list("*" + RECORD_SUFFIX):
         manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
     else:
         manifest = _read_record(manifest_path)  # a folder assembled by hand: its manifest is all there is
@@ -243,7 +249,7 @@ def open_latents(latents: Path) -> LatentSet:
     for path in shard_paths(latents):
         found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
-        if path.name in records and record_file.is_file():
+        if path.name in records and record_file.is_complete() and not record_file.is_dir():
             recorded = _read_record(record_file).get("samples_out")
             if recorded != found:
                 raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
@@ -269,8 +275,8 @@ def open_latents(latents: Path) -> LatentSet:
     buckets = tuple(f"{w}x{h}" for w, h in sizes)
     square = [shape for shape in bucket_shapes if shape[1] == shape[2]]
     try:
-        empty = torch.from_numpy(np.load(empty_path))
-    except (OSError, ValueError) as error:
+        empty = torch.from_numpy(np.load(io.BytesIO(empty_path.read_bytes())))
+    except (OSError, ValueError, LaionkitError) as error:
         raise LaionkitError(f"{empty_path} (the manifest's empty_caption) cannot be read: {error}") from None
     if tuple(empty.shape) != tuple(first["text"].shape):
         raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
@@ -292,10 +298,10 @@ def open_latents(latents: Path) -> LatentSet:
     )
 
 
-def _read_record(path: Path) -> dict:
+def _read_record(path: Location) -> dict:
     try:
-        record = read_json(path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        record = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, LaionkitError) as error:
         raise LaionkitError(f"{path} cannot be read as JSON ({error}): rerun encode") from None
     if not isinstance(record, dict):
         raise LaionkitError(f"{path} is not a JSON object: rerun encode")
@@ -720,7 +726,7 @@ def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], tor
     import numpy as np
     import webdataset as wds
 
-    opened = wds.tariterators.url_opener([{"url": data.shards[0]}])
+    opened = [{"url": data.shards[0], "stream": Location.parse(data.shards[0]).open_read()}]  # path or URL
     samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))
     captions, texts = [], []
     for sample in samples:
@@ -838,8 +844,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    refuse_overlap([config.latents, *(folder for folder, _ in config.later_stages()),
-                    *([config.val_latents] if config.val_latents else [])], output, "train")
+    storage.refuse_overlap([config.latents, *(folder for folder, _ in config.later_stages()),
+                            *([config.val_latents] if config.val_latents else [])], output, "train")
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -932,11 +938,12 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         counted = state.get("bucket_samples") or {all_buckets[0]: step * config.batch_size * config.grad_accum}
         bucket_samples = [int(counted.get(key, 0)) for key in all_buckets]
         accelerator.print(f"resumed from {resumed_from} at step {step}")
+    cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
     stage = next((i for i, end in enumerate(stage_ends) if step < end), len(stages) - 1)
     current = stages[stage][1]  # the stage's latents; `data` (the first stage's) holds what all share
     stage_start = stage_ends[stage] - stages[stage][2]
     batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
-                                 pin_memory=device.type == "cuda"))
+                                 pin_memory=device.type == "cuda", cache=cache))
     empty_text = data.empty_caption.to(device, input_dtype)
 
     metrics_path = output / "metrics.jsonl"
@@ -990,7 +997,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             stage += 1
             current = stages[stage][1]
             del batches  # ends the previous stage's workers
-            batches = iter(latent_loader(layouts[stage], pin_memory=device.type == "cuda"))
+            batches = iter(latent_loader(layouts[stage], pin_memory=device.type == "cuda", cache=cache))
             accelerator.print(f"step {step}: stage {stage + 1} of {len(stages)}, {stages[stage][0]}")
         step_keys, step_loss = [], torch.zeros((), device=device)
         for _ in range(config.grad_accum):
@@ -1128,7 +1135,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
     del key["bucketed"]  # follows from the shards' content, pinned below (and absent from older checkpoints)
-    key["shards"] = [[Path(shard).name, samples, Path(shard).stat().st_size]
+    key["shards"] = [[Location.parse(shard).name, samples, Location.parse(shard).size()]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key
 

@@ -433,15 +433,23 @@ def test_timeout_is_a_total_deadline_and_bodies_have_a_size_cap(hostile, tmp_pat
 
 
 @pytest.mark.parametrize("flag", ["--output", "input"])
-def test_url_like_paths_are_refused_before_anything_is_written(input_parquet, tmp_path, flag):
+def test_url_paths_without_credentials_fail_in_one_line_and_write_nothing_locally(input_parquet, tmp_path, flag):
+    """URLs are storage now (not a local ``./s3:`` folder, as before object storage was wired in)."""
     args = (["pack", str(input_parquet), "--output", "s3://bucket/shards"] if flag == "--output"
-            else ["pack", "gs://bucket/kept.parquet", "--output", "shards"])
+            else ["pack", "s3://bucket/kept.parquet", "--output", "shards"])
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
     result = subprocess.run([sys.executable, "-m", "laionkit.cli", *args], cwd=tmp_path, capture_output=True,
-                            text=True)
-    assert result.returncode == 2
-    url = "s3://bucket/shards" if flag == "--output" else "gs://bucket/kept.parquet"
-    assert f"{flag} {url}: " in result.stderr and "URLs are not supported" in result.stderr
-    assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())
+                            text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "s3:// needs credentials" in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_url_that_lost_a_slash_is_refused(input_parquet, tmp_path):
+    with pytest.raises(LaionkitError, match="lost a slash"):
+        PackConfig(inputs=(input_parquet,), output=Path("s3://bucket/shards"))
 
 
 def test_output_that_overlaps_the_input_is_refused(input_parquet, tmp_path):

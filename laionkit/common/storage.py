@@ -85,14 +85,16 @@ def _s3_environment(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-_FILESYSTEMS: dict[tuple[str, str], Any] = {}
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 _FS_LOCK = threading.Lock()
 
 
 def _filesystem(protocol: str, options: dict[str, Any]):
     if protocol == "s3":
         options = _s3_environment(options)
-    key = (protocol, json.dumps(options, sort_keys=True, default=str))
+    # Per process: a forked DataLoader worker must not reuse its parent's instance, whose event loop
+    # thread does not exist in the child (every request would wait forever).
+    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=str))
     with _FS_LOCK:
         if key not in _FILESYSTEMS:
             import fsspec
@@ -241,12 +243,14 @@ class Location:
         with _errors("cannot read", self):
             return int(self.fs.size(self.path))
 
-    def list(self, pattern: str = "*", complete_only: bool = True) -> list[Location]:
+    def list(self, pattern: str = "*", complete_only: bool | None = True) -> list[Location]:
         """Entries of this folder whose name matches ``pattern`` (fnmatch on the name only, sorted).
 
         The folder's own name is literal: a ``[`` or ``*`` in a user's path is never expanded (use
         ``glob`` for that). Dot-names (temporaries, done records) are left out, and in an object store
         so is every object whose done record is missing (``complete_only``): a killed writer's leftovers.
+        ``complete_only=None``: only if the folder holds any done record (a laionkit output), else every
+        object (a folder other tools uploaded, which has none).
         """
         if self.local:
             try:
@@ -266,6 +270,8 @@ class Location:
                 return []
         names = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
         done = {n[1:-len(DONE_SUFFIX)] for n in names if n.startswith(".") and n.endswith(DONE_SUFFIX)}
+        if complete_only is None:
+            complete_only = bool(done)
         return [self.join(n) for n in names if not n.startswith(".") and fnmatch.fnmatchcase(n, pattern)
                 and (not complete_only or n in done)]
 

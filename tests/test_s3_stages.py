@@ -1,0 +1,254 @@
+"""Every stage against a real S3 API server (moto's server mode, the ``s3`` fixture) through s3fs.
+
+Each stage's output in the bucket must equal the same stage's output on local disk, a kill -9 at the
+worst moment (data object uploaded, done record not yet) must leave nothing a reader counts, and a
+rerun must finish to the same output with no duplicates.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO, run_cli
+
+from laionkit.common.imageserver import folder_routes, serve
+from laionkit.common.storage import Location
+
+SAMPLE = REPO / "laionkit" / "data" / "laion-sample.parquet"  # 1000 rows in 4 row groups
+RULES = ("--where", "punsafe < 0.5", "--where", "WIDTH >= 300")
+
+
+def upload(s3, local: Path, *key: str) -> str:
+    """Put a file in the bucket as other tools would (no done record)."""
+    url = s3.url(*key)
+    location = Location.parse(url)
+    location.fs.put_file(str(local), location.path)
+    return url
+
+
+def read_parts(folder: str | Path) -> pa.Table:
+    """A filter folder's parts (local or bucket) in global unit order; the rank in the name does not matter."""
+    parts = sorted(Location.parse(str(folder)).list("part-*.parquet"), key=lambda p: p.name.split("-")[2])
+    tables = []
+    for part in parts:
+        with part.open_read() as handle:
+            tables.append(pq.read_table(handle))
+    return pa.concat_tables(tables)
+
+
+def tar_members(folder: str | Path) -> dict[str, dict[str, bytes]]:
+    """Every complete tar's members and bytes (tar headers, with their mtimes, left out)."""
+    found = {}
+    for path in Location.parse(str(folder)).list("*.tar"):
+        with tarfile.open(fileobj=io.BytesIO(path.read_bytes())) as tar:
+            found[path.name] = {member.name: tar.extractfile(member).read() for member in tar.getmembers()}
+    return found
+
+
+def killed_run(s3, tmp_path: Path, code: str, kill_when: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh process group that SIGKILLs itself when ``kill_when`` (an expression over
+    the ``location`` about to get its done record) is first true: its data objects are in the bucket by
+    then. The hook is a sitecustomize, so it is in every process of the run (pack's spawned workers too)."""
+    hooks = tmp_path / "kill-hook"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, signal
+        from laionkit.common import storage
+        mark_done = storage.mark_done
+        def die_before_record(location, record=None):
+            if {kill_when}:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            mark_done(location, record)
+        storage.mark_done = die_before_record
+    """))
+    path = os.pathsep.join([str(hooks), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**s3.env, "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+
+
+def test_filter_reads_and_writes_the_bucket_with_two_ranks_like_local_disk(s3, tmp_path):
+    reference = tmp_path / "reference"
+    run_cli("filter", SAMPLE, "--output", reference, *RULES, "--unit-rows", "1", "-q")
+    upload(s3, SAMPLE, "laion", "laion_0000.parquet")
+    output = s3.url("filtered")
+    for rank in (0, 1):  # two real rank processes, no coordinator
+        run_cli("filter", s3.url("laion"), "--output", output, *RULES, "--unit-rows", "1", "-q",
+                "--rank", str(rank), "--world-size", "2", env=s3.env)
+
+    assert read_parts(output).equals(read_parts(reference))
+    folder = Location.parse(output)
+    assert {p.name.split("-")[1] for p in folder.list("part-*.parquet")} == {"00000", "00001"}
+    assert [p.name for p in folder.list("_*.json")] == ["_filter-plan.json", "_stats-00000.json", "_stats-00001.json"]
+    assert not list(Path.cwd().glob("s3:*")) and not (tmp_path / "s3:").exists()  # no local "s3:" folder
+    kept = sum((folder / f"_stats-0000{rank}.json").read_json()["rows_out"] for rank in (0, 1))
+    assert kept == read_parts(output).num_rows > 0  # the count reported is what is in the bucket
+
+    summary = run_cli("stats", output, env=s3.env).stdout
+    assert "units: 4 of 4 done (complete)" in summary and f"{kept:,}" in summary
+
+
+def test_filter_killed_before_a_part_is_recorded_resumes_on_the_bucket_to_the_same_output(s3, tmp_path):
+    reference = tmp_path / "reference"
+    run_cli("filter", SAMPLE, "--output", reference, *RULES, "--unit-rows", "1", "-q")
+    source = upload(s3, SAMPLE, "laion_0000.parquet")
+    output = s3.url("filtered")
+    run = f"""
+        from laionkit.filter import FilterConfig, run
+        run(FilterConfig(inputs=({source!r},), output={output!r}, where={RULES[1::2]!r}, unit_rows=1,
+                         threads=1, quiet=True))
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == 'part-00000-000002.parquet'")
+    assert result.returncode == -9, result.stderr
+
+    folder = Location.parse(output)
+    half = folder / "part-00000-000002.parquet"
+    assert half.exists() and not half.is_complete()  # uploaded, never recorded: a reader skips it
+    assert [p.name for p in folder.list("part-*.parquet")] == ["part-00000-000000.parquet",
+                                                               "part-00000-000001.parquet"]
+    assert not folder.list("_stats-*.json")
+    done_before = {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet")}
+
+    rerun = run_cli("filter", source, "--output", output, *RULES, "--unit-rows", "1", env=s3.env)
+    assert "(2 already done)" in rerun.stdout + rerun.stderr
+    assert {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet")
+            if p.name in done_before} == done_before  # finished units were not redone
+    assert len(folder.list("part-*.parquet")) == 4  # no duplicates, no holes
+    assert read_parts(output).equals(read_parts(reference))
+    assert (folder / "_stats-00000.json").read_json()["rows_out"] == read_parts(reference).num_rows
+
+
+@pytest.fixture(scope="module")
+def images(realdata):
+    with serve(folder_routes(realdata / "images")) as server:
+        yield server
+
+
+PACK = ("--processes", "1", "--threads", "4", "--timeout", "5", "--shard-size", "3", "--image-size", "64",
+        "--quiet", "--allow-private-hosts")  # the image server is on 127.0.0.1
+
+
+def test_pack_reads_parquet_from_the_bucket_and_writes_shards_there_like_local_disk(s3, images, realdata,
+                                                                                   tmp_path):
+    names = sorted(p.name for p in (realdata / "images").iterdir())
+    local = tmp_path / "urls.parquet"
+    pq.write_table(pa.table({"URL": [images.url(n) for n in names], "TEXT": [f"photo {n}" for n in names]}), local)
+    reference = tmp_path / "shards"
+    run_cli("pack", local, "--output", reference, *PACK)
+    source = upload(s3, local, "kept", "part-00000-000000.parquet")
+    output = s3.url("shards")
+    run_cli("pack", s3.url("kept"), "--output", output, *PACK, env=s3.env)
+
+    assert tar_members(output) == tar_members(reference) and len(tar_members(reference)) == 3
+    folder = Location.parse(output)
+    manifest = (folder / "manifest.json").read_json()
+    assert manifest["complete"] and manifest["samples"] == sum(
+        len({m.split(".")[0] for m in members}) for members in tar_members(output).values())
+    assert manifest["inputs"] == [source]
+    for name in ("00000.tar", "00000.parquet", "00000_stats.json"):
+        assert (folder / name).is_complete()
+    summary = run_cli("stats", output, env=s3.env).stdout
+    assert "3 / 3 planned" in summary
+
+
+def test_pack_killed_before_a_shard_record_resumes_on_the_bucket_without_redoing_finished_shards(
+        s3, images, realdata, tmp_path):
+    names = sorted(p.name for p in (realdata / "images").iterdir())
+    local = tmp_path / "urls.parquet"
+    pq.write_table(pa.table({"URL": [images.url(n) for n in names], "TEXT": [f"photo {n}" for n in names]}), local)
+    reference = tmp_path / "shards"
+    run_cli("pack", local, "--output", reference, *PACK)
+    output = s3.url("shards")
+    argv = ["pack", str(local), "--output", output, *PACK]
+    run = f"""
+        import sys
+        from laionkit.cli import main
+        sys.argv = ["laionkit", *{argv!r}]
+        main()
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == '00001_stats.json'")
+    assert result.returncode == -9, result.stderr
+    folder = Location.parse(output)
+    assert [p.name for p in folder.list("*_stats.json")] == ["00000_stats.json"]
+    assert (folder / "00001_stats.json").exists() and not (folder / "00001_stats.json").is_complete()
+    first = (folder / "00000_stats.json").done_record.read_bytes()
+
+    run_cli(*argv, env=s3.env)
+    assert (folder / "00000_stats.json").done_record.read_bytes() == first  # shard 0 was not redone
+    assert tar_members(output) == tar_members(reference)
+    assert (folder / "manifest.json").read_json()["complete"]
+
+
+ENCODE = ("--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet")
+
+
+def test_encode_streams_shards_from_the_bucket_and_writes_latents_there_with_two_ranks(
+        s3, image_shards, tiny_models, latent_shards):
+    for tar in sorted(image_shards.glob("*.tar")):
+        upload(s3, tar, "shards", tar.name)
+    output = s3.url("latents")
+    for rank in (1, 0):
+        run_cli("encode", s3.url("shards"), "--model", tiny_models, "--output", output, *ENCODE,
+                "--rank", str(rank), "--world-size", "2", env=s3.env)
+
+    assert tar_members(output) == tar_members(latent_shards) and len(tar_members(output)) == 2
+    folder = Location.parse(output)
+    manifest = (folder / "manifest.json").read_json()
+    assert manifest["complete"] and manifest["counts"]["samples_out"] == 8
+    assert (folder / "empty_caption.npy").read_bytes() == (latent_shards / "empty_caption.npy").read_bytes()
+    summary = run_cli("stats", output, env=s3.env).stdout
+    assert "8 of 8" in summary
+
+
+def test_encode_killed_before_a_latent_shard_is_recorded_resumes_without_redoing_finished_ones(
+        s3, image_shards, tiny_models, latent_shards, tmp_path):
+    for tar in sorted(image_shards.glob("*.tar")):
+        upload(s3, tar, "shards", tar.name)
+    output = s3.url("latents")
+    run = f"""
+        from laionkit.encode import EncodeConfig, run
+        run(EncodeConfig(shards=({s3.url("shards")!r},), output={output!r}, model={str(tiny_models)!r},
+                         resolution=64, batch_size=4, workers=0, quiet=True))
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == '00001.tar'")
+    assert result.returncode == -9, result.stderr
+    folder = Location.parse(output)
+    assert (folder / "00001.tar").exists() and not (folder / "00001.tar").is_complete()
+    assert [p.name for p in folder.list("*.tar")] == ["00000.tar"]
+    first = (folder / "00000.stats.json").done_record.read_bytes()
+
+    run_cli("encode", s3.url("shards"), "--model", tiny_models, "--output", output, *ENCODE, env=s3.env)
+    assert (folder / "00000.stats.json").done_record.read_bytes() == first  # not redone
+    assert tar_members(output) == tar_members(latent_shards)
+    assert (folder / "manifest.json").read_json()["complete"]
+
+
+def test_train_streams_latents_from_the_bucket_through_a_bounded_cache_with_the_same_losses(
+        s3, latent_shards, tmp_path):
+    from laionkit.common.storage import write_bytes
+
+    for path in sorted(latent_shards.iterdir()):  # as encode leaves them in a bucket: each with its record
+        if path.is_file():
+            write_bytes(Location.parse(s3.url("latents", path.name)), path.read_bytes())
+    args = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
+            "--workers", "2", "--max-steps", "6", "--log-every", "1", "--checkpoint-every", "3")
+    local, remote, cache = tmp_path / "local", tmp_path / "remote", tmp_path / "cache"
+    run_cli("train", latent_shards, "--output", local, *args)
+    biggest = max(p.stat().st_size for p in latent_shards.glob("*.tar"))
+    run_cli("train", s3.url("latents"), "--output", remote, *args, "--cache-dir", cache,
+            "--cache-size", str(biggest + 1), env=s3.env)  # room for one shard: the second evicts the first
+
+    losses = lambda run: [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
+                          if "loss" in r]
+    assert losses(remote) == losses(local) and len(losses(local)) == 6
+    assert 0 < sum(p.stat().st_size for p in cache.iterdir() if not p.name.startswith(".")) <= biggest + 1
+
