@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import random
 import signal
 from collections.abc import Iterator, Sequence
@@ -32,8 +33,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from laionkit.common import LaionkitError, Rank, split
 from laionkit.common.tars import count_samples
 
-# The members a training sample needs; others (the json, extra encoders) are skipped unread.
+# The members a training sample needs; others are skipped unread. Extra text tensors of a model family
+# (SDXL's pooled.npy) and the json's size fields (SDXL's time_ids) travel in the batch when present.
 MOMENTS, TEXT = "moments.npy", "text.npy"
+EXTRA_TENSORS = ("pooled",)
+SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ def read_unit(unit: Unit) -> Iterator[dict]:
     """Raw (undecoded) samples of one unit, in tar order."""
     opened = wds.tariterators.url_opener([{"url": unit.shard}])
     files = wds.tariterators.tar_file_expander(
-        opened, select_files=lambda name: name.endswith((MOMENTS, TEXT))
+        opened, select_files=lambda name: name.endswith((MOMENTS, TEXT, ".json",
+                                                         *(f".{key}.npy" for key in EXTRA_TENSORS)))
     )
     samples = wds.tariterators.group_by_keys(files)
     return itertools.islice(samples, unit.offset, None, unit.stride)
@@ -86,11 +91,22 @@ def decode(sample: dict) -> dict:
     for member in (MOMENTS, TEXT):
         if member not in sample:
             raise LaionkitError(f"{sample['__url__']}: sample {sample['__key__']} has no .{member} member")
-    return {
+    decoded = {
         "key": sample["__key__"],
         "moments": torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS]))),
         "text": torch.from_numpy(np.load(io.BytesIO(sample[TEXT]))),
     }
+    for key in EXTRA_TENSORS:
+        if f"{key}.npy" in sample:
+            decoded[key] = torch.from_numpy(np.load(io.BytesIO(sample[f"{key}.npy"])))
+    if "json" in sample:
+        try:
+            record = json.loads(sample["json"])
+            sizes = {name: torch.tensor(record[name], dtype=torch.long) for name in SIZE_FIELDS}
+        except (ValueError, KeyError, TypeError):
+            sizes = {}  # older or hand-made latents: families that need these fields say so
+        decoded.update(sizes)
+    return decoded
 
 
 def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
