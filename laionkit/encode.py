@@ -535,11 +535,11 @@ class Encoders:
     def _encode_ids(self, input_ids):
         return self.family.encode_ids(self.text_encoders, input_ids, self.layer)
 
-    def text_of(self, input_ids, captions: Sequence[str]) -> dict:
+    def text_of(self, input_ids, captions: Sequence[str], compiled: bool = True) -> dict:
         """The family's stored text tensors of a batch: from the workers' ids where the family encodes ids
         (SD), else from the captions through its own tokenizers (SDXL's two windows differ in padding)."""
         if self.family.encode_ids is not None:
-            return self.encode_ids(input_ids)
+            return (self.encode_ids if compiled else self._encode_ids)(input_ids)
         return self.family.encode_text(self.tokenizers, self.text_encoders, captions)
 
     def facts(self) -> dict:
@@ -566,7 +566,7 @@ class Encoders:
         ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
                              return_tensors="pt").input_ids
         with torch.inference_mode():
-            found = self.text_of(ids.to(self.device), [""])
+            found = self.text_of(ids.to(self.device), [""], compiled=False)
         return {key: value[0].to(torch.float16).cpu().numpy() for key, value in found.items()}
 
 
