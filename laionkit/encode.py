@@ -530,7 +530,7 @@ class Encoders:
             self.encode_ids = torch.compile(self._encode_ids, dynamic=False)
 
     def _encode_images(self, pixels):
-        return self.vae.encode(pixels.to(self.vae_dtype)).latent_dist.parameters
+        return self.vae.encode(pixels).latent_dist.parameters
 
     def _encode_ids(self, input_ids):
         return self.family.encode_ids(self.text_encoders, input_ids, self.layer)
@@ -918,10 +918,10 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
                 yield item
                 continue
             if prep_stream is None:
-                yield _gpu_batch(item, device, encoders.dtype, config.compile), None
+                yield _gpu_batch(item, device, encoders.vae_dtype, config.compile), None
                 continue
             with torch.cuda.stream(prep_stream):
-                batch = _gpu_batch(item, device, encoders.dtype, config.compile)
+                batch = _gpu_batch(item, device, encoders.vae_dtype, config.compile)
                 ready = torch.cuda.Event()
                 ready.record(prep_stream)
             yield batch, ready
@@ -954,7 +954,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
 def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
     """Compile for the one batch shape before the loader starts, so compile time is not encode time."""
     pixels = torch.zeros((config.batch_size, 3, config.resolution, config.resolution), device=encoders.device,
-                         dtype=encoders.dtype).contiguous(memory_format=encoders.layout)
+                         dtype=encoders.vae_dtype).contiguous(memory_format=encoders.layout)
     ids = torch.zeros((config.batch_size, encoders.tokenizer.model_max_length), dtype=torch.long,
                       device=encoders.device)
     encoders.encode_images(pixels)

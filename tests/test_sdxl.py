@@ -161,8 +161,8 @@ def test_family_comes_from_the_manifest_and_mismatches_are_one_line(sdxl_latents
         (latent_shards, ("--unet", tiny_sdxl), "pooled text; the sd latents have 4, 32 and no"),
         (sdxl_latents, ("--unet", tiny_models), "no pooled text; the sdxl latents have 4, 96 and 64"),
     ]
-    for latents, args, message in cases:
-        result = run_cli("train", latents, "--output", tmp_path / "run", *TRAIN, "--max-steps", "1", *args,
+    for index, (latents, args, message) in enumerate(cases):
+        result = run_cli("train", latents, "--output", tmp_path / f"run{index}", *TRAIN, "--max-steps", "1", *args,
                          check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
