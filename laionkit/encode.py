@@ -58,6 +58,7 @@ from laionkit.common.models import (
     load_text_encoder,
     load_tokenizer,
     load_vae,
+    load_vae_config,
 )
 from laionkit.common.tars import count_samples
 from laionkit.families import DEFAULT_FAMILY, FamilySpec, detect_family, get_family
@@ -509,12 +510,10 @@ class Encoders:
         self.layout = torch.channels_last if config.compile else torch.contiguous_format
         vae_source = config.source("vae")
         self.vae_dtype = self.dtype
-        if self.family.vae_upcast and self.dtype == torch.float16:
-            from diffusers import AutoencoderKL
-
-            # SDXL's VAE overflows to inf/NaN in fp16; its config says force_upcast, as its pipeline obeys.
-            if AutoencoderKL.load_config(*_config_location(vae_source, "vae")).get("force_upcast", True):
-                self.vae_dtype = torch.float32
+        # SDXL's VAE overflows to inf/NaN in fp16; its config says force_upcast, which its pipeline obeys.
+        if self.family.vae_upcast and self.dtype == torch.float16 and load_vae_config(vae_source).get(
+                "force_upcast", True):
+            self.vae_dtype = torch.float32
         self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
         self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
         self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
@@ -568,13 +567,6 @@ class Encoders:
         with torch.inference_mode():
             found = self.text_of(ids.to(self.device), [""], compiled=False)
         return {key: value[0].to(torch.float16).cpu().numpy() for key, value in found.items()}
-
-
-def _config_location(source: str, component: str) -> tuple[str, str]:
-    from laionkit.common.models import resolve_source
-
-    where = resolve_source(source, component)
-    return where.location, where.subfolder or ""
 
 
 def _compute_dtype(name: str, device):
@@ -858,8 +850,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     models = _models(config, encoders.family)
     settings = _settings(config, models, encoders, buckets)
     for record_file in sorted(config.output.glob("*" + RECORD_SUFFIX)):
-        refuse_other_settings(record_file, read_json(record_file)["settings"], settings, "encoded",
-                              RERUN_REMEDY)
+        refuse_other_settings(record_file, read_json(record_file)["settings"], settings, "encoded", RERUN_REMEDY)
     write_plan(config.output, shards)
     for key, empty in encoders.empty_caption().items():
         empty_path = config.output / encoders.family.empty_file(key)

@@ -157,6 +157,13 @@ def load_unet_config(source: str) -> dict:
     return _load_config(UNet2DConditionModel, source, "unet")
 
 
+def load_vae_config(source: str) -> dict:
+    """The AutoencoderKL config alone: what encode must know (force_upcast) before choosing the load dtype."""
+    from diffusers import AutoencoderKL
+
+    return _load_config(AutoencoderKL, source, "vae")
+
+
 def _load_config(cls, source: str, component: str) -> dict:
     where = resolve_source(source, component)
     try:
