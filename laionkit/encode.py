@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +117,7 @@ class EncodeConfig:
         """Where a component loads from: its own flag (--vae, --text-encoder, --tokenizer), else --model."""
         return getattr(self, component, None) or self.model
 
-    @cached_property
+    @property
     def family(self) -> FamilySpec:
         """The model family, from --model (preset or model_index.json): it decides the encoders run."""
         return detect_family(self.model)
