@@ -261,11 +261,19 @@ def test_sd_family_encodes_as_its_pipeline_and_families_are_detected_from_folder
     pipe = StableDiffusionPipeline.from_pretrained(tiny_folders["sd"])
     spec = get_family("sd")
     captions = ["a dog running on the beach", "", " ".join(["a very long caption"] * 30)]
-    for layer, clip_skip in (("last", None), ("penultimate", 1)):
-        ours = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions, layer=layer)
-        with torch.no_grad():
-            states, _ = pipe.encode_prompt(captions, "cpu", 1, False, clip_skip=clip_skip)
-        torch.testing.assert_close(ours["states"], states, rtol=0, atol=0)
+    ours = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions)
+    with torch.no_grad():
+        states, _ = pipe.encode_prompt(captions, "cpu", 1, False)
+    torch.testing.assert_close(ours["states"], states, rtol=0, atol=0)
+    # The penultimate layer through the final layer norm (what clip_skip=1 means; diffusers' own clip_skip
+    # path reaches for text_model, which transformers 5 removed).
+    ids = pipe.tokenizer(captions, padding="max_length", truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden = pipe.text_encoder(ids, output_hidden_states=True).hidden_states[-2]
+        expected = pipe.text_encoder.final_layer_norm(hidden)
+    penultimate = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions, layer="penultimate")
+    torch.testing.assert_close(penultimate["states"], expected, rtol=0, atol=0)
+    assert not torch.equal(penultimate["states"], ours["states"])
     assert [detect_family(str(tiny_folders[name])).name for name in ("sd", "sdxl")] == ["sd", "sdxl"]
     assert detect_family(str(tiny_folders["sd"] / "vae")).name == "sd"
     assert detect_family("sdxl").name == "sdxl" and detect_family("sd15").name == "sd"

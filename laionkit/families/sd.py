@@ -39,7 +39,8 @@ def encode_ids(text_encoders: Sequence, input_ids, layer: str = "last") -> dict[
     if layer == "last":
         return {"states": encoder(input_ids).last_hidden_state}
     hidden = encoder(input_ids, output_hidden_states=True).hidden_states[-2]
-    return {"states": encoder.text_model.final_layer_norm(hidden)}
+    # transformers 5 dropped CLIPTextModel's text_model wrapper (and diffusers' clip_skip path with it).
+    return {"states": getattr(encoder, "text_model", encoder).final_layer_norm(hidden)}
 
 
 def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
