@@ -770,9 +770,12 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
     scale = pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(config.seed)
     latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
+    # Accelerate's prepared forward returns fp32 outputs, so a scheduler step promotes the latents to fp32;
+    # they go back to the weights' dtype before the next step (bf16 master weights have no autocast).
     latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
                    guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
-                   **prompts).images
+                   callback_on_step_end=lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
+                   callback_on_step_end_tensor_inputs=["latents"], **prompts).images
     images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
     return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
 
