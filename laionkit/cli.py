@@ -105,19 +105,24 @@ app.add_typer(models_app, name="models")
     laionkit models tiny --output models/tiny
 
     laionkit encode shards/ --model models/tiny --output latents/ --resolution 64
+
+    laionkit models tiny --family sdxl --output models/tiny-sdxl
 """)
 def models_tiny(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+    family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3 or flux.")] = "sd",
 ) -> None:
-    """Write tiny random-init SD-style models (vae/, unet/, text_encoder/, tokenizer/, scheduler/) in the
-    real diffusers / transformers formats, with the real CLIP BPE vocabulary, so everything runs offline."""
+    """Write a tiny random-init pipeline of a model family (SD: vae/, unet/, text_encoder/, tokenizer/,
+    scheduler/; SDXL adds text_encoder_2/ and tokenizer_2/) in the real diffusers / transformers formats,
+    with the real CLIP BPE vocabulary, so everything runs offline."""
     from laionkit.common import atomic_output
-    from laionkit.common.models import write_tiny_models
+    from laionkit.families import get_family
 
+    spec = get_family(family)
     with atomic_output(output) as tmp:
-        write_tiny_models(tmp, seed=seed)
-    typer.echo(f"wrote tiny models to {output}")
+        spec.write_tiny(tmp, seed)
+    typer.echo(f"wrote tiny {spec.name} models to {output}")
 
 
 @app.command("run", epilog="""Examples:
@@ -370,8 +375,8 @@ torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.m
 def train_command(
     latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
-    unet: Annotated[Optional[str], typer.Option(help="Fine-tune: a hub id, preset (sd15, sd2) or folder with unet weights.")] = None,
-    unet_config: Annotated[Optional[str], typer.Option(help="From scratch: sd15, sd2-base, tiny, or a config folder/file.")] = None,
+    unet: Annotated[Optional[str], typer.Option(help="Fine-tune: a hub id, preset (sd15, sd2, sdxl) or folder with unet weights.")] = None,
+    unet_config: Annotated[Optional[str], typer.Option(help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny) or a config folder/file.")] = None,
     noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
     prediction_type: Annotated[Optional[str], typer.Option(help="epsilon or v_prediction (default: the scheduler's).")] = None,
     timestep_sampling: Annotated[str, typer.Option(help="uniform or logit-normal.")] = "uniform",
@@ -449,6 +454,8 @@ def train_command(
 
     laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
 
+    laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
+
     accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
 
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
@@ -458,7 +465,7 @@ def train_command(
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2), diffusers folder or hub id for all components.")] = "sd15",
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl), diffusers folder or hub id for all components; its model_index.json decides the family (sd or sdxl), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
     text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,

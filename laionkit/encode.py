@@ -54,9 +54,11 @@ from laionkit.common.models import (
     load_text_encoder,
     load_tokenizer,
     load_vae,
+    load_vae_config,
 )
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
+from laionkit.families import DEFAULT_FAMILY, FamilySpec, detect_family, get_family
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
 TEXT_LAYERS = ("last", "penultimate")
@@ -111,10 +113,22 @@ class EncodeConfig:
             raise LaionkitError("--batch-size must be >= 1 and --workers >= 0")
 
     def source(self, component: str) -> str:
-        return getattr(self, component) or self.model
+        """Where a component loads from: its own flag (--vae, --text-encoder, --tokenizer), else --model."""
+        return getattr(self, component, None) or self.model
+
+    @property
+    def family(self) -> FamilySpec:
+        """The model family, from --model (preset or model_index.json): it decides the encoders run."""
+        return detect_family(self.model)
 
     @property
     def layer(self) -> str:
+        fixed = self.family.text_layer
+        if fixed is not None:
+            if self.text_layer not in (None, fixed):
+                raise LaionkitError(f"--text-layer {self.text_layer}: family {self.family.name} (from --model "
+                                    f"{self.model}) is conditioned on the {fixed} layer only")
+            return fixed
         if self.text_layer:
             return self.text_layer
         return PRESETS[self.model].text_layer if self.model in PRESETS else "last"
@@ -497,52 +511,76 @@ def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
 
 
 class Encoders:
-    """The VAE and text encoder of one run, on one device, and the facts the manifest records."""
+    """The VAE and the family's text encoders of one run, on one device, and the facts the manifest records."""
 
     def __init__(self, config: EncodeConfig, device) -> None:
         self.device = device
+        self.family = config.family
         self.dtype = _compute_dtype(config.dtype, device)
         self.layer = config.layer
         # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
         # on channels_last tensors costs more than it saves); compiled, channels_last is kept.
         # scripts/bench_encode.py measures both layouts.
         self.layout = torch.channels_last if config.compile else torch.contiguous_format
-        self.vae = load_vae(config.source("vae"), dtype=self.dtype).to(device, memory_format=self.layout)
-        self.text_encoder = load_text_encoder(config.source("text_encoder"), dtype=self.dtype).to(device)
-        self.tokenizer = load_tokenizer(config.source("tokenizer"))
+        vae_source = config.source("vae")
+        self.vae_dtype = self.dtype
+        # SDXL's VAE overflows to inf/NaN in fp16; its config says force_upcast, which its pipeline obeys.
+        if self.family.vae_upcast and self.dtype == torch.float16 and load_vae_config(vae_source).get(
+                "force_upcast", True):
+            self.vae_dtype = torch.float32
+        self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
+        self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
+        self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
+                              for _, enc in self.family.text_encoders]
+        self.tokenizer = self.tokenizers[0]  # the DataLoader workers' (num_tokens, truncated)
+        self.text_encoder = self.text_encoders[0]
         self.encode_images = self._encode_images
-        self.encode_text = self._encode_text
+        self.encode_ids = self._encode_ids
         if config.compile:
             # One graph per batch shape: with --buckets that is one per bucket, more than dynamo's default.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.encode_images = torch.compile(self._encode_images, dynamic=False)
-            self.encode_text = torch.compile(self._encode_text, dynamic=False)
+            self.encode_ids = torch.compile(self._encode_ids, dynamic=False)
 
     def _encode_images(self, pixels):
         return self.vae.encode(pixels).latent_dist.parameters
 
-    def _encode_text(self, input_ids):
-        if self.layer == "last":
-            return self.text_encoder(input_ids).last_hidden_state
-        hidden = self.text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
-        return self.text_encoder.text_model.final_layer_norm(hidden)
+    def _encode_ids(self, input_ids):
+        return self.family.encode_ids(self.text_encoders, input_ids, self.layer)
+
+    def text_of(self, input_ids, captions: Sequence[str], compiled: bool = True) -> dict:
+        """The family's stored text tensors of a batch: from the workers' ids where the family encodes ids
+        (SD), else from the captions through its own tokenizers (SDXL's two windows differ in padding)."""
+        if self.family.encode_ids is not None:
+            return (self.encode_ids if compiled else self._encode_ids)(input_ids)
+        return self.family.encode_text(self.tokenizers, self.text_encoders, captions)
 
     def facts(self) -> dict:
         vae, text = self.vae.config, self.text_encoder.config
-        return {
+        facts = {
             "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.get("shift_factor"),
                     "latent_channels": vae.latent_channels,
                     "downsample_factor": 2 ** (len(vae.block_out_channels) - 1)},
             "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
                      "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
         }
+        if self.vae_dtype != self.dtype:
+            facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
+        if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)
+            facts["family"] = self.family.name
+            empty = self.empty_caption()
+            facts["text"]["hidden_size"] = int(empty["states"].shape[-1])
+            facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
+        return facts
 
-    def empty_caption(self) -> np.ndarray:
+    def empty_caption(self) -> dict[str, np.ndarray]:
+        """Every stored text tensor of the caption "" (caption dropout swaps all of them together)."""
         window = self.tokenizer.model_max_length
         ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
                              return_tensors="pt").input_ids
         with torch.inference_mode():
-            return self._encode_text(ids.to(self.device))[0].to(torch.float16).cpu().numpy()
+            found = self.text_of(ids.to(self.device), [""], compiled=False)
+        return {key: value[0].to(torch.float16).cpu().numpy() for key, value in found.items()}
 
 
 def _compute_dtype(name: str, device):
@@ -616,12 +654,15 @@ class ShardOutput:
         self.skips: list[dict] = []
         self.started = time.perf_counter()
 
-    def write(self, keys: list[str], records: list[dict], moments: np.ndarray, text: np.ndarray) -> None:
-        for key, record, sample_moments, sample_text in zip(keys, records, npy_rows(moments), npy_rows(text)):
+    def write(self, keys: list[str], records: list[dict], moments: np.ndarray, stored: dict[str, np.ndarray]
+              ) -> None:
+        """One sample per key: moments, every stored text tensor under its member name, the json."""
+        rows = {member: npy_rows(value) for member, value in stored.items()}
+        for index, (key, record, sample_moments) in enumerate(zip(keys, records, npy_rows(moments))):
             self.sink.write({
                 "__key__": key,
                 "moments.npy": sample_moments,
-                "text.npy": sample_text,
+                **{member: row[index] for member, row in rows.items()},
                 "json": json.dumps(record, sort_keys=True).encode(),
             })
             self.samples += 1
@@ -635,6 +676,11 @@ class ShardOutput:
     def abort(self, error: BaseException) -> None:
         self.sink.close()
         self.stack.__exit__(type(error), error, error.__traceback__)
+
+
+def latent_family(settings: dict) -> FamilySpec:
+    """The family of a latent folder from its settings (manifest): SD when none is named."""
+    return get_family(settings.get("family", DEFAULT_FAMILY))
 
 
 def record_path(output: Location, shard: str) -> Location:
@@ -716,7 +762,10 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
         # Where the models were loaded from (settings keep only their content, the file hashes).
         "models": records[-1].get("models", settings["models"]),
         "stored_dtype": "float16",
+        "family": latent_family(settings).name,
         "empty_caption": EMPTY_CAPTION,
+        **{f"empty_{key}": latent_family(settings).empty_file(key) for key in latent_family(settings).stored
+           if key != "states"},
         "shards": {"done": len(done), "expected": len(expected) if expected is not None else None,
                    "missing": sorted(set(expected or ()) - set(done))},
         "counts": {"samples_in": sum(r["samples_in"] for r in records),
@@ -772,9 +821,9 @@ def _device(config: EncodeConfig, rank: Rank):
     return torch.device("cpu")
 
 
-def _models(config: EncodeConfig) -> dict:
-    return {component: fingerprint(config.source(component), component)
-            for component in ("vae", "text_encoder", "tokenizer")}
+def _models(config: EncodeConfig, family: FamilySpec) -> dict:
+    components = ["vae"] + [name for pair in family.text_encoders for name in reversed(pair)]
+    return {component: fingerprint(config.source(component), component) for component in components}
 
 
 def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -> dict:
@@ -821,15 +870,16 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     if gpu_decode and device.type != "cuda":
         raise LaionkitError("--decode gpu needs a CUDA device")
     buckets = bucket_sizes(config.resolution) if config.buckets else None
-    models = _models(config)
+    models = _models(config, encoders.family)
     settings = _settings(config, models, encoders, buckets)
     for record_file in output.list("*" + RECORD_SUFFIX):
         refuse_other_settings(record_file, record_file.read_json()["settings"], settings, "encoded", RERUN_REMEDY)
     write_plan(output, shards)
-    empty_path = output / EMPTY_CAPTION
-    if not empty_path.is_complete():
-        with storage.atomic_write(empty_path, shared=True) as tmp:
-            tmp.write_bytes(npy_bytes(encoders.empty_caption()))
+    for key, empty in encoders.empty_caption().items():
+        empty_path = output / encoders.family.empty_file(key)
+        if not empty_path.is_complete():
+            with storage.atomic_write(empty_path, shared=True) as tmp:
+                tmp.write_bytes(npy_bytes(empty))
 
     mine = split(shards, rank)
     counts = {shard: count_samples(shard) for shard in mine}
@@ -882,10 +932,10 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
                 yield item
                 continue
             if prep_stream is None:
-                yield _gpu_batch(item, device, encoders.dtype, config.compile), None
+                yield _gpu_batch(item, device, encoders.vae_dtype, config.compile), None
                 continue
             with torch.cuda.stream(prep_stream):
-                batch = _gpu_batch(item, device, encoders.dtype, config.compile)
+                batch = _gpu_batch(item, device, encoders.vae_dtype, config.compile)
                 ready = torch.cuda.Event()
                 ready.record(prep_stream)
             yield batch, ready
@@ -919,11 +969,11 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
 def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
     """Compile for the one batch shape before the loader starts, so compile time is not encode time."""
     pixels = torch.zeros((config.batch_size, 3, config.resolution, config.resolution), device=encoders.device,
-                         dtype=encoders.dtype).contiguous(memory_format=encoders.layout)
+                         dtype=encoders.vae_dtype).contiguous(memory_format=encoders.layout)
     ids = torch.zeros((config.batch_size, encoders.tokenizer.model_max_length), dtype=torch.long,
                       device=encoders.device)
     encoders.encode_images(pixels)
-    encoders.encode_text(ids)
+    encoders.text_of(ids, [""] * config.batch_size)
 
 
 def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict:
@@ -936,18 +986,18 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
         pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
             memory_format=encoders.layout)
         input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
-    moments = text = None
+    moments, stored = None, {}
     if count:
-        moments = encoders.encode_images(pixels)[:count].to(torch.float16)
-        text = encoders.encode_text(input_ids)[:count].to(torch.float16)
-        moments = moments.to("cpu", non_blocking=True)
-        text = text.to("cpu", non_blocking=True)
+        moments = encoders.encode_images(pixels)[:count].to(torch.float16).to("cpu", non_blocking=True)
+        captions = [record["caption"] for record in batch["records"]]
+        stored = {encoders.family.member(key): value[:count].to(torch.float16).to("cpu", non_blocking=True)
+                  for key, value in encoders.text_of(input_ids, captions).items()}
     done = None
     if encoders.device.type == "cuda":
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(encoders.device))
     return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
-            "moments": moments, "text": text, "done": done, "skips": batch.get("skips", []),
+            "moments": moments, "stored": stored, "done": done, "skips": batch.get("skips", []),
             "decoded": batch["decoded"]}
 
 
@@ -1014,7 +1064,8 @@ class _Writer:
         if item["done"] is not None:
             item["done"].synchronize()
         if item["moments"] is not None:
-            shard.write(item["keys"], item["records"], item["moments"].numpy(), item["text"].numpy())
+            shard.write(item["keys"], item["records"], item["moments"].numpy(),
+                        {member: value.numpy() for member, value in item["stored"].items()})
         self.progress.update(len(item["keys"]) + len(item["skips"]))
 
     def _finish(self, done: ShardDone) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import json
 import random
 import signal
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -41,8 +42,11 @@ from laionkit.common import LaionkitError, Rank, split, storage
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 
-# The members a training sample needs; others (the json, extra encoders) are skipped unread.
+# The members a training sample needs; others are skipped unread. Extra text tensors of a model family
+# (SDXL's pooled.npy) and the json's size fields (SDXL's time_ids) travel in the batch when present.
 MOMENTS, TEXT = "moments.npy", "text.npy"
+EXTRA_TENSORS = ("pooled",)
+SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
     else:
         opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
     files = wds.tariterators.tar_file_expander(
-        opened, select_files=lambda name: name.endswith((MOMENTS, TEXT))
+        opened, select_files=lambda name: name.endswith((MOMENTS, TEXT, ".json",
+                                                         *(f".{key}.npy" for key in EXTRA_TENSORS)))
     )
     samples = wds.tariterators.group_by_keys(files)
     return itertools.islice(samples, unit.offset, None, unit.stride)
@@ -122,11 +127,22 @@ def moments_shape(sample: dict) -> tuple[int, ...]:
 
 def decode(sample: dict) -> dict:
     _require_members(sample)
-    return {
+    decoded = {
         "key": sample["__key__"],
         "moments": torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS]))),
         "text": torch.from_numpy(np.load(io.BytesIO(sample[TEXT]))),
     }
+    for key in EXTRA_TENSORS:
+        if f"{key}.npy" in sample:
+            decoded[key] = torch.from_numpy(np.load(io.BytesIO(sample[f"{key}.npy"])))
+    if "json" in sample:
+        try:
+            record = json.loads(sample["json"])
+            sizes = {name: torch.tensor(record[name], dtype=torch.long) for name in SIZE_FIELDS}
+        except (ValueError, KeyError, TypeError):
+            sizes = {}  # older or hand-made latents: families that need these fields say so
+        decoded.update(sizes)
+    return decoded
 
 
 def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:

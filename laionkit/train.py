@@ -20,7 +20,7 @@ import shutil
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -39,7 +39,9 @@ from laionkit.common import (
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
+from laionkit.families import FamilySpec, families, get_family
 from laionkit.latents import (
+    SIZE_FIELDS,
     STOP_SIGNALS,
     StreamLayout,
     Unit,
@@ -50,20 +52,6 @@ from laionkit.latents import (
 )
 
 CHECKPOINT_PREFIX = "step-"
-
-# Architectures for --unet-config (random init). Values not listed are UNet2DConditionModel's defaults,
-# which are SD 1.5's. in/out channels, sample size and cross_attention_dim always come from the data.
-UNET_PRESETS: dict[str, dict] = {
-    "sd15": {"attention_head_dim": 8},
-    "sd2-base": {"attention_head_dim": [5, 10, 20, 20], "use_linear_projection": True},
-    "tiny": {
-        "block_out_channels": [32, 64],
-        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-        "layers_per_block": 1,
-        "attention_head_dim": 8,
-    },
-}
 
 
 @dataclass(frozen=True)
@@ -206,6 +194,11 @@ class LatentSet:
     moments_shape: tuple[int, ...]
     text_shape: tuple[int, ...]
     empty_caption: torch.Tensor
+    # The model family encode recorded (SD when the manifest names none), its stored text tensors'
+    # empty-caption versions by stored key ("states" is empty_caption), and where the models came from.
+    family: FamilySpec = field(default_factory=lambda: get_family("sd"))
+    empty: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)
     bucketed: bool = False
     buckets: tuple[str, ...] = ()
     bucket_shapes: tuple[tuple[int, ...], ...] = ()
@@ -240,6 +233,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         scaling_factor = float(vae["scaling_factor"])
         empty_path = latents / manifest["empty_caption"]
         records = manifest.get("records") or {}
+        family = get_family(manifest.get("family") or "sd")
     except (KeyError, TypeError, ValueError) as error:
         raise LaionkitError(f"{manifest_path} has no valid {error} (not a laionkit-latents manifest)") from None
     if not manifest.get("complete"):
@@ -281,6 +275,21 @@ def open_latents(latents: Path | str) -> LatentSet:
     if tuple(empty.shape) != tuple(first["text"].shape):
         raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
                             f"{tuple(first['text'].shape)} in {shards[0]}")
+    empties = {"states": empty}
+    for key in family.stored:
+        if key == "states":
+            continue
+        path = latents / str(manifest.get(f"empty_{key}") or family.empty_file(key))
+        if key not in first:
+            raise LaionkitError(f"{shards[0]}: {family.name} latents need a .{family.member(key)} member per "
+                                f"sample; sample {first['key']} has none: rerun encode")
+        try:
+            empties[key] = torch.from_numpy(np.load(io.BytesIO(path.read_bytes())))
+        except (OSError, ValueError) as error:
+            raise LaionkitError(f"{path} (the empty caption's {key}) cannot be read: {error}") from None
+        if tuple(empties[key].shape) != tuple(first[key].shape):
+            raise LaionkitError(f"{path}: shape {tuple(empties[key].shape)} != {key} "
+                                f"{tuple(first[key].shape)} in {shards[0]}")
     return LatentSet(
         shards=tuple(shards),
         shard_samples=tuple(counts),
@@ -292,6 +301,9 @@ def open_latents(latents: Path | str) -> LatentSet:
         moments_shape=square[0] if square else tuple(first["moments"].shape),
         text_shape=tuple(first["text"].shape),
         empty_caption=empty,
+        family=family,
+        empty=empties,
+        models=manifest.get("models") or {},
         bucketed=bool(manifest.get("buckets")),
         buckets=buckets,
         bucket_shapes=bucket_shapes,
@@ -311,28 +323,68 @@ def _read_record(path: Location) -> dict:
 # --- model and objective --------------------------------------------------------------------------
 
 def build_unet(config: TrainConfig, data: LatentSet):
-    """A pretrained UNet (--unet) or a fresh one of a preset / config file (--unet-config) fitted to the data."""
-    from diffusers import UNet2DConditionModel
+    """A pretrained denoiser (--unet) or a fresh one of the family's configs / a config file (--unet-config),
+    fitted to the data: latent channels, sample size, text width and (SDXL) the pooled width."""
+    import diffusers
 
     from laionkit.common.models import load_unet, load_unet_config
 
+    spec = data.family
     channels, height, _ = data.moments_shape
     latent_channels, text_dim = channels // 2, data.text_shape[-1]
+    pooled_dim = data.empty["pooled"].shape[-1] if "pooled" in data.empty else None
     if config.unet is not None:
-        unet = load_unet(config.unet)
-        if unet.config.in_channels != latent_channels or unet.config.cross_attention_dim != text_dim:
+        unet = load_unet(spec.presets.get(config.unet, config.unet))
+        expects = (unet.config.in_channels, unet.config.cross_attention_dim, _pooled_width(unet.config))
+        if expects != (latent_channels, text_dim, pooled_dim):
             raise LaionkitError(
-                f"--unet {config.unet}: expects {unet.config.in_channels} latent channels and "
-                f"{unet.config.cross_attention_dim}-dim text, the latents have {latent_channels} and {text_dim}"
+                f"--unet {config.unet}: expects {expects[0]} latent channels, {expects[1]}-dim text and "
+                f"{expects[2] or 'no'} pooled text; the {spec.name} latents have {latent_channels}, {text_dim} "
+                f"and {pooled_dim or 'no'}"
             )
         return unet
-    if config.unet_config in UNET_PRESETS:
-        arch = dict(UNET_PRESETS[config.unet_config])
+    if config.unet_config in spec.configs:
+        arch = dict(spec.configs[config.unet_config])
+    elif any(config.unet_config in get_family(name).configs for name in families()):
+        owners = [name for name in families() if config.unet_config in get_family(name).configs]
+        raise LaionkitError(f"--unet-config {config.unet_config} is a {'/'.join(owners)} architecture; these "
+                            f"latents are {spec.name} (from {config.latents}/manifest.json), whose configs are "
+                            f"{', '.join(spec.configs)}")
     else:
         arch = {k: v for k, v in load_unet_config(config.unet_config).items() if not k.startswith("_")}
     arch.update(in_channels=latent_channels, out_channels=latent_channels, sample_size=height,
                 cross_attention_dim=text_dim)
-    return UNet2DConditionModel.from_config(arch)
+    if arch.get("addition_embed_type") == "text_time" or pooled_dim is not None:
+        if arch.get("addition_embed_type") != "text_time" or pooled_dim is None:
+            raise LaionkitError(f"--unet-config {config.unet_config}: {spec.name} latents "
+                                f"{'carry' if pooled_dim else 'lack'} pooled text, the architecture "
+                                f"{'lacks' if pooled_dim else 'needs'} it (addition_embed_type text_time)")
+        arch["projection_class_embeddings_input_dim"] = 6 * arch["addition_time_embed_dim"] + pooled_dim
+    return getattr(diffusers, spec.denoiser_class).from_config(arch)
+
+
+def _pooled_width(unet_config) -> int | None:
+    """The pooled text width a text_time UNet's add_embedding takes (6 time ids besides it), else None."""
+    if unet_config.get("addition_embed_type") != "text_time":
+        return None
+    return unet_config["projection_class_embeddings_input_dim"] - 6 * unet_config["addition_time_embed_dim"]
+
+
+def batch_conditioning(batch: dict, data: LatentSet, device, dtype) -> dict:
+    """A batch's stored text tensors by stored key on the device in ``dtype``, plus the size fields."""
+    cond = {key: batch["text" if key == "states" else key].to(device, non_blocking=True).to(dtype)
+            for key in data.family.stored}
+    cond.update({name: batch[name].to(device, non_blocking=True) for name in SIZE_FIELDS if name in batch})
+    return cond
+
+
+def drop_captions(cond: dict, empty: dict, dropped: torch.Tensor) -> dict:
+    """Caption dropout: the dropped samples get every stored tensor of the empty caption, together."""
+    out = dict(cond)
+    for key, value in empty.items():
+        mask = dropped.view(-1, *([1] * (value.dim())))
+        out[key] = torch.where(mask, value, cond[key])
+    return out
 
 
 def load_noise_scheduler(config: TrainConfig):
@@ -356,7 +408,7 @@ def randn(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor
     return torch.randn(shape, generator=generator, device=like.device, dtype=like.dtype)
 
 
-def diffusion_loss(model, moments, text, empty_text, noise_scheduler, config: TrainConfig,
+def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainConfig,
                    data: LatentSet, generator: torch.Generator) -> torch.Tensor:
     """The DDPM training loss for one batch: fresh latent, noise, timestep, prediction, (min-SNR) MSE."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
@@ -380,15 +432,16 @@ def diffusion_loss(model, moments, text, empty_text, noise_scheduler, config: Tr
     input_noise = noise
     if config.input_perturbation:
         input_noise = noise + config.input_perturbation * randn(noise.shape, generator, noise)
+    text = cond["states"]
     noisy = noise_scheduler.add_noise(latents, input_noise, timesteps).to(text.dtype)
     if config.caption_dropout:
         dropped = torch.rand(batch, generator=generator, device=text.device) < config.caption_dropout
-        text = torch.where(dropped[:, None, None], empty_text, text)
+        cond = drop_captions(cond, empty, dropped)
     if noise_scheduler.config.prediction_type == "epsilon":
         target = noise
     else:
         target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    prediction = model(noisy, timesteps, text, return_dict=False)[0]
+    prediction = model(noisy, timesteps, **data.family.conditioning(cond), return_dict=False)[0]
     loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
     if config.snr_gamma:
         snr = compute_snr(noise_scheduler, timesteps)
@@ -406,10 +459,12 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
     channels, height, width = shape
     dtype = next(unet.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
     sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
-    text = torch.zeros(1, *data.text_shape, device=device, dtype=dtype)
+    cond = {key: torch.zeros(1, *value.shape, device=device, dtype=dtype) for key, value in data.empty.items()}
+    cond.update({name: torch.tensor([[height * 8, width * 8]], device=device) for name in SIZE_FIELDS})
     counter = FlopCounterMode(display=False)
     with counter:
-        unet(sample, torch.tensor([500], device=device), text, return_dict=False)[0].sum().backward()
+        unet(sample, torch.tensor([500], device=device), **data.family.conditioning(cond),
+             return_dict=False)[0].sum().backward()
     unet.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
 
@@ -719,44 +774,70 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 # --- validation -----------------------------------------------------------------------------------
 
-def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], torch.Tensor]:
-    """Fixed prompts: the captions (and stored embeddings) of the first samples of the first shard."""
-    import io
-
-    import numpy as np
+def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Fixed prompts: the captions and stored text tensors (by stored key) of the first samples of the
+    first shard, and their size fields."""
     import webdataset as wds
+
+    from laionkit.latents import decode
 
     opened = [{"url": data.shards[0], "stream": Location.parse(data.shards[0]).open_read()}]  # path or URL
     samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))
-    captions, texts = [], []
+    captions, rows = [], []
     for sample in samples:
         captions.append(json.loads(sample["json"]).get("caption", "") if "json" in sample else sample["__key__"])
-        texts.append(torch.from_numpy(np.load(io.BytesIO(sample["text.npy"]))))
-        if len(texts) == count:
+        rows.append(decode(sample))
+        if len(rows) == count:
             break
-    return captions, torch.stack(texts)
+    stacked = {key: torch.stack([row["text" if key == "states" else key] for row in rows])
+               for key in data.family.stored}
+    return captions, stacked
+
+
+# Pipeline keyword of each stored key (the negative_ version takes the empty caption's).
+PIPELINE_KEYWORDS = {"states": "prompt_embeds", "pooled": "pooled_prompt_embeds"}
 
 
 @torch.no_grad()
-def validate(unet, vae, noise_scheduler, texts, empty, data: LatentSet, config: TrainConfig,
+def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentSet, config: TrainConfig,
              device: torch.device) -> torch.Tensor:
-    """Classifier-free-guided DDIM samples for the fixed prompts, decoded by the manifest's VAE, in [0, 1]."""
+    """Classifier-free-guided DDIM samples for the fixed prompts through the family's diffusers pipeline
+    (the one an export loads into), from the stored text tensors, decoded by the manifest's VAE, in [0, 1].
+
+    The pipeline gets no text encoders (the prompts are stored embeddings) and returns latents: the
+    decode is ours, in the VAE's own dtype, whatever the trained weights' dtype is."""
+    import inspect
+
+    import diffusers
     from diffusers import DDIMScheduler
 
     sampler = DDIMScheduler.from_config(noise_scheduler.config)
-    sampler.set_timesteps(config.validation_steps, device=device)
-    channels, height, width = data.moments_shape
-    generator = torch.Generator().manual_seed(config.seed)
-    latents = torch.randn(len(texts), channels // 2, height, width, generator=generator).to(device)
-    latents = latents * sampler.init_noise_sigma
+    pipeline_class = getattr(diffusers, data.family.pipeline_class)
+    parameters = inspect.signature(pipeline_class.__init__).parameters
+    components = {name: None for name, parameter in parameters.items()
+                  if name != "self" and parameter.default is inspect.Parameter.empty}
+    components.update({"unet": unet, "vae": vae, "scheduler": sampler})
+    if "requires_safety_checker" in parameters:
+        components["requires_safety_checker"] = False
+    pipe = pipeline_class(**components)
+    pipe.set_progress_bar_config(disable=True)
     dtype = next(unet.parameters()).dtype
-    cond = torch.cat([empty.expand_as(texts), texts]).to(device, dtype)
-    for t in sampler.timesteps:
-        model_in = sampler.scale_model_input(torch.cat([latents, latents]), t).to(dtype)
-        uncond_out, cond_out = unet(model_in, t, cond, return_dict=False)[0].float().chunk(2)
-        guided = uncond_out + config.guidance_scale * (cond_out - uncond_out)
-        latents = sampler.step(guided, t, latents).prev_sample
-    images = vae.decode(latents / data.scaling_factor + data.shift_factor).sample
+    prompts = {}
+    for key, keyword in PIPELINE_KEYWORDS.items():
+        if key in texts:
+            prompts[keyword] = texts[key].to(device, dtype)
+            prompts[f"negative_{keyword}"] = empty[key].expand_as(texts[key]).to(device, dtype)
+    channels, height, width = data.moments_shape
+    scale = pipe.vae_scale_factor
+    generator = torch.Generator().manual_seed(config.seed)
+    latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
+    # Accelerate's prepared forward returns fp32 outputs, so a scheduler step promotes the latents to fp32;
+    # they go back to the weights' dtype before the next step (bf16 master weights have no autocast).
+    latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
+                   guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
+                   callback_on_step_end=lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
+                   callback_on_step_end_tensor_inputs=["latents"], **prompts).images
+    images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
     return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
@@ -819,7 +900,6 @@ def run(config: TrainConfig) -> TrainResult:
 def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-    from diffusers import UNet2DConditionModel
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
     from tqdm.auto import tqdm
@@ -855,6 +935,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
 
     data = open_latents(config.latents)
+    if data.family.objective.kind != "ddpm":
+        raise LaionkitError(f"{config.latents}: {data.family.name} latents train with the "
+                            f"{data.family.objective.kind} objective, which train does not run yet")
     if data.empty_shards:
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
@@ -888,7 +971,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     ema = None
     if config.ema:
         ema = EMAModel(trained, decay=config.ema_decay, foreach=True,
-                       model_cls=UNet2DConditionModel, model_config=unet.config)
+                       model_cls=type(unet), model_config=unet.config)
         ema.to(device)
     # Saved by save_checkpoint as plain tensors, not through accelerate, which unpickles these with
     # weights_only=False on load.
@@ -944,7 +1027,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     stage_start = stage_ends[stage] - stages[stage][2]
     batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
                                  pin_memory=device.type == "cuda", cache=cache))
-    empty_text = data.empty_caption.to(device, input_dtype)
+    empty = {key: value.to(device, input_dtype) for key, value in data.empty.items()}
 
     metrics_path = output / "metrics.jsonl"
     keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
@@ -1009,10 +1092,9 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             bucket_samples[bucket] += len(batch["key"])
             window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
-            text = batch["text"].to(device, non_blocking=True).to(input_dtype)
+            cond = batch_conditioning(batch, data, device, input_dtype)
             with accelerator.accumulate(unet):
-                loss = diffusion_loss(model, moments, text, empty_text, noise_scheduler, config, data,
-                                      generator)
+                loss = diffusion_loss(model, moments, cond, empty, noise_scheduler, config, data, generator)
                 accelerator.backward(loss)
                 norm = apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
                 if accelerator.sync_gradients:
@@ -1051,7 +1133,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
                 unet.eval()
                 record["val_loss"] = valloss.evaluate(
-                    accelerator, lambda noisy, t, cond: unet(noisy, t, cond["text"], return_dict=False)[0], valset,
+                    accelerator, lambda noisy, t, cond: unet(noisy, t, return_dict=False, **data.family.conditioning(
+                        {"states" if k == "text" else k: v for k, v in cond.items()}))[0], valset,
                     config.batch_size, input_dtype, noise_scheduler)
                 record["val_samples"] = len(valset.keys)
                 unet.train()
@@ -1094,7 +1177,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         if validation is not None and (step % config.validate_every == 0 or step == max_steps):
             vae, texts = validation
             unet.eval()
-            images = validate(unet, vae, noise_scheduler, texts, empty_text, current, config, device)
+            images = validate(accelerator.unwrap_model(unet), vae, noise_scheduler, texts, empty, current, config,
+                              device)
             unet.train()
             if main:
                 save_grid(images, output / "samples" / f"step-{step:06d}.png")

@@ -113,7 +113,8 @@ def _accelerated_step(config, data, diffusers_optimizer: bool = False):
     def step(moments, text, empty):
         from laionkit.train import diffusion_loss
 
-        loss = diffusion_loss(model, moments, text, empty, noise_scheduler, config, data, generator)
+        loss = diffusion_loss(model, moments, {"states": text}, {"states": empty}, noise_scheduler, config, data,
+                              generator)
         accelerator.backward(loss)
         apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
         scheduler.step()

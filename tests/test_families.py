@@ -249,3 +249,34 @@ def test_tiny_tokenizers_load_through_from_pretrained_and_round_trip(tmp_path, k
     padded = tokenizer(["a cat", caption], padding="max_length", max_length=48, truncation=True)
     assert [len(row) for row in padded.input_ids] == [48, 48]
     assert padded.attention_mask[0].count(1) == len(tokenizer("a cat").input_ids)
+
+
+def test_sd_family_encodes_as_its_pipeline_and_families_are_detected_from_folders(tiny_folders, tmp_path):
+    """SD's spec is what StableDiffusionPipeline.encode_prompt computes (clip_skip=1 for the penultimate
+    layer); a folder's family comes from its model_index.json, a bare component folder is SD."""
+    from diffusers import StableDiffusionPipeline
+
+    from laionkit.families import detect_family
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_folders["sd"])
+    spec = get_family("sd")
+    captions = ["a dog running on the beach", "", " ".join(["a very long caption"] * 30)]
+    ours = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions)
+    with torch.no_grad():
+        states, _ = pipe.encode_prompt(captions, "cpu", 1, False)
+    torch.testing.assert_close(ours["states"], states, rtol=0, atol=0)
+    # The penultimate layer through the final layer norm (what clip_skip=1 means; diffusers' own clip_skip
+    # path reaches for text_model, which transformers 5 removed).
+    ids = pipe.tokenizer(captions, padding="max_length", truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden = pipe.text_encoder(ids, output_hidden_states=True).hidden_states[-2]
+        expected = pipe.text_encoder.final_layer_norm(hidden)
+    penultimate = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions, layer="penultimate")
+    torch.testing.assert_close(penultimate["states"], expected, rtol=0, atol=0)
+    assert not torch.equal(penultimate["states"], ours["states"])
+    assert [detect_family(str(tiny_folders[name])).name for name in ("sd", "sdxl")] == ["sd", "sdxl"]
+    assert detect_family(str(tiny_folders["sd"] / "vae")).name == "sd"
+    assert detect_family("sdxl").name == "sdxl" and detect_family("sd15").name == "sd"
+    (tmp_path / "model_index.json").write_text('{"_class_name": "KandinskyPipeline"}')
+    with pytest.raises(LaionkitError, match="names KandinskyPipeline, which no model family draws"):
+        detect_family(str(tmp_path))

@@ -1,9 +1,9 @@
 """Model loading shared by encode and train: presets, hub ids and local folders, all through from_pretrained.
 
 A model *source* is one string, resolved per component (``vae``, ``text_encoder``, ``tokenizer``,
-``unet``, ``scheduler``) in this order:
+``unet``, ``scheduler``, and the second / third encoders of SDXL and SD3) in this order:
 
-1. a preset name (``sd15``, ``sd2``): a hub pipeline repo, component in its subfolder;
+1. a preset name (``sd15``, ``sd2``, ``sdxl``): a hub pipeline repo, component in its subfolder;
 2. a local folder: ``DIR/<component>/`` if it exists (a pipeline folder such as the one
    ``laionkit models tiny`` writes), else ``DIR`` itself (a bare component folder);
 3. a hub id: ``owner/name`` is a pipeline repo (component in its subfolder) unless the component is
@@ -24,7 +24,11 @@ from pathlib import Path
 
 from laionkit.common.errors import LaionkitError
 
-COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler")
+COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_encoder_2", "tokenizer_2",
+              "text_encoder_3", "tokenizer_3", "transformer")
+# Text encoder classes a component's config may name (its "architectures"); anything else loads as
+# CLIPTextModel, as SD's always did.
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 
@@ -45,6 +49,8 @@ PRESETS = {
                    "SD 1.5 VAE + CLIP ViT-L/14 text encoder, last hidden state"),
     "sd2": Preset("stabilityai/stable-diffusion-2-base", "last", 512,
                   "SD 2 VAE + OpenCLIP ViT-H text encoder, penultimate layer (the hub checkpoint has 23 layers)"),
+    "sdxl": Preset("stabilityai/stable-diffusion-xl-base-1.0", "penultimate", 1024,
+                   "SDXL base: fp32-upcast VAE, CLIP ViT-L + OpenCLIP ViT-bigG penultimate states, pooled bigG"),
 }
 
 
@@ -113,19 +119,28 @@ def load_vae(source: str, dtype=None):
     return _from_pretrained(AutoencoderKL, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
 
 
-def load_text_encoder(source: str, dtype=None):
-    """A transformers CLIP text model (CLIP ViT-L/14 for SD 1.5, OpenCLIP ViT-H for SD 2)."""
-    from transformers import CLIPTextModel
+def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
+    """A transformers text model of the class its config names: CLIPTextModel (SD 1.5's CLIP ViT-L/14, SD 2's
+    OpenCLIP ViT-H, SDXL's first encoder), CLIPTextModelWithProjection (SDXL's second, whose pooled
+    projection the UNet is conditioned on) or T5EncoderModel."""
+    import transformers
 
-    model = _from_pretrained(CLIPTextModel, source, "text_encoder", dtype=dtype)
+    where = resolve_source(source, component)
+    try:
+        config, _ = transformers.PretrainedConfig.get_config_dict(where.location, subfolder=where.subfolder or "")
+    except (OSError, ValueError) as error:
+        raise LaionkitError(f"cannot read the {component} config from {where.location}: {error}") from None
+    named = (config.get("architectures") or ["CLIPTextModel"])[0]
+    cls = getattr(transformers, named if named in TEXT_ENCODER_CLASSES else "CLIPTextModel")
+    model = _from_pretrained(cls, source, component, dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
-def load_tokenizer(source: str):
+def load_tokenizer(source: str, component: str = "tokenizer"):
     """The CLIP BPE tokenizer matching the text encoder (window = model_max_length, 77 for SD)."""
     from transformers import CLIPTokenizer
 
-    return _from_pretrained(CLIPTokenizer, source, "tokenizer")
+    return _from_pretrained(CLIPTokenizer, source, component)
 
 
 def load_unet(source: str, dtype=None):
@@ -140,6 +155,13 @@ def load_unet_config(source: str) -> dict:
     from diffusers import UNet2DConditionModel
 
     return _load_config(UNet2DConditionModel, source, "unet")
+
+
+def load_vae_config(source: str) -> dict:
+    """The AutoencoderKL config alone: what encode must know (force_upcast) before choosing the load dtype."""
+    from diffusers import AutoencoderKL
+
+    return _load_config(AutoencoderKL, source, "vae")
 
 
 def _load_config(cls, source: str, component: str) -> dict:

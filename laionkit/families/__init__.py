@@ -21,7 +21,16 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   unit (class names, resolved on the built model, so importing a family imports no diffusers);
 - ``pipeline_class``: the diffusers pipeline that draws validation grids and that an export must load
   into; the export is that pipeline's folder layout with the trained denoiser in ``denoiser_subfolder``;
-- ``write_tiny(output, seed)``: a tiny random-init model in the real diffusers layout for offline tests.
+- ``write_tiny(output, seed)``: a tiny random-init model in the real diffusers layout for offline tests;
+- ``encode_ids``: set when encode may run the text encoder on the ids its DataLoader workers tokenized
+  (fixed shapes, so it compiles; SD, whose ``--text-layer`` it takes), else encode calls ``encode_text``
+  on the captions; ``text_layer`` is the hidden layer ``encode_text`` takes when it is fixed;
+- ``vae_upcast``: the VAE overflows in fp16, so encode runs it in fp32 when its config says
+  ``force_upcast`` (SDXL), as the family's pipeline does.
+
+Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
+whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per
+sample and ``empty_k.npy`` once per folder.
 
 Family modules import torch / diffusers / transformers only inside functions, so listing families is cheap.
 """
@@ -69,6 +78,17 @@ class FamilySpec:
     presets: Mapping[str, str] = field(default_factory=dict)
     configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     vae_shift: bool = False  # latents = (z - shift_factor) * scaling_factor (SD3 / Flux VAEs)
+    encode_ids: Callable[..., dict[str, Any]] | None = None
+    text_layer: str | None = None
+    vae_upcast: bool = False
+
+    def member(self, key: str) -> str:
+        """The per-sample tar member of a stored key (``states`` keeps SD's ``text.npy``)."""
+        return "text.npy" if key == "states" else f"{key}.npy"
+
+    def empty_file(self, key: str) -> str:
+        """The folder's empty-caption file of a stored key (``states`` keeps SD's ``empty_caption.npy``)."""
+        return "empty_caption.npy" if key == "states" else f"empty_{key}.npy"
 
     def blocks(self, denoiser) -> list:
         """The denoiser's modules of ``block_classes``: FSDP wrap units and checkpointing units, in order."""
@@ -105,7 +125,47 @@ def families() -> list[str]:
     return sorted(_FAMILIES)
 
 
+DEFAULT_FAMILY = "sd"  # what a latent manifest without a family field, or a bare model folder, is
+
+
+def detect_family(source: str) -> FamilySpec:
+    """The family of a model source: a preset's, else the pipeline class its model_index.json names.
+
+    A folder or hub repo without model_index.json (bare component folders, a standalone VAE) is SD, as
+    it always was; a model_index.json naming a pipeline no family draws is refused rather than guessed.
+    """
+    import json
+
+    for spec in _FAMILIES.values():
+        if source in spec.presets:
+            return spec
+    path = Path(source).expanduser()
+    index = None
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            index = path / "model_index.json"
+    elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        try:  # a hub pipeline repo: its model_index.json, from the cache or the hub
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(source.partition(":")[0], "model_index.json"))
+        except Exception:  # noqa: BLE001 - no index reachable: loading the components says what is wrong
+            index = None
+    if index is None:
+        return get_family(DEFAULT_FAMILY)
+    try:
+        name = json.loads(index.read_text())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LaionkitError(f"{index}: not a diffusers model_index.json ({error})") from None
+    for spec in _FAMILIES.values():
+        if spec.pipeline_class == name:
+            return spec
+    raise LaionkitError(f"{source}: model_index.json names {name}, which no model family draws (known: "
+                        + ", ".join(f"{s.name} = {s.pipeline_class}" for s in _FAMILIES.values()) + ")")
+
+
 # Importing the family modules registers them.
 from laionkit.families import flux as _flux  # noqa: E402,F401
+from laionkit.families import sd as _sd  # noqa: E402,F401
 from laionkit.families import sd3 as _sd3  # noqa: E402,F401
 from laionkit.families import sdxl as _sdxl  # noqa: E402,F401

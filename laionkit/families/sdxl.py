@@ -12,9 +12,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from laionkit.common.errors import LaionkitError
+from laionkit.common.models import PRESETS as MODEL_PRESETS
 from laionkit.families import FamilySpec, Objective, register_family
 
-PRESETS = {"sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
+PRESETS = {"sdxl": MODEL_PRESETS["sdxl"].repo}
+# The per-sample json fields (docs/FORMATS.md section 3) time_ids are made of.
+SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
 
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json: the real architecture (2.57B parameters),
 # for training from scratch with ``--unet-config sdxl``.
@@ -76,6 +80,17 @@ SCHEDULER_CONFIG: dict[str, Any] = {
 
 TINY_HIDDEN = (32, 64)  # text encoder widths; their sum is the tiny UNet's cross_attention_dim
 TINY_TIME_EMBED = 8
+# The tiny UNet write_tiny saves, also for ``--unet-config tiny`` on SDXL latents (train fits the
+# channels, sample size, cross-attention and pooled widths to the data).
+TINY_UNET_CONFIG: dict[str, Any] = {
+    "sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [32, 64],
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1,
+    "attention_head_dim": [2, 4], "transformer_layers_per_block": [1, 2], "use_linear_projection": True,
+    "cross_attention_dim": sum(TINY_HIDDEN), "norm_num_groups": 32, "addition_embed_type": "text_time",
+    "addition_time_embed_dim": TINY_TIME_EMBED,
+    "projection_class_embeddings_input_dim": 6 * TINY_TIME_EMBED + TINY_HIDDEN[1],
+}
 
 
 def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str]) -> dict[str, Any]:
@@ -128,11 +143,23 @@ def center_crop_top_left(original_hw: tuple[int, int], resolution: int) -> tuple
     return (int(round((resized_h - resolution) / 2.0)), int(round((resized_w - resolution) / 2.0)))
 
 
+def batch_time_ids(batch: Mapping[str, Any]):
+    """[B, 6] time_ids from the latent json fields of a batch ([w, h] sizes, [top, left] crop, as encode
+    records them), in diffusers' (h, w) order."""
+    missing = [name for name in SIZE_FIELDS if name not in batch]
+    if missing:
+        raise LaionkitError(f"SDXL latents need {', '.join(SIZE_FIELDS)} in every sample's json (encode writes "
+                            f"them); these lack {', '.join(missing)}: re-encode them")
+    return time_ids(batch["original_size"].flip(-1), batch["crop_top_left"], batch["target_size"].flip(-1))
+
+
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """UNet keyword arguments for a micro-batch: text states, pooled embeds and time_ids."""
+    """UNet keyword arguments for a micro-batch: text states, pooled embeds and time_ids (given, or made
+    from the batch's size fields)."""
+    ids = batch["time_ids"] if "time_ids" in batch else batch_time_ids(batch)
     return {
         "encoder_hidden_states": batch["states"],
-        "added_cond_kwargs": {"text_embeds": batch["pooled"], "time_ids": batch["time_ids"]},
+        "added_cond_kwargs": {"text_embeds": batch["pooled"], "time_ids": ids.to(batch["pooled"].device)},
     }
 
 
@@ -172,15 +199,7 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
 
     text_encoder = CLIPTextModel(clip_config(TINY_HIDDEN[0], "quick_gelu"))
     text_encoder_2 = CLIPTextModelWithProjection(clip_config(TINY_HIDDEN[1], "gelu"))
-    unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
-        attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
-        cross_attention_dim=sum(TINY_HIDDEN), norm_num_groups=32, addition_embed_type="text_time",
-        addition_time_embed_dim=TINY_TIME_EMBED,
-        projection_class_embeddings_input_dim=6 * TINY_TIME_EMBED + TINY_HIDDEN[1],
-    )
+    unet = UNet2DConditionModel.from_config(TINY_UNET_CONFIG)
     scheduler = EulerDiscreteScheduler.from_config(SCHEDULER_CONFIG)
     tokenizer = clip_tokenizer(output / "tokenizer")
     tokenizer_2 = clip_tokenizer(output / "tokenizer_2")
@@ -206,5 +225,7 @@ SPEC = register_family(FamilySpec(
     block_classes=("ResnetBlock2D", "BasicTransformerBlock"),
     write_tiny=write_tiny,
     presets=PRESETS,
-    configs={"sdxl": UNET_CONFIG},
+    configs={"sdxl": UNET_CONFIG, "tiny": TINY_UNET_CONFIG},
+    text_layer="penultimate",
+    vae_upcast=True,
 ))
