@@ -36,6 +36,7 @@ from laionkit.common import (
     storage,
     versions,
 )
+from laionkit.common.models import sha256_file
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
@@ -603,17 +604,9 @@ def verify_checkpoint(folder: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
-        if _sha256(path) != want["sha256"]:
+        if sha256_file(path) != want["sha256"]:
             return f"{name} does not hold what was written (sha256 differs)"
     return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def choose_resume(config: TrainConfig, say) -> Path | None:
@@ -714,7 +707,7 @@ def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep
                 torch.save(state, folder / f"{name}.pt")
         accelerator.wait_for_everyone()
         if main:
-            files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files = {str(path.relative_to(folder)): {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
                      for path in sorted(folder.rglob("*")) if path.is_file()}
             (folder / "trainer.json").write_text(json.dumps(
                 {"step": step, "world_size": accelerator.num_processes, "config": asdict(config),
