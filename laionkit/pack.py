@@ -206,10 +206,10 @@ def carried_columns(columns: Sequence[str], url: str, caption: str) -> tuple[tup
     return tuple(carried)
 
 
-def plan_shards(files: Sequence[Location], config: PackConfig) -> list[ShardTask]:
+def plan_shards(files: Sequence[Location | Path], config: PackConfig) -> list[ShardTask]:
     """The global shard list; deterministic given the sorted files, their row counts and shard_size."""
     per_file = []
-    for path in files:
+    for path in map(Location.parse, files):
         try:
             with path.open_read(block_size=2**20) as handle:
                 metadata = pq.ParquetFile(handle)

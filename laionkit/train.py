@@ -153,6 +153,8 @@ class TrainConfig:
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
         self.later_stages()
+        lora.check_config(self)
+        valloss.check_config(self)
 
     def later_stages(self) -> list[tuple[Path, int]]:
         """The --stage folders and their steps, trained after the LATENTS stage."""
@@ -163,9 +165,6 @@ class TrainConfig:
                 raise LaionkitError(f"--stage {spec!r}: give DIR:STEPS, STEPS a whole number of steps >= 1")
             found.append((Path(folder), int(steps)))
         return found
-
-        lora.check_config(self)
-        valloss.check_config(self)
 
 
 @dataclass(frozen=True)
