@@ -37,10 +37,11 @@ def listed(folder: Location, pattern: str) -> list[Location]:
     return folder.list(pattern, complete_only=None)
 
 
-def filter_totals(folder: Location) -> dict:
+def filter_totals(folder: Location | Path) -> dict:
     """Merge a filter folder's rank stats: one record per unit, totals, per-rank and per-rule counts."""
     from laionkit.filter import PLAN_NAME, STATS_GLOB, plan_id, read_record
 
+    folder = Location.parse(folder)
     plan_path = folder / PLAN_NAME
     if not plan_path.is_complete() or plan_path.is_dir():
         raise LaionkitError(f"{folder}: no {PLAN_NAME}, so not a laionkit filter folder")
