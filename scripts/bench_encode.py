@@ -1,9 +1,9 @@
 """Benchmark `laionkit encode` against the bare-encoder ceiling (not a test; results in docs/BENCHMARKS.md).
 
-For each resolution, in one process: (a) the ceiling: the bare libraries at their fastest, no laionkit
+For each resolution: (a) the ceiling, in a child process of its own: the bare libraries at their fastest, no laionkit
 code at all: diffusers' ``AutoencoderKL.encode`` + transformers' ``CLIPTextModel`` on tensors already on
 the GPU, same batch size, resolution and dtype, in both memory layouts (contiguous and channels_last),
-measured in this run, per mode (eager, and each torch.compile'd), the faster layout kept; (b)
+measured in this run (side by side with (b), one after the other), per mode (eager, and each torch.compile'd), the faster layout kept; (b)
 `laionkit encode` (its run()) on photo-like JPEG shards generated here, eager and with --compile. Prints
 img/s, the ratio b/a (target >= 0.95), the CPU workers used and where the JPEGs were decoded. Models are random-init at real sizes: the SD VAE (block_out_channels
 128,256,512,512) and CLIP ViT-L/14's text encoder (12 layers, 768 wide, 77 tokens).
@@ -149,6 +149,28 @@ def ceiling(models: Path, dtype, device: str, batch_size: int, resolution: int, 
     return {"ceiling_img_s": rates[best], "ceiling_layout": best, "ceiling_by_layout": rates}
 
 
+def ceiling_in_child(models: Path, dtype, batch_size: int, resolution: int, seconds: float, compiled: bool,
+                     out: Path) -> dict:
+    """(a) in a fresh child process: torch.compile of the bare models (and its cache reset) must not share
+    a process with (b), or (b) measures the compiler's leftovers instead of laionkit encode."""
+    spec = {"models": str(models), "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
+            "resolution": resolution, "seconds": seconds, "compiled": compiled}
+    result = out / "ceiling.json"
+    result.unlink(missing_ok=True)
+    subprocess.run([sys.executable, __file__, "--out", str(out), "--ceiling-child", json.dumps(spec)], check=True)
+    return json.loads(result.read_text())
+
+
+def ceiling_child(spec: str, out: Path) -> None:
+    fields = json.loads(spec)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.backends.cudnn.benchmark = True
+    row = ceiling(Path(fields["models"]), getattr(torch, fields["dtype"]), device, fields["batch_size"],
+                  fields["resolution"], fields["seconds"], fields["compiled"])
+    (out / "ceiling.json").write_text(json.dumps(row))
+
+
 def rank_child(spec: str, out: Path) -> None:
     """One torchrun rank of the multi-GPU run: encode its shards, write its summary."""
     fields = json.loads(spec)
@@ -188,7 +210,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models, tiny images, CPU: checks the script")
     parser.add_argument("--gpus", type=int, nargs="+", default=[], help="also encode on N GPUs (eager, torchrun)")
     parser.add_argument("--rank-child", help=argparse.SUPPRESS)
+    parser.add_argument("--ceiling-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ceiling_child:
+        ceiling_child(args.ceiling_child, args.out)
+        return
     if args.rank_child:
         rank_child(args.rank_child, args.out)
         return
@@ -226,8 +252,8 @@ def main() -> None:
             try:
                 t0 = time.perf_counter()
                 dtype = torch.bfloat16 if device == "cuda" else torch.float32  # encode's --dtype auto
-                row.update(ceiling(models, dtype, device, args.batch_size, resolution, args.ceiling_seconds,
-                                   compiled))
+                row.update(ceiling_in_child(models, dtype, args.batch_size, resolution, args.ceiling_seconds,
+                                            compiled, args.work))
                 row["ceiling_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 encoders = Encoders(config, torch.device(device))
