@@ -73,10 +73,11 @@ def child(out: str, bucket_rows: str, files: list[str]) -> None:
 def timed(tree: Path, out: Path, files: list[Path], bucket_rows: str) -> dict:
     if out.exists():
         shutil.rmtree(out)
-    result = subprocess.run(
-        [sys.executable, __file__, "--child", str(out), bucket_rows, *map(str, files)],
-        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)},
-    )
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))  # keep what is there
+    result = subprocess.run([sys.executable, __file__, "--child", str(out), bucket_rows, *map(str, files)],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
+    if result.returncode:
+        sys.exit(f"filter --dedup on {len(files)} files failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--decodes", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"],
                         help="encode's --decode values to run in every mode (gpu needs CUDA)")
     parser.add_argument("--ceiling-seconds", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="(b) this many times per row on the same loaded encoders; every run is reported")
     parser.add_argument("--smoke", action="store_true", help="tiny models, tiny images, CPU: checks the script")
     parser.add_argument("--gpus", type=int, nargs="+", default=[], help="also encode on N GPUs (eager, torchrun)")
     parser.add_argument("--rank-child", help=argparse.SUPPRESS)
@@ -266,14 +268,19 @@ def main() -> None:
                 continue
             for decode in args.decodes if device == "cuda" else ["cpu"]:
                 try:
-                    shutil.rmtree(config.output, ignore_errors=True)
-                    summary = run(EncodeConfig(**{**config.__dict__, "decode": decode}), encoders=encoders)
-                    assert summary["samples_out"] == images, summary
-                    where, rate = summary["decode"], summary["samples_out"] / summary["seconds"]
+                    rates = []
+                    for _ in range(args.repeats):
+                        shutil.rmtree(config.output, ignore_errors=True)
+                        summary = run(EncodeConfig(**{**config.__dict__, "decode": decode}), encoders=encoders)
+                        assert summary["samples_out"] == images // SHARD_SIZE * SHARD_SIZE, summary
+                        rates.append(summary["samples_out"] / summary["seconds"])
+                    where, rate = summary["decode"], rates[0]
+                    row[f"encode_{where}_repeats_img_s"] = rates
                     row.update({f"encode_{where}_img_s": rate, f"ratio_{where}": rate / row["ceiling_img_s"],
                                 f"decoded_{where}": summary["decoded"], "workers": summary["workers"]})
                     print(f"{resolution}px {mode:8s} decode={where}: ceiling {row['ceiling_img_s']:.0f} img/s, "
                           f"encode {rate:.0f} img/s, ratio {rate / row['ceiling_img_s']:.3f}, "
+                          f"repeats {[round(r) for r in rates]}, "
                           f"workers {summary['workers']}, decoded {summary['decoded']}", flush=True)
                 except Exception:  # noqa: BLE001 - as above
                     row[f"error_{decode}"] = traceback.format_exc()

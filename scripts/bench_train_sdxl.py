@@ -1,0 +1,321 @@
+"""Benchmark `laionkit train` on an SDXL-size UNet against the bare diffusers step (not a test; docs/BENCHMARKS.md).
+
+SDXL base's UNet architecture (2.57B parameters, random init: ``--unet-config sdxl``), bf16, per resolution
+(1024 px batch 8, 512 px batch 32 by default):
+
+(a) the ceiling: bare diffusers + torch, no laionkit code: ``UNet2DConditionModel.from_config`` (SDXL base's
+    config), DDPMScheduler.add_noise, the UNet with ``added_cond_kwargs`` (pooled text + time_ids), MSE,
+    backward, fused ``torch.optim.AdamW``, on tensors already on the GPU. Two precision policies, each in
+    its own process: ``autocast`` (fp32 weights under bf16 autocast, as diffusers' SDXL script trains) and
+    ``bf16`` (the whole model in bf16, optimizer on the bf16 weights: the fastest bare step, numerically
+    weaker than either of laionkit's policies). The faster one is the ceiling.
+(b) `laionkit train` on SDXL-format latent shards written by `laionkit encode` (both text encoders' states,
+    77 x 2048, pooled 1280, true sizes for time_ids), its samples/s, MFU, data-wait and peak memory from
+    metrics.jsonl.
+(buckets) the same on aspect-ratio buckets of the same pixel area (``encode --buckets``; photos of aspect
+    1:2 .. 2:1), against (b) square.
+(lora) `laionkit train --lora-rank 64` on the same UNet (frozen base) against (b) full: samples/s and memory.
+(maxbatch) (b) at larger batches: the largest that fits.
+
+Eager and compiled (``--compile``; the bare ceiling with ``torch.compile(unet)``). The latents come from a
+small SDXL-shaped pipeline (tiny VAE with SDXL's 8x downsampling, one-layer CLIP encoders of SDXL's widths
+768 + 1280): the train step only sees their shapes. Every measurement runs in its own process.
+
+    python scripts/bench_train_sdxl.py --out /tmp/sdxl --report $OUT              # GPU machine
+    python scripts/bench_train_sdxl.py --smoke --out /tmp/sdxl-smoke               # CPU plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import run_child, steady_rate  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = {1024: 8, 512: 32, 64: 4}
+ASPECTS = (0.5, 0.75, 1.0, 1.333, 2.0)  # width / height of the bucket photos
+
+
+def write_sdxl_shaped_models(folder: Path, smoke: bool) -> Path:
+    """A StableDiffusionXLPipeline folder whose encoders give SDXL's shapes: 8x VAE, states 768 + 1280 wide,
+    pooled 1280 (one-layer CLIP text encoders); the tiny family writer's otherwise."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW
+    from laionkit.families import get_family
+
+    get_family("sdxl").write_tiny(folder, 0)
+    if smoke:
+        return folder
+    torch.manual_seed(0)
+    for sub, cls, hidden, act in (("text_encoder", CLIPTextModel, 768, "quick_gelu"),
+                                  ("text_encoder_2", CLIPTextModelWithProjection, 1280, "gelu")):
+        shutil.rmtree(folder / sub)
+        cls(CLIPTextConfig(vocab_size=CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
+                           num_hidden_layers=2, num_attention_heads=hidden // 64, projection_dim=1280,
+                           max_position_embeddings=CLIP_WINDOW, hidden_act=act, bos_token_id=49406,
+                           eos_token_id=49407, pad_token_id=1)).save_pretrained(folder / sub)
+    return folder
+
+
+def _photo(seed: int, width: int, height: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0, 255, size=(6, 6, 3)).astype(np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
+    image += rng.normal(0, 10, size=image.shape).astype(np.float32)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _write_shard(job: tuple[Path, int, int, int, bool]) -> None:
+    import webdataset as wds
+
+    path, shard, per_shard, resolution, mixed = job
+    with wds.TarWriter(str(path)) as sink:
+        for index in range(per_shard):
+            seed = shard * per_shard + index
+            aspect = ASPECTS[seed % len(ASPECTS)] if mixed else 1.0
+            area = (resolution * 1.2) ** 2
+            width, height = int((area * aspect) ** 0.5), int((area / aspect) ** 0.5)
+            key = f"{seed:09d}"
+            caption = f"a photo number {seed} of a thing at aspect {aspect}"
+            sink.write({"__key__": key, "jpg": _photo(seed, width, height), "txt": caption,
+                        "json": json.dumps({"key": key, "caption": caption, "status": "success",
+                                            "width": width, "height": height})})
+
+
+def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path) -> Path:
+    """JPEG shards (square-ish or mixed aspects) and their SDXL latents (`laionkit encode`)."""
+    from laionkit.encode import EncodeConfig, run
+
+    tag = f"{resolution}-{'buckets' if mixed else 'square'}"
+    latents = out / f"latents-{tag}"
+    if (latents / "manifest.json").exists():
+        return latents
+    jpegs = out / f"jpeg-{tag}"
+    jpegs.mkdir(parents=True, exist_ok=True)
+    per_shard = 64
+    jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, mixed) for s in range(max(1, images // per_shard))]
+    with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
+        pool.map(_write_shard, jobs)
+    run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution,
+                     buckets=mixed, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True),
+        log=lambda _: None)
+    return latents
+
+
+# --- (a): the bare diffusers step, one process per measurement -------------------------------------
+
+def child_argv(out: Path, name: str, mode: str, **kw) -> list[str]:
+    argv = [sys.executable, __file__, "--child", mode, "--out", str(out), "--name", name]
+    for key, value in kw.items():
+        if value is True:
+            argv.append(f"--{key.replace('_', '-')}")
+        elif value is not None and value is not False:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def child_bare(args) -> dict:
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from laionkit.families.sdxl import SCHEDULER_CONFIG, TINY_UNET_CONFIG, UNET_CONFIG
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    config = dict(TINY_UNET_CONFIG if args.smoke else UNET_CONFIG)
+    latent = args.resolution // 8
+    config["sample_size"] = latent
+    torch.manual_seed(0)
+    with torch.device(device):
+        unet = UNet2DConditionModel.from_config(config)
+    pure_bf16 = args.policy == "bf16"
+    if pure_bf16:
+        unet = unet.to(torch.bfloat16)
+    unet.train()
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=cuda)
+    scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    text_dim, pooled_dim = config["cross_attention_dim"], config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+    batch = args.batch
+    dtype = torch.bfloat16 if pure_bf16 else torch.float32
+    latents = torch.randn(batch, 4, latent, latent, device=device, dtype=dtype)
+    states = torch.randn(batch, 77, text_dim, device=device, dtype=dtype)
+    pooled = torch.randn(batch, pooled_dim, device=device, dtype=dtype)
+    time_ids = torch.tensor([[args.resolution] * 2 + [0, 0] + [args.resolution] * 2] * batch, device=device,
+                            dtype=dtype)
+    model = torch.compile(unet) if args.compile else unet
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not pure_bf16)
+    alphas = scheduler.alphas_cumprod.to(device)
+
+    def step():
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, 1000, (batch,), device=device)
+        a = alphas[t].to(dtype).view(-1, 1, 1, 1)
+        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise  # DDPMScheduler.add_noise, on the GPU
+        with autocast:
+            pred = model(noisy, t, encoder_hidden_states=states,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    counter = FlopCounterMode(display=False)
+    with counter, autocast:
+        unet(latents[:1], torch.tensor([500], device=device), encoder_hidden_states=states[:1],
+             added_cond_kwargs={"text_embeds": pooled[:1], "time_ids": time_ids[:1]}).sample.float().sum().backward()
+    unet.zero_grad(set_to_none=True)
+    flops = float(counter.get_total_flops())
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    rate = args.steps * batch / (time.perf_counter() - started)
+    return {"samples_per_s": rate, "tflops": flops * rate / 1e12, "mfu": flops * rate / 989e12,
+            "data_wait_pct": 0.0, "flops_per_sample": flops,
+            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "parameters": sum(p.numel() for p in unet.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, latents, runs")
+    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs here")
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet, 64 px, few steps")
+    parser.add_argument("--parts", default="a,b,buckets,lora", help="comma list of a, b, buckets, lora, maxbatch")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 512])
+    parser.add_argument("--modes", default="eager", help="comma list of eager, compiled")
+    parser.add_argument("--images", type=int, default=256, help="photos per latent set")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps (b: 3 log windows of steps/3 after one)")
+    parser.add_argument("--max-batches", type=int, nargs="+", default=[12, 16], help="maxbatch: batches to try")
+    parser.add_argument("--budget", type=float, default=560, help="seconds; later measurements are skipped")
+    parser.add_argument("--child", choices=["bare"])
+    parser.add_argument("--name")
+    parser.add_argument("--policy", choices=["autocast", "bf16"], default="autocast")
+    parser.add_argument("--resolution", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        (args.out / f"{args.name}.json").write_text(json.dumps(child_bare(args)))
+        return
+
+    started = time.perf_counter()
+    if args.smoke:
+        args.resolutions, args.images, args.steps, args.max_batches = [64], 32, 3, [8]
+    parts = set(args.parts.split(","))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    models = args.out / "models"
+    if not (models / "model_index.json").exists():
+        write_sdxl_shaped_models(models, args.smoke)
+    results: dict[str, dict] = {}
+    left = lambda: args.budget - (time.perf_counter() - started)  # noqa: E731
+
+    def measure(name: str, argv: list[str], run: Path | None = None) -> None:
+        if left() < 40:
+            results[name] = {"error": "skipped: out of time budget"}
+            print(f"{name}: skipped", flush=True)
+            return
+        if run is not None:
+            shutil.rmtree(run, ignore_errors=True)
+        results[name] = run_child(args.out, name, argv, timeout=left(), env=env)
+        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+            results[name].update(steady_rate(run))
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
+        print(f"{name}: {json.dumps(results[name])[:400]}", flush=True)
+
+    def laionkit_train(name: str, latents: Path, batch: int, compiled: bool, *extra: str) -> None:
+        run = args.out / f"run-{name}"
+        window = max(2, args.steps // 3)
+        cli = [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
+               "--unet-config", "tiny" if args.smoke else "sdxl", "--batch-size", str(batch),
+               "--max-steps", str(window * 4), "--log-every", str(window), "--checkpoint-every", str(10**9),
+               "--log-with", "none", "--quiet", "--workers", "4", "--shuffle-buffer", "64",
+               "--mixed-precision", "no" if args.smoke else "bf16", *(["--compile"] if compiled else []), *extra]
+        measure(name, cli, run=run)
+
+    for compiled in [mode == "compiled" for mode in args.modes.split(",")]:
+        mode = "compiled" if compiled else "eager"
+        for resolution in args.resolutions:
+            batch = BATCH.get(resolution, 8)
+            square = prepare(args.out, resolution, args.images, False, models)
+            tag = f"{resolution}-{mode}"
+            if "a" in parts:
+                for policy in ("autocast", "bf16"):
+                    name = f"a-{policy}-{tag}"
+                    measure(name, child_argv(args.out, name, "bare", policy=policy, resolution=resolution,
+                                             batch=batch, steps=args.steps, compile=compiled, smoke=args.smoke))
+            if "b" in parts:
+                laionkit_train(f"b-{tag}", square, batch, compiled)
+            if "buckets" in parts and resolution == args.resolutions[0]:
+                laionkit_train(f"buckets-{tag}", prepare(args.out, resolution, args.images, True, models), batch,
+                               compiled)
+            if "lora" in parts and not compiled and resolution == args.resolutions[0]:
+                laionkit_train(f"lora64-{tag}", square, batch, False, "--lora-rank", "64")
+            if "maxbatch" in parts and resolution == args.resolutions[0]:
+                for bigger in args.max_batches:
+                    laionkit_train(f"b-{tag}-bs{bigger}", square, bigger, compiled)
+
+    summary = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)
+               if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        shutil.copy(args.out / "results.json", args.report / "results-sdxl.json")
+        logs = "".join(f"===== {log.name}\n{log.read_text()[-8000:]}\n" for log in sorted(args.out.glob("*.log")))
+        (args.report / "children-sdxl.log").write_text(logs)
+    rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
+    print(f"\n{summary['device']}, torch {torch.__version__}")
+    print(f"{'measurement':<30}{'samples/s':>11}{'MFU':>8}{'wait %':>8}{'GiB':>8}{'wall s':>8}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<30} ERROR {r['error'][-300:]!r}")
+            continue
+        print(f"{name:<30}{r['samples_per_s']:>11.2f}{r['mfu']:>8.3f}{r['data_wait_pct']:>8.2f}"
+              f"{r['gpu_mem_gib']:>8.1f}{r['wall_s']:>8.0f}")
+    print("\nratios")
+    for mode in args.modes.split(","):
+        for resolution in args.resolutions:
+            tag = f"{resolution}-{mode}"
+            ceilings = {p: rate(f"a-{p}-{tag}") for p in ("autocast", "bf16") if rate(f"a-{p}-{tag}")}
+            b = rate(f"b-{tag}")
+            for policy, a in ceilings.items():
+                if b:
+                    print(f"  b/a({policy}) {tag}: {b / a:.3f}")
+            if b and ceilings:
+                print(f"  b / best bare {tag}: {b / max(ceilings.values()):.3f}  (target >= 0.98)")
+            for other in ("buckets", "lora64"):
+                if rate(f"{other}-{tag}") and b:
+                    print(f"  {other}/square {tag}: {rate(f'{other}-{tag}') / b:.3f}")
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
