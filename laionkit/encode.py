@@ -114,7 +114,12 @@ class EncodeConfig:
 
     def source(self, component: str) -> str:
         """Where a component loads from: its own flag (--vae, --text-encoder, --tokenizer), else --model."""
-        return getattr(self, component, None) or self.model
+        given = getattr(self, component, None)
+        if given:
+            return given
+        if self.model in PRESETS:  # laionkit's own presets (sd15, sd2, sdxl) resolve in common.models
+            return self.model
+        return self.family.presets.get(self.model, self.model)  # a family's preset: its hub repo
 
     @property
     def family(self) -> FamilySpec:

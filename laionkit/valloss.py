@@ -91,10 +91,11 @@ def load(config, data) -> ValSet:
 
 @torch.no_grad()
 def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: torch.dtype,
-             noise_scheduler=None, flow_shift: float | None = None) -> float:
+             noise_scheduler=None, flow_shift: float | None = None, timestep_scale: float = 1000.0) -> float:
     """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, cond)`` is the denoiser's
     prediction, ``cond`` the batch's stored conditioning by member name (floats in ``input_dtype``);
-    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift``."""
+    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift`` and passes
+    sigma x ``timestep_scale`` as the timestep (SD3: 1000, Flux: 1, as their pipelines do)."""
     from laionkit.families import flow
 
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -120,7 +121,7 @@ def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: to
         else:
             sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
             noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
-            timesteps = flow.timesteps(sigmas.float())
+            timesteps = sigmas.float() * timestep_scale
         prediction = forward(noisy.to(input_dtype), timesteps, cond)
         losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         weights = mask[start:start + batch_size].to(device, torch.float64)

@@ -25,6 +25,14 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
 TINY_CLIP = (32, 64)
 TINY_T5 = 128  # >= sum(TINY_CLIP): CLIP states are zero-padded to T5's width
+# The tiny transformer write_tiny saves, also ``--transformer-config tiny`` (fitted to the data by fit_config).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 8,
+    "num_attention_heads": 4, "joint_attention_dim": TINY_T5, "caption_projection_dim": 32,
+    "pooled_projection_dim": sum(TINY_CLIP), "out_channels": 16, "pos_embed_max_size": 16,
+}
+# stabilityai/stable-diffusion-3-medium-diffusers scheduler/scheduler_config.json: validation sampling.
+SAMPLER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
 
 
 def _t5_ids(tokenizer, captions, max_length):
@@ -57,6 +65,22 @@ def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequenc
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
     """SD3Transformer2DModel keyword arguments besides hidden_states and timestep (sigma * 1000)."""
     return {"encoder_hidden_states": batch["states"], "pooled_projections": batch["pooled"]}
+
+
+def fit_config(arch: dict[str, Any], latent_channels: int, latent_size: int, text_dim: int,
+               pooled_dim: int | None) -> dict[str, Any]:
+    """A from-scratch SD3 architecture fitted to the latents: channels, text and pooled widths, and a
+    position-embedding table that covers the largest latent side (in 2x2 patches)."""
+    patches = -(-latent_size // arch.get("patch_size", 2))
+    arch.update(in_channels=latent_channels, out_channels=latent_channels, sample_size=latent_size,
+                joint_attention_dim=text_dim, pooled_projection_dim=pooled_dim,
+                pos_embed_max_size=max(arch.get("pos_embed_max_size") or 0, patches))
+    return arch
+
+
+def expects(config) -> tuple:
+    """(latent channels, text width, pooled width) a built SD3Transformer2DModel takes."""
+    return config.in_channels, config.joint_attention_dim, config.pooled_projection_dim
 
 
 def tiny_clip_pair(output: Path):
@@ -118,13 +142,9 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     (text_encoder, text_encoder_2), (tokenizer, tokenizer_2) = tiny_clip_pair(output)
     text_encoder_3, tokenizer_3 = tiny_t5(output / "tokenizer_3", TINY_T5)
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
-        joint_attention_dim=TINY_T5, caption_projection_dim=32, pooled_projection_dim=sum(TINY_CLIP),
-        out_channels=16, pos_embed_max_size=16,
-    )
+    transformer = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG)
     pipeline = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler.from_config(SAMPLER_CONFIG),
         vae=tiny_vae(scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
         text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
@@ -147,6 +167,9 @@ SPEC = register_family(FamilySpec(
     block_classes=("JointTransformerBlock",),
     write_tiny=write_tiny,
     presets=PRESETS,
-    configs={"sd3-medium": TRANSFORMER_CONFIG},
+    configs={"sd3-medium": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
     vae_shift=True,
+    fit_config=fit_config,
+    expects=expects,
+    sampler=SAMPLER_CONFIG,
 ))
