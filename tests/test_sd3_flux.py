@@ -1,0 +1,244 @@
+"""SD3 and Flux end to end on CPU, through the same encode and train loops as SD / SDXL: tiny models ->
+encode the real photos -> the flow-matching loss is diffusers' training step -> train -> stop + resume
+exact -> export transformer/ -> diffusers' own StableDiffusion3Pipeline / FluxPipeline, with no laionkit,
+generates from the export. One encode per family (module-scoped)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+
+from laionkit.common import LaionkitError
+from laionkit.families import get_family
+
+FAMILIES = ("sd3", "flux")
+PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+
+
+@dataclass(frozen=True)
+class Flow:
+    name: str
+    model: Path  # the tiny pipeline folder
+    latents: Path  # its encode of the 8 real photos at 64 px
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def flow(request, tmp_path_factory, image_shards) -> Flow:
+    from laionkit.encode import EncodeConfig, run
+
+    root = tmp_path_factory.mktemp(request.param)
+    model = get_family(request.param).write_tiny(root / "model", 0)
+    run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
+                     batch_size=4, workers=0, quiet=True))
+    return Flow(request.param, model, root / "latents")
+
+
+def load_pipeline(flow: Flow):
+    import diffusers
+
+    return getattr(diffusers, PIPELINES[flow.name]).from_pretrained(flow.model)
+
+
+def first_rows(latents: Path, count: int) -> list[dict]:
+    from laionkit.latents import Unit, decode, read_unit
+    from laionkit.train import open_latents
+
+    data = open_latents(latents)
+    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_encode_writes_the_family_text_and_shifted_16_channel_latents(flow):
+    manifest = json.loads((flow.latents / "manifest.json").read_text())
+    pipe = load_pipeline(flow)
+    assert manifest["family"] == flow.name and manifest["complete"]
+    assert manifest["vae"]["latent_channels"] == 16
+    assert manifest["vae"]["scaling_factor"] == pytest.approx(pipe.vae.config.scaling_factor)
+    assert manifest["vae"]["shift_factor"] == pytest.approx(pipe.vae.config.shift_factor)
+    tokens = {"sd3": 77 + 256, "flux": 512}[flow.name]
+    width = pipe.transformer.config.joint_attention_dim
+    assert manifest["text"]["stored"] == {"states": [tokens, width],
+                                          "pooled": [pipe.transformer.config.pooled_projection_dim]}
+    rows = first_rows(flow.latents, 2)
+    assert tuple(rows[0]["moments"].shape) == (32, 8, 8)
+    captions = [json.loads(s)["caption"] for s in _jsons(flow.latents, 2)]
+    spec = get_family(flow.name)
+    want = spec.encode_text([getattr(pipe, t) for t, _ in spec.text_encoders],
+                            [getattr(pipe, e) for _, e in spec.text_encoders], captions)
+    for row, index in zip(rows, range(2)):
+        np.testing.assert_allclose(row["text"].float(), want["states"][index], atol=3e-3, rtol=1e-2)
+        np.testing.assert_allclose(row["pooled"].float(), want["pooled"][index], atol=3e-3, rtol=1e-2)
+
+
+def _jsons(latents: Path, count: int) -> list[bytes]:
+    import webdataset as wds
+
+    shard = sorted(latents.glob("*.tar"))[0]
+    return [s["json"] for s, _ in zip(wds.WebDataset(str(shard), shardshuffle=False), range(count))]
+
+
+def test_flow_loss_is_diffusers_training_step(flow):
+    """laionkit's loss on a batch equals the step diffusers' train_dreambooth_sd3.py / _flux.py take with
+    the same random draws: logit-normal u, the family's shift (SD3: the scheduler's static 3; Flux: the
+    scheduler's time_shift at the pipeline's calculate_shift mu), x_t, the transformer called as the
+    pipeline calls it (SD3: timestep sigma x 1000; Flux: packed latents, img_ids, txt_ids, guidance,
+    timestep sigma) and the velocity target noise - x0."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    from laionkit.train import TrainConfig, batch_conditioning, flow_loss, open_latents, resolve_objective
+
+    data = open_latents(flow.latents)
+    batch = torch.utils.data.default_collate(first_rows(flow.latents, 3))
+    cond = batch_conditioning(batch, data, "cpu", torch.float32)
+    config = TrainConfig(latents=flow.latents, output=Path("unused"), unet=str(flow.model), max_steps=1)
+    objective = resolve_objective(config, data.family)
+    pipe = load_pipeline(flow)
+    model = pipe.transformer
+    with torch.no_grad():
+        ours = flow_loss(model, batch["moments"], cond, data.empty, config, data,
+                         torch.Generator().manual_seed(7), objective)
+
+        generator = torch.Generator().manual_seed(7)
+        mean, logvar = batch["moments"].float().chunk(2, dim=1)
+        x0 = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * torch.randn(mean.shape, generator=generator)
+        x0 = (x0 - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+        noise = torch.randn(x0.shape, generator=generator)
+        u = compute_density_for_timestep_sampling("logit_normal", 3, logit_mean=0.0, logit_std=1.0,
+                                                  generator=generator)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(flow.model, subfolder="scheduler")
+        b, c, h, w = x0.shape
+        if flow.name == "sd3":
+            shift = scheduler.config.shift
+            sigmas = shift * u / (1 + (shift - 1) * u)
+        else:
+            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+            mu = calculate_shift((h // 2) * (w // 2), scheduler.config.base_image_seq_len,
+                                 scheduler.config.max_image_seq_len, scheduler.config.base_shift,
+                                 scheduler.config.max_shift)
+            sigmas = scheduler.time_shift(mu, 1.0, u)
+        s = sigmas.view(-1, 1, 1, 1)
+        noisy = (1.0 - s) * x0 + s * noise
+        if flow.name == "sd3":
+            pred = model(hidden_states=noisy, timestep=sigmas * 1000, encoder_hidden_states=cond["states"],
+                         pooled_projections=cond["pooled"], return_dict=False)[0]
+        else:
+            packed = type(pipe)._pack_latents(noisy, b, c, h, w)
+            img_ids = type(pipe)._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32)
+            txt_ids = torch.zeros(cond["states"].shape[1], 3)
+            pred = model(hidden_states=packed, timestep=sigmas, guidance=torch.full([b], 3.5),
+                         pooled_projections=cond["pooled"], encoder_hidden_states=cond["states"],
+                         txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+            pred = type(pipe)._unpack_latents(pred, h * 8, w * 8, 8)
+        theirs = torch.mean(((pred.float() - (noise - x0)) ** 2).reshape(b, -1), 1).mean()
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-5)
+
+
+def test_real_size_configs_build_and_flags_are_checked(flow, tmp_path):
+    from laionkit.train import TrainConfig, build_unet, open_latents, resolve_objective
+
+    data = open_latents(flow.latents)
+    preset = {"sd3": "sd3-medium", "flux": "flux-dev"}[flow.name]
+    with torch.device("meta"):
+        model = build_unet(TrainConfig(latents=flow.latents, output=tmp_path, unet_config=preset, max_steps=1), data)
+    text, pooled = data.text_shape[-1], data.empty["pooled"].shape[-1]
+    assert (model.config.joint_attention_dim, model.config.pooled_projection_dim) == (text, pooled)
+    if flow.name == "sd3":
+        assert (model.config.num_layers, model.config.caption_projection_dim, model.config.in_channels) == (24, 1536, 16)
+    else:
+        assert (model.config.num_layers, model.config.num_single_layers, model.config.in_channels) == (19, 38, 64)
+        assert model.config.guidance_embeds
+    other = {"sd3": "flux-dev", "flux": "sd3-medium"}[flow.name]
+    with pytest.raises(LaionkitError, match=f"--transformer-config {other} is a"):
+        build_unet(TrainConfig(latents=flow.latents, output=tmp_path, unet_config=other, max_steps=1), data)
+
+    def objective(**flags):
+        return resolve_objective(TrainConfig(latents=flow.latents, output=tmp_path, unet_config="tiny",
+                                             max_steps=1, **flags), data.family)
+
+    default = objective()
+    assert default.kind == "flow" and default.sigma_sampling == "logit_normal" and default.weighting == "none"
+    assert (default.shift, default.dynamic_shift) == ((3.0, False) if flow.name == "sd3" else (None, True))
+    assert default.timestep_scale == (1000.0 if flow.name == "sd3" else 1.0)
+    changed = objective(sigma_sampling="mode", shift="dynamic", weighting="cosmap", train_guidance=1.0)
+    assert (changed.sigma_sampling, changed.dynamic_shift, changed.weighting, changed.guidance) == (
+        "mode", True, "cosmap", 1.0)
+    assert objective(shift="2.5").sigma_shift(64, 64) == 2.5 and objective(shift="none").sigma_shift(64, 64) == 1.0
+    with pytest.raises(LaionkitError, match="--snr-gamma is a DDPM option"):
+        objective(snr_gamma=5.0)
+    with pytest.raises(LaionkitError, match="--shift 'x'"):
+        objective(shift="x")
+    with pytest.raises(LaionkitError, match="--shift is a flow-matching option; sd latents"):
+        resolve_objective(TrainConfig(latents=flow.latents, output=tmp_path, unet_config="tiny", max_steps=1,
+                                      shift="3"), get_family("sd"))
+    # The CLI names: --transformer-config is --unet-config; a DDPM flag on flow latents is one line.
+    result = run_cli("train", flow.latents, "--output", tmp_path / "cli", "--transformer-config", "tiny",
+                     "--max-steps", "1", "--prediction-type", "epsilon", "--log-with", "none", check=False)
+    assert result.returncode == 2 and "--prediction-type is a DDPM option" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
+    """6 steps (SD3 fine-tunes the tiny transformer with cosmap weighting; Flux trains --transformer-config
+    tiny from scratch, dynamic shift) with validation images and the validation loss; the run cut back to
+    its step-3 checkpoint resumes to the same losses; transformer/ loads into the family's pipeline."""
+    from laionkit.train import TrainConfig, run
+
+    model = {"unet": str(flow.model)} if flow.name == "sd3" else {"unet_config": "tiny"}
+    extra = {"weighting": "cosmap"} if flow.name == "sd3" else {}
+    config = TrainConfig(latents=flow.latents, output=tmp_path / "reference", **model, **extra, max_steps=6,
+                         batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
+                         shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=3, validate_every=6,
+                         validation_count=2, validation_steps=2, val_latents=flow.latents, val_samples=3,
+                         val_every=3)
+    run(config)
+    reference = tmp_path / "reference"
+    assert (reference / "samples" / "step-000006.png").stat().st_size > 0
+    assert (reference / "transformer" / "config.json").is_file() and not (reference / "unet").exists()
+
+    stopped = tmp_path / "stopped"  # the run as a stop after step 3 leaves it: checkpoint and metrics
+    shutil.copytree(reference, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-00000006")
+    shutil.rmtree(stopped / "transformer")
+    (stopped / "samples" / "step-000006.png").unlink()
+    run(replace(config, output=stopped, resume="latest"))
+    expected, got = metrics(reference), metrics(stopped)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    for step in (3, 6):  # the fixed-sigma validation loss: the same weights give the same number
+        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
+    assert expected[6]["val_loss"] != expected[3]["val_loss"]
+
+    pipeline = PIPELINES[flow.name]
+    transformer = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[flow.name]
+    script = textwrap.dedent(f"""
+        import sys
+        import torch
+        from diffusers import {pipeline}, {transformer}
+        transformer = {transformer}.from_pretrained({str(stopped / "transformer")!r})
+        pipe = {pipeline}.from_pretrained({str(flow.model)!r}, transformer=transformer)
+        image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2,
+                     generator=torch.Generator().manual_seed(0)).images[0]
+        image.save({str(tmp_path / "generated.png")!r})
+        assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
+        print(image.size, type(transformer).__name__)
+    """)
+    free = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert free.returncode == 0, free.stderr[-3000:]
+    assert f"(64, 64) {transformer}" in free.stdout
