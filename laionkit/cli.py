@@ -368,6 +368,11 @@ def stats_command(
 
     laionkit train s3://bucket/latents --output runs/tiny --unet-config tiny --cache-dir /scratch/cache --cache-size 200000000000
 
+    laionkit train latents-flux/ --output runs/flux --transformer flux-dev --lora-rank 16 --max-steps 2000
+
+    laionkit train latents-sd3/ --output runs/sd3 --transformer-config sd3-medium --shift 3 --weighting none
+    --max-steps 100000 --mixed-precision bf16
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -461,6 +466,8 @@ def train_command(
 
     laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
 
+    laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
+
     accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
 
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
@@ -470,7 +477,7 @@ def train_command(
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl), diffusers folder or hub id for all components; its model_index.json decides the family (sd or sdxl), recorded in the manifest.")] = "sd15",
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3 or flux), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
     text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,

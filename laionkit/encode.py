@@ -875,6 +875,13 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     if gpu_decode and device.type != "cuda":
         raise LaionkitError("--decode gpu needs a CUDA device")
     buckets = bucket_sizes(config.resolution) if config.buckets else None
+    if encoders.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
+        multiple = 2 * 2 ** (len(encoders.vae.config.block_out_channels) - 1)
+        odd = [f"{w}x{h}" for w, h in buckets or [(config.resolution, config.resolution)] if w % multiple or h % multiple]
+        if odd:
+            raise LaionkitError(f"--resolution {config.resolution}{' --buckets' if buckets else ''}: "
+                                f"{encoders.family.name} packs 2x2 latent patches, so image sides must be multiples "
+                                f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
     models = _models(config, encoders.family)
     settings = _settings(config, models, encoders, buckets)
     for record_file in output.list("*" + RECORD_SUFFIX):

@@ -83,6 +83,16 @@ def test_encode_writes_the_family_text_and_shifted_16_channel_latents(flow):
         np.testing.assert_allclose(row["pooled"].float(), want["pooled"][index], atol=3e-3, rtol=1e-2)
 
 
+def test_flux_refuses_sizes_it_cannot_pack(tmp_path, image_shards):
+    from laionkit.encode import EncodeConfig, run
+
+    model = get_family("flux").write_tiny(tmp_path / "model", 0)
+    for resolution, buckets, odd in ((72, False, "72x72"), (64, True, "56x72, 72x56")):
+        with pytest.raises(LaionkitError, match=f"multiples of 16 px; {odd} are not"):
+            run(EncodeConfig(shards=(str(image_shards),), output=tmp_path / f"out{resolution}", model=str(model),
+                             resolution=resolution, buckets=buckets, batch_size=4, workers=0, quiet=True))
+
+
 def _jsons(latents: Path, count: int) -> list[bytes]:
     import webdataset as wds
 
@@ -242,3 +252,46 @@ def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert free.returncode == 0, free.stderr[-3000:]
     assert f"(64, 64) {transformer}" in free.stdout
+
+
+def test_lora_on_the_transformer_exports_what_the_pipeline_loads(flow, tmp_path):
+    from laionkit.train import TrainConfig, run
+
+    output = tmp_path / "lora-run"
+    run(TrainConfig(latents=flow.latents, output=output, unet=str(flow.model), lora_rank=4, max_steps=2,
+                    batch_size=4, lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0))
+    assert (output / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (output / "transformer").exists()
+    pipe = load_pipeline(flow)
+    pipe.set_progress_bar_config(disable=True)
+
+    def draw():
+        return pipe("a dog running on the beach", height=64, width=64, num_inference_steps=1, output_type="latent",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    before = draw()
+    pipe.load_lora_weights(output / "lora")
+    assert (draw() - before).abs().max() > 1e-4  # the adapters change the pipeline's output
+
+
+def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shards, monkeypatch):
+    """Flux on aspect-ratio buckets: img_ids and the dynamic shift follow each micro-batch's latent shape."""
+    from laionkit.encode import EncodeConfig, run
+    from laionkit.families import flow as flow_math
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
+    model = get_family("flux").write_tiny(tmp_path / "model", 0)
+    latents = tmp_path / "latents"
+    run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(model), resolution=128, buckets=True,
+                     batch_size=4, workers=0, quiet=True))
+    seen = []
+    original = flow_math.shift_sigmas
+    monkeypatch.setattr(flow_math, "shift_sigmas", lambda sigmas, shift: seen.append(shift) or original(sigmas, shift))
+    shapes = []
+    monkeypatch.setattr(flow_math, "image_seq_len", lambda h, w, p=2: shapes.append((h, w)) or (h // p) * (w // p))
+    train(TrainConfig(latents=latents, output=tmp_path / "run", unet_config="tiny", max_steps=4, batch_size=2,
+                      log_with="none", quiet=True, log_every=4, workers=0, shuffle_buffer=0))
+    record = metrics(tmp_path / "run")[4]
+    assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
+    assert len(set(shapes)) > 1, "one bucket only: the test data should span several"
+    assert seen == [pytest.approx(flow_math.resolution_shift((h // 2) * (w // 2))) for h, w in shapes]
