@@ -575,6 +575,7 @@ class Encoders:
             facts["family"] = self.family.name
             empty = self.empty_caption()
             facts["text"]["hidden_size"] = int(empty["states"].shape[-1])
+            facts["text"]["sequence_length"] = int(empty["states"].shape[0])  # SD3: 77 CLIP + T5 tokens
             facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
         return facts
 

@@ -696,6 +696,33 @@ def apply_gradients(accelerator, unet, optimizer, master: MasterWeights | None, 
     return grad_norm
 
 
+def fsdp_wrap_units(plugin, model, spec: FamilySpec, say=print) -> list[str] | None:
+    """FSDP's wrap units for ``model``: the accelerate config's transformer-based wrap classes when the
+    model has them all (train/fsdp.yaml names the UNet's down / mid / up blocks), else the family's
+    ``block_classes`` (SD3's JointTransformerBlock, Flux's double- and single-stream blocks: one FSDP unit
+    per transformer block), instead of accelerate failing on a class the model lacks. Returns the names
+    set on the plugin, or None where the policy is not transformer-based (left as configured)."""
+    policy = plugin.auto_wrap_policy
+    if policy is None or getattr(policy, "__name__", str(policy)).lower() not in (
+            "transformer_auto_wrap_policy", "transformer_based_wrap"):
+        return None
+    present = {type(module).__name__ for module in model.modules()}
+    configured = plugin.transformer_cls_names_to_wrap
+    if isinstance(configured, str):
+        configured = configured.split(",")
+    if configured and all(name in present for name in configured):
+        return list(configured)
+    units = [block for block in spec.block_classes if block in present]
+    if not units:
+        raise LaionkitError(f"FSDP: {type(model).__name__} has none of the family's blocks "
+                            f"({', '.join(spec.block_classes)}) to wrap")
+    if configured:
+        say(f"FSDP: {type(model).__name__} has no {', '.join(n for n in configured if n not in present)}; "
+            f"wrapping each {' / '.join(units)} (the {spec.name} family's blocks) instead")
+    plugin.transformer_cls_names_to_wrap = units
+    return units
+
+
 def scaled_lr(config: TrainConfig, global_batch: int) -> float:
     """diffusers' --scale_lr rule: --lr is per sample and grows with the global batch (linearly or by sqrt)."""
     factor = {"none": 1.0, "linear": global_batch, "sqrt": math.sqrt(global_batch)}[config.scale_lr]
@@ -1113,6 +1140,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config
         deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
         deepspeed["gradient_clipping"] = config.max_grad_norm
+    if accelerator.distributed_type == DistributedType.FSDP:
+        fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
         lora.register_checkpoint_hooks(accelerator, config)

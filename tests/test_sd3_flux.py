@@ -70,6 +70,7 @@ def test_encode_writes_the_family_text_and_shifted_16_channel_latents(flow):
     assert manifest["vae"]["shift_factor"] == pytest.approx(pipe.vae.config.shift_factor)
     tokens = {"sd3": 77 + 256, "flux": 512}[flow.name]
     width = pipe.transformer.config.joint_attention_dim
+    assert manifest["text"]["sequence_length"] == tokens
     assert manifest["text"]["stored"] == {"states": [tokens, width],
                                           "pooled": [pipe.transformer.config.pooled_projection_dim]}
     rows = first_rows(flow.latents, 2)
@@ -295,3 +296,33 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
     assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
     assert len(set(shapes)) > 1, "one bucket only: the test data should span several"
     assert seen == [pytest.approx(flow_math.resolution_shift((h // 2) * (w // 2))) for h, w in shapes]
+
+
+def test_fsdp_wraps_each_transformer_block():
+    """On CPU accelerate runs FSDP as one process, so the wrap policy is what is tested: train/fsdp.yaml
+    names the UNet's blocks; a transformer family gets one FSDP unit per transformer block instead, and a
+    UNet keeps the configured units."""
+    import diffusers
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from laionkit.families import sd3
+    from laionkit.train import fsdp_wrap_units
+
+    unet_units = "CrossAttnDownBlock2D,DownBlock2D,UNetMidBlock2DCrossAttn,CrossAttnUpBlock2D,UpBlock2D"
+    for name in FAMILIES:
+        spec = get_family(name)
+        model = getattr(diffusers, spec.denoiser_class).from_config(dict(spec.configs["tiny"]))
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                                transformer_cls_names_to_wrap=unet_units)
+        said = []
+        assert fsdp_wrap_units(plugin, model, spec, said.append) == list(spec.block_classes)
+        assert "wrapping each" in said[0]
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        wrapped = [m for m in model.modules() if policy(m)]
+        assert wrapped == spec.blocks(model) and len(wrapped) == {"sd3": 2, "flux": 3}[name]
+    unet = diffusers.UNet2DConditionModel.from_config(dict(get_family("sd").configs["tiny"]))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap="CrossAttnDownBlock2D,UpBlock2D")
+    assert fsdp_wrap_units(plugin, unet, get_family("sd")) == ["CrossAttnDownBlock2D", "UpBlock2D"]
+    assert sd3.SPEC.block_classes == ("JointTransformerBlock",)
