@@ -205,8 +205,9 @@ def test_real_size_configs_build_and_flags_are_checked(flow, tmp_path):
 
 def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
     """6 steps (SD3 fine-tunes the tiny transformer with cosmap weighting; Flux trains --transformer-config
-    tiny from scratch, dynamic shift) with validation images and the validation loss; the run cut back to
-    its step-3 checkpoint resumes to the same losses; transformer/ loads into the family's pipeline."""
+    tiny from scratch, dynamic shift) with EMA, validation images and the validation loss; the run cut back
+    to its step-3 checkpoint (as a stop leaves it) resumes to the same losses and exported weights;
+    transformer/ loads into the family's pipeline."""
     from laionkit.train import TrainConfig, run
 
     model = {"unet": str(flow.model)} if flow.name == "sd3" else {"unet_config": "tiny"}
@@ -215,7 +216,7 @@ def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
                          batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
                          shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=3, validate_every=6,
                          validation_count=2, validation_steps=2, val_latents=flow.latents, val_samples=3,
-                         val_every=3)
+                         val_every=3, ema=True, ema_decay=0.9)
     run(config)
     reference = tmp_path / "reference"
     assert (reference / "samples" / "step-000006.png").stat().st_size > 0
@@ -225,6 +226,7 @@ def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
     shutil.copytree(reference, stopped)
     shutil.rmtree(stopped / "checkpoints" / "step-00000006")
     shutil.rmtree(stopped / "transformer")
+    shutil.rmtree(stopped / "transformer_ema")
     (stopped / "samples" / "step-000006.png").unlink()
     run(replace(config, output=stopped, resume="latest"))
     expected, got = metrics(reference), metrics(stopped)
@@ -234,6 +236,14 @@ def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
     for step in (3, 6):  # the fixed-sigma validation loss: the same weights give the same number
         assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
     assert expected[6]["val_loss"] != expected[3]["val_loss"]
+    from safetensors.torch import load_file
+
+    for folder in ("transformer", "transformer_ema"):  # the resumed run exports what the whole run did
+        want, have = (load_file(run_dir / folder / "diffusion_pytorch_model.safetensors")
+                      for run_dir in (reference, stopped))
+        assert want.keys() == have.keys(), folder
+        for key in want:
+            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
 
     pipeline = PIPELINES[flow.name]
     transformer = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[flow.name]
