@@ -142,7 +142,8 @@ class TrainConfig:
                 raise LaionkitError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from "
                                     f"{', '.join(a for a in allowed if a)}")
         if (self.unet is None) == (self.unet_config is None):
-            raise LaionkitError("give exactly one of --unet (fine-tune) or --unet-config (from scratch)")
+            raise LaionkitError("give exactly one of --unet / --transformer (fine-tune) or --unet-config / "
+                                "--transformer-config (from scratch)")
         if (self.max_steps is None) == (self.epochs is None):
             raise LaionkitError("give exactly one of --max-steps or --epochs")
         at_least = {"batch_size": 1, "grad_accum": 1, "log_every": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
