@@ -490,6 +490,7 @@ def encode(
     dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    text: Annotated[str, typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux): token ids only, train runs the frozen text encoders.")] = "stored",
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -503,7 +504,7 @@ def encode(
         shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
-        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options,
+        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

@@ -218,6 +218,7 @@ class LatentSet:
     bucketed: bool = False
     buckets: tuple[str, ...] = ()
     bucket_shapes: tuple[tuple[int, ...], ...] = ()
+    online: bool = False  # encode --text online: samples hold token ids, train runs the text encoders
 
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
@@ -284,6 +285,15 @@ def open_latents(latents: Path | str) -> LatentSet:
                             f"none of the manifest's buckets {sizes} at 1/{factor} scale; rerun encode")
     buckets = tuple(f"{w}x{h}" for w, h in sizes)
     square = [shape for shape in bucket_shapes if shape[1] == shape[2]]
+    online = (manifest.get("text") or {}).get("mode") == "online"
+    if online:  # token ids per sample: the stored tensors' shapes are the manifest's (its empty caption's)
+        missing = [family.ids_member(i) for i in range(len(family.text_encoders))
+                   if family.ids_member(i)[:-4] not in first]
+        if missing:
+            raise LaionkitError(f"{shards[0]}: online-text latents need {', '.join(missing)} per sample; sample "
+                                f"{first['key']} lacks them: rerun encode")
+        first = {**first, **{key: torch.empty(shape) for key, shape in (
+            ("text" if key == "states" else key, tuple(shape)) for key, shape in manifest["text"]["stored"].items())}}
     try:
         empty = torch.from_numpy(np.load(io.BytesIO(empty_path.read_bytes())))
     except (OSError, ValueError, LaionkitError) as error:
@@ -323,6 +333,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         bucketed=bool(manifest.get("buckets")),
         buckets=buckets,
         bucket_shapes=bucket_shapes,
+        online=online,
     )
 
 
@@ -422,12 +433,56 @@ def _pooled_width(unet_config) -> int | None:
     return unet_config["projection_class_embeddings_input_dim"] - 6 * unet_config["addition_time_embed_dim"]
 
 
-def batch_conditioning(batch: dict, data: LatentSet, device, dtype) -> dict:
-    """A batch's stored text tensors by stored key on the device in ``dtype``, plus the size fields."""
-    cond = {key: batch["text" if key == "states" else key].to(device, non_blocking=True).to(dtype)
-            for key in data.family.stored}
+class OnlineText:
+    """The frozen text encoders of ``encode --text online`` latents, loaded from where encode loaded them
+    (the manifest's models), run on each batch's token ids in the training dtype without gradients."""
+
+    def __init__(self, data: LatentSet, device, dtype) -> None:
+        from laionkit.common.models import load_text_encoder, load_tokenizer
+
+        self.family, self.device, self.dtype = data.family, device, dtype
+        try:
+            sources = [(data.models[tok]["source"], tok, data.models[enc]["source"], enc)
+                       for tok, enc in data.family.text_encoders]
+        except KeyError as error:
+            raise LaionkitError(f"online-text latents: the manifest names no {error} model to encode with") from None
+        self.tokenizers = [load_tokenizer(source, tok) for source, tok, _, _ in sources]
+        self.encoders = [load_text_encoder(source, dtype=dtype, component=enc).to(device)
+                         for _, _, source, enc in sources]
+
+    def empty(self) -> dict:
+        """The empty caption's stored tensors (caption dropout), from these encoders in this dtype."""
+        ids = self.family.tokenize(self.tokenizers, [""])
+        names = [self.family.ids_member(i)[:-4] for i in range(len(ids))]
+        return {key: value[0] for key, value in self(dict(zip(names, ids)), self.device, self.dtype).items()}
+
+    def __call__(self, batch: dict, device, dtype) -> dict:
+        """The stored tensors (by stored key) of a batch's ids_<tokenizer> members."""
+        ids = [batch[self.family.ids_member(i)[:-4]].to(device, non_blocking=True)
+               for i in range(len(self.family.text_encoders))]
+        with torch.no_grad():
+            found = self.family.encode_tokens(self.encoders, ids)
+        return {key: found[key].to(dtype) for key in self.family.stored}
+
+
+def batch_conditioning(batch: dict, data: LatentSet, device, dtype, online: OnlineText | None = None) -> dict:
+    """A batch's stored text tensors by stored key on the device in ``dtype`` (encoded from its token ids
+    by ``online`` for online-text latents), plus the size fields."""
+    if online is not None:
+        cond = online(batch, device, dtype)
+    else:
+        cond = {key: batch["text" if key == "states" else key].to(device, non_blocking=True).to(dtype)
+                for key in data.family.stored}
     cond.update({name: batch[name].to(device, non_blocking=True) for name in SIZE_FIELDS if name in batch})
     return cond
+
+
+def stored_conditioning(cond: dict, online: OnlineText | None, device, dtype) -> dict:
+    """A decoded batch's conditioning by stored key: ``text`` is ``states``; token ids (online text) are
+    encoded; the size fields pass through."""
+    if online is None:
+        return {"states" if k == "text" else k: v for k, v in cond.items()}
+    return {**{k: v for k, v in cond.items() if not k.startswith("ids_")}, **online(cond, device, dtype)}
 
 
 def drop_captions(cond: dict, empty: dict, dropped: torch.Tensor) -> dict:
@@ -921,7 +976,8 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 # --- validation -----------------------------------------------------------------------------------
 
-def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+def validation_conditioning(data: LatentSet, count: int, online: OnlineText | None = None
+                            ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Fixed prompts: the captions and stored text tensors (by stored key) of the first samples of the
     first shard, and their size fields."""
     import webdataset as wds
@@ -936,6 +992,9 @@ def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], dic
         rows.append(decode(sample))
         if len(rows) == count:
             break
+    if online is not None:  # token ids, encoded by the run's own text encoders
+        ids = {name: torch.stack([row[name] for row in rows]) for name in rows[0] if name.startswith("ids_")}
+        return captions, {key: value.cpu() for key, value in online(ids, online.device, online.dtype).items()}
     stacked = {key: torch.stack([row["text" if key == "states" else key] for row in rows])
                for key in data.family.stored}
     return captions, stacked
@@ -1148,6 +1207,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         lora.register_checkpoint_hooks(accelerator, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
+    online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
     lr_scheduler = get_scheduler(
         "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
@@ -1190,7 +1250,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     stage_start = stage_ends[stage] - stages[stage][2]
     batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
                                  pin_memory=device.type == "cuda", cache=cache))
-    empty = {key: value.to(device, input_dtype) for key, value in data.empty.items()}
+    empty = {key: value.to(device, input_dtype) for key, value in (online.empty() if online else data.empty).items()}
 
     metrics_path = output / "metrics.jsonl"
     keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
@@ -1210,7 +1270,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
 
         if data.vae_source is None:
             raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
-        captions, texts = validation_conditioning(data, config.validation_count)
+        captions, texts = validation_conditioning(data, config.validation_count, online)
         if main:
             (output / "samples").mkdir(exist_ok=True)
             (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
@@ -1255,7 +1315,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             bucket_samples[bucket] += len(batch["key"])
             window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
-            cond = batch_conditioning(batch, data, device, input_dtype)
+            cond = batch_conditioning(batch, data, device, input_dtype, online)
             with accelerator.accumulate(unet):
                 if noise_scheduler is None:
                     loss = flow_loss(model, moments, cond, empty, config, data, generator, objective)
@@ -1300,8 +1360,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                 unet.eval()
                 record["val_loss"] = valloss.evaluate(
                     accelerator, lambda noisy, t, cond: data.family.predict(unet, noisy, t, guidance_input(
-                        objective, {"states" if k == "text" else k: v for k, v in cond.items()}, len(noisy),
-                        device)), valset, config.batch_size, input_dtype, noise_scheduler,
+                        objective, stored_conditioning(cond, online, device, input_dtype), len(noisy), device)),
+                    valset, config.batch_size, input_dtype, noise_scheduler,
                     flow_shift=None if noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
                     timestep_scale=objective.timestep_scale)
                 record["val_samples"] = len(valset.keys)

@@ -370,3 +370,54 @@ def test_gradient_checkpointing_per_block_changes_no_gradient(name):
     assert checked_loss == plain_loss
     for a, b in zip(plain, checked):
         torch.testing.assert_close(a, b)
+
+
+def test_online_text_stores_token_ids_and_trains_as_stored_text_does(flow, tmp_path, image_shards, tiny_models):
+    """encode --text online keeps token ids only (int32, a fraction of the bytes); train runs the frozen
+    text encoders on them and gets the losses and validation loss of the stored-text run."""
+    import io
+
+    import webdataset as wds
+    from rich.console import Console
+
+    from laionkit.encode import EncodeConfig, run, summarize
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
+    online = tmp_path / "online"
+    run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(flow.model), resolution=64,
+                     batch_size=4, workers=0, quiet=True, text="online"))
+    manifest = json.loads((online / "manifest.json").read_text())
+    stored = json.loads((flow.latents / "manifest.json").read_text())
+    assert manifest["text"]["mode"] == "online" and "mode" not in stored["text"]
+    assert manifest["text"]["stored"] == stored["text"]["stored"]
+    spec = get_family(flow.name)
+    pipe = load_pipeline(flow)
+    tokenizers = [getattr(pipe, tok) for tok, _ in spec.text_encoders]
+    sample = next(iter(wds.WebDataset(str(sorted(online.glob("*.tar"))[0]), shardshuffle=False)))
+    assert "text.npy" not in sample and "pooled.npy" not in sample
+    want = spec.tokenize(tokenizers, [json.loads(sample["json"])["caption"]])
+    for index, ids in enumerate(want):
+        got = np.load(io.BytesIO(sample[spec.ids_member(index)]))
+        assert got.dtype == np.int32 and np.array_equal(got, ids[0].numpy()), index
+    sizes = [sum(p.stat().st_size for p in folder.glob("*.tar")) for folder in (online, flow.latents)]
+    assert sizes[0] < sizes[1] / 3
+    console = Console(record=True, width=200)
+    console.print(summarize(online))
+    shown = console.export_text()
+    assert "online: token ids stored" in shown and "per billion samples" in shown
+
+    runs = {}
+    for name, latents in (("online", online), ("stored", flow.latents)):
+        runs[name] = tmp_path / f"run-{name}"
+        train(TrainConfig(latents=latents, output=runs[name], unet=str(flow.model), max_steps=3, batch_size=4,
+                          lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0, caption_dropout=0.5,
+                          val_latents=latents, val_samples=3))
+    got, expected = metrics(runs["online"]), metrics(runs["stored"])
+    for step in (1, 2, 3):  # stored text is the same encoders' output rounded to float16
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4), step
+    assert got[3]["val_loss"] == pytest.approx(expected[3]["val_loss"], rel=1e-4)
+
+    with pytest.raises(LaionkitError, match="--text online: family sd stores"):
+        run(EncodeConfig(shards=(str(image_shards),), output=tmp_path / "sd", model=str(tiny_models), resolution=64,
+                         workers=0, quiet=True, text="online"))

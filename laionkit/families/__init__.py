@@ -105,6 +105,14 @@ class FamilySpec:
     pack_latents: Callable[[Any], Any] | None = None
     unpack_latents: Callable[[Any, int, int], Any] | None = None
     embedded_guidance: bool = False
+    # encode --text online: tokenize(tokenizers, captions) -> ids [B, T_i] per text encoder (stored as
+    # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
+    tokenize: Callable[..., list] | None = None
+    encode_tokens: Callable[..., dict[str, Any]] | None = None
+
+    def ids_member(self, index: int) -> str:
+        """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""
+        return f"ids_{self.text_encoders[index][0]}.npy"
 
     def predict(self, model, noisy, timestep, cond: Mapping[str, Any]):
         """The denoiser's output for ``noisy`` [B, C, h, w] in the same layout: the one call train, the

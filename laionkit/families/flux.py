@@ -41,21 +41,31 @@ SAMPLER_CONFIG: dict[str, Any] = {
 TRAIN_GUIDANCE = 3.5
 
 
+def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = T5_MAX_LENGTH) -> list:
+    """Token ids [B, T_i] for CLIP and T5, as FluxPipeline.encode_prompt pads them."""
+    captions = list(captions)
+    clip_tok, t5_tok = tokenizers
+    return [clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids,
+            t5_tok(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
+                   return_tensors="pt").input_ids]
+
+
+def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
+    """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip] from ``tokenize``'s ids."""
+    import torch
+
+    clip, t5 = text_encoders
+    with torch.no_grad():
+        pooled = clip(ids[0].to(clip.device), output_hidden_states=False).pooler_output
+        states = t5(ids[1].to(t5.device), output_hidden_states=False)[0]
+    return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
+
+
 def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
                 max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
     """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip], exactly as FluxPipeline.encode_prompt."""
-    import torch
-
-    captions = list(captions)
-    (clip_tok, t5_tok), (clip, t5) = tokenizers, text_encoders
-    with torch.no_grad():
-        ids = clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
-                       return_tensors="pt").input_ids
-        pooled = clip(ids.to(clip.device), output_hidden_states=False).pooler_output
-        ids = t5_tok(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
-                     return_tensors="pt").input_ids
-        states = t5(ids.to(t5.device), output_hidden_states=False)[0]
-    return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
 
 
 def pack(latents):
@@ -163,6 +173,8 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")),
     stored=("states", "pooled"),
     encode_text=encode_text,
+    tokenize=tokenize,
+    encode_tokens=encode_tokens,
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
                         timestep_scale=1.0, guidance=TRAIN_GUIDANCE),

@@ -40,26 +40,37 @@ def _t5_ids(tokenizer, captions, max_length):
                      add_special_tokens=True, return_tensors="pt").input_ids
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
-                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
-    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g], as StableDiffusion3Pipeline.encode_prompt."""
+def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = T5_MAX_LENGTH) -> list:
+    """Token ids [B, T_i] for each text encoder, as StableDiffusion3Pipeline.encode_prompt pads them."""
+    captions = list(captions)
+    clip_l_tok, clip_g_tok, t5_tok = tokenizers
+    return [*(tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids for tokenizer in (clip_l_tok, clip_g_tok)),
+            _t5_ids(t5_tok, captions, max_sequence_length)]
+
+
+def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
+    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g] from ``tokenize``'s ids."""
     import torch
     import torch.nn.functional as F
 
-    captions = list(captions)
-    (clip_l_tok, clip_g_tok, t5_tok), (clip_l, clip_g, t5) = tokenizers, text_encoders
+    clip_l, clip_g, t5 = text_encoders
     clip_states, pooled = [], []
     with torch.no_grad():
-        for tokenizer, encoder in ((clip_l_tok, clip_l), (clip_g_tok, clip_g)):
-            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
-                            truncation=True, return_tensors="pt").input_ids
-            output = encoder(ids.to(encoder.device), output_hidden_states=True)
+        for encoder, input_ids in zip((clip_l, clip_g), ids[:2], strict=True):
+            output = encoder(input_ids.to(encoder.device), output_hidden_states=True)
             clip_states.append(output.hidden_states[-2])
             pooled.append(output.text_embeds)
-        t5_states = t5(_t5_ids(t5_tok, captions, max_sequence_length).to(t5.device))[0]
+        t5_states = t5(ids[2].to(t5.device))[0]
     clip = torch.cat(clip_states, dim=-1)
     clip = F.pad(clip, (0, t5_states.shape[-1] - clip.shape[-1]))
     return {"states": torch.cat([clip, t5_states.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
+
+
+def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
+                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
+    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g], as StableDiffusion3Pipeline.encode_prompt."""
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
 
 
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,6 +173,8 @@ SPEC = register_family(FamilySpec(
                    ("tokenizer_3", "text_encoder_3")),
     stored=("states", "pooled"),
     encode_text=encode_text,
+    tokenize=tokenize,
+    encode_tokens=encode_tokens,
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", shift=3.0),
     block_classes=("JointTransformerBlock",),
