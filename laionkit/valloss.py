@@ -64,6 +64,10 @@ def load(config, data) -> ValSet:
     val = open_latents(config.val_latents)
     ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)
     theirs = (val.moments_shape, val.text_shape, val.scaling_factor, val.shift_factor)
+    if val.online != data.online:
+        raise LaionkitError(f"--val-latents {config.val_latents}: its text is {'online' if val.online else 'stored'}, "
+                            f"the training latents' {'online' if data.online else 'stored'}: encode both with the "
+                            "same --text")
     if ours != theirs:
         raise LaionkitError(f"--val-latents {config.val_latents}: latents {theirs[0]}, text {theirs[1]}, scaling "
                             f"{theirs[2]}, shift {theirs[3]} differ from the training latents' {ours}: encode "
