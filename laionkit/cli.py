@@ -368,6 +368,11 @@ def stats_command(
 
     laionkit train s3://bucket/latents --output runs/tiny --unet-config tiny --cache-dir /scratch/cache --cache-size 200000000000
 
+    laionkit train latents-flux/ --output runs/flux --transformer flux-dev --lora-rank 16 --max-steps 2000
+
+    laionkit train latents-sd3/ --output runs/sd3 --transformer-config sd3-medium --shift 3 --weighting none
+    --max-steps 100000 --mixed-precision bf16
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -375,13 +380,18 @@ torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.m
 def train_command(
     latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
-    unet: Annotated[Optional[str], typer.Option(help="Fine-tune: a hub id, preset (sd15, sd2, sdxl) or folder with unet weights.")] = None,
-    unet_config: Annotated[Optional[str], typer.Option(help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny) or a config folder/file.")] = None,
+    unet: Annotated[Optional[str], typer.Option("--unet", "--transformer", help="Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev) or folder with the family's unet/ or transformer/ weights.")] = None,
+    unet_config: Annotated[Optional[str], typer.Option("--unet-config", "--transformer-config", help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny) or a config folder/file.")] = None,
     noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
     prediction_type: Annotated[Optional[str], typer.Option(help="epsilon or v_prediction (default: the scheduler's).")] = None,
-    timestep_sampling: Annotated[str, typer.Option(help="uniform or logit-normal.")] = "uniform",
+    timestep_sampling: Annotated[str, typer.Option(help="DDPM timesteps: uniform or logit-normal.")] = "uniform",
     logit_mean: Annotated[float, typer.Option(help="Mean of the logit-normal timestep density.")] = 0.0,
     logit_std: Annotated[float, typer.Option(help="Std of the logit-normal timestep density.")] = 1.0,
+    sigma_sampling: Annotated[Optional[str], typer.Option(help="Flow matching (sd3, flux): logit_normal, uniform or mode (default: the family's, logit_normal).")] = None,
+    mode_scale: Annotated[float, typer.Option(help="Flow matching: scale of the mode sigma density.")] = 1.29,
+    shift: Annotated[Optional[str], typer.Option(help="Flow matching: sigma shift s (a number), dynamic (Flux's rule per resolution) or none (default: sd3 3, flux dynamic).")] = None,
+    weighting: Annotated[Optional[str], typer.Option(help="Flow matching loss weighting: none, sigma_sqrt or cosmap (default: none).")] = None,
+    train_guidance: Annotated[Optional[float], typer.Option(help="Flow matching: the guidance embedding's input while training a transformer with guidance_embeds (default: flux 3.5).")] = None,
     snr_gamma: Annotated[Optional[float], typer.Option(help="Min-SNR loss weighting gamma (5 is common).")] = None,
     noise_offset: Annotated[float, typer.Option(help="Offset noise strength (0.05-0.1 typical).")] = 0.0,
     input_perturbation: Annotated[float, typer.Option(help="Input perturbation strength (0.1 typical).")] = 0.0,
@@ -456,6 +466,8 @@ def train_command(
 
     laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
 
+    laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
+
     accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
 
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
@@ -465,7 +477,7 @@ def train_command(
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl), diffusers folder or hub id for all components; its model_index.json decides the family (sd or sdxl), recorded in the manifest.")] = "sd15",
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3 or flux), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
     text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
@@ -478,6 +490,7 @@ def encode(
     dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    text: Annotated[str, typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux): token ids only, train runs the frozen text encoders.")] = "stored",
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -491,7 +504,7 @@ def encode(
         shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
-        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options,
+        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

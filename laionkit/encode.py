@@ -75,6 +75,7 @@ QUEUE_DEPTH = 4
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
 # nvjpeg decode, whose per-image resize runs in the main process (docs/BENCHMARKS.md, encode).
 GPU_DECODE_BELOW_WORKERS = 4
+TEXT_MODES = ("stored", "online")
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,10 @@ class EncodeConfig:
     world_size: int | None = None
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
+    text: str = "stored"  # stored: text-encoder outputs per sample; online: token ids, train runs the encoders
 
     def __post_init__(self) -> None:
-        choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES}
+        choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
         if self.text_layer is not None:
             choices["text_layer"] = TEXT_LAYERS
         for name, allowed in choices.items():
@@ -114,7 +116,12 @@ class EncodeConfig:
 
     def source(self, component: str) -> str:
         """Where a component loads from: its own flag (--vae, --text-encoder, --tokenizer), else --model."""
-        return getattr(self, component, None) or self.model
+        given = getattr(self, component, None)
+        if given:
+            return given
+        if self.model in PRESETS:  # laionkit's own presets (sd15, sd2, sdxl) resolve in common.models
+            return self.model
+        return self.family.presets.get(self.model, self.model)  # a family's preset: its hub repo
 
     @property
     def family(self) -> FamilySpec:
@@ -516,6 +523,10 @@ class Encoders:
     def __init__(self, config: EncodeConfig, device) -> None:
         self.device = device
         self.family = config.family
+        self.online = config.text == "online"
+        if self.online and self.family.tokenize is None:
+            raise LaionkitError(f"--text online: family {self.family.name} stores its text-encoder outputs only "
+                                "(online text: sd3, flux)")
         self.dtype = _compute_dtype(config.dtype, device)
         self.layer = config.layer
         # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
@@ -570,7 +581,12 @@ class Encoders:
             facts["family"] = self.family.name
             empty = self.empty_caption()
             facts["text"]["hidden_size"] = int(empty["states"].shape[-1])
+            facts["text"]["sequence_length"] = int(empty["states"].shape[0])  # SD3: 77 CLIP + T5 tokens
             facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
+            if self.online:  # only then: stored folders keep the settings they had (resume)
+                facts["text"]["mode"] = "online"
+                facts["text"]["ids"] = {self.family.ids_member(i): int(ids.shape[-1]) for i, ids in
+                                        enumerate(self.family.tokenize(self.tokenizers, [""]))}
         return facts
 
     def empty_caption(self) -> dict[str, np.ndarray]:
@@ -795,11 +811,17 @@ def summarize(folder: Path | Location):
     overview.add_row("latent", f"{manifest['vae']['latent_channels']} channels, /{manifest['vae']['downsample_factor']}, "
                                f"scaling {manifest['vae']['scaling_factor']}")
     overview.add_row("text", f"{manifest['text']['sequence_length']} x {manifest['text']['hidden_size']} "
-                             f"({manifest['text']['layer']} layer)")
+                             f"({manifest['text']['layer']} layer)"
+                     + (", online: token ids stored, train encodes" if manifest["text"].get("mode") == "online"
+                        else ""))
     for component, model in manifest["models"].items():
         overview.add_row(component, f"{model['source']} ({model['subfolder']})")
     size = sum(p.size() for p in Location.parse(folder).list("*.tar"))
     overview.add_row("size on disk", f"{size / 2**20:,.1f} MiB")
+    if counts["samples_out"]:  # what --text stored vs online costs at web scale
+        per_sample = size / counts["samples_out"]
+        overview.add_row("per sample", f"{per_sample / 2**10:,.1f} KiB ({per_sample * 1e9 / 2**50:,.2f} PiB "
+                                       "per billion samples)")
     tables = [overview]
     for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
         if counter:
@@ -870,6 +892,13 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     if gpu_decode and device.type != "cuda":
         raise LaionkitError("--decode gpu needs a CUDA device")
     buckets = bucket_sizes(config.resolution) if config.buckets else None
+    if encoders.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
+        multiple = 2 * 2 ** (len(encoders.vae.config.block_out_channels) - 1)
+        odd = [f"{w}x{h}" for w, h in buckets or [(config.resolution, config.resolution)] if w % multiple or h % multiple]
+        if odd:
+            raise LaionkitError(f"--resolution {config.resolution}{' --buckets' if buckets else ''}: "
+                                f"{encoders.family.name} packs 2x2 latent patches, so image sides must be multiples "
+                                f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
     models = _models(config, encoders.family)
     settings = _settings(config, models, encoders, buckets)
     for record_file in output.list("*" + RECORD_SUFFIX):
@@ -990,8 +1019,12 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict
     if count:
         moments = encoders.encode_images(pixels)[:count].to(torch.float16).to("cpu", non_blocking=True)
         captions = [record["caption"] for record in batch["records"]]
-        stored = {encoders.family.member(key): value[:count].to(torch.float16).to("cpu", non_blocking=True)
-                  for key, value in encoders.text_of(input_ids, captions).items()}
+        if encoders.online:  # token ids only (int32): train runs the text encoders
+            stored = {encoders.family.ids_member(index): ids[:count].to(torch.int32) for index, ids in
+                      enumerate(encoders.family.tokenize(encoders.tokenizers, captions))}
+        else:
+            stored = {encoders.family.member(key): value[:count].to(torch.float16).to("cpu", non_blocking=True)
+                      for key, value in encoders.text_of(input_ids, captions).items()}
     done = None
     if encoders.device.type == "cuda":
         done = torch.cuda.Event()

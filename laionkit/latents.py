@@ -45,6 +45,7 @@ from laionkit.common.tars import count_samples
 # The members a training sample needs; others are skipped unread. Extra text tensors of a model family
 # (SDXL's pooled.npy) and the json's size fields (SDXL's time_ids) travel in the batch when present.
 MOMENTS, TEXT = "moments.npy", "text.npy"
+IDS_PREFIX = ".ids_"  # encode --text online: <key>.ids_<tokenizer subfolder>.npy, int32 token ids
 EXTRA_TENSORS = ("pooled",)
 SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
 
@@ -95,16 +96,21 @@ def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
         opened = wds.tariterators.url_opener([{"url": unit.shard}])
     else:
         opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
-    files = wds.tariterators.tar_file_expander(
-        opened, select_files=lambda name: name.endswith((MOMENTS, TEXT, ".json",
-                                                         *(f".{key}.npy" for key in EXTRA_TENSORS)))
-    )
+    files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member)
     samples = wds.tariterators.group_by_keys(files)
     return itertools.islice(samples, unit.offset, None, unit.stride)
 
 
+def _wanted_member(name: str) -> bool:
+    """The tar members train reads: moments, stored text tensors or token ids (online text), the json."""
+    return (name.endswith((MOMENTS, TEXT, ".json", *(f".{key}.npy" for key in EXTRA_TENSORS)))
+            or (IDS_PREFIX in name and name.endswith(".npy")))
+
+
 def _require_members(sample: dict) -> None:
     for member in (MOMENTS, TEXT):
+        if member == TEXT and any(name.startswith(IDS_PREFIX[1:]) for name in sample):
+            continue  # encode --text online: token ids instead of text-encoder outputs
         if member not in sample:
             raise LaionkitError(f"{sample['__url__']}: sample {sample['__key__']} has no .{member} member")
 
@@ -130,8 +136,12 @@ def decode(sample: dict) -> dict:
     decoded = {
         "key": sample["__key__"],
         "moments": torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS]))),
-        "text": torch.from_numpy(np.load(io.BytesIO(sample[TEXT]))),
     }
+    if TEXT in sample:
+        decoded["text"] = torch.from_numpy(np.load(io.BytesIO(sample[TEXT])))
+    for name in sample:
+        if name.startswith(IDS_PREFIX[1:]) and name.endswith(".npy"):  # ids_<tokenizer>.npy -> ids_<tokenizer>
+            decoded[name[:-4]] = torch.from_numpy(np.load(io.BytesIO(sample[name])).astype(np.int64))
     for key in EXTRA_TENSORS:
         if f"{key}.npy" in sample:
             decoded[key] = torch.from_numpy(np.load(io.BytesIO(sample[f"{key}.npy"])))

@@ -20,7 +20,7 @@ import shutil
 import signal
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from laionkit.common.models import sha256_file
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
-from laionkit.families import FamilySpec, families, get_family
+from laionkit.families import FamilySpec, Objective, families, get_family
 from laionkit.latents import (
     SIZE_FIELDS,
     STOP_SIGNALS,
@@ -66,6 +66,12 @@ class TrainConfig:
     timestep_sampling: str = "uniform"
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    # --- flow matching (SD3, Flux): None takes the family's default (laionkit/families, Objective) ---
+    sigma_sampling: str | None = None  # logit_normal | uniform | mode
+    mode_scale: float = 1.29
+    shift: str | None = None  # a number (static shift), "dynamic" (Flux's per-resolution rule) or "none"
+    weighting: str | None = None  # none | sigma_sqrt | cosmap
+    train_guidance: float | None = None  # the guidance embedding's input (transformers with guidance_embeds)
     snr_gamma: float | None = None
     noise_offset: float = 0.0
     input_perturbation: float = 0.0
@@ -128,13 +134,16 @@ class TrainConfig:
             "lr_schedule": ("constant", "cosine"), "optimizer": ("adamw", "adamw8bit"),
             "mixed_precision": (None, "no", "fp16", "bf16"), "log_with": ("tensorboard", "wandb", "none"),
             "prediction_type": (None, "epsilon", "v_prediction"),
+            "sigma_sampling": (None, "logit_normal", "logit-normal", "uniform", "mode"),
+            "weighting": (None, "none", "sigma_sqrt", "cosmap"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise LaionkitError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from "
                                     f"{', '.join(a for a in allowed if a)}")
         if (self.unet is None) == (self.unet_config is None):
-            raise LaionkitError("give exactly one of --unet (fine-tune) or --unet-config (from scratch)")
+            raise LaionkitError("give exactly one of --unet / --transformer (fine-tune) or --unet-config / "
+                                "--transformer-config (from scratch)")
         if (self.max_steps is None) == (self.epochs is None):
             raise LaionkitError("give exactly one of --max-steps or --epochs")
         at_least = {"batch_size": 1, "grad_accum": 1, "log_every": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
@@ -152,6 +161,13 @@ class TrainConfig:
             raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
+        if self.shift not in (None, "dynamic", "none"):
+            try:
+                value = float(self.shift)
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value > 0):
+                raise LaionkitError(f"--shift {self.shift!r}: a number > 0 (static shift), dynamic or none")
         self.later_stages()
         lora.check_config(self)
         valloss.check_config(self)
@@ -202,6 +218,7 @@ class LatentSet:
     bucketed: bool = False
     buckets: tuple[str, ...] = ()
     bucket_shapes: tuple[tuple[int, ...], ...] = ()
+    online: bool = False  # encode --text online: samples hold token ids, train runs the text encoders
 
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
@@ -268,6 +285,15 @@ def open_latents(latents: Path | str) -> LatentSet:
                             f"none of the manifest's buckets {sizes} at 1/{factor} scale; rerun encode")
     buckets = tuple(f"{w}x{h}" for w, h in sizes)
     square = [shape for shape in bucket_shapes if shape[1] == shape[2]]
+    online = (manifest.get("text") or {}).get("mode") == "online"
+    if online:  # token ids per sample: the stored tensors' shapes are the manifest's (its empty caption's)
+        missing = [family.ids_member(i) for i in range(len(family.text_encoders))
+                   if family.ids_member(i)[:-4] not in first]
+        if missing:
+            raise LaionkitError(f"{shards[0]}: online-text latents need {', '.join(missing)} per sample; sample "
+                                f"{first['key']} lacks them: rerun encode")
+        first = {**first, **{key: torch.empty(shape) for key, shape in (
+            ("text" if key == "states" else key, tuple(shape)) for key, shape in manifest["text"]["stored"].items())}}
     try:
         empty = torch.from_numpy(np.load(io.BytesIO(empty_path.read_bytes())))
     except (OSError, ValueError, LaionkitError) as error:
@@ -307,6 +333,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         bucketed=bool(manifest.get("buckets")),
         buckets=buckets,
         bucket_shapes=bucket_shapes,
+        online=online,
     )
 
 
@@ -333,6 +360,8 @@ def build_unet(config: TrainConfig, data: LatentSet):
     channels, height, _ = data.moments_shape
     latent_channels, text_dim = channels // 2, data.text_shape[-1]
     pooled_dim = data.empty["pooled"].shape[-1] if "pooled" in data.empty else None
+    if spec.fit_config is not None:
+        return build_transformer(config, data, latent_channels, text_dim, pooled_dim)
     if config.unet is not None:
         unet = load_unet(spec.presets.get(config.unet, config.unet))
         expects = (unet.config.in_channels, unet.config.cross_attention_dim, _pooled_width(unet.config))
@@ -363,6 +392,40 @@ def build_unet(config: TrainConfig, data: LatentSet):
     return getattr(diffusers, spec.denoiser_class).from_config(arch)
 
 
+def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int, text_dim: int,
+                      pooled_dim: int | None):
+    """The transformer families' denoiser: from_pretrained on --transformer (a preset, a pipeline folder
+    or hub repo: its transformer/ subfolder), or from_config on a family config / a config file
+    (--transformer-config), fitted to the data by the family."""
+    import diffusers
+
+    from laionkit.common.models import _from_pretrained, _load_config
+
+    spec = data.family
+    cls = getattr(diffusers, spec.denoiser_class)
+    if config.unet is not None:
+        model = _from_pretrained(cls, spec.presets.get(config.unet, config.unet), spec.denoiser_subfolder)
+        found = spec.expects(model.config)
+        if tuple(found) != (latent_channels, text_dim, pooled_dim):
+            raise LaionkitError(
+                f"--transformer {config.unet}: expects {found[0]} latent channels, {found[1]}-dim text and "
+                f"{found[2]}-dim pooled text; the {spec.name} latents have {latent_channels}, {text_dim} and "
+                f"{pooled_dim}")
+        return model
+    if config.unet_config in spec.configs:
+        arch = dict(spec.configs[config.unet_config])
+    elif any(config.unet_config in get_family(name).configs for name in families()):
+        owners = [name for name in families() if config.unet_config in get_family(name).configs]
+        raise LaionkitError(f"--transformer-config {config.unet_config} is a {'/'.join(owners)} architecture; "
+                            f"these latents are {spec.name} (from {config.latents}/manifest.json), whose configs "
+                            f"are {', '.join(spec.configs)}")
+    else:
+        arch = {k: v for k, v in _load_config(cls, config.unet_config, spec.denoiser_subfolder).items()
+                if not k.startswith("_")}
+    largest = max(max(shape[1:]) for shape in data.bucket_shapes)
+    return cls.from_config(spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim))
+
+
 def _pooled_width(unet_config) -> int | None:
     """The pooled text width a text_time UNet's add_embedding takes (6 time ids besides it), else None."""
     if unet_config.get("addition_embed_type") != "text_time":
@@ -370,12 +433,56 @@ def _pooled_width(unet_config) -> int | None:
     return unet_config["projection_class_embeddings_input_dim"] - 6 * unet_config["addition_time_embed_dim"]
 
 
-def batch_conditioning(batch: dict, data: LatentSet, device, dtype) -> dict:
-    """A batch's stored text tensors by stored key on the device in ``dtype``, plus the size fields."""
-    cond = {key: batch["text" if key == "states" else key].to(device, non_blocking=True).to(dtype)
-            for key in data.family.stored}
+class OnlineText:
+    """The frozen text encoders of ``encode --text online`` latents, loaded from where encode loaded them
+    (the manifest's models), run on each batch's token ids in the training dtype without gradients."""
+
+    def __init__(self, data: LatentSet, device, dtype) -> None:
+        from laionkit.common.models import load_text_encoder, load_tokenizer
+
+        self.family, self.device, self.dtype = data.family, device, dtype
+        try:
+            sources = [(data.models[tok]["source"], tok, data.models[enc]["source"], enc)
+                       for tok, enc in data.family.text_encoders]
+        except KeyError as error:
+            raise LaionkitError(f"online-text latents: the manifest names no {error} model to encode with") from None
+        self.tokenizers = [load_tokenizer(source, tok) for source, tok, _, _ in sources]
+        self.encoders = [load_text_encoder(source, dtype=dtype, component=enc).to(device)
+                         for _, _, source, enc in sources]
+
+    def empty(self) -> dict:
+        """The empty caption's stored tensors (caption dropout), from these encoders in this dtype."""
+        ids = self.family.tokenize(self.tokenizers, [""])
+        names = [self.family.ids_member(i)[:-4] for i in range(len(ids))]
+        return {key: value[0] for key, value in self(dict(zip(names, ids)), self.device, self.dtype).items()}
+
+    def __call__(self, batch: dict, device, dtype) -> dict:
+        """The stored tensors (by stored key) of a batch's ids_<tokenizer> members."""
+        ids = [batch[self.family.ids_member(i)[:-4]].to(device, non_blocking=True)
+               for i in range(len(self.family.text_encoders))]
+        with torch.no_grad():
+            found = self.family.encode_tokens(self.encoders, ids)
+        return {key: found[key].to(dtype) for key in self.family.stored}
+
+
+def batch_conditioning(batch: dict, data: LatentSet, device, dtype, online: OnlineText | None = None) -> dict:
+    """A batch's stored text tensors by stored key on the device in ``dtype`` (encoded from its token ids
+    by ``online`` for online-text latents), plus the size fields."""
+    if online is not None:
+        cond = online(batch, device, dtype)
+    else:
+        cond = {key: batch["text" if key == "states" else key].to(device, non_blocking=True).to(dtype)
+                for key in data.family.stored}
     cond.update({name: batch[name].to(device, non_blocking=True) for name in SIZE_FIELDS if name in batch})
     return cond
+
+
+def stored_conditioning(cond: dict, online: OnlineText | None, device, dtype) -> dict:
+    """A decoded batch's conditioning by stored key: ``text`` is ``states``; token ids (online text) are
+    encoded; the size fields pass through."""
+    if online is None:
+        return {"states" if k == "text" else k: v for k, v in cond.items()}
+    return {**{k: v for k, v in cond.items() if not k.startswith("ids_")}, **online(cond, device, dtype)}
 
 
 def drop_captions(cond: dict, empty: dict, dropped: torch.Tensor) -> dict:
@@ -441,7 +548,7 @@ def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainCo
         target = noise
     else:
         target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    prediction = model(noisy, timesteps, **data.family.conditioning(cond), return_dict=False)[0]
+    prediction = data.family.predict(model, noisy, timesteps, cond)
     loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
     if config.snr_gamma:
         snr = compute_snr(noise_scheduler, timesteps)
@@ -451,7 +558,82 @@ def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainCo
     return loss.mean()
 
 
-def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[int, ...]) -> float:
+FLOW_FLAGS = ("sigma_sampling", "shift", "weighting", "train_guidance")
+DDPM_FLAGS = ("noise_scheduler", "prediction_type", "snr_gamma")
+
+
+def resolve_objective(config: TrainConfig, spec: FamilySpec) -> Objective:
+    """The family's objective with the train flags that override it; flags of the other objective are
+    refused (a flow family has no DDPM schedule, a UNet family no sigma shift)."""
+    objective = spec.objective
+    if objective.kind == "ddpm":
+        given = [name for name in FLOW_FLAGS if getattr(config, name) is not None]
+        if given:
+            raise LaionkitError(f"--{given[0].replace('_', '-')} is a flow-matching option; {spec.name} latents "
+                                "train with the DDPM objective (--timestep-sampling, --snr-gamma, --prediction-type)")
+        return objective
+    given = [name for name in DDPM_FLAGS if getattr(config, name) is not None]
+    if config.timestep_sampling != "uniform":
+        given.append("timestep_sampling")
+    if given:
+        raise LaionkitError(f"--{given[0].replace('_', '-')} is a DDPM option; {spec.name} latents train with flow "
+                            "matching (--sigma-sampling, --logit-mean/--logit-std, --shift, --weighting)")
+    changes = {"logit_mean": config.logit_mean, "logit_std": config.logit_std, "mode_scale": config.mode_scale}
+    if config.sigma_sampling is not None:
+        changes["sigma_sampling"] = config.sigma_sampling.replace("-", "_")
+    if config.weighting is not None:
+        changes["weighting"] = config.weighting
+    if config.shift == "dynamic":
+        changes.update(shift=None, dynamic_shift=True)
+    elif config.shift is not None:
+        changes.update(shift=None if config.shift == "none" else float(config.shift), dynamic_shift=False)
+    if config.train_guidance is not None:
+        changes["guidance"] = config.train_guidance
+    return replace(objective, **changes)
+
+
+def guidance_input(objective: Objective, cond: dict, batch: int, device) -> dict:
+    """cond with the guidance embedding's input (as FluxPipeline makes it: fp32, one value per sample)."""
+    if objective.guidance is None:
+        return cond
+    return {**cond, "guidance": torch.full((batch,), objective.guidance, device=device, dtype=torch.float32)}
+
+
+def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet, generator: torch.Generator,
+              objective: Objective) -> torch.Tensor:
+    """The flow-matching loss for one batch (laionkit.families.flow): fresh latent and noise, sigma drawn
+    and shifted directly (per bucket under a dynamic shift), x_t = (1 - sigma) x0 + sigma noise, the
+    weighted MSE of the prediction to noise - x0. The timestep input is sigma x the family's scale."""
+    from laionkit.families import flow
+
+    mean, logvar = moments.float().chunk(2, dim=1)
+    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
+    latents = (latents - data.shift_factor) * data.scaling_factor
+    batch, _, height, width = latents.shape
+    noise = randn(latents.shape, generator, latents)
+    if config.noise_offset:
+        noise = noise + config.noise_offset * randn((batch, latents.shape[1], 1, 1), generator, latents)
+    sigmas = flow.sample_sigmas(batch, objective.sigma_sampling, logit_mean=objective.logit_mean,
+                                logit_std=objective.logit_std, mode_scale=objective.mode_scale,
+                                generator=generator, device=latents.device)
+    shift = objective.sigma_shift(height, width)
+    if shift != 1.0:
+        sigmas = flow.shift_sigmas(sigmas, shift)
+    input_noise = noise
+    if config.input_perturbation:
+        input_noise = noise + config.input_perturbation * randn(noise.shape, generator, noise)
+    text = cond["states"]
+    noisy = flow.interpolate(latents, input_noise, sigmas).to(text.dtype)
+    if config.caption_dropout:
+        dropped = torch.rand(batch, generator=generator, device=text.device) < config.caption_dropout
+        cond = drop_captions(cond, empty, dropped)
+    cond = guidance_input(objective, cond, batch, latents.device)
+    prediction = data.family.predict(model, noisy, sigmas * objective.timestep_scale, cond)
+    return flow.loss(prediction, latents, noise, sigmas, objective.weighting)
+
+
+def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[int, ...],
+                     objective: Objective | None = None) -> float:
     """Model FLOPs of one sample's forward + backward at moments ``shape`` (a bucket's: attention grows
     faster than the pixel count, so buckets differ), counted once by torch's flop counter."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -461,10 +643,11 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
     sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
     cond = {key: torch.zeros(1, *value.shape, device=device, dtype=dtype) for key, value in data.empty.items()}
     cond.update({name: torch.tensor([[height * 8, width * 8]], device=device) for name in SIZE_FIELDS})
+    if objective is not None:
+        cond = guidance_input(objective, cond, 1, device)
     counter = FlopCounterMode(display=False)
     with counter:
-        unet(sample, torch.tensor([500], device=device), **data.family.conditioning(cond),
-             return_dict=False)[0].sum().backward()
+        data.family.predict(unet, sample, torch.tensor([500], device=device), cond).sum().backward()
     unet.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
 
@@ -567,6 +750,33 @@ def apply_gradients(accelerator, unet, optimizer, master: MasterWeights | None, 
     if master is not None and accelerator.sync_gradients:
         master.publish()
     return grad_norm
+
+
+def fsdp_wrap_units(plugin, model, spec: FamilySpec, say=print) -> list[str] | None:
+    """FSDP's wrap units for ``model``: the accelerate config's transformer-based wrap classes when the
+    model has them all (train/fsdp.yaml names the UNet's down / mid / up blocks), else the family's
+    ``block_classes`` (SD3's JointTransformerBlock, Flux's double- and single-stream blocks: one FSDP unit
+    per transformer block), instead of accelerate failing on a class the model lacks. Returns the names
+    set on the plugin, or None where the policy is not transformer-based (left as configured)."""
+    policy = plugin.auto_wrap_policy
+    if policy is None or getattr(policy, "__name__", str(policy)).lower() not in (
+            "transformer_auto_wrap_policy", "transformer_based_wrap"):
+        return None
+    present = {type(module).__name__ for module in model.modules()}
+    configured = plugin.transformer_cls_names_to_wrap
+    if isinstance(configured, str):
+        configured = configured.split(",")
+    if configured and all(name in present for name in configured):
+        return list(configured)
+    units = [block for block in spec.block_classes if block in present]
+    if not units:
+        raise LaionkitError(f"FSDP: {type(model).__name__} has none of the family's blocks "
+                            f"({', '.join(spec.block_classes)}) to wrap")
+    if configured:
+        say(f"FSDP: {type(model).__name__} has no {', '.join(n for n in configured if n not in present)}; "
+            f"wrapping each {' / '.join(units)} (the {spec.name} family's blocks) instead")
+    plugin.transformer_cls_names_to_wrap = units
+    return units
 
 
 def scaled_lr(config: TrainConfig, global_batch: int) -> float:
@@ -766,7 +976,8 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 # --- validation -----------------------------------------------------------------------------------
 
-def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], dict[str, torch.Tensor]]:
+def validation_conditioning(data: LatentSet, count: int, online: OnlineText | None = None
+                            ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Fixed prompts: the captions and stored text tensors (by stored key) of the first samples of the
     first shard, and their size fields."""
     import webdataset as wds
@@ -781,6 +992,9 @@ def validation_conditioning(data: LatentSet, count: int) -> tuple[list[str], dic
         rows.append(decode(sample))
         if len(rows) == count:
             break
+    if online is not None:  # token ids, encoded by the run's own text encoders
+        ids = {name: torch.stack([row[name] for row in rows]) for name in rows[0] if name.startswith("ids_")}
+        return captions, {key: value.cpu() for key, value in online(ids, online.device, online.dtype).items()}
     stacked = {key: torch.stack([row["text" if key == "states" else key] for row in rows])
                for key in data.family.stored}
     return captions, stacked
@@ -793,42 +1007,56 @@ PIPELINE_KEYWORDS = {"states": "prompt_embeds", "pooled": "pooled_prompt_embeds"
 @torch.no_grad()
 def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentSet, config: TrainConfig,
              device: torch.device) -> torch.Tensor:
-    """Classifier-free-guided DDIM samples for the fixed prompts through the family's diffusers pipeline
-    (the one an export loads into), from the stored text tensors, decoded by the manifest's VAE, in [0, 1].
+    """Samples for the fixed prompts through the family's diffusers pipeline (the one an export loads
+    into), from the stored text tensors, decoded by the manifest's VAE, in [0, 1]: DDIM with
+    classifier-free guidance for the UNet families; for flow families the family's
+    FlowMatchEulerDiscreteScheduler (Flux: the pipeline computes its resolution-dependent mu itself) with
+    classifier-free guidance, or the guidance embedding where the family feeds guidance_scale to it.
 
-    The pipeline gets no text encoders (the prompts are stored embeddings) and returns latents: the
-    decode is ours, in the VAE's own dtype, whatever the trained weights' dtype is."""
+    The pipeline gets no text encoders (the prompts are stored embeddings) and returns latents (Flux's
+    packed, unpacked here): the decode is ours, in the VAE's own dtype, whatever the weights' dtype is."""
     import inspect
 
     import diffusers
-    from diffusers import DDIMScheduler
 
-    sampler = DDIMScheduler.from_config(noise_scheduler.config)
-    pipeline_class = getattr(diffusers, data.family.pipeline_class)
+    spec = data.family
+    if spec.sampler is not None:
+        sampler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(dict(spec.sampler))
+    else:
+        sampler = diffusers.DDIMScheduler.from_config(noise_scheduler.config)
+    pipeline_class = getattr(diffusers, spec.pipeline_class)
     parameters = inspect.signature(pipeline_class.__init__).parameters
     components = {name: None for name, parameter in parameters.items()
                   if name != "self" and parameter.default is inspect.Parameter.empty}
-    components.update({"unet": unet, "vae": vae, "scheduler": sampler})
+    components.update({spec.denoiser_subfolder: unet, "vae": vae, "scheduler": sampler})
     if "requires_safety_checker" in parameters:
         components["requires_safety_checker"] = False
     pipe = pipeline_class(**components)
     pipe.set_progress_bar_config(disable=True)
     dtype = next(unet.parameters()).dtype
+    guided_by_embedding = spec.embedded_guidance and getattr(unet.config, "guidance_embeds", False)
     prompts = {}
     for key, keyword in PIPELINE_KEYWORDS.items():
         if key in texts:
             prompts[keyword] = texts[key].to(device, dtype)
-            prompts[f"negative_{keyword}"] = empty[key].expand_as(texts[key]).to(device, dtype)
+            if not guided_by_embedding:
+                prompts[f"negative_{keyword}"] = empty[key].expand_as(texts[key]).to(device, dtype)
+    if spec.embedded_guidance and not guided_by_embedding:
+        prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's classifier-free guidance
     channels, height, width = data.moments_shape
     scale = pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(config.seed)
     latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
+    if spec.pack_latents is not None:
+        latents = spec.pack_latents(latents)
     # Accelerate's prepared forward returns fp32 outputs, so a scheduler step promotes the latents to fp32;
     # they go back to the weights' dtype before the next step (bf16 master weights have no autocast).
     latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
                    guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
                    callback_on_step_end=lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
                    callback_on_step_end_tensor_inputs=["latents"], **prompts).images
+    if spec.unpack_latents is not None:
+        latents = spec.unpack_latents(latents, height, width)
     images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
     return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
 
@@ -927,9 +1155,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
 
     data = open_latents(config.latents)
-    if data.family.objective.kind != "ddpm":
-        raise LaionkitError(f"{config.latents}: {data.family.name} latents train with the "
-                            f"{data.family.objective.kind} objective, which train does not run yet")
+    objective = resolve_objective(config, data.family)
     if data.empty_shards:
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
@@ -948,9 +1174,11 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     unet = build_unet(config, data).to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
         lora.attach(unet, config, accelerator)
-    noise_scheduler = load_noise_scheduler(config)
+    if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
+        objective = replace(objective, guidance=None)  # no guidance embedding to feed
+    noise_scheduler = load_noise_scheduler(config) if objective.kind == "ddpm" else None
     shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
-    model_flops = [flops_per_sample(unet, data, device, shapes[key]) for key in all_buckets]
+    model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in all_buckets]
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.channels_last:
@@ -972,11 +1200,14 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config
         deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
         deepspeed["gradient_clipping"] = config.max_grad_norm
+    if accelerator.distributed_type == DistributedType.FSDP:
+        fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
         lora.register_checkpoint_hooks(accelerator, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
+    online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
     lr_scheduler = get_scheduler(
         "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
@@ -1019,7 +1250,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     stage_start = stage_ends[stage] - stages[stage][2]
     batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
                                  pin_memory=device.type == "cuda", cache=cache))
-    empty = {key: value.to(device, input_dtype) for key, value in data.empty.items()}
+    empty = {key: value.to(device, input_dtype) for key, value in (online.empty() if online else data.empty).items()}
 
     metrics_path = output / "metrics.jsonl"
     keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
@@ -1039,7 +1270,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
 
         if data.vae_source is None:
             raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
-        captions, texts = validation_conditioning(data, config.validation_count)
+        captions, texts = validation_conditioning(data, config.validation_count, online)
         if main:
             (output / "samples").mkdir(exist_ok=True)
             (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
@@ -1084,9 +1315,12 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             bucket_samples[bucket] += len(batch["key"])
             window_flops += model_flops[bucket] * len(batch["key"])
             moments = batch["moments"].to(device, non_blocking=True)
-            cond = batch_conditioning(batch, data, device, input_dtype)
+            cond = batch_conditioning(batch, data, device, input_dtype, online)
             with accelerator.accumulate(unet):
-                loss = diffusion_loss(model, moments, cond, empty, noise_scheduler, config, data, generator)
+                if noise_scheduler is None:
+                    loss = flow_loss(model, moments, cond, empty, config, data, generator, objective)
+                else:
+                    loss = diffusion_loss(model, moments, cond, empty, noise_scheduler, config, data, generator)
                 accelerator.backward(loss)
                 norm = apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
                 if accelerator.sync_gradients:
@@ -1125,9 +1359,11 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
                 unet.eval()
                 record["val_loss"] = valloss.evaluate(
-                    accelerator, lambda noisy, t, cond: unet(noisy, t, return_dict=False, **data.family.conditioning(
-                        {"states" if k == "text" else k: v for k, v in cond.items()}))[0], valset,
-                    config.batch_size, input_dtype, noise_scheduler)
+                    accelerator, lambda noisy, t, cond: data.family.predict(unet, noisy, t, guidance_input(
+                        objective, stored_conditioning(cond, online, device, input_dtype), len(noisy), device)),
+                    valset, config.batch_size, input_dtype, noise_scheduler,
+                    flow_shift=None if noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
+                    timestep_scale=objective.timestep_scale)
                 record["val_samples"] = len(valset.keys)
                 unet.train()
             if main:
@@ -1188,7 +1424,7 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         if config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
             lora.export(accelerator, unet, ema, master, output)
         else:
-            export(accelerator, unet, ema, master, output)
+            export(accelerator, unet, ema, master, output, data.family.denoiser_subfolder)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 
@@ -1216,7 +1452,8 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     return key
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "lora", "lora_ema", "samples", "seen", "logs")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
+               "samples", "seen", "logs")
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:
@@ -1253,8 +1490,9 @@ def save_grid(images: torch.Tensor, path: Path) -> None:
         save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
 
 
-def export(accelerator, unet, ema, master: MasterWeights | None, output: Path) -> None:
-    """The final UNet (and its EMA) as diffusers folders that UNet2DConditionModel.from_pretrained loads.
+def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, subfolder: str = "unet") -> None:
+    """The final denoiser (and its EMA) as diffusers folders that its class's from_pretrained loads, named
+    as the family's pipeline names it (RUN/unet, RUN/transformer; EMA: RUN/unet_ema, RUN/transformer_ema).
 
     The weights go into a fresh, unwrapped UNet of the same config before saving: under FSDP2 the
     prepared module's parameters are DTensor shards, which diffusers' save_pretrained cannot write
@@ -1282,11 +1520,11 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path) -
         with torch.no_grad():
             for name, weight in fp32.items():
                 params[name].copy_(weight)
-        with atomic_output(output / "unet") as tmp:
+        with atomic_output(output / subfolder) as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:
             ema.copy_to(plain.parameters())
-            with atomic_output(output / "unet_ema") as tmp:
+            with atomic_output(output / f"{subfolder}_ema") as tmp:
                 plain.save_pretrained(tmp, safe_serialization=True)
     accelerator.wait_for_everyone()
 

@@ -64,6 +64,10 @@ def load(config, data) -> ValSet:
     val = open_latents(config.val_latents)
     ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)
     theirs = (val.moments_shape, val.text_shape, val.scaling_factor, val.shift_factor)
+    if val.online != data.online:
+        raise LaionkitError(f"--val-latents {config.val_latents}: its text is {'online' if val.online else 'stored'}, "
+                            f"the training latents' {'online' if data.online else 'stored'}: encode both with the "
+                            "same --text")
     if ours != theirs:
         raise LaionkitError(f"--val-latents {config.val_latents}: latents {theirs[0]}, text {theirs[1]}, scaling "
                             f"{theirs[2]}, shift {theirs[3]} differ from the training latents' {ours}: encode "
@@ -91,10 +95,11 @@ def load(config, data) -> ValSet:
 
 @torch.no_grad()
 def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: torch.dtype,
-             noise_scheduler=None, flow_shift: float | None = None) -> float:
+             noise_scheduler=None, flow_shift: float | None = None, timestep_scale: float = 1000.0) -> float:
     """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, cond)`` is the denoiser's
     prediction, ``cond`` the batch's stored conditioning by member name (floats in ``input_dtype``);
-    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift``."""
+    DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift`` and passes
+    sigma x ``timestep_scale`` as the timestep (SD3: 1000, Flux: 1, as their pipelines do)."""
     from laionkit.families import flow
 
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -120,7 +125,7 @@ def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: to
         else:
             sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
             noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
-            timesteps = flow.timesteps(sigmas.float())
+            timesteps = sigmas.float() * timestep_scale
         prediction = forward(noisy.to(input_dtype), timesteps, cond)
         losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         weights = mask[start:start + batch_size].to(device, torch.float64)

@@ -137,10 +137,27 @@ def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
 
 
 def load_tokenizer(source: str, component: str = "tokenizer"):
-    """The CLIP BPE tokenizer matching the text encoder (window = model_max_length, 77 for SD)."""
-    from transformers import CLIPTokenizer
+    """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD), or
+    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux)."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
 
-    return _from_pretrained(CLIPTokenizer, source, component)
+    cls = T5TokenizerFast if _tokenizer_class(source, component).startswith("T5") else CLIPTokenizer
+    return _from_pretrained(cls, source, component)
+
+
+def _tokenizer_class(source: str, component: str) -> str:
+    """The tokenizer_class a component's tokenizer_config.json names ("" when it names none or is unreadable)."""
+    where = resolve_source(source, component)
+    try:
+        if where.local:
+            path = Path(where.location, where.subfolder or "", "tokenizer_config.json")
+        else:
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(where.location, "tokenizer_config.json", subfolder=where.subfolder))
+        return str(json.loads(path.read_text()).get("tokenizer_class") or "")
+    except Exception:  # noqa: BLE001 - no config reachable: CLIP, as before; from_pretrained says what is wrong
+        return ""
 
 
 def load_unet(source: str, dtype=None):

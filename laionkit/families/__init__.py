@@ -26,7 +26,14 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   (fixed shapes, so it compiles; SD, whose ``--text-layer`` it takes), else encode calls ``encode_text``
   on the captions; ``text_layer`` is the hidden layer ``encode_text`` takes when it is fixed;
 - ``vae_upcast``: the VAE overflows in fp16, so encode runs it in fp32 when its config says
-  ``force_upcast`` (SDXL), as the family's pipeline does.
+  ``force_upcast`` (SDXL), as the family's pipeline does;
+- transformers (SD3, Flux): ``denoise`` replaces the plain call where the denoiser takes its input in
+  another layout (Flux's 2x2-packed tokens with per-shape ``img_ids``), ``fit_config`` fits a
+  from-scratch architecture to the data and ``expects`` reads what a pretrained one takes (the UNet
+  families keep train's own fitting), ``sampler`` is the FlowMatchEulerDiscreteScheduler config that
+  draws validation images, ``pack_latents`` / ``unpack_latents`` the pipeline's latent layout when it
+  differs from [B, C, h, w], and ``embedded_guidance`` says the pipeline's guidance_scale feeds the
+  transformer's guidance embedding (Flux) instead of classifier-free guidance on negative embeddings.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
 whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per
@@ -58,6 +65,16 @@ class Objective:
     shift: float | None = None  # flow: static shift s; None with dynamic_shift means per-resolution
     dynamic_shift: bool = False  # flow: Flux's rule on the image sequence length, per bucket
     weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
+    timestep_scale: float = 1000.0  # flow: the denoiser's timestep input is sigma * this (Flux: 1, SD3: 1000)
+    guidance: float | None = None  # flow: the guidance embedding's input in training (Flux-dev: 3.5)
+
+    def sigma_shift(self, latent_height: int, latent_width: int, patch_size: int = 2) -> float:
+        """The shift s for a latent of this size: the static one, Flux's per-resolution one, or 1."""
+        from laionkit.families import flow
+
+        if self.dynamic_shift:
+            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size))
+        return self.shift or 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,28 @@ class FamilySpec:
     encode_ids: Callable[..., dict[str, Any]] | None = None
     text_layer: str | None = None
     vae_upcast: bool = False
+    denoise: Callable[..., Any] | None = None
+    fit_config: Callable[..., dict[str, Any]] | None = None
+    expects: Callable[[Any], tuple] | None = None
+    sampler: Mapping[str, Any] | None = None
+    pack_latents: Callable[[Any], Any] | None = None
+    unpack_latents: Callable[[Any, int, int], Any] | None = None
+    embedded_guidance: bool = False
+    # encode --text online: tokenize(tokenizers, captions) -> ids [B, T_i] per text encoder (stored as
+    # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
+    tokenize: Callable[..., list] | None = None
+    encode_tokens: Callable[..., dict[str, Any]] | None = None
+
+    def ids_member(self, index: int) -> str:
+        """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""
+        return f"ids_{self.text_encoders[index][0]}.npy"
+
+    def predict(self, model, noisy, timestep, cond: Mapping[str, Any]):
+        """The denoiser's output for ``noisy`` [B, C, h, w] in the same layout: the one call train, the
+        validation loss and the FLOP count make, whatever the family."""
+        if self.denoise is not None:
+            return self.denoise(model, noisy, timestep, self.conditioning(cond))
+        return model(noisy, timestep=timestep, **self.conditioning(cond), return_dict=False)[0]
 
     def member(self, key: str) -> str:
         """The per-sample tar member of a stored key (``states`` keeps SD's ``text.npy``)."""

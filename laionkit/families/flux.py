@@ -25,23 +25,47 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length
 TINY_CLIP = 32
 TINY_T5 = 64
+# The tiny transformer write_tiny saves, also ``--transformer-config tiny`` (fitted to the data by fit_config).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": TINY_T5, "pooled_projection_dim": TINY_CLIP,
+    "guidance_embeds": True, "axes_dims_rope": [4, 6, 6],
+}
+# black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json: validation sampling with the pipeline's mu.
+SAMPLER_CONFIG: dict[str, Any] = {
+    "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+}
+# The guidance embedding's input while training a guidance-distilled transformer (diffusers'
+# train_dreambooth_flux.py --guidance_scale default); used only when the config has guidance_embeds.
+TRAIN_GUIDANCE = 3.5
+
+
+def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = T5_MAX_LENGTH) -> list:
+    """Token ids [B, T_i] for CLIP and T5, as FluxPipeline.encode_prompt pads them."""
+    captions = list(captions)
+    clip_tok, t5_tok = tokenizers
+    return [clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids,
+            t5_tok(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
+                   return_tensors="pt").input_ids]
+
+
+def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
+    """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip] from ``tokenize``'s ids."""
+    import torch
+
+    clip, t5 = text_encoders
+    with torch.no_grad():
+        pooled = clip(ids[0].to(clip.device), output_hidden_states=False).pooler_output
+        states = t5(ids[1].to(t5.device), output_hidden_states=False)[0]
+    return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
 
 
 def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
                 max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
     """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip], exactly as FluxPipeline.encode_prompt."""
-    import torch
-
-    captions = list(captions)
-    (clip_tok, t5_tok), (clip, t5) = tokenizers, text_encoders
-    with torch.no_grad():
-        ids = clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
-                       return_tensors="pt").input_ids
-        pooled = clip(ids.to(clip.device), output_hidden_states=False).pooler_output
-        ids = t5_tok(captions, padding="max_length", max_length=max_sequence_length, truncation=True,
-                     return_tensors="pt").input_ids
-        states = t5(ids.to(t5.device), output_hidden_states=False)[0]
-    return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
 
 
 def pack(latents):
@@ -80,8 +104,31 @@ def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "encoder_hidden_states": states, "pooled_projections": batch["pooled"],
         "txt_ids": torch.zeros(states.shape[1], 3, dtype=states.dtype, device=states.device),
-        "img_ids": batch["img_ids"], "guidance": batch.get("guidance"),
+        "img_ids": batch.get("img_ids"), "guidance": batch.get("guidance"),
     }
+
+
+def denoise(model, noisy, timestep, kwargs: Mapping[str, Any]):
+    """The transformer on [B, C, h, w] latents: packed 2x2 in, ``img_ids`` of this shape (bucket), the
+    velocity unpacked back to [B, C, h, w]. ``timestep`` is sigma, as FluxPipeline passes t / 1000."""
+    _, _, height, width = noisy.shape
+    kwargs = {**kwargs, "img_ids": image_ids(height, width).to(noisy.device, noisy.dtype)}
+    out = model(pack(noisy), timestep=timestep, **kwargs, return_dict=False)[0]
+    return unpack(out, height, width)
+
+
+def fit_config(arch: dict[str, Any], latent_channels: int, latent_size: int, text_dim: int,
+               pooled_dim: int | None) -> dict[str, Any]:
+    """A from-scratch Flux architecture fitted to the latents: 2x2-packed channels, text and pooled widths
+    (positions are rotary: no size to fit)."""
+    arch.update(in_channels=4 * latent_channels, out_channels=None, joint_attention_dim=text_dim,
+                pooled_projection_dim=pooled_dim)
+    return arch
+
+
+def expects(config) -> tuple:
+    """(latent channels, text width, pooled width) a built FluxTransformer2DModel takes."""
+    return config.in_channels // 4, config.joint_attention_dim, config.pooled_projection_dim
 
 
 def write_tiny(output: str | Path, seed: int = 0) -> Path:
@@ -107,15 +154,8 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
         projection_dim=TINY_CLIP, bos_token_id=49406, eos_token_id=49407, pad_token_id=1,
     ))
     text_encoder_2, tokenizer_2 = tiny_t5(output / "tokenizer_2", TINY_T5)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=TINY_T5, pooled_projection_dim=TINY_CLIP,
-        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    transformer = FluxTransformer2DModel.from_config(TINY_TRANSFORMER_CONFIG)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(SAMPLER_CONFIG)
     pipeline = FluxPipeline(
         scheduler=scheduler, vae=tiny_vae(scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=text_encoder, tokenizer=clip_tokenizer(output / "tokenizer"),
@@ -133,11 +173,21 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")),
     stored=("states", "pooled"),
     encode_text=encode_text,
+    tokenize=tokenize,
+    encode_tokens=encode_tokens,
     conditioning=conditioning,
-    objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True),
+    objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
+                        timestep_scale=1.0, guidance=TRAIN_GUIDANCE),
     block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
     write_tiny=write_tiny,
     presets=PRESETS,
-    configs={"flux-dev": TRANSFORMER_CONFIG},
+    configs={"flux-dev": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
     vae_shift=True,
+    denoise=denoise,
+    fit_config=fit_config,
+    expects=expects,
+    sampler=SAMPLER_CONFIG,
+    pack_latents=pack,
+    unpack_latents=unpack,
+    embedded_guidance=True,
 ))

@@ -25,6 +25,14 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
 TINY_CLIP = (32, 64)
 TINY_T5 = 128  # >= sum(TINY_CLIP): CLIP states are zero-padded to T5's width
+# The tiny transformer write_tiny saves, also ``--transformer-config tiny`` (fitted to the data by fit_config).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 8,
+    "num_attention_heads": 4, "joint_attention_dim": TINY_T5, "caption_projection_dim": 32,
+    "pooled_projection_dim": sum(TINY_CLIP), "out_channels": 16, "pos_embed_max_size": 16,
+}
+# stabilityai/stable-diffusion-3-medium-diffusers scheduler/scheduler_config.json: validation sampling.
+SAMPLER_CONFIG: dict[str, Any] = {"num_train_timesteps": 1000, "shift": 3.0}
 
 
 def _t5_ids(tokenizer, captions, max_length):
@@ -32,31 +40,58 @@ def _t5_ids(tokenizer, captions, max_length):
                      add_special_tokens=True, return_tensors="pt").input_ids
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
-                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
-    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g], as StableDiffusion3Pipeline.encode_prompt."""
+def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = T5_MAX_LENGTH) -> list:
+    """Token ids [B, T_i] for each text encoder, as StableDiffusion3Pipeline.encode_prompt pads them."""
+    captions = list(captions)
+    clip_l_tok, clip_g_tok, t5_tok = tokenizers
+    return [*(tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids for tokenizer in (clip_l_tok, clip_g_tok)),
+            _t5_ids(t5_tok, captions, max_sequence_length)]
+
+
+def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
+    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g] from ``tokenize``'s ids."""
     import torch
     import torch.nn.functional as F
 
-    captions = list(captions)
-    (clip_l_tok, clip_g_tok, t5_tok), (clip_l, clip_g, t5) = tokenizers, text_encoders
+    clip_l, clip_g, t5 = text_encoders
     clip_states, pooled = [], []
     with torch.no_grad():
-        for tokenizer, encoder in ((clip_l_tok, clip_l), (clip_g_tok, clip_g)):
-            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
-                            truncation=True, return_tensors="pt").input_ids
-            output = encoder(ids.to(encoder.device), output_hidden_states=True)
+        for encoder, input_ids in zip((clip_l, clip_g), ids[:2], strict=True):
+            output = encoder(input_ids.to(encoder.device), output_hidden_states=True)
             clip_states.append(output.hidden_states[-2])
             pooled.append(output.text_embeds)
-        t5_states = t5(_t5_ids(t5_tok, captions, max_sequence_length).to(t5.device))[0]
+        t5_states = t5(ids[2].to(t5.device))[0]
     clip = torch.cat(clip_states, dim=-1)
     clip = F.pad(clip, (0, t5_states.shape[-1] - clip.shape[-1]))
     return {"states": torch.cat([clip, t5_states.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
 
 
+def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
+                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
+    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g], as StableDiffusion3Pipeline.encode_prompt."""
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
+
+
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
     """SD3Transformer2DModel keyword arguments besides hidden_states and timestep (sigma * 1000)."""
     return {"encoder_hidden_states": batch["states"], "pooled_projections": batch["pooled"]}
+
+
+def fit_config(arch: dict[str, Any], latent_channels: int, latent_size: int, text_dim: int,
+               pooled_dim: int | None) -> dict[str, Any]:
+    """A from-scratch SD3 architecture fitted to the latents: channels, text and pooled widths, and a
+    position-embedding table that covers the largest latent side (in 2x2 patches)."""
+    patches = -(-latent_size // arch.get("patch_size", 2))
+    arch.update(in_channels=latent_channels, out_channels=latent_channels, sample_size=latent_size,
+                joint_attention_dim=text_dim, pooled_projection_dim=pooled_dim,
+                pos_embed_max_size=max(arch.get("pos_embed_max_size") or 0, patches))
+    return arch
+
+
+def expects(config) -> tuple:
+    """(latent channels, text width, pooled width) a built SD3Transformer2DModel takes."""
+    return config.in_channels, config.joint_attention_dim, config.pooled_projection_dim
 
 
 def tiny_clip_pair(output: Path):
@@ -118,13 +153,9 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     (text_encoder, text_encoder_2), (tokenizer, tokenizer_2) = tiny_clip_pair(output)
     text_encoder_3, tokenizer_3 = tiny_t5(output / "tokenizer_3", TINY_T5)
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
-        joint_attention_dim=TINY_T5, caption_projection_dim=32, pooled_projection_dim=sum(TINY_CLIP),
-        out_channels=16, pos_embed_max_size=16,
-    )
+    transformer = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG)
     pipeline = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler.from_config(SAMPLER_CONFIG),
         vae=tiny_vae(scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
         text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
@@ -142,11 +173,16 @@ SPEC = register_family(FamilySpec(
                    ("tokenizer_3", "text_encoder_3")),
     stored=("states", "pooled"),
     encode_text=encode_text,
+    tokenize=tokenize,
+    encode_tokens=encode_tokens,
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", shift=3.0),
     block_classes=("JointTransformerBlock",),
     write_tiny=write_tiny,
     presets=PRESETS,
-    configs={"sd3-medium": TRANSFORMER_CONFIG},
+    configs={"sd3-medium": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
     vae_shift=True,
+    fit_config=fit_config,
+    expects=expects,
+    sampler=SAMPLER_CONFIG,
 ))
