@@ -16,6 +16,7 @@ import tarfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -252,3 +253,54 @@ def test_train_streams_latents_from_the_bucket_through_a_bounded_cache_with_the_
     assert losses(remote) == losses(local) and len(losses(local)) == 6
     assert 0 < sum(p.stat().st_size for p in cache.iterdir() if not p.name.startswith(".")) <= biggest + 1
 
+
+
+def test_filter_dedup_with_two_ranks_meets_in_the_bucket_and_resumes_after_kill_9(s3, realdata, tmp_path):
+    """--dedup on a URL: the ranks' phase outputs are objects with done records in the bucket's scratch
+    folder; a rank killed before one of its key folders is recorded reruns to the one-rank result."""
+    from test_dedup import ARGS, expected, write_inputs
+
+    folder = write_inputs(realdata, tmp_path / "in")  # 14 units of ~100 rows, 14 buckets
+    for path in sorted(folder.glob("*.parquet")):
+        upload(s3, path, "laion", path.name)
+    output = s3.url("unique")
+    argv = [s3.url("laion"), "--output", output, *ARGS, "--world-size", "2"]
+    other = subprocess.Popen([sys.executable, "-m", "laionkit.cli", "filter", *argv, "--rank", "1",
+                              "--dedup-wait", "120"], env=s3.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    run = f"""
+        import sys
+        from laionkit.cli import main
+        sys.argv = ["laionkit", "filter", *{argv!r}, "--rank", "0"]
+        main()
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == 'keys-000004'")  # one of rank 0's units (0, 2, 4, ...)
+    assert result.returncode == -9, result.stderr
+    [scratch] = Location.parse(output).glob(".dedup-*")
+    assert (scratch / "keys-000004").exists() and not (scratch / "keys-000004").is_complete()
+    assert (scratch / "keys-000000").is_complete()
+
+    run_cli("filter", *argv, "--rank", "0", env=s3.env)
+    _, err = other.communicate(timeout=300)
+    assert other.returncode == 0, err
+    assert read_parts(output).to_pylist() == expected(folder).to_pylist()
+    assert not Location.parse(output).glob(".dedup-*")  # scratch removed once every part is recorded
+    kept = sum((Location.parse(output) / f"_stats-0000{r}.json").read_json()["rows_out"] for r in (0, 1))
+    assert kept == expected(folder).num_rows
+
+
+def test_filter_scores_embeddings_read_by_row_range_from_the_bucket_like_local_disk(s3, realdata, tmp_path):
+    rng = np.random.default_rng(5)
+    npy = tmp_path / "img_emb_0000.npy"
+    np.save(npy, rng.standard_normal((1000, 768)).astype(np.float16))
+    weights = realdata / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"
+    args = ("--score", f"aes=aesthetic-v2:{weights}", "--where", "aes >= 5.3", "--unit-rows", "300", "-q")
+    reference = tmp_path / "reference"
+    run_cli("filter", SAMPLE, "--embeddings", npy, "--output", reference, *args)
+    upload(s3, SAMPLE, "meta", "laion_0000.parquet")
+    upload(s3, npy, "emb", npy.name)
+    output = s3.url("scored")
+    run_cli("filter", s3.url("meta"), "--embeddings", s3.url("emb"), "--output", output, *args, env=s3.env)
+
+    assert read_parts(output).equals(read_parts(reference))
+    assert 0 < read_parts(output).num_rows < 1000 and "aes" in read_parts(output).column_names
