@@ -46,7 +46,7 @@ def with_hook(s3, tmp_path: Path, hook: str) -> dict[str, str]:
     folder = tmp_path / f"hook-{len(list(tmp_path.glob('hook-*')))}"
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(textwrap.dedent(hook))
-    return {**s3.env, "OMP_NUM_THREADS": "1",
+    return {**s3.env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging"),
             "PYTHONPATH": os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -121,7 +121,8 @@ def photos():
 def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, photos, tiny_models, tmp_path):
     # The demo's metadata (real photos, synthetic scores, a dead URL), in row groups of 2 so that filter
     # has 7 units (3-4 per rank); it goes into the bucket as other tools would put it there.
-    env = {**s3.env, "OMP_NUM_THREADS": "1"}  # 2 ranks on few cores: no thread oversubscription
+    # 2 ranks on few cores: no thread oversubscription; what killed runs stage stays in tmp_path
+    env = {**s3.env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging")}
     metadata = tmp_path / "metadata.parquet"
     write_metadata(metadata, photos.base_url)
     table = pq.read_table(metadata)
