@@ -300,7 +300,7 @@ def filter_command(
     dedup_bucket_rows: Annotated[int, typer.Option(
         help="--dedup: input rows per hash bucket; one bucket is what a rank holds in memory to resolve it.")] = 4_000_000,
     embeddings: Annotated[Optional[list[str]], typer.Option(
-        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder.")] = None,
+        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder, a path or URL.")] = None,
     score: Annotated[Optional[list[str]], typer.Option(
         "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
     clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",

@@ -3,7 +3,8 @@
 Comparing each unit against the growing set of values already kept costs O(rows²) and holds every kept
 value in memory. Instead the column is hash-partitioned into buckets spilled to disk, each bucket is
 resolved on its own, and the result is applied when the parts are written. Three phases, each one's
-outputs complete-when-renamed (``atomic_output``) in a scratch folder ``<output>/.dedup-<id>/``:
+outputs complete-when-renamed (``storage.atomic_write``; in an object store: once the done record is
+written) in a scratch folder ``<output>/.dedup-<id>/``:
 
 1. partition: each rank, for each of its units, writes ``keys-<unit>/bucket=<b>/*.parquet``: (value,
    global position) of the rows passing every rule with a non-null value. The global position is the
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shutil
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import duckdb
 
-from laionkit.common import LaionkitError, Rank, atomic_output, split
+from laionkit.common import LaionkitError, Rank, split, storage
+from laionkit.common.storage import Location
 from laionkit.filter import literal, quote
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 POLL_SECONDS = 0.2
+REMOTE_POLL_SECONDS = 1.0  # one LIST request of the scratch folder per poll
 # Drop files are sorted by position in row groups this small, so a unit's lookup reads, of each bucket's
 # file, the footer and the row groups its position range overlaps (min/max pruning), not the whole list.
 DROP_ROW_GROUP = 16_384
@@ -58,34 +61,68 @@ def parquet_list(paths: Sequence[Path]) -> str:
 
 
 class Dedup:
-    """The scratch folder of one plan's dedup and the three phases' files in it."""
+    """The scratch folder of one plan's dedup and the three phases' files in it.
 
-    def __init__(self, plan: Plan, output: Path, column: str, bucket_rows: int):
+    The folder is a local path or a URL (``--output s3://...``): every phase output is written through
+    ``storage.atomic_write`` (rename locally, done record last in an object store) and counts once it
+    is complete. DuckDB reads and writes only local files: on a URL, phase 1 writes into a local
+    temporary that is uploaded, phase 2 downloads one bucket's key files, and phase 3 reads local
+    copies of the (small) drop files, all under ``staging``.
+    """
+
+    def __init__(self, plan: Plan, output: Location | Path, column: str, bucket_rows: int,
+                 staging: str | None = None):
         self.plan = plan
         self.column = column
         self.buckets = max(1, math.ceil(sum(f.rows for f in plan.files) / bucket_rows))
         tag = f"{plan.plan_id}/{column}/{self.buckets}/{duckdb.__version__}"
-        self.folder = output / f".dedup-{hashlib.sha256(tag.encode()).hexdigest()[:16]}"
+        self.folder = Location.parse(output) / f".dedup-{hashlib.sha256(tag.encode()).hexdigest()[:16]}"
+        self.staging = staging
+        if not self.folder.local:
+            if staging is None:
+                raise AssertionError("a dedup in an object store needs a local staging folder")
+            self.local_drops = Path(staging, "dedup-drops")
         self.bases = [0]  # global position of each file's first row
         for file in plan.files:
             self.bases.append(self.bases[-1] + file.rows)
 
-    def keys(self, unit: Unit) -> Path:
+    def keys(self, unit: Unit) -> Location:
         return self.folder / f"keys-{unit.index:06d}"
 
-    def drop(self, bucket: int) -> Path:
+    def drop(self, bucket: int) -> Location:
         return self.folder / f"drop-{bucket:05d}.parquet"
+
+    def local_drop(self, bucket: int) -> Path:
+        """Where DuckDB reads bucket's drop file: itself on local disk, a downloaded copy otherwise."""
+        return Path(self.drop(bucket).path) if self.folder.local else self.local_drops / f"drop-{bucket:05d}.parquet"
 
     def bad(self, unit: Unit) -> str | None:
         """--skip-bad: why phase 1 could not read the unit (then it is recorded bad, not written)."""
         marker = self.keys(unit) / "bad.txt"
-        return marker.read_text() if marker.exists() else None
+        return marker.read_bytes().decode() if marker.exists() else None
 
     def dropped(self, unit: Unit) -> str:
         """SQL: the file rows of ``unit`` that are not a first occurrence."""
         base = self.bases[unit.file] + unit.offset
-        drops = parquet_list([self.drop(b) for b in range(self.buckets)])
+        drops = parquet_list([self.local_drop(b) for b in range(self.buckets)])
         return f"SELECT pos - {self.bases[unit.file]} FROM {drops} WHERE pos BETWEEN {base} AND {base + unit.rows - 1}"
+
+    def complete(self) -> set[str]:
+        """Names of the phase outputs complete in the folder now (one listing, also for object stores)."""
+        if self.folder.local:
+            try:
+                return {name for name in os.listdir(self.folder.path) if not name.startswith(".")}
+            except FileNotFoundError:
+                return set()
+        # Done records, not data objects: a unit with no key leaves an empty folder, which an object
+        # store does not list at all (its record is all there is of it).
+        with storage._errors("cannot list", self.folder):
+            try:
+                names = [str(n).rstrip("/").rsplit("/", 1)[-1]
+                         for n in self.folder.fs.ls(self.folder.path, detail=False, refresh=True)]
+            except FileNotFoundError:
+                return set()
+        return {n[1:-len(storage.DONE_SUFFIX)] for n in names if n.startswith(".") and n.endswith(storage.DONE_SUFFIX)}
 
     # ------------------------------------------------------------------------------------ the phases
 
@@ -96,24 +133,31 @@ class Dedup:
         buckets = list(range(self.buckets))
         if overwrite:  # each rank clears what it owns, like its parts
             for unit in split(units, rank):
-                shutil.rmtree(self.keys(unit), ignore_errors=True)
+                self.keys(unit).remove()
             for bucket in split(buckets, rank):
-                self.drop(bucket).unlink(missing_ok=True)
-        todo = [unit for unit in split(units, rank) if not self.keys(unit).exists()]
+                self.drop(bucket).remove()
+        complete = self.complete()
+        todo = [unit for unit in split(units, rank) if self.keys(unit).name not in complete]
         database = workers[0].connection
         database.execute("SET threads = 1").fetchall()  # phase 1: units in parallel, one thread each
         in_parallel(todo, workers, lambda worker, unit: self.partition(worker, unit, skip_bad))
-        wait_for([self.keys(u) for u in units], "units' partitions (phase 1)", wait, rank,
+        wait_for(self, [self.keys(u) for u in units], "units' partitions (phase 1)", wait, rank,
                  [i % rank.world_size for i in range(len(units))])
-        todo = [bucket for bucket in split(buckets, rank) if not self.drop(bucket).exists()]
+        complete = self.complete()
+        todo = [bucket for bucket in split(buckets, rank) if self.drop(bucket).name not in complete]
         database.execute(f"SET threads = {len(workers)}").fetchall()
         in_parallel(todo, workers[:1], self.resolve)  # one bucket at a time, on all threads
-        wait_for([self.drop(b) for b in buckets], "buckets' duplicate lists (phase 2)", wait, rank,
+        wait_for(self, [self.drop(b) for b in buckets], "buckets' duplicate lists (phase 2)", wait, rank,
                  [b % rank.world_size for b in buckets])
+        if not self.folder.local:  # phase 3 looks up every bucket's drops per unit: local copies
+            self.local_drops.mkdir(parents=True, exist_ok=True)
+            for bucket in buckets:
+                location = self.drop(bucket)
+                location.fs.get_file(location.path, str(self.local_drop(bucket)))
 
     def partition(self, worker: UnitFilter, unit: Unit, skip_bad: bool) -> None:
         file = self.plan.files[unit.file]
-        with atomic_output(self.keys(unit)) as tmp:
+        with storage.atomic_write(self.keys(unit), folder=True, staging=self.staging) as tmp:
             try:
                 try:
                     self.write_keys(worker, unit, tmp, via_arrow=False)
@@ -146,9 +190,17 @@ class Dedup:
 
     def resolve(self, worker: UnitFilter, bucket: int) -> None:
         """Positions in ``bucket`` whose value occurs at a smaller position, sorted."""
-        keys = sorted(self.folder.glob(f"keys-*/bucket={bucket}/*.parquet"))
-        rows = parquet_list(keys) if keys else "(SELECT NULL::VARCHAR AS value, NULL::BIGINT AS pos WHERE false)"
-        with atomic_output(self.drop(bucket)) as tmp:
+        if not self.folder.local:
+            self.folder.fs.invalidate_cache(self.folder.path)  # listings cached before other ranks wrote
+        found = self.folder.glob(f"keys-*/bucket={bucket}/*.parquet")
+        with storage.atomic_write(self.drop(bucket), staging=self.staging) as tmp:
+            keys = [Path(key.path) for key in found]
+            if not self.folder.local:  # DuckDB reads local files only: this bucket's keys, downloaded
+                keys = [tmp.parent / f"keys-{i:06d}.parquet" for i in range(len(found))]
+                for key, local in zip(found, keys):
+                    key.fs.get_file(key.path, str(local))
+            rows = parquet_list(keys) if keys else \
+                "(SELECT NULL::VARCHAR AS value, NULL::BIGINT AS pos WHERE false)"
             worker.connection.execute(
                 f"COPY (WITH b AS (SELECT value, pos::BIGINT AS pos FROM {rows}) "
                 "SELECT b.pos FROM b JOIN (SELECT value, min(pos) AS first FROM b GROUP BY value "
@@ -159,7 +211,10 @@ class Dedup:
     def finish(self, done: set[int]) -> None:
         """Once every unit's part exists nothing needs the scratch folder (any rank may remove it)."""
         if all(unit.index in done for unit in self.plan.units):
-            shutil.rmtree(self.folder, ignore_errors=True)
+            try:
+                self.folder.remove()
+            except (OSError, LaionkitError):
+                pass  # another rank removed it meanwhile
 
 
 def in_parallel(items: Sequence[T], workers: Sequence[UnitFilter], work: Callable[[UnitFilter, T], None]) -> None:
@@ -186,10 +241,12 @@ def in_parallel(items: Sequence[T], workers: Sequence[UnitFilter], work: Callabl
             raise
 
 
-def wait_for(paths: Sequence[Path], what: str, timeout: float, rank: Rank, owners: Sequence[int]) -> None:
-    """Wait until every path exists (other ranks write them), or fail naming the ranks still missing."""
+def wait_for(dedup: Dedup, paths: Sequence[Location], what: str, timeout: float, rank: Rank,
+             owners: Sequence[int]) -> None:
+    """Wait until every output is complete (other ranks write them), or fail naming the ranks still missing."""
     deadline = time.monotonic() + timeout
-    missing = [i for i, path in enumerate(paths) if not path.exists()]
+    complete = dedup.complete()
+    missing = [i for i, path in enumerate(paths) if path.name not in complete]
     while missing:
         if time.monotonic() > deadline:
             ranks = sorted({owners[i] for i in missing})
@@ -198,5 +255,6 @@ def wait_for(paths: Sequence[Path], what: str, timeout: float, rank: Rank, owner
                 f"{', '.join(map(str, ranks))} of {rank.world_size} write; start every rank with the same "
                 "arguments (finished work is kept), or raise --dedup-wait"
             )
-        time.sleep(POLL_SECONDS)
-        missing = [i for i in missing if not paths[i].exists()]
+        time.sleep(POLL_SECONDS if dedup.folder.local else REMOTE_POLL_SECONDS)
+        complete = dedup.complete()
+        missing = [i for i in missing if paths[i].name not in complete]

@@ -122,6 +122,7 @@ class InputFile:
     schema: pa.Schema = field(compare=False, repr=False)
     embeddings: str | None = None
     location: Location | None = field(default=None, compare=False, repr=False)  # where to open ``path``
+    embeddings_layout: storage.NpyLayout | None = field(default=None, compare=False, repr=False)
 
     def open(self) -> pq.ParquetFile:
         return pq.ParquetFile(self.location.open_read() if self.location else self.path)
@@ -336,14 +337,15 @@ def read_footer(location: Location) -> tuple[pq.ParquetFile, dict]:
     return footer, {**identity, "footer_sha256": digest}
 
 
-def embeddings_by_number(paths: Sequence[str]) -> list[Path]:
-    found: list[Path] = []
+def embeddings_by_number(paths: Sequence[str], options: dict | None = None) -> list[Location]:
+    """The ``.npy`` files given, or in the folders given (a local path or any fsspec URL)."""
+    found: list[Location] = []
     for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            found += sorted(path.glob("*.npy"))
-        elif path.is_file():
-            found.append(path)
+        location = Location.parse(given, options)
+        if location.is_dir():
+            found += location.list("*.npy", complete_only=None)
+        elif location.exists():
+            found.append(location)
         else:
             raise LaionkitError(f"--embeddings not found: {given}")
     if not found:
@@ -351,16 +353,16 @@ def embeddings_by_number(paths: Sequence[str]) -> list[Path]:
     return found
 
 
-def trailing_number(path: Path) -> str | None:
-    match = re.search(r"(\d+)$", path.stem)
+def trailing_number(path: Path | Location) -> str | None:
+    match = re.search(r"(\d+)$", Path(path.name).stem)
     return str(int(match.group(1))) if match else None
 
 
-def match_embeddings(inputs: Sequence[Path], npys: Sequence[Path]) -> dict[Path, Path]:
+def match_embeddings(inputs: Sequence[Location], npys: Sequence[Location]) -> dict[Location, Location]:
     """LAION's layout: img_emb_0003.npy <-> metadata_0003.parquet by number; one file <-> one file."""
     if len(inputs) == 1 and len(npys) == 1:
         return {inputs[0]: npys[0]}
-    by_number: dict[str, Path] = {}
+    by_number: dict[str, Location] = {}
     for npy in npys:
         number = trailing_number(npy)
         if number is None or number in by_number:
@@ -375,17 +377,17 @@ def match_embeddings(inputs: Sequence[Path], npys: Sequence[Path]) -> dict[Path,
     return pairs
 
 
-def check_embeddings(npy: Path, parquet: Path, rows: int) -> None:
-    try:
-        array = np.load(npy, mmap_mode="r")
-    except (ValueError, OSError) as error:
-        raise LaionkitError(f"{npy}: not a readable .npy file ({error})") from None
-    if array.ndim != 2 or array.dtype not in (np.float16, np.float32):
-        raise LaionkitError(f"{npy}: expected a float16/float32 N x D array, got {array.dtype} {array.shape}")
-    if array.shape[0] != rows:
+def check_embeddings(npy: Location, parquet: Location, rows: int) -> storage.NpyLayout:
+    """The array's header, checked against its parquet file (local: memory-mapped later; URL: row
+    ranges read per unit, so no file is downloaded whole)."""
+    layout = storage.npy_layout(npy)
+    if len(layout.shape) != 2 or layout.dtype not in (np.float16, np.float32):
+        raise LaionkitError(f"{npy}: expected a float16/float32 N x D array, got {layout.dtype} {layout.shape}")
+    if layout.shape[0] != rows:
         raise LaionkitError(
-            f"{npy} has {array.shape[0]} rows but {parquet} has {rows}: they must align row by row"
+            f"{npy} has {layout.shape[0]} rows but {parquet} has {rows}: they must align row by row"
         )
+    return layout
 
 
 @dataclass
@@ -435,11 +437,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
     if config.threads is not None and config.threads < 1:
         raise LaionkitError(f"--threads must be >= 1, got {config.threads}")
     locations = find_inputs(config.inputs, storage.parse_storage_options(config.storage_options))
-    if config.embeddings and not all(location.local for location in locations):
-        raise LaionkitError("--embeddings is read memory-mapped: use it with local parquet inputs "
-                            f"(not {next(str(loc) for loc in locations if not loc.local)})")
-    paths = [Path(location.path) for location in locations]
-    npys = match_embeddings(paths, embeddings_by_number(config.embeddings)) if config.embeddings else {}
+    npys = match_embeddings(locations, embeddings_by_number(
+        config.embeddings, storage.parse_storage_options(config.storage_options))) if config.embeddings else {}
     files, bad, versions_of = [], [], {}
     for location in locations:
         try:
@@ -451,11 +450,10 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
             continue
         meta = footer.metadata
         rows = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-        npy = npys.get(Path(location.path)) if location.local else None
-        if npy is not None:
-            check_embeddings(npy, Path(location.path), meta.num_rows)
+        npy = npys.get(location)
+        layout = check_embeddings(npy, location, meta.num_rows) if npy is not None else None
         files.append(InputFile(str(location), meta.num_rows, rows, footer.schema_arrow, npy and str(npy),
-                               None if location.local else location))
+                               None if location.local else location, layout))
         versions_of[str(location)] = version
     if not files:
         raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
@@ -658,7 +656,7 @@ class UnitFilter:
         return f"SELECT {', '.join(columns)} FROM ({source})", output
 
     def unit_scores(self, unit: Unit, file: InputFile) -> pa.Table:
-        embeddings = np.load(file.embeddings, mmap_mode="r")[unit.offset : unit.offset + unit.rows]
+        embeddings = file.embeddings_layout.rows(unit.offset, unit.offset + unit.rows)
         return pa.table({s.spec.name: score_embeddings(s, embeddings, file.embeddings) for s in self.scorers})
 
     def tested_rules(self, file: InputFile) -> tuple[list[str], str]:
@@ -858,10 +856,7 @@ def run(config: FilterConfig) -> dict:
     storage.refuse_overlap([Location.parse(given, options) for given in config.inputs], output, "filter")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
-    if config.dedup is not None and not output.local:
-        raise LaionkitError(f"--dedup: ranks meet through files in --output, which must be a shared local "
-                            f"folder, not {output}; filter without --dedup to object storage")
-    with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=os.environ.get("LAIONKIT_STAGING")) \
+    with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=storage._staging(None)) \
             if not output.local else nullcontext() as staging:
         return run_in(config, rank, output, staging, started)
 
@@ -892,7 +887,7 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
     if config.dedup is not None:
         from laionkit.dedup import Dedup
 
-        dedup = Dedup(plan, Path(output.path), config.dedup, config.dedup_bucket_rows)
+        dedup = Dedup(plan, output, config.dedup, config.dedup_bucket_rows, staging)
     if dedup is not None and len(done) < len(plan.units):  # phases 1-2, until every part exists
         workers = [UnitFilter(plan, scorers, config.skip_bad, None, database.cursor()) for _ in range(threads)]
         dedup.prepare(workers, rank, config.dedup_wait, config.overwrite, config.skip_bad)

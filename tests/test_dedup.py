@@ -23,10 +23,13 @@ ARGS = ("--dedup", "URL", "--where", "WIDTH >= 200", "--unit-rows", "100", "--de
 
 @pytest.fixture
 def inputs(realdata: Path, tmp_path: Path) -> Path:
+    return write_inputs(realdata, tmp_path / "in")
+
+
+def write_inputs(realdata: Path, folder: Path) -> Path:
     """Real LAION URLs repeated within and across three files, with null URLs and a rule on WIDTH."""
     urls = pq.read_table(realdata / "laion-sample" / "test_1000.parquet").column("URL")
     rng = np.random.default_rng(0)
-    folder = tmp_path / "in"
     folder.mkdir()
     picks = {"a": rng.integers(0, 400, 450), "b": rng.integers(300, 700, 450), "c": rng.integers(0, 1000, 450)}
     for name, rows in picks.items():

@@ -2,7 +2,8 @@
 
 Each stage's output in the bucket must equal the same stage's output on local disk, a kill -9 at the
 worst moment (data object uploaded, done record not yet) must leave nothing a reader counts, and a
-rerun must finish to the same output with no duplicates.
+rerun must finish to the same output with no duplicates. The kill -9 of pack and encode (and train) is
+in tests/test_s3_chain.py, where the whole demo chain runs in the bucket with two ranks per stage.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tarfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -160,34 +162,6 @@ def test_pack_reads_parquet_from_the_bucket_and_writes_shards_there_like_local_d
     assert "3 / 3 planned" in summary
 
 
-def test_pack_killed_before_a_shard_record_resumes_on_the_bucket_without_redoing_finished_shards(
-        s3, images, realdata, tmp_path):
-    names = sorted(p.name for p in (realdata / "images").iterdir())
-    local = tmp_path / "urls.parquet"
-    pq.write_table(pa.table({"URL": [images.url(n) for n in names], "TEXT": [f"photo {n}" for n in names]}), local)
-    reference = tmp_path / "shards"
-    run_cli("pack", local, "--output", reference, *PACK)
-    output = s3.url("shards")
-    argv = ["pack", str(local), "--output", output, *PACK]
-    run = f"""
-        import sys
-        from laionkit.cli import main
-        sys.argv = ["laionkit", *{argv!r}]
-        main()
-    """
-    result = killed_run(s3, tmp_path, run, "location.name == '00001_stats.json'")
-    assert result.returncode == -9, result.stderr
-    folder = Location.parse(output)
-    assert [p.name for p in folder.list("*_stats.json")] == ["00000_stats.json"]
-    assert (folder / "00001_stats.json").exists() and not (folder / "00001_stats.json").is_complete()
-    first = (folder / "00000_stats.json").done_record.read_bytes()
-
-    run_cli(*argv, env=s3.env)
-    assert (folder / "00000_stats.json").done_record.read_bytes() == first  # shard 0 was not redone
-    assert tar_members(output) == tar_members(reference)
-    assert (folder / "manifest.json").read_json()["complete"]
-
-
 ENCODE = ("--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet")
 
 
@@ -207,29 +181,6 @@ def test_encode_streams_shards_from_the_bucket_and_writes_latents_there_with_two
     assert (folder / "empty_caption.npy").read_bytes() == (latent_shards / "empty_caption.npy").read_bytes()
     summary = run_cli("stats", output, env=s3.env).stdout
     assert "8 of 8" in summary
-
-
-def test_encode_killed_before_a_latent_shard_is_recorded_resumes_without_redoing_finished_ones(
-        s3, image_shards, tiny_models, latent_shards, tmp_path):
-    for tar in sorted(image_shards.glob("*.tar")):
-        upload(s3, tar, "shards", tar.name)
-    output = s3.url("latents")
-    run = f"""
-        from laionkit.encode import EncodeConfig, run
-        run(EncodeConfig(shards=({s3.url("shards")!r},), output={output!r}, model={str(tiny_models)!r},
-                         resolution=64, batch_size=4, workers=0, quiet=True))
-    """
-    result = killed_run(s3, tmp_path, run, "location.name == '00001.tar'")
-    assert result.returncode == -9, result.stderr
-    folder = Location.parse(output)
-    assert (folder / "00001.tar").exists() and not (folder / "00001.tar").is_complete()
-    assert [p.name for p in folder.list("*.tar")] == ["00000.tar"]
-    first = (folder / "00000.stats.json").done_record.read_bytes()
-
-    run_cli("encode", s3.url("shards"), "--model", tiny_models, "--output", output, *ENCODE, env=s3.env)
-    assert (folder / "00000.stats.json").done_record.read_bytes() == first  # not redone
-    assert tar_members(output) == tar_members(latent_shards)
-    assert (folder / "manifest.json").read_json()["complete"]
 
 
 def test_train_streams_latents_from_the_bucket_through_a_bounded_cache_with_the_same_losses(
@@ -252,3 +203,54 @@ def test_train_streams_latents_from_the_bucket_through_a_bounded_cache_with_the_
     assert losses(remote) == losses(local) and len(losses(local)) == 6
     assert 0 < sum(p.stat().st_size for p in cache.iterdir() if not p.name.startswith(".")) <= biggest + 1
 
+
+
+def test_filter_dedup_with_two_ranks_meets_in_the_bucket_and_resumes_after_kill_9(s3, realdata, tmp_path):
+    """--dedup on a URL: the ranks' phase outputs are objects with done records in the bucket's scratch
+    folder; a rank killed before one of its key folders is recorded reruns to the one-rank result."""
+    from test_dedup import ARGS, expected, write_inputs
+
+    folder = write_inputs(realdata, tmp_path / "in")  # 14 units of ~100 rows, 14 buckets
+    for path in sorted(folder.glob("*.parquet")):
+        upload(s3, path, "laion", path.name)
+    output = s3.url("unique")
+    argv = [s3.url("laion"), "--output", output, *ARGS, "--world-size", "2"]
+    other = subprocess.Popen([sys.executable, "-m", "laionkit.cli", "filter", *argv, "--rank", "1",
+                              "--dedup-wait", "120"], env=s3.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    run = f"""
+        import sys
+        from laionkit.cli import main
+        sys.argv = ["laionkit", "filter", *{argv!r}, "--rank", "0"]
+        main()
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == 'keys-000004'")  # one of rank 0's units (0, 2, 4, ...)
+    assert result.returncode == -9, result.stderr
+    [scratch] = Location.parse(output).glob(".dedup-*")
+    assert (scratch / "keys-000004").exists() and not (scratch / "keys-000004").is_complete()
+    assert (scratch / "keys-000000").is_complete()
+
+    run_cli("filter", *argv, "--rank", "0", env=s3.env)
+    _, err = other.communicate(timeout=300)
+    assert other.returncode == 0, err
+    assert read_parts(output).to_pylist() == expected(folder).to_pylist()
+    assert not Location.parse(output).glob(".dedup-*")  # scratch removed once every part is recorded
+    kept = sum((Location.parse(output) / f"_stats-0000{r}.json").read_json()["rows_out"] for r in (0, 1))
+    assert kept == expected(folder).num_rows
+
+
+def test_filter_scores_embeddings_read_by_row_range_from_the_bucket_like_local_disk(s3, realdata, tmp_path):
+    rng = np.random.default_rng(5)
+    npy = tmp_path / "img_emb_0000.npy"
+    np.save(npy, rng.standard_normal((1000, 768)).astype(np.float16))
+    weights = realdata / "aesthetic" / "sac+logos+ava1-l14-linearMSE.pth"
+    args = ("--score", f"aes=aesthetic-v2:{weights}", "--where", "aes >= 5.3", "--unit-rows", "300", "-q")
+    reference = tmp_path / "reference"
+    run_cli("filter", SAMPLE, "--embeddings", npy, "--output", reference, *args)
+    upload(s3, SAMPLE, "meta", "laion_0000.parquet")
+    upload(s3, npy, "emb", npy.name)
+    output = s3.url("scored")
+    run_cli("filter", s3.url("meta"), "--embeddings", s3.url("emb"), "--output", output, *args, env=s3.env)
+
+    assert read_parts(output).equals(read_parts(reference))
+    assert 0 < read_parts(output).num_rows < 1000 and "aes" in read_parts(output).column_names

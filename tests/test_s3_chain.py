@@ -1,0 +1,237 @@
+"""Issue 17's end-to-end test: the demo chain (filter -> pack -> encode -> train, `laionkit demo`'s recipe
+with tiny models and the photos on a loopback image server) with its input and every stage output in a
+bucket of a real S3 API server (moto, through s3fs), two rank processes per stage, and at each stage a
+kill -9 of rank 0 at the worst moment, then a rerun that must give what the killed run was writing.
+
+Each stage's bucket output equal to the same stage on local disk is tests/test_s3_stages.py; here the
+stages feed each other from the bucket. Sizes are the smallest that still give each rank several units:
+the test is about the storage contract, not the numbers. Train's run folder (checkpoints, metrics) is
+local by design (docs/FORMATS.md §5); its latents stream from the bucket.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO, run_cli
+from test_s3_stages import read_parts, tar_members, upload
+
+from laionkit.common.imageserver import folder_routes, serve
+from laionkit.common.storage import Location
+from laionkit.demo import DEMO_DATA, MISSING_PATH, write_metadata
+
+PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))
+FILTER = ("--preset", "laion-safe", "--where", "length(TEXT) >= 10", "--where", "WIDTH >= 64 AND HEIGHT >= 64",
+          "--unit-rows", "1", "--threads", "1", "-q")
+PACK = ("--image-size", "64", "--processes", "1", "--threads", "4", "--timeout", "5", "--shard-size", "2",
+        "--allow-private-hosts", "-q")
+ENCODE = ("--resolution", "64", "--batch-size", "8", "--workers", "0", "-q")
+TRAIN = ("--batch-size", "2", "--lr", "1e-3", "--max-steps", "4", "--checkpoint-every", "2", "--log-every", "1",
+         "--workers", "0", "--shuffle-buffer", "4", "--log-with", "none", "--record-keys", "--resume", "latest",
+         "-q")
+
+
+def with_hook(s3, tmp_path: Path, hook: str) -> dict[str, str]:
+    """The S3 environment plus a sitecustomize running ``hook`` in every Python process started with it."""
+    folder = tmp_path / f"hook-{len(list(tmp_path.glob('hook-*')))}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(hook))
+    return {**s3.env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging"),
+            "PYTHONPATH": os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def kill_before_record(s3, tmp_path: Path, name: str) -> dict[str, str]:
+    """An environment in which the process SIGKILLs its process group when the object ``name`` is about to
+    get its done record: its data objects are in the bucket by then, the record never is."""
+    return with_hook(s3, tmp_path, f"""
+        import os, signal
+        from laionkit.common import storage
+        mark_done = storage.mark_done
+        def die_before_record(location, record=None):
+            if location.name == {name!r}:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            mark_done(location, record)
+        storage.mark_done = die_before_record
+    """)
+
+
+def killed(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Rank 0 of a stage in a process group of its own (pack's workers too), expected to die by SIGKILL."""
+    result = subprocess.run([sys.executable, "-m", "laionkit.cli", *map(str, argv)], env=env, capture_output=True,
+                            text=True, timeout=300, start_new_session=True)
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    return result
+
+
+def unrecorded(folder: Location, pattern: str) -> list[Location]:
+    """Objects a killed run left without a done record: there, but no reader counts them."""
+    complete = {p.name for p in folder.list(pattern)}
+    return [p for p in folder.list(pattern, complete_only=False) if p.name not in complete]
+
+
+def assert_all_recorded(folder: Location, pattern: str, names: list[str]) -> None:
+    """Exactly ``names`` match ``pattern``, each with its done record: no duplicates, no holes, no leftovers."""
+    assert [p.name for p in folder.list(pattern, complete_only=False)] == names
+    assert [p.name for p in folder.list(pattern)] == names
+
+
+def tar_of(location: Location) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(location.read_bytes())) as tar:
+        return {member.name: tar.extractfile(member).read() for member in tar.getmembers()}
+
+
+def train_ranks(latents: str, run: Path, env: dict[str, str], *extra: str) -> int:
+    """Two `laionkit train` rank processes (RANK/WORLD_SIZE as torchrun sets them, gloo on CPU) under one
+    shell in a new process group, so a kill -9 of the group takes both, as a node failure would."""
+    command = [sys.executable, "-m", "laionkit.cli", "train", latents, "--output", str(run), *TRAIN, *extra]
+    script = ('RANK=0 LOCAL_RANK=0 "$@" & a=$!; RANK=1 LOCAL_RANK=1 "$@" & b=$!; '
+              'wait $a; x=$?; wait $b; y=$?; exit $((x | y))')
+    result = subprocess.run(["sh", "-c", script, "sh", *command], capture_output=True, text=True, timeout=300,
+                            start_new_session=True, env={**env, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    if result.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(result.stdout[-3000:] + result.stderr[-3000:])
+    return result.returncode
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def photos():
+    with serve(folder_routes(DEMO_DATA)) as server:
+        yield server
+
+
+def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, photos, tiny_models, tmp_path):
+    # The demo's metadata (real photos, synthetic scores, a dead URL), in row groups of 2 so that filter
+    # has 7 units (3-4 per rank); it goes into the bucket as other tools would put it there.
+    # 2 ranks on few cores: no thread oversubscription; what killed runs stage stays in tmp_path
+    env = {**s3.env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging")}
+    metadata = tmp_path / "metadata.parquet"
+    write_metadata(metadata, photos.base_url)
+    table = pq.read_table(metadata)
+    pq.write_table(table, metadata, row_group_size=2)
+    upload(s3, metadata, "laion", "metadata.parquet")
+
+    # -- filter: rank 0 killed before its third part is recorded, rerun; rank 1 ---------------------
+    filtered = s3.url("filtered")
+    argv = ["filter", s3.url("laion"), "--output", filtered, *FILTER, "--world-size", "2"]
+    killed([*argv, "--rank", "0"], kill_before_record(s3, tmp_path, "part-00000-000004.parquet"))
+    folder = Location.parse(filtered)
+    [left] = unrecorded(folder, "part-*.parquet")
+    assert left.name == "part-00000-000004.parquet"
+    half_written = pq.read_table(io.BytesIO(left.read_bytes()))
+    before = {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet")}
+    assert sorted(before) == ["part-00000-000000.parquet", "part-00000-000002.parquet"]
+    assert not folder.list("_stats-*.json")  # the rank's stats come last
+    run_cli(*argv, "--rank", "0", env=env)
+    run_cli(*argv, "--rank", "1", env=env)
+
+    parts = [f"part-0000{unit % 2}-00000{unit}.parquet" for unit in range(7)]
+    assert_all_recorded(folder, "part-*.parquet", sorted(parts))
+    assert {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet") if p.name in before} == before
+    assert pq.read_table(io.BytesIO((folder / left.name).read_bytes())).equals(half_written)
+    frame = table.to_pandas()
+    expected = frame[(frame.punsafe < 0.5) & (frame.pwatermark < 0.8) & (frame.TEXT.str.len() >= 10)
+                     & (frame.WIDTH >= 64) & (frame.HEIGHT >= 64)]
+    kept = read_parts(filtered).to_pandas()
+    assert kept.URL.tolist() == expected.URL.tolist() and len(kept) == PHOTOS + 1  # + the dead URL
+    assert sum((folder / f"_stats-0000{r}.json").read_json()["rows_out"] for r in (0, 1)) == PHOTOS + 1
+
+    # -- pack: 9 rows -> 5 shards of 2; rank 0 (shards 0, 2, 4) killed between the objects of shard 2:
+    # its tar and parquet recorded, its stats (which make the shard done) not
+    shards = s3.url("shards")
+    argv = ["pack", filtered, "--output", shards, *PACK, "--world-size", "2"]
+    killed([*argv, "--rank", "0"], kill_before_record(s3, tmp_path, "00002_stats.json"))
+    folder = Location.parse(shards)
+    assert [p.name for p in unrecorded(folder, "*_stats.json")] == ["00002_stats.json"]
+    assert [p.name for p in folder.list("*_stats.json")] == ["00000_stats.json"]
+    half_written = tar_of(folder / "00002.tar")
+    first = (folder / "00000.tar").done_record.read_bytes()
+    run_cli(*argv, "--rank", "1", env=env)  # the other rank first: the order of ranks does not matter
+    run_cli(*argv, "--rank", "0", env=env)
+
+    names = [f"{shard:05d}" for shard in range(5)]
+    assert_all_recorded(folder, "*.tar", [f"{n}.tar" for n in names])
+    assert_all_recorded(folder, "*_stats.json", [f"{n}_stats.json" for n in names])
+    assert (folder / "00000.tar").done_record.read_bytes() == first  # not redone
+    assert tar_of(folder / "00002.tar") == half_written  # redone: the same shard as the killed run's
+    manifest = (folder / "manifest.json").read_json()
+    assert manifest["complete"] and manifest["samples"] == PHOTOS and manifest["failures"] == {"http 404": 1}
+    members = [m for tar in tar_members(shards).values() for m in tar if m.endswith(".txt")]
+    assert len(members) == len(set(members)) == PHOTOS  # each photo once
+    assert not [m for tar in tar_members(shards).values() for m in tar if MISSING_PATH in m]
+
+    # -- encode: rank 0 (shards 0, 2, 4) killed before latent 00002.tar is recorded ------------------
+    latents = s3.url("latents")
+    argv = ["encode", shards, "--model", tiny_models, "--output", latents, *ENCODE, "--world-size", "2"]
+    killed([*argv, "--rank", "0"], kill_before_record(s3, tmp_path, "00002.tar"))
+    folder = Location.parse(latents)
+    assert [p.name for p in unrecorded(folder, "*.tar")] == ["00002.tar"]
+    half_written = tar_of(folder / "00002.tar")
+    first = (folder / "00000.stats.json").done_record.read_bytes()
+    from laionkit.encode import EncodeConfig
+    from laionkit.encode import run as encode
+
+    for rank in (0, 1):  # in this process (torch is loaded already): the two ranks never talk anyway
+        encode(EncodeConfig(shards=(shards,), output=latents, model=str(tiny_models), resolution=64, batch_size=8,
+                            workers=0, quiet=True, rank=rank, world_size=2))
+
+    assert_all_recorded(folder, "*.tar", [f"{n}.tar" for n in names])
+    assert (folder / "00000.stats.json").done_record.read_bytes() == first
+    assert tar_of(folder / "00002.tar") == half_written
+    manifest = (folder / "manifest.json").read_json()
+    assert manifest["complete"] and manifest["counts"]["samples_out"] == PHOTOS
+    keys = [m.split(".")[0] for tar in tar_members(latents).values() for m in tar if m.endswith(".json")]
+    assert len(keys) == len(set(keys)) == PHOTOS
+
+    # -- train: two ranks stream the bucket's latents (one through --cache-dir); both killed by kill -9
+    # as rank 0 starts the step-4 checkpoint (steps 1-4 logged, checkpoint 2 complete); the rerun resumes
+    # from checkpoint 2 and must give steps 3-4 the same samples and losses.
+    run = tmp_path / "run"
+    killing = with_hook(s3, tmp_path, """
+        import os, signal
+        import laionkit.train as train
+        save = train.save_checkpoint
+        def die_at_step_4(accelerator, output, step, *args, **kwargs):
+            if step == 4 and accelerator.is_main_process:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            return save(accelerator, output, step, *args, **kwargs)
+        train.save_checkpoint = die_at_step_4
+    """)
+    unet = ("--unet-config", str(tiny_models / "unet"))
+    cache = ("--cache-dir", str(tmp_path / "cache"), "--cache-size", str(2**20))
+    assert train_ranks(latents, run, killing, *unet, *cache) == -signal.SIGKILL
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step-00000002"]
+    assert not (run / "unet").exists()
+    logged = (run / "metrics.jsonl").read_text().splitlines()
+    seen = {rank: (run / "seen" / f"rank-0000{rank}.jsonl").read_text().splitlines() for rank in (0, 1)}
+    assert [json.loads(line)["step"] for line in logged] == [1, 2, 3, 4]
+
+    assert train_ranks(latents, run, env, *unet) == 0  # streamed, no cache
+    assert (run / "metrics.jsonl").read_text().splitlines()[:2] == logged[:2]
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # no step twice, none missing
+    assert [r["loss"] for r in resumed[2:]] == pytest.approx([json.loads(line)["loss"] for line in logged[2:]],
+                                                             rel=1e-5, abs=1e-7)
+    for rank in (0, 1):
+        assert (run / "seen" / f"rank-0000{rank}.jsonl").read_text().splitlines() == seen[rank]
+    steps = [json.loads(line)["keys"] for rank in (0, 1) for line in seen[rank][:2]]  # the first epoch
+    assert sorted(key for step in steps for key in step) == sorted(keys)  # every sample once per epoch
+    assert (run / "unet" / "config.json").is_file()
