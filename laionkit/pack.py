@@ -552,11 +552,18 @@ def size_bucket(width: int, height: int) -> str:
     return f">={SIZE_BUCKETS[-1]}"
 
 
+_DOWNLOADERS: dict[PackConfig, Downloader] = {}  # ShardPacker.downloader's per-process cache
+
+
 @dataclass(frozen=True)
 class ShardPacker:
-    """Pack one shard in a worker process: img2dataset into staging, then promote, record last."""
+    """Pack one shard in a worker process: img2dataset into staging, then promote, record last.
 
-    downloader: Downloader
+    The img2dataset Downloader is built in the worker on its first shard (``downloader``): importing
+    img2dataset (OpenCV, albumentations, wandb) takes seconds, and the main process never needs it.
+    """
+
+    config: PackConfig
     output: Location
     options: dict[str, Any]
     planned_shards: int
@@ -573,6 +580,13 @@ class ShardPacker:
             print(f"shard {task.name} ({task.input} rows {task.start}-{task.stop}) failed", file=sys.stderr)
             return task, None
 
+    def downloader(self) -> Downloader:
+        """This process's img2dataset Downloader, made once (ShardPacker is frozen and pickled to workers)."""
+        if self.config not in _DOWNLOADERS:
+            _DOWNLOADERS.clear()
+            _DOWNLOADERS[self.config] = make_downloader(self.config)
+        return _DOWNLOADERS[self.config]
+
     def pack(self, task: ShardTask) -> dict:
         if self.staging is None:
             staging = partial_path(Path(self.output.path, task.name))
@@ -584,7 +598,7 @@ class ShardPacker:
         table, notes = read_rows(task, self.storage_options)
         with pa.OSFile(str(arrow_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
-        downloader = copy.copy(self.downloader)
+        downloader = copy.copy(self.downloader())
         downloader.output_folder = str(staging)
         downloader.column_list = table.column_names
         downloader.oom_shard_count = len(task.name)
@@ -860,7 +874,7 @@ def run(config: PackConfig) -> dict:
     # One staging folder per output and rank, so a rerun after kill -9 clears what the killed run left.
     tag = hashlib.sha256(str(output).encode()).hexdigest()[:12]
     staging = None if output.local else os.path.join(storage._staging(None), f"laionkit-pack-{tag}-{rank.rank}")
-    packer = ShardPacker(make_downloader(config), output, options, len(tasks), versions(),
+    packer = ShardPacker(config, output, options, len(tasks), versions(),
                          Fetcher(config.max_bytes, config.allow_private_hosts),
                          storage.parse_storage_options(config.storage_options), staging)
     try:
