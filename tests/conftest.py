@@ -56,20 +56,30 @@ def run_cli_process(*args: str, check: bool = True, env: dict | None = None, tim
     return result
 
 
-def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
-    """``python -m laionkit.cli ARGS`` in this process: exit status as the interpreter would set it (an
-    uncaught exception prints its traceback and gives 1), process-wide state put back afterwards."""
-    from laionkit.cli import main
+def run_script_in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in this process, as _run_in_process runs the CLI."""
+    import runpy
+
+    return _run_in_process([str(script), *map(str, args)], lambda: runpy.run_path(str(script), run_name="__main__"))
+
+
+def _run_in_process(args: list[str], entry=None) -> subprocess.CompletedProcess:
+    """``python -m laionkit.cli ARGS`` (or ``entry`` with sys.argv[1:] = ARGS[1:]) in this process: exit
+    status as the interpreter would set it (an uncaught exception prints its traceback and gives 1),
+    process-wide state put back afterwards."""
+    if entry is None:
+        from laionkit.cli import main as entry
+        args = ["laionkit", *args]
 
     stdout, stderr = io.StringIO(), io.StringIO()
     saved_argv, saved_environ, saved_cwd = sys.argv, dict(os.environ), os.getcwd()
     saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    sys.argv = ["laionkit", *args]
+    sys.argv = list(args)
     code = 0
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
-                main()
+                entry()
             except SystemExit as exit_:
                 if exit_.code is None or isinstance(exit_.code, int):
                     code = exit_.code or 0
@@ -87,7 +97,7 @@ def _run_in_process(args: list[str]) -> subprocess.CompletedProcess:
         for sig, handler in saved_signals.items():
             signal.signal(sig, handler)
         _reset_accelerate()
-    return subprocess.CompletedProcess(["laionkit", *args], code, stdout.getvalue(), stderr.getvalue())
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def _reset_accelerate() -> None:
