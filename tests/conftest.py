@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread per process (torch / OpenMP), inherited by every subprocess the tests start: the
+# models here are tiny, so a second thread buys nothing, while torchrun ranks, DataLoader workers and
+# other processes on a 2-core machine oversubscribing OpenMP's spinning thread pools made single train
+# steps take seconds instead of a tenth of one. Set before torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 REALDATA = REPO.parent / "shared" / "realdata"
@@ -20,7 +31,21 @@ def realdata() -> Path:
 
 
 def run_cli(*args: str, check: bool = True, env: dict | None = None, timeout: float = 600):
-    """Run the real `laionkit` entry point in a subprocess, as a user would."""
+    """Run the real `laionkit` entry point (laionkit.cli.main) as a user would, in this process: the same
+    argument parsing, exit status and stdout / stderr, without paying for a fresh interpreter importing
+    torch and diffusers on every call (seconds each). An ``env`` runs it in a subprocess (run_cli_process);
+    tests where the process boundary itself matters (signals, launchers, kill -9) use subprocesses."""
+    if env is not None:
+        return run_cli_process(*args, check=check, env=env, timeout=timeout)
+    result = _run_in_process([str(arg) for arg in args])
+    if check and result.returncode != 0:
+        raise AssertionError(f"laionkit {' '.join(map(str, args))} failed ({result.returncode}):\n"
+                             f"{result.stdout}\n{result.stderr}")
+    return result
+
+
+def run_cli_process(*args: str, check: bool = True, env: dict | None = None, timeout: float = 600):
+    """Run the real `laionkit` entry point in a subprocess."""
     result = subprocess.run(
         [sys.executable, "-m", "laionkit.cli", *map(str, args)],
         capture_output=True, text=True, env=env, timeout=timeout,
@@ -29,6 +54,61 @@ def run_cli(*args: str, check: bool = True, env: dict | None = None, timeout: fl
         raise AssertionError(f"laionkit {' '.join(map(str, args))} failed ({result.returncode}):\n"
                              f"{result.stdout}\n{result.stderr}")
     return result
+
+
+def run_script_in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in this process, as _run_in_process runs the CLI."""
+    import runpy
+
+    return _run_in_process([str(script), *map(str, args)], lambda: runpy.run_path(str(script), run_name="__main__"))
+
+
+def _run_in_process(args: list[str], entry=None) -> subprocess.CompletedProcess:
+    """``python -m laionkit.cli ARGS`` (or ``entry`` with sys.argv[1:] = ARGS[1:]) in this process: exit
+    status as the interpreter would set it (an uncaught exception prints its traceback and gives 1),
+    process-wide state put back afterwards."""
+    if entry is None:
+        from laionkit.cli import main as entry
+        args = ["laionkit", *args]
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved_argv, saved_environ, saved_cwd = sys.argv, dict(os.environ), os.getcwd()
+    saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    sys.argv = list(args)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                entry()
+            except SystemExit as exit_:
+                if exit_.code is None or isinstance(exit_.code, int):
+                    code = exit_.code or 0
+                else:  # sys.exit("message"): printed to stderr, status 1
+                    print(exit_.code, file=sys.stderr)
+                    code = 1
+            except Exception:  # what the interpreter does with an uncaught exception
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        for sig, handler in saved_signals.items():
+            signal.signal(sig, handler)
+        _reset_accelerate()
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+def _reset_accelerate() -> None:
+    """accelerate keeps its process state in singletons (mixed precision, device, gradient accumulation);
+    a fresh process starts without them, and so does the next in-process command."""
+    if "accelerate" not in sys.modules:
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 # Session fixtures other stages reuse: tiny_models, image_shards, latent_shards (see tests/fixtures.py).

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 TINY = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
         "--workers", "2", "--log-every", "1", "--checkpoint-every", "1000", "--record-keys")
@@ -73,18 +74,25 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted((run / "checkpoints").iterdir())
 
 
-def assert_resumes_like_uninterrupted(make_command, latents: Path, run: Path, tmp_path: Path) -> int:
+def launch_torchrun(latents: Path, run: Path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun(2, latents, run, *extra), capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def launch_single(latents: Path, run: Path, *extra) -> subprocess.CompletedProcess:
+    """In this process: only the interrupted run needs a process of its own, to be signalled."""
+    return run_cli(*single(latents, run, *extra)[3:], check=False)
+
+
+def assert_resumes_like_uninterrupted(launch, latents: Path, run: Path, tmp_path: Path) -> int:
     [checkpoint] = checkpoints(run)
     stopped_at = int(checkpoint.name.split("-")[1])
     assert 0 < stopped_at < 1000 and (checkpoint / "trainer.json").is_file()
     assert not (run / "unet").exists()
     end = stopped_at + 2
-    resumed = subprocess.run(make_command(latents, run, "--max-steps", end, "--resume", "latest"),
-                             capture_output=True, text=True, timeout=300, env=ENV)
+    resumed = launch(latents, run, "--max-steps", end, "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     reference = tmp_path / "reference"
-    whole = subprocess.run(make_command(latents, reference, "--max-steps", end),
-                           capture_output=True, text=True, timeout=300, env=ENV)
+    whole = launch(latents, reference, "--max-steps", end)
     assert whole.returncode == 0, whole.stderr[-3000:]
     expected, got = losses(reference), losses(run)
     assert sorted(got) == list(range(1, end + 1))
@@ -107,7 +115,7 @@ def test_sigterm_to_torchrun_checkpoints_with_workers_and_resumes_exactly(latent
     assert out.count("stopped by signal 15") == 2, out[-3000:]  # each rank's own exit, 128 + 15
     [checkpoint] = checkpoints(run)
     assert {p.name for p in checkpoint.glob("rank-*.json")} == {"rank-00000.json", "rank-00001.json"}
-    assert_resumes_like_uninterrupted(lambda *a: torchrun(2, *a), latent_shards, run, tmp_path)
+    assert_resumes_like_uninterrupted(launch_torchrun, latent_shards, run, tmp_path)
 
 
 def test_sigterm_to_the_process_group_of_one_trainer_checkpoints_and_exits_143(latent_shards, tmp_path):
@@ -116,7 +124,7 @@ def test_sigterm_to_the_process_group_of_one_trainer_checkpoints_and_exits_143(l
     code, out, _ = interrupt(single(latent_shards, run, "--max-steps", 1000), run,
                           lambda pid: os.killpg(pid, signal.SIGTERM))
     assert code == 128 + signal.SIGTERM, out[-3000:]
-    stopped_at = assert_resumes_like_uninterrupted(single, latent_shards, run, tmp_path)
+    stopped_at = assert_resumes_like_uninterrupted(launch_single, latent_shards, run, tmp_path)
     assert f"stopped by signal 15 at step {stopped_at}" in out
 
 

@@ -185,9 +185,8 @@ def _train(latents, run, tiny, *extra):
 def test_train_kill9_resume_export_and_generate_without_laionkit(sdxl_latents, tiny_sdxl, tmp_path):
     args = ("--max-steps", "8", "--checkpoint-every", "2", "--shuffle-buffer", "3")
     reference = tmp_path / "reference"
-    subprocess.run(_train(sdxl_latents, reference, tiny_sdxl, *args, "--validate-every", "8",
-                          "--validation-count", "2", "--validation-steps", "2"),
-                   check=True, capture_output=True, timeout=300)
+    run_cli(*_train(sdxl_latents, reference, tiny_sdxl, *args, "--validate-every", "8",
+                    "--validation-count", "2", "--validation-steps", "2")[3:])
     assert (reference / "samples" / "step-000008.png").stat().st_size > 0
 
     run = tmp_path / "run"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_script_in_process
 
 # The validation loss of one fixed tiny UNet, under 1 process or torchrun: DDPM, then flow matching, then
 # DDPM again after one weight changed.
@@ -40,11 +40,14 @@ if accelerator.is_main_process:
 
 
 def _evaluate(script: Path, latents: Path, ranks: int, batch: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", "29571"]
-    result = subprocess.run([*launcher, str(script), str(latents), str(batch)], capture_output=True, text=True,
-                            timeout=300, env=env)
+    if ranks == 1:  # one process: this one
+        result = run_script_in_process(script, latents, batch)
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                    "29571"]
+        result = subprocess.run([*launcher, str(script), str(latents), str(batch)], capture_output=True, text=True,
+                                timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
