@@ -80,21 +80,24 @@ def photo_like(seed: int, resolution: int) -> tuple[bytes, str]:
     return buffer.getvalue(), caption
 
 
-def _write_shard(args: tuple[Path, int, int]) -> None:
+def _write_shard(args: tuple) -> None:
+    """One tar of photo-like JPEGs: (path, shard number, resolution[, samples per shard])."""
     import webdataset as wds
 
-    path, shard, resolution = args
+    path, shard, resolution, *rest = args
+    size = rest[0] if rest else SHARD_SIZE
     with wds.TarWriter(str(path)) as sink:
-        for index in range(SHARD_SIZE):
+        for index in range(size):
             key = f"{shard:05d}{index:04d}"
-            data, caption = photo_like(shard * SHARD_SIZE + index, resolution)
+            data, caption = photo_like(shard * size + index, resolution)
             sink.write({"__key__": key, "jpg": data, "txt": caption,
                         "json": json.dumps({"key": key, "caption": caption, "status": "success"})})
 
 
-def make_shards(folder: Path, images: int, resolution: int, processes: int) -> Path:
+def make_shards(folder: Path, images: int, resolution: int, processes: int, shard_size: int = SHARD_SIZE) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [(folder / f"{shard:05d}.tar", shard, resolution) for shard in range(max(1, images // SHARD_SIZE))]
+    jobs = [(folder / f"{shard:05d}.tar", shard, resolution, shard_size)
+            for shard in range(max(1, images // shard_size))]
     with Pool(processes) as pool:
         pool.map(_write_shard, jobs)
     return folder

@@ -433,6 +433,18 @@ def main() -> None:
     report(results, args)
 
 
+def print_table(results: dict[str, dict], title: str, width: int = 30) -> None:
+    """One row per measurement: samples/s, MFU, data-wait, peak GiB, wall seconds (or its error)."""
+    print(f"\n{title}")
+    print(f"{'measurement':<{width}}{'samples/s':>11}{'MFU':>8}{'wait %':>8}{'GiB':>8}{'wall s':>8}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<{width}} ERROR {r['error'][-300:]!r}")
+            continue
+        print(f"{name:<{width}}{r['samples_per_s']:>11.2f}{r['mfu']:>8.3f}{r['data_wait_pct']:>8.2f}"
+              f"{r['gpu_mem_gib']:>8.1f}{r['wall_s']:>8.0f}")
+
+
 def report(results: dict[str, dict], args) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     summary = {"device": device, "torch": torch.__version__, "results": results}
@@ -443,14 +455,7 @@ def report(results: dict[str, dict], args) -> None:
         logs = "".join(f"===== {log.name}\n{log.read_text()[-20000:]}\n" for log in sorted(args.out.glob("*.log")))
         (args.report / "children.log").write_text(logs)
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
-    print(f"\n{device}, torch {torch.__version__}")
-    print(f"{'measurement':<26}{'samples/s':>11}{'MFU':>8}{'wait %':>8}{'GiB':>7}{'wall s':>8}")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<26} ERROR {r['error'][:160]!r}")
-            continue
-        print(f"{name:<26}{r['samples_per_s']:>11.1f}{r['mfu']:>8.3f}{r['data_wait_pct']:>8.1f}"
-              f"{r['gpu_mem_gib']:>7.1f}{r['wall_s']:>8.0f}")
+    print_table(results, f"{device}, torch {torch.__version__}")
     print("\nratios")
     for resolution in args.resolutions:
         for mode in ("eager", "compiled"):

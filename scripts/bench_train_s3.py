@@ -27,30 +27,17 @@ import statistics
 import subprocess
 import sys
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_encode import make_shards  # noqa: E402
 from bench_storage import start_server  # noqa: E402
 
 from laionkit.common import storage  # noqa: E402
 from laionkit.common.storage import Location  # noqa: E402
-
-
-def _write_shard(job: tuple[Path, int, int, int]) -> None:
-    import webdataset as wds
-    from bench_encode import photo_like
-
-    path, shard, size, resolution = job
-    with wds.TarWriter(str(path)) as sink:
-        for index in range(size):
-            key = f"{shard:05d}{index:04d}"
-            data, caption = photo_like(shard * size + index, resolution)
-            sink.write({"__key__": key, "jpg": data, "txt": caption,
-                        "json": json.dumps({"key": key, "caption": caption, "status": "success"})})
 
 
 def laionkit(*argv, env: dict | None = None) -> float:
@@ -84,11 +71,8 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = args.out
     shutil.rmtree(out, ignore_errors=True)
-    (out / "images").mkdir(parents=True)
     shards = args.images // args.shard_size
-    with Pool(2) as pool:
-        pool.map(_write_shard, [(out / "images" / f"{s:05d}.tar", s, args.shard_size, args.resolution)
-                                for s in range(shards)])
+    make_shards(out / "images", args.images, args.resolution, 2, args.shard_size)
     laionkit("models", "tiny", "--output", out / "models", env=env)
     encoded = laionkit("encode", out / "images", "--model", out / "models", "--output", out / "latents",
                        "--resolution", args.resolution, "--batch-size", 32, "--workers", 2, "-q", env=env)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import run_child, steady_rate  # noqa: E402
+from bench_train import print_table, run_child, steady_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {1024: 8, 512: 32, 64: 4}
@@ -292,14 +292,7 @@ def main() -> None:
         logs = "".join(f"===== {log.name}\n{log.read_text()[-8000:]}\n" for log in sorted(args.out.glob("*.log")))
         (args.report / "children-sdxl.log").write_text(logs)
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
-    print(f"\n{summary['device']}, torch {torch.__version__}")
-    print(f"{'measurement':<30}{'samples/s':>11}{'MFU':>8}{'wait %':>8}{'GiB':>8}{'wall s':>8}")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<30} ERROR {r['error'][-300:]!r}")
-            continue
-        print(f"{name:<30}{r['samples_per_s']:>11.2f}{r['mfu']:>8.3f}{r['data_wait_pct']:>8.2f}"
-              f"{r['gpu_mem_gib']:>8.1f}{r['wall_s']:>8.0f}")
+    print_table(results, f"{summary['device']}, torch {torch.__version__}")
     print("\nratios")
     for mode in args.modes.split(","):
         for resolution in args.resolutions:
