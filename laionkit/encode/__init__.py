@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, refuse_other_settings, resolve_rank, split, storage
+from laionkit.common import LaionkitError, resolve_rank, split, storage
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
 from laionkit.encode.config import (
@@ -45,9 +45,11 @@ from laionkit.encode.device import (
     GPU_DECODE_BELOW_WORKERS,
     Encoders,
     _background,
+    _decode_on_gpu,
     _device,
     _encode_batch,
     _gpu_batch,
+    _prepared,
     _warm_up,
 )
 from laionkit.encode.reader import (
@@ -82,12 +84,13 @@ from laionkit.encode.records import (
     latent_status,
     merge_records,
     record_path,
+    refuse_mixed_settings,
     shard_complete,
     summarize,
     update_manifest,
     write_plan,
 )
-from laionkit.encode.writer import ShardOutput, _Writer, npy_bytes, npy_rows
+from laionkit.encode.writer import ShardOutput, _Writer, npy_bytes, npy_rows, write_empty_captions
 
 __all__ = [  # the names laionkit.encode had before its split into these modules (_gpu_batch: tests)
     "COMPUTE_DTYPES", "DECODE_MODES", "EMPTY_CAPTION", "FORMAT", "GPU_DECODE_BELOW_WORKERS", "IMAGE_EXTENSIONS",
@@ -122,29 +125,14 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     if output.local:
         Path(output.path).mkdir(parents=True, exist_ok=True)
     encoders = encoders or Encoders(config, _device(config, rank))
-    device = encoders.device
-    gpu_decode = config.decode == "gpu" or (
-        config.decode == "auto" and device.type == "cuda" and config.workers < GPU_DECODE_BELOW_WORKERS)
-    if gpu_decode and device.type != "cuda":
-        raise LaionkitError("--decode gpu needs a CUDA device")
+    gpu_decode = _decode_on_gpu(config, encoders.device)
     buckets = bucket_sizes(config.resolution) if config.buckets else None
-    if encoders.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
-        multiple = 2 * 2 ** (len(encoders.vae.config.block_out_channels) - 1)
-        odd = [f"{w}x{h}" for w, h in buckets or [(config.resolution, config.resolution)] if w % multiple or h % multiple]
-        if odd:
-            raise LaionkitError(f"--resolution {config.resolution}{' --buckets' if buckets else ''}: "
-                                f"{encoders.family.name} packs 2x2 latent patches, so image sides must be multiples "
-                                f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
+    encoders.check_sizes(config.resolution, buckets)
     models = _models(config, encoders.family)
     settings = _settings(config, models, encoders, buckets)
-    for record_file in output.list("*" + RECORD_SUFFIX):
-        refuse_other_settings(record_file, record_file.read_json()["settings"], settings, "encoded", RERUN_REMEDY)
+    refuse_mixed_settings(output, settings)
     write_plan(output, shards)
-    for key, empty in encoders.empty_caption().items():
-        empty_path = output / encoders.family.empty_file(key)
-        if not empty_path.is_complete():
-            with storage.atomic_write(empty_path, shared=True) as tmp:
-                tmp.write_bytes(npy_bytes(empty))
+    write_empty_captions(output, encoders)
 
     mine = split(shards, rank)
     counts = {shard: count_samples(shard) for shard in mine}
@@ -153,7 +141,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
     if not config.quiet:
         log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
-            f"device {device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
+            f"device {encoders.device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
             f"config {json.dumps(asdict(config), default=str)}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0,
                "decoded": {}, "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
@@ -176,35 +164,17 @@ def _reasons(skips: dict) -> str:
 
 
 def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress) -> dict:
-    device = encoders.device
-    on_cuda = device.type == "cuda"
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode)
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(
-        batches, batch_size=None, num_workers=workers, pin_memory=on_cuda,
+        batches, batch_size=None, num_workers=workers, pin_memory=encoders.device.type == "cuda",
         prefetch_factor=QUEUE_DEPTH if workers else None,
         # Batches carry their shard, and each worker's own batches stay in order, so outputs do not
         # depend on which worker answers first; a slow worker then never stalls the others.
         in_order=False,
     )
-    prep_stream = torch.cuda.Stream(device) if on_cuda else None
-
-    def prepared() -> Iterator:
-        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders."""
-        for item in loader:
-            if isinstance(item, ShardDone):
-                yield item
-                continue
-            if prep_stream is None:
-                yield _gpu_batch(item, device, encoders.vae_dtype, config.compile), None
-                continue
-            with torch.cuda.stream(prep_stream):
-                batch = _gpu_batch(item, device, encoders.vae_dtype, config.compile)
-                ready = torch.cuda.Event()
-                ready.record(prep_stream)
-            yield batch, ready
-
+    prepared = _prepared(loader, encoders, config.compile)  # host->device copies and GPU decode
     output = Location.parse(str(config.output), storage.parse_storage_options(config.storage_options))
     writer = _Writer(output, settings, models, rank, progress)
     started = None
@@ -212,17 +182,13 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
         with torch.inference_mode():
             if config.compile and not buckets:
                 _warm_up(encoders, config)
-            for item in _background(prepared(), QUEUE_DEPTH, "laionkit-prepare"):
+            for item in _background(prepared, QUEUE_DEPTH, "laionkit-prepare"):
                 started = started or time.perf_counter()
                 if isinstance(item, ShardDone):
                     writer.put(item)
                     continue
                 batch, ready = item
-                if ready is not None:
-                    torch.cuda.current_stream(device).wait_event(ready)
-                    batch["pixels"].record_stream(torch.cuda.current_stream(device))
-                    batch["input_ids"].record_stream(torch.cuda.current_stream(device))
-                writer.put(_encode_batch(encoders, batch, config))
+                writer.put(_encode_batch(encoders, batch, config, ready))
         writer.close()
     except BaseException as error:
         writer.abort(error)

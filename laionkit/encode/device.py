@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from laionkit.common import LaionkitError, Rank
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
 from laionkit.encode.config import EncodeConfig
-from laionkit.encode.reader import resize_rgb
+from laionkit.encode.reader import ShardDone, resize_rgb
 from laionkit.families import DEFAULT_FAMILY
 
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
@@ -31,6 +31,15 @@ def _device(config: EncodeConfig, rank: Rank):
         local = int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count()))
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def _decode_on_gpu(config: EncodeConfig, device) -> bool:
+    """Whether JPEGs reach the device undecoded (nvjpeg) or decoded by the DataLoader workers (PIL)."""
+    gpu_decode = config.decode == "gpu" or (
+        config.decode == "auto" and device.type == "cuda" and config.workers < GPU_DECODE_BELOW_WORKERS)
+    if gpu_decode and device.type != "cuda":
+        raise LaionkitError("--decode gpu needs a CUDA device")
+    return gpu_decode
 
 
 def _resize_gpu(image, box, size):
@@ -102,6 +111,29 @@ def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
     return batch
 
 
+def _prepared(loader, encoders: Encoders, channels_last: bool) -> Iterator:
+    """The loader's batches on the device as (batch, ready event or None); ShardDone markers pass through."""
+    device = encoders.device
+    prep_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def prepared() -> Iterator:
+        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders."""
+        for item in loader:
+            if isinstance(item, ShardDone):
+                yield item
+                continue
+            if prep_stream is None:
+                yield _gpu_batch(item, device, encoders.vae_dtype, channels_last), None
+                continue
+            with torch.cuda.stream(prep_stream):
+                batch = _gpu_batch(item, device, encoders.vae_dtype, channels_last)
+                ready = torch.cuda.Event()
+                ready.record(prep_stream)
+            yield batch, ready
+
+    return prepared()
+
+
 class Encoders:
     """The VAE and the family's text encoders of one run, on one device, and the facts the manifest records."""
 
@@ -137,6 +169,16 @@ class Encoders:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.encode_images = torch.compile(self._encode_images, dynamic=False)
             self.encode_ids = torch.compile(self._encode_ids, dynamic=False)
+
+    def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
+        """Refuse image sizes the family cannot encode."""
+        if self.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
+            multiple = 2 * 2 ** (len(self.vae.config.block_out_channels) - 1)
+            odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
+            if odd:
+                raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
+                                    f"{self.family.name} packs 2x2 latent patches, so image sides must be multiples "
+                                    f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
 
     def _encode_images(self, pixels):
         return self.vae.encode(pixels).latent_dist.parameters
@@ -232,8 +274,13 @@ def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
     encoders.text_of(ids, [""] * config.batch_size)
 
 
-def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig) -> dict:
-    """VAE moments and text hidden states for one batch, copied to host without waiting for the copy."""
+def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig, ready=None) -> dict:
+    """VAE moments and text hidden states for one batch, copied to host without waiting for the copy;
+    ``ready``: the event of the batch's copies and decode on the prepare stream, waited for on the device."""
+    if ready is not None:
+        torch.cuda.current_stream(encoders.device).wait_event(ready)
+        batch["pixels"].record_stream(torch.cuda.current_stream(encoders.device))
+        batch["input_ids"].record_stream(torch.cuda.current_stream(encoders.device))
     pixels, input_ids = batch["pixels"], batch["input_ids"]
     count = pixels.shape[0]
     if config.compile and 0 < count < config.batch_size:

@@ -12,11 +12,12 @@ from laionkit.common import LaionkitError, refuse_other_settings, storage, versi
 from laionkit.common.models import fingerprint
 from laionkit.common.storage import Location
 from laionkit.encode.config import EncodeConfig
-from laionkit.encode.reader import output_name
+from laionkit.encode.reader import ShardDone, output_name
 from laionkit.families import DEFAULT_FAMILY, FamilySpec, get_family
 
 if TYPE_CHECKING:
     from laionkit.encode.device import Encoders
+    from laionkit.encode.writer import ShardOutput
 
 
 RECORD_SUFFIX = ".stats.json"
@@ -55,6 +56,24 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -
         "resolution": config.resolution,
         "buckets": [list(size) for size in buckets] if buckets else None,
         "compute_dtype": str(encoders.dtype).removeprefix("torch."),
+    }
+
+
+def refuse_mixed_settings(output: Location, settings: dict) -> None:
+    """Refuse a folder whose shards were encoded with other settings than this run's."""
+    for record_file in output.list("*" + RECORD_SUFFIX):
+        refuse_other_settings(record_file, record_file.read_json()["settings"], settings, "encoded", RERUN_REMEDY)
+
+
+def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], seconds: float, rank: int,
+                 settings: dict, models: dict) -> dict:
+    """A finished shard's record (<shard>.stats.json): what it read, wrote and skipped, and the settings."""
+    return {
+        "shard": done.shard, "rank": rank, "samples_in": done.samples_in,
+        "samples_out": written.samples, "truncated": written.truncated,
+        "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
+        "sizes": dict(written.sizes), "seconds": round(seconds, 3), "settings": settings,
+        "models": models,
     }
 
 

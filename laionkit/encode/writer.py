@@ -16,8 +16,9 @@ import webdataset as wds
 from laionkit.common import Rank, storage
 from laionkit.common.storage import Location
 from laionkit.encode.config import QUEUE_DEPTH
+from laionkit.encode.device import Encoders
 from laionkit.encode.reader import ShardDone
-from laionkit.encode.records import record_path
+from laionkit.encode.records import record_path, shard_record
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -32,6 +33,15 @@ def npy_rows(batch: np.ndarray) -> list[bytes]:
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(batch[0]))
     prefix = header.getvalue()
     return [prefix + np.ascontiguousarray(row).tobytes() for row in batch]
+
+
+def write_empty_captions(output: Location, encoders: Encoders) -> None:
+    """The folder's empty-caption tensors (caption dropout), once: every rank writes the same bytes."""
+    for key, empty in encoders.empty_caption().items():
+        empty_path = output / encoders.family.empty_file(key)
+        if not empty_path.is_complete():
+            with storage.atomic_write(empty_path, shared=True) as tmp:
+                tmp.write_bytes(npy_bytes(empty))
 
 
 class ShardOutput:
@@ -152,13 +162,7 @@ class _Writer:
         shard.finish()
         del self.open[done.shard]
         self.progress.update(len(done.skips))
-        record = {
-            "shard": done.shard, "rank": self.rank.rank, "samples_in": done.samples_in,
-            "samples_out": shard.samples, "truncated": shard.truncated,
-            "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
-            "sizes": dict(shard.sizes), "seconds": round(seconds, 3), "settings": self.settings,
-            "models": self.models,
-        }
+        record = shard_record(done, shard, skips, seconds, self.rank.rank, self.settings, self.models)
         storage.write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples
         self.skipped += len(skips)
