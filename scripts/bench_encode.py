@@ -37,7 +37,9 @@ import torch
 from PIL import Image
 
 from laionkit.common.models import clip_tokenizer, write_tiny_models
-from laionkit.encode import EncodeConfig, Encoders, run
+from laionkit.encode import run
+from laionkit.encode.config import EncodeConfig
+from laionkit.encode.device import Encoders
 
 WORDS = ("a photo of the red old small city house dog cat river mountain at sunset in snow with a "
          "portrait close-up view blue sky tree garden street night light film painting detailed").split()

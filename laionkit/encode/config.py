@@ -1,0 +1,80 @@
+"""laionkit encode's options (EncodeConfig) and the constants its stages share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from laionkit.common import LaionkitError
+from laionkit.common.models import PRESETS
+from laionkit.families import FamilySpec, detect_family
+
+TEXT_LAYERS = ("last", "penultimate")
+DECODE_MODES = ("auto", "cpu", "gpu")
+COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+TEXT_MODES = ("stored", "online")
+# Samples in flight between stages (in batches); bounds host and GPU memory.
+QUEUE_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    shards: tuple[str, ...]
+    output: str | Path  # a folder or a URL (s3://...)
+    model: str = "sd15"
+    vae: str | None = None
+    text_encoder: str | None = None
+    tokenizer: str | None = None
+    text_layer: str | None = None
+    resolution: int = 512
+    buckets: bool = False
+    batch_size: int = 32
+    workers: int = 4
+    decode: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    device: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    quiet: bool = False
+    storage_options: str | None = None  # --storage-options JSON for URL paths
+    text: str = "stored"  # stored: text-encoder outputs per sample; online: token ids, train runs the encoders
+
+    def __post_init__(self) -> None:
+        choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
+        if self.text_layer is not None:
+            choices["text_layer"] = TEXT_LAYERS
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise LaionkitError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                    f"got {getattr(self, name)!r}")
+        if self.resolution < 8 or self.resolution % 8:
+            raise LaionkitError(f"--resolution must be a positive multiple of 8, got {self.resolution}")
+        if self.batch_size < 1 or self.workers < 0:
+            raise LaionkitError("--batch-size must be >= 1 and --workers >= 0")
+
+    def source(self, component: str) -> str:
+        """Where a component loads from: its own flag (--vae, --text-encoder, --tokenizer), else --model."""
+        given = getattr(self, component, None)
+        if given:
+            return given
+        if self.model in PRESETS:  # laionkit's own presets (sd15, sd2, sdxl) resolve in common.models
+            return self.model
+        return self.family.presets.get(self.model, self.model)  # a family's preset: its hub repo
+
+    @property
+    def family(self) -> FamilySpec:
+        """The model family, from --model (preset or model_index.json): it decides the encoders run."""
+        return detect_family(self.model)
+
+    @property
+    def layer(self) -> str:
+        fixed = self.family.text_layer
+        if fixed is not None:
+            if self.text_layer not in (None, fixed):
+                raise LaionkitError(f"--text-layer {self.text_layer}: family {self.family.name} (from --model "
+                                    f"{self.model}) is conditioned on the {fixed} layer only")
+            return fixed
+        if self.text_layer:
+            return self.text_layer
+        return PRESETS[self.model].text_layer if self.model in PRESETS else "last"

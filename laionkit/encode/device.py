@@ -1,0 +1,308 @@
+"""encode's device stage: the encoders, host->device copies, nvjpeg decode, the encode of a batch, warm-up."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from laionkit.common import LaionkitError, Rank
+from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
+from laionkit.encode.config import EncodeConfig
+from laionkit.encode.reader import ShardDone, resize_rgb
+from laionkit.families import DEFAULT_FAMILY
+
+# --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
+# nvjpeg decode, whose per-image resize runs in the main process (docs/BENCHMARKS.md, encode).
+GPU_DECODE_BELOW_WORKERS = 4
+
+
+def _device(config: EncodeConfig, rank: Rank):
+    if config.device:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count()))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _decode_on_gpu(config: EncodeConfig, device) -> bool:
+    """Whether JPEGs reach the device undecoded (nvjpeg) or decoded by the DataLoader workers (PIL)."""
+    gpu_decode = config.decode == "gpu" or (
+        config.decode == "auto" and device.type == "cuda" and config.workers < GPU_DECODE_BELOW_WORKERS)
+    if gpu_decode and device.type != "cuda":
+        raise LaionkitError("--decode gpu needs a CUDA device")
+    return gpu_decode
+
+
+def _resize_gpu(image, box, size):
+
+    left, top, crop_width, crop_height = box
+    crop = image[:, top : top + crop_height, left : left + crop_width].float()
+    if (crop_width, crop_height) != size:
+        crop = F.interpolate(crop[None], size=(size[1], size[0]), mode="bicubic", antialias=True)[0]
+    return crop.clamp_(0, 255).round_()
+
+
+def _decode_jpegs(batch: dict, device) -> tuple[list, list[dict]]:
+    """nvjpeg-decode a batch's JPEGs; ones nvjpeg refuses fall back to PIL, and failures become skips."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    images: list = [None] * len(batch["jpegs"])
+    skips = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            decoded = decode_jpeg(batch["jpegs"], mode=ImageReadMode.RGB, device=device)
+            return [_resize_gpu(img, box, batch["size"]) for img, box in zip(decoded, batch["boxes"])], skips
+        except RuntimeError:
+            pass
+        for index, (data, box) in enumerate(zip(batch["jpegs"], batch["boxes"])):
+            try:
+                images[index] = _resize_gpu(decode_jpeg(data, mode=ImageReadMode.RGB, device=device), box,
+                                            batch["size"])
+            except RuntimeError:
+                try:
+                    pixels = resize_rgb(data.numpy().tobytes(), batch["size"], box)
+                    images[index] = torch.from_numpy(pixels).to(device).permute(2, 0, 1).float()
+                except Exception as error:  # noqa: BLE001 - undecodable everywhere: a recorded skip
+                    row = batch["gpu_rows"][index]
+                    skips.append({"key": batch["keys"][row], "reason": "undecodable",
+                                  "error": f"{type(error).__name__}: {error}"})
+    return images, skips
+
+
+def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
+    """Pixels of a batch on the device as (B, 3, H, W) in [-1, 1] in the encoders' memory format; drops
+    rows that failed."""
+    width, height = batch["size"]
+    count = len(batch["keys"])
+    pixels = torch.empty((count, 3, height, width), device=device, dtype=torch.float32)
+    if batch["pixels"] is not None:
+        rows = torch.tensor(batch["cpu_rows"], device=device)
+        cpu = batch["pixels"].to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+        pixels.index_copy_(0, rows, cpu)
+    keep = list(range(count))
+    batch["decoded"] = Counter(cpu=len(batch["cpu_rows"]))
+    if batch["jpegs"]:
+        images, skips = _decode_jpegs(batch, device)
+        batch["decoded"]["gpu"] += len(images) - len(skips)
+        for row, image in zip(batch["gpu_rows"], images):
+            if image is not None:
+                pixels[row] = image
+        failed = {batch["keys"].index(skip["key"]) for skip in skips}
+        keep = [row for row in keep if row not in failed]
+        batch["skips"] = skips
+    if len(keep) != count:
+        pixels = pixels[keep]
+        batch["keys"] = [batch["keys"][row] for row in keep]
+        batch["records"] = [batch["records"][row] for row in keep]
+        batch["input_ids"] = batch["input_ids"][keep]
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    batch["pixels"] = (pixels / 127.5 - 1).to(dtype).contiguous(memory_format=layout)
+    batch["input_ids"] = batch["input_ids"].to(device, non_blocking=True)
+    return batch
+
+
+def _prepared(loader, encoders: Encoders, channels_last: bool) -> Iterator:
+    """The loader's batches on the device as (batch, ready event or None); ShardDone markers pass through."""
+    device = encoders.device
+    prep_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def prepared() -> Iterator:
+        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders."""
+        for item in loader:
+            if isinstance(item, ShardDone):
+                yield item
+                continue
+            if prep_stream is None:
+                yield _gpu_batch(item, device, encoders.vae_dtype, channels_last), None
+                continue
+            with torch.cuda.stream(prep_stream):
+                batch = _gpu_batch(item, device, encoders.vae_dtype, channels_last)
+                ready = torch.cuda.Event()
+                ready.record(prep_stream)
+            yield batch, ready
+
+    return prepared()
+
+
+class Encoders:
+    """The VAE and the family's text encoders of one run, on one device, and the facts the manifest records."""
+
+    def __init__(self, config: EncodeConfig, device) -> None:
+        self.device = device
+        self.family = config.family
+        self.online = config.text == "online"
+        if self.online and self.family.tokenize is None:
+            raise LaionkitError(f"--text online: family {self.family.name} stores its text-encoder outputs only "
+                                "(online text: sd3, flux)")
+        self.dtype = _compute_dtype(config.dtype, device)
+        self.layer = config.layer
+        # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
+        # on channels_last tensors costs more than it saves); compiled, channels_last is kept.
+        # scripts/bench_encode.py measures both layouts.
+        self.layout = torch.channels_last if config.compile else torch.contiguous_format
+        vae_source = config.source("vae")
+        self.vae_dtype = self.dtype
+        # SDXL's VAE overflows to inf/NaN in fp16; its config says force_upcast, which its pipeline obeys.
+        if self.family.vae_upcast and self.dtype == torch.float16 and load_vae_config(vae_source).get(
+                "force_upcast", True):
+            self.vae_dtype = torch.float32
+        self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
+        self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
+        self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
+                              for _, enc in self.family.text_encoders]
+        self.tokenizer = self.tokenizers[0]  # the DataLoader workers' (num_tokens, truncated)
+        self.text_encoder = self.text_encoders[0]
+        self.encode_images = self._encode_images
+        self.encode_ids = self._encode_ids
+        if config.compile:
+            # One graph per batch shape: with --buckets that is one per bucket, more than dynamo's default.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.encode_images = torch.compile(self._encode_images, dynamic=False)
+            self.encode_ids = torch.compile(self._encode_ids, dynamic=False)
+
+    def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
+        """Refuse image sizes the family cannot encode."""
+        if self.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
+            multiple = 2 * 2 ** (len(self.vae.config.block_out_channels) - 1)
+            odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
+            if odd:
+                raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
+                                    f"{self.family.name} packs 2x2 latent patches, so image sides must be multiples "
+                                    f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
+
+    def _encode_images(self, pixels):
+        return self.vae.encode(pixels).latent_dist.parameters
+
+    def _encode_ids(self, input_ids):
+        return self.family.encode_ids(self.text_encoders, input_ids, self.layer)
+
+    def text_of(self, input_ids, captions: Sequence[str], compiled: bool = True) -> dict:
+        """The family's stored text tensors of a batch: from the workers' ids where the family encodes ids
+        (SD), else from the captions through its own tokenizers (SDXL's two windows differ in padding)."""
+        if self.family.encode_ids is not None:
+            return (self.encode_ids if compiled else self._encode_ids)(input_ids)
+        return self.family.encode_text(self.tokenizers, self.text_encoders, captions)
+
+    def facts(self) -> dict:
+        vae, text = self.vae.config, self.text_encoder.config
+        facts = {
+            "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.get("shift_factor"),
+                    "latent_channels": vae.latent_channels,
+                    "downsample_factor": 2 ** (len(vae.block_out_channels) - 1)},
+            "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
+                     "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
+        }
+        if self.vae_dtype != self.dtype:
+            facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
+        if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)
+            facts["family"] = self.family.name
+            empty = self.empty_caption()
+            facts["text"]["hidden_size"] = int(empty["states"].shape[-1])
+            facts["text"]["sequence_length"] = int(empty["states"].shape[0])  # SD3: 77 CLIP + T5 tokens
+            facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
+            if self.online:  # only then: stored folders keep the settings they had (resume)
+                facts["text"]["mode"] = "online"
+                facts["text"]["ids"] = {self.family.ids_member(i): int(ids.shape[-1]) for i, ids in
+                                        enumerate(self.family.tokenize(self.tokenizers, [""]))}
+        return facts
+
+    def empty_caption(self) -> dict[str, np.ndarray]:
+        """Every stored text tensor of the caption "" (caption dropout swaps all of them together)."""
+        window = self.tokenizer.model_max_length
+        ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
+                             return_tensors="pt").input_ids
+        with torch.inference_mode():
+            found = self.text_of(ids.to(self.device), [""], compiled=False)
+        return {key: value[0].to(torch.float16).cpu().numpy() for key, value in found.items()}
+
+
+def _compute_dtype(name: str, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def _background(items: Iterator, depth: int, name: str) -> Iterator:
+    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        box.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            box.put(end)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
+            box.put(error)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := box.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:
+    """Compile for the one batch shape before the loader starts, so compile time is not encode time."""
+    pixels = torch.zeros((config.batch_size, 3, config.resolution, config.resolution), device=encoders.device,
+                         dtype=encoders.vae_dtype).contiguous(memory_format=encoders.layout)
+    ids = torch.zeros((config.batch_size, encoders.tokenizer.model_max_length), dtype=torch.long,
+                      device=encoders.device)
+    encoders.encode_images(pixels)
+    encoders.text_of(ids, [""] * config.batch_size)
+
+
+def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig, ready=None) -> dict:
+    """VAE moments and text hidden states for one batch, copied to host without waiting for the copy;
+    ``ready``: the event of the batch's copies and decode on the prepare stream, waited for on the device."""
+    if ready is not None:
+        torch.cuda.current_stream(encoders.device).wait_event(ready)
+        batch["pixels"].record_stream(torch.cuda.current_stream(encoders.device))
+        batch["input_ids"].record_stream(torch.cuda.current_stream(encoders.device))
+    pixels, input_ids = batch["pixels"], batch["input_ids"]
+    count = pixels.shape[0]
+    if config.compile and 0 < count < config.batch_size:
+        # One shape per compiled graph: pad the shard's last batch and drop the padding after.
+        pad = config.batch_size - count
+        pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
+            memory_format=encoders.layout)
+        input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
+    moments, stored = None, {}
+    if count:
+        moments = encoders.encode_images(pixels)[:count].to(torch.float16).to("cpu", non_blocking=True)
+        captions = [record["caption"] for record in batch["records"]]
+        if encoders.online:  # token ids only (int32): train runs the text encoders
+            stored = {encoders.family.ids_member(index): ids[:count].to(torch.int32) for index, ids in
+                      enumerate(encoders.family.tokenize(encoders.tokenizers, captions))}
+        else:
+            stored = {encoders.family.member(key): value[:count].to(torch.float16).to("cpu", non_blocking=True)
+                      for key, value in encoders.text_of(input_ids, captions).items()}
+    done = None
+    if encoders.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(encoders.device))
+    return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
+            "moments": moments, "stored": stored, "done": done, "skips": batch.get("skips", []),
+            "decoded": batch["decoded"]}

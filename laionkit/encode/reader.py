@@ -1,0 +1,332 @@
+"""encode's reader: shard discovery from pack's done records, and the DataLoader side (ShardBatches):
+read tars, decode + resize + crop on CPU (or pass JPEG bytes on), tokenize, batch by size, sample json records."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import math
+import tarfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.utils.data
+import webdataset as wds
+from braceexpand import braceexpand
+from PIL import Image
+
+from laionkit.common import LaionkitError
+from laionkit.common.storage import Location
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
+
+
+# --- geometry: pure functions ------------------------------------------------------------------
+
+def bucket_sizes(resolution: int, max_ratio: float = 2.0) -> list[tuple[int, int]]:
+    """Aspect-ratio buckets of (about) resolution**2 pixels: sides step by resolution/8, rounded to 8 px.
+
+    Each width gets the tallest height that keeps the area within resolution**2, as in NovelAI's
+    bucketing; the square bucket is always present. Sorted by aspect ratio (w/h).
+    """
+    step = max(8, resolution // 8 // 8 * 8)
+    area = resolution * resolution
+    sizes = {(resolution, resolution)}
+    for width in range(step, int(resolution * math.sqrt(max_ratio)) + 1, step):
+        height = area // width // step * step
+        if height >= step and 1 / max_ratio <= width / height <= max_ratio:
+            sizes.add((width, height))
+    return sorted(sizes, key=lambda size: (size[0] / size[1], size[0]))
+
+
+def target_size(width: int, height: int, resolution: int, buckets: Sequence[tuple[int, int]] | None
+                ) -> tuple[int, int]:
+    """Square resolution, or the bucket nearest in log aspect ratio (ties go to the first)."""
+    if not buckets:
+        return resolution, resolution
+    ratio = math.log(width / height)
+    return min(buckets, key=lambda size: abs(math.log(size[0] / size[1]) - ratio))
+
+
+def center_crop_box(width: int, height: int, out_width: int, out_height: int) -> tuple[int, int, int, int]:
+    """The centred (left, top, width, height) region of the original with the output's aspect ratio,
+    the largest that fits: resizing it to the output size is "resize the short side, centre-crop"."""
+    scale = max(out_width / width, out_height / height)
+    crop_width = min(width, round(out_width / scale))
+    crop_height = min(height, round(out_height / scale))
+    return (width - crop_width) // 2, (height - crop_height) // 2, crop_width, crop_height
+
+
+# --- input shards ------------------------------------------------------------------------------
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what webdataset reads (gzip through tarfile's r|*)
+PACK_RECORD_SUFFIX = "_stats.json"  # pack's and img2dataset's per-shard done record
+
+
+def shard_stem(path: Path | Location) -> str:
+    return next(path.name[: -len(suffix)] for suffix in SHARD_SUFFIXES + ("",) if path.name.endswith(suffix))
+
+
+def output_name(path: Path | Location) -> str:
+    """The output tar of an input shard: its name, as a plain .tar (lineage by name)."""
+    return shard_stem(path) + ".tar"
+
+
+def _pack_count(record: Location) -> int:
+    try:
+        return int(record.read_json()["successes"])
+    except (OSError, ValueError, KeyError, TypeError, LaionkitError) as error:
+        raise LaionkitError(f"{record}: not a pack / img2dataset shard record (no 'successes': {error})") from None
+
+
+def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
+                storage_options: dict | None = None) -> dict[Location, int | None]:
+    """Finished input shards from folders, files, globs and brace patterns, sorted, each with the sample
+    count its done record gives (None for a plain webdataset folder, which has no records).
+
+    pack renames a shard's tar into place before it writes ``<shard>_stats.json`` (img2dataset writes the
+    same record), so in a folder with records a tar without one is unfinished and is left out (said once);
+    a folder with no record at all is plain webdataset, whose tars are taken as complete (said once).
+    In an object store, only objects with their done record are seen at all (laionkit.common.storage).
+    """
+    found: list[Location] = []
+    for spec in specs:
+        path = Location.parse(spec, storage_options)
+        if path.is_dir():
+            entries = path.list(complete_only=None)
+            tars = [p for p in entries if p.name.endswith(SHARD_SUFFIXES)]
+            if not tars:
+                raise LaionkitError(f"no tar shards ({', '.join('*' + s for s in SHARD_SUFFIXES)}) in {path}")
+            for record in (p for p in entries if p.name.endswith(PACK_RECORD_SUFFIX)):
+                stem = record.name.removesuffix(PACK_RECORD_SUFFIX)
+                if not any(shard_stem(tar) == stem for tar in tars):
+                    raise LaionkitError(f"{record} marks shard {stem} done but its tar is missing from {path}")
+            found += tars
+            continue
+        if path.local:
+            matches = [Location("", name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
+        else:
+            matches = [match for pattern in braceexpand(spec)
+                       for match in ([Location.parse(pattern, storage_options)] if not glob.has_magic(pattern)
+                                     else Location.parse(pattern, storage_options).parent.glob(
+                                         Location.parse(pattern).name))
+                       if match.exists()]
+        if not matches:
+            raise LaionkitError(f"input shard {spec} does not exist")
+        found += matches
+    found = sorted(set(found), key=str)
+    names = Counter(output_name(path) for path in found)
+    clashes = [name for name, count in names.items() if count > 1]
+    if clashes:
+        raise LaionkitError(f"input shards share the name {clashes[0]} (outputs are named after inputs)")
+    shards: dict[Location, int | None] = {}
+    unfinished: list[Location] = []
+    plain: set[Location] = set()
+    with_records = {folder for folder in {path.parent for path in found}
+                    if folder.list("*" + PACK_RECORD_SUFFIX, complete_only=None)}
+    for path in found:
+        record = path.parent / (shard_stem(path) + PACK_RECORD_SUFFIX)
+        if record.is_complete() and not record.is_dir():
+            shards[path] = _pack_count(record)
+        elif path.parent in with_records:
+            unfinished.append(path)
+        else:
+            shards[path] = None
+            plain.add(path.parent)
+    if unfinished:
+        log(f"laionkit encode: left out {len(unfinished)} shard(s) without a done record <shard>"
+            f"{PACK_RECORD_SUFFIX} (unfinished pack?): {', '.join(str(p) for p in unfinished[:5])}"
+            + (" ..." if len(unfinished) > 5 else ""))
+    for folder in sorted(plain, key=str):
+        log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its tars as "
+            "complete (plain webdataset)")
+    if not shards:
+        raise LaionkitError(f"no finished shards in {', '.join(specs)}: every tar lacks its done record "
+                            f"<shard>{PACK_RECORD_SUFFIX}")
+    return shards
+
+
+def check_count(shard: Location, expected: int | None, found: int) -> None:
+    """A tar cut at a member boundary reads as a valid, shorter tar: only the done record tells."""
+    if expected is not None and found != expected:
+        raise LaionkitError(f"{shard} holds {found} samples but its done record "
+                            f"{shard_stem(shard)}{PACK_RECORD_SUFFIX} says {expected}: truncated or changed "
+                            "since pack; repack it")
+
+
+# --- DataLoader side: decode, resize, tokenize, batch --------------------------------------------
+
+@dataclass
+class ShardDone:
+    """End-of-shard marker: travels behind the shard's last batch through every stage."""
+
+    shard: str
+    samples_in: int
+    skips: list[dict] = field(default_factory=list)
+
+
+def original_size(meta: dict | None, width: int, height: int) -> tuple[int, int]:
+    """The photo's size before pack resized it (img2dataset's original_width/height), for SDXL-style
+    size conditioning; the shard image's own size when the json does not say."""
+    try:
+        found = int(meta["original_width"]), int(meta["original_height"])
+    except (TypeError, KeyError, ValueError):
+        return width, height
+    return found if min(found) > 0 else (width, height)
+
+
+def crop_top_left(box: tuple[int, int, int, int], size: tuple[int, int]) -> list[int]:
+    """[top, left] of the crop in pixels of the image resized so the crop becomes ``size``: what
+    diffusers' SDXL script records as crop_top_left (resize the short side, then centre-crop)."""
+    left, top, crop_width, crop_height = box
+    return [round(top * size[1] / crop_height), round(left * size[0] / crop_width)]
+
+
+def caption_of(sample: dict, meta: dict | None) -> str:
+    if "txt" in sample:
+        return sample["txt"].decode("utf-8", errors="replace")
+    return str((meta or {}).get("caption") or "")
+
+
+def drafted_box(box: tuple[int, int, int, int], scale: tuple[float, float]) -> tuple[float, float, float, float]:
+    """The crop ``box`` (left, top, width, height in original pixels) as a PIL resize box in an image
+    decoded at ``scale`` (x, y). JPEG's reduced-size decode rounds the drafted size up (257 px at 1/2 is
+    129 px), so the scale must be the DCT factor PIL reports, not drafted size / original size: the
+    latter overshoots and puts the box past the decoded image's edge."""
+    left, top, crop_width, crop_height = box
+    return (left * scale[0], top * scale[1], (left + crop_width) * scale[0], (top + crop_height) * scale[1])
+
+
+def resize_rgb(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int]) -> np.ndarray:
+    """Decode on CPU (JPEG at a reduced DCT scale when the crop is >= 2x the output) -> (H, W, 3) uint8."""
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        _, _, crop_width, crop_height = box
+        drafted = image.draft("RGB", (math.ceil(width * size[0] / crop_width),
+                                      math.ceil(height * size[1] / crop_height)))
+        # draft returns the original's extent in drafted pixels (e.g. 128.5 for 257 px at 1/2).
+        scale = (drafted[1][2] / width, drafted[1][3] / height) if drafted else (1.0, 1.0)
+        image = image.convert("RGB")
+        if image.size == size and (crop_width, crop_height) == size:
+            return np.asarray(image)
+        return np.asarray(image.resize(size, Image.Resampling.BICUBIC, box=drafted_box(box, scale)))
+
+
+class ShardBatches(torch.utils.data.IterableDataset):
+    """Iterable over batches of one rank's shards; DataLoader workers each take whole shards.
+
+    Yields dicts (one size, one shard, <= batch_size samples) and a ShardDone after each shard.
+    Per-sample problems (no image, undecodable) become recorded skips; a broken tar is an error.
+    """
+
+    def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
+                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool) -> None:
+        super().__init__()
+        self.shards = list(shards)
+        self.tokenizer = tokenizer
+        self.resolution = resolution
+        self.buckets = list(buckets) if buckets else None
+        self.batch_size = batch_size
+        self.gpu_decode = gpu_decode
+
+    def __iter__(self) -> Iterator[dict | ShardDone]:
+        worker = torch.utils.data.get_worker_info()
+        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
+        for shard in mine:
+            yield from self.shard_batches(shard)
+
+    def shard_batches(self, shard: Location | Path) -> Iterator[dict | ShardDone]:
+        shard = Location.parse(shard)
+        pending: dict[tuple[int, int], list[dict]] = {}
+        done = ShardDone(output_name(shard), 0)
+        try:
+            # One sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding.
+            stream = ExitStack()
+            handle = stream.enter_context(shard.open_read(prefetch=0 if shard.local else 4))
+            files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
+            for sample in wds.tariterators.group_by_keys(files):
+                done.samples_in += 1
+                try:
+                    item = self.prepare(sample)
+                except Exception as error:  # noqa: BLE001 - any decode failure is a recorded skip
+                    done.skips.append({"key": sample["__key__"], "reason": getattr(error, "reason", "undecodable"),
+                                       "error": f"{type(error).__name__}: {error}"})
+                    continue
+                group = pending.setdefault(item["size"], [])
+                group.append(item)
+                if len(group) == self.batch_size:
+                    yield self.collate(done.shard, pending.pop(item["size"]))
+        except (OSError, ValueError, tarfile.TarError) as error:
+            raise LaionkitError(f"cannot read shard {shard}: {error}") from error
+        finally:
+            stream.close()
+        for size in sorted(pending):
+            yield self.collate(done.shard, pending[size])
+        yield done
+
+    def prepare(self, sample: dict) -> dict:
+
+        extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+        try:
+            meta = json.loads(sample["json"]) if "json" in sample else None
+        except ValueError as error:
+            error.reason = "bad_json"
+            raise
+        if extension is None:
+            error = ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)})")
+            error.reason = "no_image"
+            raise error
+        data = sample[extension]
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            on_gpu = self.gpu_decode and image.format == "JPEG" and image.mode in ("RGB", "L")
+        size = target_size(width, height, self.resolution, self.buckets)
+        box = center_crop_box(width, height, *size)
+        item = {
+            "key": sample["__key__"], "size": size, "box": box, "image_size": (width, height),
+            "original_size": original_size(meta, width, height),
+            "caption": caption_of(sample, meta), "source": meta,
+        }
+        if on_gpu:
+            item["jpeg"] = data
+        else:
+            item["pixels"] = resize_rgb(data, size, box)
+        return item
+
+    def collate(self, shard: str, items: list[dict]) -> dict:
+        captions = [item["caption"] for item in items]
+        window = self.tokenizer.model_max_length
+        ids = self.tokenizer(captions, truncation=False, padding=False, verbose=False).input_ids
+        input_ids = torch.full((len(items), window), self.tokenizer.pad_token_id, dtype=torch.long)
+        records = []
+        for row, (item, tokens) in enumerate(zip(items, ids)):
+            truncated = len(tokens) > window
+            if truncated:
+                tokens = tokens[: window - 1] + [self.tokenizer.eos_token_id]
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            records.append({
+                "caption": item["caption"], "num_tokens": len(tokens), "truncated": truncated,
+                "original_size": list(item["original_size"]), "image_size": list(item["image_size"]),
+                "crop": list(item["box"]), "crop_top_left": crop_top_left(item["box"], item["size"]),
+                "size": list(item["size"]), "target_size": list(item["size"]),
+                "bucket": list(item["size"]) if self.buckets else None,
+                "source": item["source"],
+            })
+        cpu_rows = [row for row, item in enumerate(items) if "pixels" in item]
+        gpu_rows = [row for row, item in enumerate(items) if "jpeg" in item]
+        return {
+            "shard": shard, "size": items[0]["size"], "keys": [item["key"] for item in items],
+            "records": records, "input_ids": input_ids,
+            "cpu_rows": cpu_rows,
+            "pixels": torch.from_numpy(np.stack([items[row]["pixels"] for row in cpu_rows])) if cpu_rows else None,
+            "gpu_rows": gpu_rows,
+            "jpegs": [torch.frombuffer(bytearray(items[row]["jpeg"]), dtype=torch.uint8) for row in gpu_rows],
+            "boxes": [items[row]["box"] for row in gpu_rows],
+        }

@@ -1,0 +1,168 @@
+"""encode's writer: the writer thread, one output tar per input shard, the .npy members."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+import threading
+import time
+from collections import Counter
+from contextlib import ExitStack
+
+import numpy as np
+import webdataset as wds
+
+from laionkit.common import Rank, storage
+from laionkit.common.storage import Location
+from laionkit.encode.config import QUEUE_DEPTH
+from laionkit.encode.device import Encoders
+from laionkit.encode.reader import ShardDone
+from laionkit.encode.records import record_path, shard_record
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def npy_rows(batch: np.ndarray) -> list[bytes]:
+    """``npy_bytes`` of each row of a batch, with the .npy header (same for all rows) built once."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(batch[0]))
+    prefix = header.getvalue()
+    return [prefix + np.ascontiguousarray(row).tobytes() for row in batch]
+
+
+def write_empty_captions(output: Location, encoders: Encoders) -> None:
+    """The folder's empty-caption tensors (caption dropout), once: every rank writes the same bytes."""
+    for key, empty in encoders.empty_caption().items():
+        empty_path = output / encoders.family.empty_file(key)
+        if not empty_path.is_complete():
+            with storage.atomic_write(empty_path, shared=True) as tmp:
+                tmp.write_bytes(npy_bytes(empty))
+
+
+class ShardOutput:
+    """One output tar, written under a temporary name and renamed (uploaded, done record last) by
+    ``finish`` (webdataset.TarWriter)."""
+
+    def __init__(self, path: Location) -> None:
+
+        self.path = path
+        self.stack = ExitStack()
+        tmp = self.stack.enter_context(storage.atomic_write(path))
+        # An int mtime: a float one makes tarfile add a pax header to every member (2x the CPU).
+        self.sink = wds.TarWriter(str(tmp), encoder=False, mtime=0)
+        self.samples = 0
+        self.truncated = 0
+        self.sizes: Counter = Counter()
+        self.skips: list[dict] = []
+        self.started = time.perf_counter()
+
+    def write(self, keys: list[str], records: list[dict], moments: np.ndarray, stored: dict[str, np.ndarray]
+              ) -> None:
+        """One sample per key: moments, every stored text tensor under its member name, the json."""
+        rows = {member: npy_rows(value) for member, value in stored.items()}
+        for index, (key, record, sample_moments) in enumerate(zip(keys, records, npy_rows(moments))):
+            self.sink.write({
+                "__key__": key,
+                "moments.npy": sample_moments,
+                **{member: row[index] for member, row in rows.items()},
+                "json": json.dumps(record, sort_keys=True).encode(),
+            })
+            self.samples += 1
+            self.truncated += record["truncated"]
+            self.sizes["x".join(map(str, record["size"]))] += 1
+
+    def finish(self) -> None:
+        self.sink.close()
+        self.stack.close()
+
+    def abort(self, error: BaseException) -> None:
+        self.sink.close()
+        self.stack.__exit__(type(error), error, error.__traceback__)
+
+
+class _Writer:
+    """The writer thread: host copies land, samples go into their shard's tar, finished shards are renamed."""
+
+    def __init__(self, output: Location, settings: dict, models: dict, rank: Rank, progress) -> None:
+        self.output = output
+        self.settings = settings
+        self.models = models
+        self.rank = rank
+        self.progress = progress
+        self.open: dict[str, ShardOutput] = {}
+        self.samples_out = 0
+        self.skipped = 0
+        self.decoded: Counter = Counter()
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="laionkit-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        while self.thread.is_alive():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise self.error or RuntimeError("encode writer thread stopped")
+
+    def close(self) -> None:
+        self.put(None)
+        self.thread.join()
+        if self.error:
+            raise self.error
+
+    def abort(self, error: BaseException) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        for shard in self.open.values():
+            shard.abort(error)
+        self.open.clear()
+
+    def _loop(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                if isinstance(item, ShardDone):
+                    self._finish(item)
+                else:
+                    self._write(item)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
+            self.error = error
+
+    def _shard(self, name: str) -> ShardOutput:
+        if name not in self.open:
+            self.open[name] = ShardOutput(self.output / name)
+        return self.open[name]
+
+    def _write(self, item: dict) -> None:
+        shard = self._shard(item["shard"])
+        shard.skips += item["skips"]
+        self.decoded.update(item["decoded"])
+        if item["done"] is not None:
+            item["done"].synchronize()
+        if item["moments"] is not None:
+            shard.write(item["keys"], item["records"], item["moments"].numpy(),
+                        {member: value.numpy() for member, value in item["stored"].items()})
+        self.progress.update(len(item["keys"]) + len(item["skips"]))
+
+    def _finish(self, done: ShardDone) -> None:
+        shard = self._shard(done.shard)
+        skips = sorted(shard.skips + done.skips, key=lambda skip: skip["key"])
+        if shard.samples + len(skips) != done.samples_in:
+            raise RuntimeError(f"{done.shard}: {shard.samples} written + {len(skips)} skipped "
+                               f"!= {done.samples_in} read")
+        seconds = time.perf_counter() - shard.started
+        shard.finish()
+        del self.open[done.shard]
+        self.progress.update(len(done.skips))
+        record = shard_record(done, shard, skips, seconds, self.rank.rank, self.settings, self.models)
+        storage.write_json(record_path(self.output, done.shard), record)
+        self.samples_out += shard.samples
+        self.skipped += len(skips)
