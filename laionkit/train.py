@@ -372,15 +372,7 @@ def build_unet(config: TrainConfig, data: LatentSet):
                 f"and {pooled_dim or 'no'}"
             )
         return unet
-    if config.unet_config in spec.configs:
-        arch = dict(spec.configs[config.unet_config])
-    elif any(config.unet_config in get_family(name).configs for name in families()):
-        owners = [name for name in families() if config.unet_config in get_family(name).configs]
-        raise LaionkitError(f"--unet-config {config.unet_config} is a {'/'.join(owners)} architecture; these "
-                            f"latents are {spec.name} (from {config.latents}/manifest.json), whose configs are "
-                            f"{', '.join(spec.configs)}")
-    else:
-        arch = {k: v for k, v in load_unet_config(config.unet_config).items() if not k.startswith("_")}
+    arch = _architecture(config, spec, "--unet-config", load_unet_config)
     arch.update(in_channels=latent_channels, out_channels=latent_channels, sample_size=height,
                 cross_attention_dim=text_dim)
     if arch.get("addition_embed_type") == "text_time" or pooled_dim is not None:
@@ -412,18 +404,23 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
                 f"{found[2]}-dim pooled text; the {spec.name} latents have {latent_channels}, {text_dim} and "
                 f"{pooled_dim}")
         return model
-    if config.unet_config in spec.configs:
-        arch = dict(spec.configs[config.unet_config])
-    elif any(config.unet_config in get_family(name).configs for name in families()):
-        owners = [name for name in families() if config.unet_config in get_family(name).configs]
-        raise LaionkitError(f"--transformer-config {config.unet_config} is a {'/'.join(owners)} architecture; "
-                            f"these latents are {spec.name} (from {config.latents}/manifest.json), whose configs "
-                            f"are {', '.join(spec.configs)}")
-    else:
-        arch = {k: v for k, v in _load_config(cls, config.unet_config, spec.denoiser_subfolder).items()
-                if not k.startswith("_")}
+    arch = _architecture(config, spec, "--transformer-config",
+                         lambda source: _load_config(cls, source, spec.denoiser_subfolder))
     largest = max(max(shape[1:]) for shape in data.bucket_shapes)
     return cls.from_config(spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim))
+
+
+def _architecture(config: TrainConfig, spec, flag: str, load) -> dict:
+    """The from-scratch architecture: one of the family's named configs, or a config file / folder read
+    by ``load``; another family's config name is refused, naming the family of the latents."""
+    if config.unet_config in spec.configs:
+        return dict(spec.configs[config.unet_config])
+    owners = [name for name in families() if config.unet_config in get_family(name).configs]
+    if owners:
+        raise LaionkitError(f"{flag} {config.unet_config} is a {'/'.join(owners)} architecture; these latents "
+                            f"are {spec.name} (from {config.latents}/manifest.json), whose configs are "
+                            f"{', '.join(spec.configs)}")
+    return {k: v for k, v in load(config.unet_config).items() if not k.startswith("_")}
 
 
 def _pooled_width(unet_config) -> int | None:
