@@ -232,3 +232,21 @@ def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_latents, tmp_
     assert want.keys() == have.keys()
     for key in want:
         torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_unet_compiles_whole_with_checkpointed_blocks():
+    """SD / SDXL keep whole-model --compile: the UNet with every block checkpointed traces as one graph (no
+    graph break at the checkpointed blocks) and gives the eager loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    spec, model = tiny_denoiser("sd")
+    want_loss, want, _ = loss_and_grads(model, loss_fn("sd", spec, model))
+    torch._dynamo.reset()
+    counters.clear()
+    spec.checkpoint_blocks(model, 1)
+    compiled = torch.compile(model, dynamic=False, backend="aot_eager")
+    got_loss, got, _ = loss_and_grads(model, loss_fn("sd", spec, compiled))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
