@@ -1246,8 +1246,11 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     if config.compile:
         # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
         # per function, 256 in all), else the shapes past the limit would run uncompiled.
+        # Per block (transformers), the checkpointed blocks of every class share one compiled function
+        # (FamilySpec.checkpoint_blocks), so the allowance grows with the number of block classes too.
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(all_buckets))
+        per_bucket = 8 * (len(data.family.block_classes) if data.family.regional_compile else 1)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, per_bucket * len(all_buckets))
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(all_buckets))
     model = unet
     if config.compile and not data.family.regional_compile:  # UNets: the whole denoiser (see compile_blocks)

@@ -5,6 +5,7 @@ and a real kill -9 + resume of a flow family through the CLI. Tiny models on CPU
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -250,3 +251,46 @@ def test_unet_compiles_whole_with_checkpointed_blocks():
     assert got_loss == pytest.approx(want_loss, rel=1e-5)
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpointing_with_lora_ema_and_validation_gives_the_same_losses(flux_latents, tmp_path):
+    """LoRA adapters inside checkpointed blocks, EMA, validation images and the validation loss (no-grad
+    forwards through the checkpointed blocks): the same losses, val_loss and adapters as without."""
+    from safetensors.torch import load_file
+
+    from laionkit.train import TrainConfig, run
+
+    base = dict(latents=flux_latents, unet=str(flux_latents.parent / "model"), lora_rank=2, max_steps=2,
+                batch_size=4, lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
+                ema=True, ema_decay=0.5, validate_every=2, validation_count=1, validation_steps=1,
+                val_latents=flux_latents, val_samples=2, val_every=2)
+    for name, checkpointing in (("plain", "none"), ("checked", "blocks")):
+        run(TrainConfig(output=tmp_path / name, checkpointing=checkpointing, **base))
+    want, got = metrics(tmp_path / "plain"), metrics(tmp_path / "checked")
+    for step in (1, 2):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
+    assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-6)
+    assert (tmp_path / "checked" / "samples" / "step-000002.png").is_file()
+    for folder in ("lora", "lora_ema"):
+        a, b = (load_file(tmp_path / name / folder / "pytorch_lora_weights.safetensors") for name in ("plain", "checked"))
+        assert a.keys() == b.keys() and a
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=f"{folder} {key}")
+
+
+def test_cli_checkpointing_flags(flux_latents, tmp_path, capsys):
+    """A wrong --checkpointing is one line and exit 2; --gradient-checkpointing still trains, as blocks, and
+    says it is deprecated; --help shows the flags with examples."""
+    from laionkit.train import TrainConfig, run
+
+    bad = run_cli("train", flux_latents, "--output", tmp_path / "bad", "--transformer-config", "tiny",
+                  "--max-steps", "1", "--checkpointing", "every-0", check=False)
+    assert bad.returncode == 2 and "--checkpointing 'every-0'" in bad.stderr and "Traceback" not in bad.stderr
+    run(TrainConfig(latents=flux_latents, output=tmp_path / "old", unet_config="tiny", max_steps=1, batch_size=2,
+                    workers=0, log_with="none", quiet=True, gradient_checkpointing=True))
+    said = capsys.readouterr().out
+    assert "--gradient-checkpointing is deprecated" in said
+    assert "activation checkpointing: 3 of 3 FluxTransformerBlock/FluxSingleTransformerBlock blocks" in said
+    assert metrics(tmp_path / "old")[1]["loss"] > 0
+    help_text = run_cli("train", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--checkpointing" in help_text and "--compile --checkpointing blocks" in help_text
