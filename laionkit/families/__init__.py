@@ -142,7 +142,6 @@ class FamilySpec:
             )
         return found
 
-
     def checkpoint_blocks(self, denoiser, every: int) -> list:
         """Activation checkpointing per block (``--checkpointing blocks`` is ``every=1``, ``every-N`` is
         ``every=N``): the N-th, 2N-th, ... block (counted from 1, in ``blocks()`` order, as torchtitan counts)
