@@ -4,6 +4,7 @@ and a real kill -9 + resume of a flow family through the CLI. Tiny models on CPU
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -96,6 +97,9 @@ def test_checkpointing_recomputes_the_chosen_blocks_and_changes_no_gradient(name
         loss()
     assert calls == [1] * len(blocks)
     assert model.state_dict().keys() == tiny_denoiser(name)[1].state_dict().keys()
+    clone = copy.deepcopy(model)  # EMA-style copies recompute their own blocks, not the original's
+    for block in spec.blocks(clone):
+        assert block.forward.__self__ is block and block._plain_forward.__self__ is block
 
 
 def test_checkpointing_flag_values_and_the_deprecated_alias(tmp_path):
