@@ -373,6 +373,11 @@ def stats_command(
     laionkit train latents-sd3/ --output runs/sd3 --transformer-config sd3-medium --shift 3 --weighting none
     --max-steps 100000 --mixed-precision bf16
 
+    laionkit train latents-flux/ --output runs/flux-full --transformer flux-dev --mixed-precision bf16
+    --compile --checkpointing blocks --resume latest
+
+    laionkit train latents-sdxl/ --output runs/sdxl --unet sdxl --checkpointing every-2 --batch-size 16
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
@@ -411,8 +416,9 @@ def train_command(
     bf16_weights: Annotated[Optional[bool], typer.Option("--bf16-weights/--no-bf16-weights", help="With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the optimizer, EMA and checkpoints (+11% samples/s eager). --no-bf16-weights: autocast over fp32 weights, as diffusers' scripts do. Default: on, off with --compile (autocast measured faster compiled).")] = None,
     ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Trade compute for activation memory.")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile the UNet (dynamic=False: one graph per latent shape, i.e. per bucket).")] = False,
+    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks): blocks (every block), every-N (every N-th block: less recompute, more memory) or none. Same losses and gradients, less activation memory, ~1/3 more compute per checkpointed block.")] = "none",
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Deprecated: the same as --checkpointing blocks.")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket). SD3 / Flux: each transformer block on its own (regional: compile time independent of depth); SD / SDXL: the whole UNet. Combines with --checkpointing.")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
     channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
     tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,

@@ -91,7 +91,8 @@ class TrainConfig:
     bf16_weights: bool | None = None  # None: on in eager mode, off with --compile (measured, see MasterWeights)
     ema: bool = False
     ema_decay: float = 0.9999
-    gradient_checkpointing: bool = False
+    checkpointing: str = "none"  # activation checkpointing per family block: blocks, every-N or none
+    gradient_checkpointing: bool = False  # deprecated alias of checkpointing="blocks"
     compile: bool = False
     compile_mode: str = "default"
     channels_last: bool = False
@@ -169,8 +170,28 @@ class TrainConfig:
             if not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--shift {self.shift!r}: a number > 0 (static shift), dynamic or none")
         self.later_stages()
+        self.checkpoint_interval()
         lora.check_config(self)
         valloss.check_config(self)
+
+    def checkpoint_interval(self) -> int:
+        """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
+        (``every-N``). The deprecated --gradient-checkpointing means ``blocks``."""
+        value = self.checkpointing.strip().lower()
+        if self.gradient_checkpointing:
+            if value not in ("none", "blocks"):
+                raise LaionkitError(f"--gradient-checkpointing (deprecated) is --checkpointing blocks; it "
+                                    f"contradicts --checkpointing {self.checkpointing}: give only --checkpointing")
+            return 1
+        if value == "none":
+            return 0
+        if value == "blocks":
+            return 1
+        prefix, _, count = value.partition("every-")
+        if prefix or not count.isdigit() or int(count) < 1:
+            raise LaionkitError(f"--checkpointing {self.checkpointing!r}: blocks (every block), every-N (every "
+                                "N-th block, N >= 1) or none")
+        return int(count)
 
     def later_stages(self) -> list[tuple[Path, int]]:
         """The --stage folders and their steps, trained after the LATENTS stage."""
@@ -1177,7 +1198,16 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
     model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in all_buckets]
     if config.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
+    if config.checkpoint_interval():  # activation checkpointing on the family's blocks (FamilySpec.blocks)
+        checked = data.family.checkpoint_blocks(unet, config.checkpoint_interval())
+        accelerator.print(f"activation checkpointing: {len(checked)} of {len(data.family.blocks(unet))} "
+                          f"{'/'.join(data.family.block_classes)} blocks")
+    if config.compile and data.family.regional_compile:
+        # Transformers: each block compiled in place, before DDP/FSDP wrap it (FSDP2 renames the classes):
+        # compile time independent of depth. UNets compile whole below: their glue between blocks (down/up
+        # samplers, norms, projections) is a large share of the work, and whole-model compile is measured.
+        data.family.compile_blocks(unet, dynamic=False, mode=config.compile_mode)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
     unet.train()
@@ -1213,10 +1243,15 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
     if config.compile:
         # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
         # per function, 256 in all), else the shapes past the limit would run uncompiled.
+        # Per block (transformers), the checkpointed blocks of every class share one compiled function
+        # (FamilySpec.checkpoint_blocks), so the allowance grows with the number of block classes too.
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 8 * len(all_buckets))
+        per_bucket = 8 * (len(data.family.block_classes) if data.family.regional_compile else 1)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, per_bucket * len(all_buckets))
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(all_buckets))
-    model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
+    model = unet
+    if config.compile and not data.family.regional_compile:  # UNets: the whole denoiser (see compile_blocks)
+        model = torch.compile(unet, dynamic=False, mode=config.compile_mode)
 
     # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
     generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)

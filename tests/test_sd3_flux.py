@@ -340,7 +340,8 @@ def test_fsdp_wraps_each_transformer_block():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gradient_checkpointing_per_block_changes_no_gradient(name):
-    """--gradient-checkpointing on a transformer recomputes each block in backward: same loss, same grads."""
+    """diffusers' own per-block checkpointing (what --gradient-checkpointing called before --checkpointing, which
+    does the same through the family's blocks: tests/test_scale.py) recomputes each block: same loss, same grads."""
     import diffusers
 
     from laionkit.families import flow as flow_math

@@ -19,6 +19,8 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   its sigma sampling, shift and loss weighting; see ``laionkit.families.flow``);
 - ``block_classes``: the denoiser's repeated block, the FSDP wrap unit and the activation-checkpointing
   unit (class names, resolved on the built model, so importing a family imports no diffusers);
+  ``checkpoint_blocks`` (train ``--checkpointing``) and ``compile_blocks`` (``--compile`` where
+  ``regional_compile``: the transformers, whose blocks hold nearly all the compute) act on these blocks;
 - ``pipeline_class``: the diffusers pipeline that draws validation grids and that an export must load
   into; the export is that pipeline's folder layout with the trained denoiser in ``denoiser_subfolder``;
 - ``write_tiny(output, seed)``: a tiny random-init model in the real diffusers layout for offline tests;
@@ -47,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 from laionkit.common.errors import LaionkitError
@@ -105,6 +108,7 @@ class FamilySpec:
     pack_latents: Callable[[Any], Any] | None = None
     unpack_latents: Callable[[Any, int, int], Any] | None = None
     embedded_guidance: bool = False
+    regional_compile: bool = False  # --compile each block (compile time independent of depth), not the whole denoiser
     # encode --text online: tokenize(tokenizers, captions) -> ids [B, T_i] per text encoder (stored as
     # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
     tokenize: Callable[..., list] | None = None
@@ -137,6 +141,39 @@ class FamilySpec:
                 f"family {self.name}: {type(denoiser).__name__} has no {'/'.join(self.block_classes)} blocks"
             )
         return found
+
+    def checkpoint_blocks(self, denoiser, every: int) -> list:
+        """Activation checkpointing per block (``--checkpointing blocks`` is ``every=1``, ``every-N`` is
+        ``every=N``): the N-th, 2N-th, ... block (counted from 1, in ``blocks()`` order, as torchtitan counts)
+        runs its forward under non-reentrant ``torch.utils.checkpoint``, keeping only its inputs and
+        recomputing its activations in backward. Without grad (validation, the validation loss, export) a
+        block runs plainly. The module tree and state dict are unchanged (the forward is replaced on the
+        instance, by a bound method, so a deepcopy stays checkpointed on its own blocks). Returns the
+        checkpointed blocks."""
+        chosen = [block for index, block in enumerate(self.blocks(denoiser), 1) if index % every == 0]
+        for block in chosen:
+            if "_plain_forward" not in vars(block):  # checkpointing twice wraps once
+                block._plain_forward = block.forward
+                block.forward = MethodType(_checkpointed_forward, block)
+        return chosen
+
+    def compile_blocks(self, denoiser, **options) -> list:
+        """Regional compilation: ``torch.compile`` each block in place (``nn.Module.compile``, as diffusers'
+        ``compile_repeated_blocks`` does): blocks of one class share one graph per input shape, so compile
+        time does not grow with depth; the glue between blocks stays eager. Returns the compiled blocks."""
+        found = self.blocks(denoiser)
+        for block in found:
+            block.compile(**options)
+        return found
+
+
+def _checkpointed_forward(block, *args, **kwargs):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():
+        return block._plain_forward(*args, **kwargs)
+    return checkpoint(block._plain_forward, *args, use_reentrant=False, **kwargs)
 
 
 _FAMILIES: dict[str, FamilySpec] = {}

@@ -179,6 +179,7 @@ SPEC = register_family(FamilySpec(
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
                         timestep_scale=1.0, guidance=TRAIN_GUIDANCE),
     block_classes=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    regional_compile=True,
     write_tiny=write_tiny,
     presets=PRESETS,
     configs={"flux-dev": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},

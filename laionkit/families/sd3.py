@@ -178,6 +178,7 @@ SPEC = register_family(FamilySpec(
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", shift=3.0),
     block_classes=("JointTransformerBlock",),
+    regional_compile=True,
     write_tiny=write_tiny,
     presets=PRESETS,
     configs={"sd3-medium": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},

@@ -1,0 +1,300 @@
+"""Scale features through the family layer (FamilySpec.block_classes): activation checkpointing per block
+(--checkpointing blocks|every-N|none), regional --compile (each transformer block compiled on its own),
+and a real kill -9 + resume of a flow family through the CLI. Tiny models on CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from laionkit.common import LaionkitError
+from laionkit.families import flow as flow_math
+from laionkit.families import get_family
+
+
+def tiny_denoiser(name: str, **overrides):
+    import diffusers
+
+    spec = get_family(name)
+    config = {**spec.configs["tiny"], **overrides}
+    if name == "sd":
+        config.setdefault("cross_attention_dim", 32)
+    torch.manual_seed(0)
+    return spec, getattr(diffusers, spec.denoiser_class).from_config(config)
+
+
+def loss_fn(name: str, spec, model):
+    """A training loss of the family's denoiser on fixed inputs (the flow loss, or noise MSE for SD)."""
+    generator = torch.Generator().manual_seed(0)
+    if name == "sd":
+        noisy = torch.randn(2, 4, 16, 16, generator=generator)
+        states = torch.randn(2, 7, model.config.cross_attention_dim, generator=generator)
+        target = torch.randn(2, 4, 16, 16, generator=generator)
+        return lambda: torch.nn.functional.mse_loss(
+            spec.predict(model, noisy, torch.tensor([10, 500]), {"states": states}), target)
+    cond = {"states": torch.randn(2, 7, model.config.joint_attention_dim, generator=generator),
+            "pooled": torch.randn(2, model.config.pooled_projection_dim, generator=generator)}
+    if name == "flux":
+        cond["guidance"] = torch.full((2,), 3.5)
+    x0, noise = torch.randn(2, 2, 16, 8, 8, generator=generator)
+    sigmas = torch.tensor([0.2, 0.7])
+    noisy = flow_math.interpolate(x0, noise, sigmas)
+    return lambda: flow_math.loss(spec.predict(model, noisy, sigmas * spec.objective.timestep_scale, cond),
+                                  x0, noise, sigmas)
+
+
+def loss_and_grads(model, loss):
+    model.zero_grad()
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        value = loss()
+    value.backward()
+    return value.item(), [p.grad.clone() for p in model.parameters()], saved[0]
+
+
+@pytest.mark.parametrize("name", ("sd", "sd3", "flux"))
+def test_checkpointing_recomputes_the_chosen_blocks_and_changes_no_gradient(name):
+    """--checkpointing blocks / every-2 on the family's blocks: the same loss and gradients as without,
+    fewer tensors saved for backward, and exactly the chosen blocks run their forward twice (once more in
+    backward); a no-grad forward (validation) runs each block once."""
+    spec, model = tiny_denoiser(name)
+    loss = loss_fn(name, spec, model)
+    blocks = spec.blocks(model)
+    calls = [0] * len(blocks)
+    for index, block in enumerate(blocks):  # a child's hook fires in the forward and in the recompute
+        child = next(m for m in block.modules() if m is not block and not list(m.children()))
+        child.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    plain_loss, plain, plain_saved = loss_and_grads(model, loss)
+    assert calls == [1] * len(blocks)
+    saved = {}
+    for every in (2, 1):  # every-2 first: checkpointing every block afterwards wraps the rest
+        calls[:] = [0] * len(blocks)
+        chosen = spec.checkpoint_blocks(model, every)
+        assert chosen == [b for i, b in enumerate(blocks, 1) if i % every == 0]
+        got_loss, got, saved[every] = loss_and_grads(model, loss)
+        expected = [2 if i % every == 0 else 1 for i in range(1, len(blocks) + 1)]
+        assert calls == expected, every
+        assert got_loss == plain_loss
+        for a, b in zip(plain, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert saved[1] < saved[2] < plain_saved
+    calls[:] = [0] * len(blocks)
+    with torch.no_grad():
+        loss()
+    assert calls == [1] * len(blocks)
+    assert model.state_dict().keys() == tiny_denoiser(name)[1].state_dict().keys()
+    clone = copy.deepcopy(model)  # EMA-style copies recompute their own blocks, not the original's
+    for block in spec.blocks(clone):
+        assert block.forward.__self__ is block and block._plain_forward.__self__ is block
+
+
+def test_checkpointing_flag_values_and_the_deprecated_alias(tmp_path):
+    from laionkit.train import TrainConfig
+
+    def interval(**flags):
+        return TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1,
+                           **flags).checkpoint_interval()
+
+    assert interval() == 0 and interval(checkpointing="none") == 0
+    assert interval(checkpointing="blocks") == 1 and interval(checkpointing="every-3") == 3
+    assert interval(gradient_checkpointing=True) == 1
+    assert interval(gradient_checkpointing=True, checkpointing="blocks") == 1
+    for bad in ("every-0", "every-", "every-x", "3", "all"):
+        with pytest.raises(LaionkitError, match="blocks \\(every block\\), every-N"):
+            interval(checkpointing=bad)
+    with pytest.raises(LaionkitError, match="deprecated.*give only --checkpointing"):
+        interval(gradient_checkpointing=True, checkpointing="every-2")
+
+
+def _graphs(name: str, backend: str, checkpoint: bool, **depth) -> tuple[int, float]:
+    """Dynamo graphs compiled for one training step of a regionally compiled tiny transformer, and its loss."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    spec, model = tiny_denoiser(name, **depth)
+    if checkpoint:
+        spec.checkpoint_blocks(model, 1)
+    spec.compile_blocks(model, dynamic=False, backend=backend)
+    value, grads, _ = loss_and_grads(model, loss_fn(name, spec, model))
+    return counters["stats"]["unique_graphs"], value, grads
+
+
+def test_regional_compile_graphs_do_not_grow_with_depth():
+    """Flux with 1 double + 2 single blocks and with 3 + 5: the same graphs (one per block kind and input
+    layout), with and without checkpointing inside them."""
+    for checkpoint in (False, True):
+        shallow = _graphs("flux", "eager", checkpoint, num_layers=1, num_single_layers=2)[0]
+        deep = _graphs("flux", "eager", checkpoint, num_layers=3, num_single_layers=5)[0]
+        assert 0 < shallow == deep <= 3, checkpoint
+    assert get_family("sd3").regional_compile and get_family("flux").regional_compile
+    assert not get_family("sd").regional_compile and not get_family("sdxl").regional_compile
+
+
+def test_regional_compile_with_checkpointing_matches_eager():
+    """SD3 blocks compiled through AOTAutograd (what inductor gets; inductor itself is too slow to compile on
+    this CPU for a unit test) with checkpointing inside: the eager loss and gradients within tolerance."""
+    spec, model = tiny_denoiser("sd3")
+    want_loss, want, _ = loss_and_grads(model, loss_fn("sd3", spec, model))
+    graphs, got_loss, got = _graphs("sd3", "aot_eager", True)
+    assert graphs >= 1
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def flux_latents(tmp_path_factory, image_shards) -> Path:
+    from laionkit.encode import EncodeConfig, run
+
+    root = tmp_path_factory.mktemp("flux")
+    model = get_family("flux").write_tiny(root / "model", 0)
+    run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
+                     batch_size=4, workers=0, quiet=True))
+    return root / "latents"
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_train_compile_per_block_with_checkpointing_matches_eager(flux_latents, tmp_path, monkeypatch):
+    """`train --compile --checkpointing blocks` on Flux compiles each transformer block (never the whole
+    model) and trains to the eager run's losses. The backend is AOTAutograd without inductor's codegen
+    (inductor takes minutes per graph on this shared CPU)."""
+    from laionkit.train import TrainConfig, run
+
+    base = dict(latents=flux_latents, unet_config="tiny", max_steps=2, batch_size=4, lr=1e-3, log_with="none",
+                quiet=True, log_every=1, workers=0, shuffle_buffer=3)
+    run(TrainConfig(output=tmp_path / "eager", **base))
+    compiled = []
+    original = torch.compile
+
+    def compile(target, **options):
+        compiled.append(type(getattr(target, "__self__", target)).__name__)
+        return original(target, **{**options, "mode": None, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", compile)
+    torch._dynamo.reset()
+    run(TrainConfig(output=tmp_path / "compiled", compile=True, checkpointing="blocks", **base))
+    assert compiled == ["FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxSingleTransformerBlock"]
+    want, got = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
+    for step in (1, 2):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
+
+
+def _train(latents: Path, run: Path, *extra) -> list[str]:
+    return [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run), "--transformer-config",
+            "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet", "--log-every", "1",
+            "--workers", "0", "--shuffle-buffer", "3", "--caption-dropout", "0.5", "--max-steps", "8",
+            "--checkpoint-every", "2", *map(str, extra)]
+
+
+def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_latents, tmp_path):
+    """`laionkit train` on Flux killed with SIGKILL right after its step-4 checkpoint landed, rerun with
+    --resume latest: every step's loss and the exported transformer equal an uninterrupted run's. The
+    killed run checkpoints every other block (--checkpointing every-2), which changes no number."""
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
+    reference = tmp_path / "reference"  # in this process (no second start-up): the same flags as _train's
+    train(TrainConfig(latents=flux_latents, output=reference, unet_config="tiny", batch_size=2, lr=1e-3,
+                      log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3, caption_dropout=0.5,
+                      max_steps=8, checkpoint_every=2))
+
+    run = tmp_path / "run"
+    process = subprocess.Popen(_train(flux_latents, run, "--checkpointing", "every-2"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "step-00000004").is_dir() and process.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    process.kill()
+    assert process.wait() == -9, "the run ended before the kill"
+    assert not (run / "transformer").exists(), "killed too late: the run already finished"
+    run_cli(*_train(flux_latents, run, "--checkpointing", "every-2", "--resume", "latest")[3:])
+    expected, got = metrics(reference), metrics(run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    from safetensors.torch import load_file
+
+    want, have = (load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors") for folder in (reference, run))
+    assert want.keys() == have.keys()
+    for key in want:
+        torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_unet_compiles_whole_with_checkpointed_blocks():
+    """SD / SDXL keep whole-model --compile: the UNet with every block checkpointed traces as one graph (no
+    graph break at the checkpointed blocks) and gives the eager loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    spec, model = tiny_denoiser("sd")
+    want_loss, want, _ = loss_and_grads(model, loss_fn("sd", spec, model))
+    torch._dynamo.reset()
+    counters.clear()
+    spec.checkpoint_blocks(model, 1)
+    compiled = torch.compile(model, dynamic=False, backend="aot_eager")
+    got_loss, got, _ = loss_and_grads(model, loss_fn("sd", spec, compiled))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_checkpointing_with_lora_ema_and_validation_gives_the_same_losses(flux_latents, tmp_path):
+    """LoRA adapters inside checkpointed blocks, EMA, validation images and the validation loss (no-grad
+    forwards through the checkpointed blocks): the same losses, val_loss and adapters as without."""
+    from safetensors.torch import load_file
+
+    from laionkit.train import TrainConfig, run
+
+    base = dict(latents=flux_latents, unet=str(flux_latents.parent / "model"), lora_rank=2, max_steps=2,
+                batch_size=4, lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
+                ema=True, ema_decay=0.5, validate_every=2, validation_count=1, validation_steps=1,
+                val_latents=flux_latents, val_samples=2, val_every=2)
+    for name, checkpointing in (("plain", "none"), ("checked", "blocks")):
+        run(TrainConfig(output=tmp_path / name, checkpointing=checkpointing, **base))
+    want, got = metrics(tmp_path / "plain"), metrics(tmp_path / "checked")
+    for step in (1, 2):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
+    assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-6)
+    assert (tmp_path / "checked" / "samples" / "step-000002.png").is_file()
+    for folder in ("lora", "lora_ema"):
+        a, b = (load_file(tmp_path / name / folder / "pytorch_lora_weights.safetensors") for name in ("plain", "checked"))
+        assert a.keys() == b.keys() and a
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=f"{folder} {key}")
+
+
+def test_cli_checkpointing_flags(flux_latents, tmp_path, capsys):
+    """A wrong --checkpointing is one line and exit 2; --gradient-checkpointing still trains, as blocks, and
+    says it is deprecated; --help shows the flags with examples."""
+    from laionkit.train import TrainConfig, run
+
+    bad = run_cli("train", flux_latents, "--output", tmp_path / "bad", "--transformer-config", "tiny",
+                  "--max-steps", "1", "--checkpointing", "every-0", check=False)
+    assert bad.returncode == 2 and "--checkpointing 'every-0'" in bad.stderr and "Traceback" not in bad.stderr
+    run(TrainConfig(latents=flux_latents, output=tmp_path / "old", unet_config="tiny", max_steps=1, batch_size=2,
+                    workers=0, log_with="none", quiet=True, gradient_checkpointing=True))
+    said = capsys.readouterr().out
+    assert "--gradient-checkpointing is deprecated" in said
+    assert "activation checkpointing: 3 of 3 FluxTransformerBlock/FluxSingleTransformerBlock blocks" in said
+    assert metrics(tmp_path / "old")[1]["loss"] > 0
+    help_text = run_cli("train", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--checkpointing" in help_text and "--compile --checkpointing blocks" in help_text
