@@ -379,7 +379,7 @@ torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.m
 """)
 def train_command(
     latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.")],
     unet: Annotated[Optional[str], typer.Option("--unet", "--transformer", help="Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev) or folder with the family's unet/ or transformer/ weights.")] = None,
     unet_config: Annotated[Optional[str], typer.Option("--unet-config", "--transformer-config", help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny) or a config folder/file.")] = None,
     noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,

@@ -254,3 +254,47 @@ def test_filter_scores_embeddings_read_by_row_range_from_the_bucket_like_local_d
 
     assert read_parts(output).equals(read_parts(reference))
     assert 0 < read_parts(output).num_rows < 1000 and "aes" in read_parts(output).column_names
+
+
+def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the_same_losses(
+        s3, latent_shards, tmp_path, monkeypatch):
+    """--output s3://...: checkpoints go to the bucket with trainer.json and then the done record last; a
+    kill -9 between them (checkpoint 2 recorded, 4 not) resumes from 2 on --resume latest (4 passed over) to
+    the losses of an uninterrupted local run, and the exported unet/ in the bucket loads with diffusers."""
+    monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
+    args = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
+            "--workers", "0", "--max-steps", "4", "--log-every", "1", "--checkpoint-every", "2",
+            "--keep-checkpoints", "1")
+    local, run = tmp_path / "local", s3.url("runs", "tiny")
+    run_cli("train", latent_shards, "--output", local, *args)
+
+    argv = ["train", str(latent_shards), "--output", run, *args, "--resume", "latest"]
+    result = killed_run(s3, tmp_path, f"import runpy, sys; sys.argv = {['laionkit', *argv]!r}; "
+                        "runpy.run_module('laionkit.cli', run_name='__main__')", "location.name == 'step-00000004'")
+    assert result.returncode == -9, result.stderr[-3000:]
+    checkpoints = Location.parse(run) / "checkpoints"
+    assert [p.name for p in checkpoints.list("step-*")] == ["step-00000002"]
+    assert [p.name for p in checkpoints.list("step-*", complete_only=False)] == ["step-00000002", "step-00000004"]
+    assert (checkpoints / "step-00000004" / "trainer.json").exists()  # every object up, the record never
+    assert not (Location.parse(run) / "unet").exists()
+
+    refused = run_cli("train", latent_shards, "--output", run, *args, check=False, env=s3.env)
+    assert refused.returncode != 0 and "already holds a run (checkpoints, metrics.jsonl)" in refused.stderr
+    run_cli(*argv, env=s3.env)
+
+    assert [p.name for p in checkpoints.list("step-*", complete_only=False)] == ["step-00000004"]
+    records = lambda text: [json.loads(line) for line in text.splitlines()]  # noqa: E731
+    resumed = records((Location.parse(run) / "metrics.jsonl").read_bytes().decode())
+    uninterrupted = records((local / "metrics.jsonl").read_text())
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in uninterrupted], rel=1e-5, abs=1e-7)
+    unet = Location.parse(run) / "unet"
+    assert unet.is_complete()
+    downloaded = tmp_path / "downloaded"
+    unet.fs.get(unet.path + "/", str(downloaded), recursive=True)
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel.from_pretrained(downloaded)
+    reference = UNet2DConditionModel.from_pretrained(local / "unet")
+    for (name, weight), other in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert weight.allclose(other, rtol=1e-4, atol=1e-6), name
