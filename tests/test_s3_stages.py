@@ -261,12 +261,18 @@ def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the
     """--output s3://...: checkpoints go to the bucket with trainer.json and then the done record last; a
     kill -9 between them (checkpoint 2 recorded, 4 not) resumes from 2 on --resume latest (4 passed over) to
     the losses of an uninterrupted local run, and the exported unet/ in the bucket loads with diffusers."""
+    from laionkit.common import LaionkitError
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
     monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
     args = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
             "--workers", "0", "--max-steps", "4", "--log-every", "1", "--checkpoint-every", "2",
             "--keep-checkpoints", "1")
+    options = dict(unet_config="tiny", batch_size=2, lr=1e-3, log_with="none", quiet=True, workers=0, max_steps=4,
+                   log_every=1, checkpoint_every=2, keep_checkpoints=1)  # the same, in this process (cheaper)
     local, run = tmp_path / "local", s3.url("runs", "tiny")
-    run_cli("train", latent_shards, "--output", local, *args)
+    train(TrainConfig(latents=latent_shards, output=local, **options))
 
     argv = ["train", str(latent_shards), "--output", run, *args, "--resume", "latest"]
     result = killed_run(s3, tmp_path, f"import runpy, sys; sys.argv = {['laionkit', *argv]!r}; "
@@ -278,9 +284,9 @@ def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the
     assert (checkpoints / "step-00000004" / "trainer.json").exists()  # every object up, the record never
     assert not (Location.parse(run) / "unet").exists()
 
-    refused = run_cli("train", latent_shards, "--output", run, *args, check=False, env=s3.env)
-    assert refused.returncode != 0 and "already holds a run (checkpoints, metrics.jsonl)" in refused.stderr
-    run_cli(*argv, env=s3.env)
+    with pytest.raises(LaionkitError, match=r"already holds a run \(checkpoints, metrics.jsonl\)"):
+        train(TrainConfig(latents=latent_shards, output=run, **options))
+    assert train(TrainConfig(latents=latent_shards, output=run, resume="latest", **options)).step == 4
 
     assert [p.name for p in checkpoints.list("step-*", complete_only=False)] == ["step-00000004"]
     records = lambda text: [json.loads(line) for line in text.splitlines()]  # noqa: E731
