@@ -304,3 +304,35 @@ def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the
     reference = UNet2DConditionModel.from_pretrained(local / "unet")
     for (name, weight), other in zip(model.state_dict().items(), reference.state_dict().values()):
         assert weight.allclose(other, rtol=1e-4, atol=1e-6), name
+
+
+def test_train_bucket_run_folder_fresh_run_rules_and_resume_choice(s3):
+    """Rank 0's decision for a URL --output, without training: a run there is refused, deleted with
+    --overwrite; --resume picks the newest checkpoint with a done record, and an explicit one must have it."""
+    from types import SimpleNamespace
+
+    from laionkit.common import LaionkitError
+    from laionkit.common.storage import mark_done, write_bytes
+    from laionkit.runfolder import RunFolder
+    from laionkit.train import RUN_OUTPUTS
+
+    run = Location.parse(s3.url("runs", "x"))
+    folder = RunFolder(run, Path("unused"))
+    decide = lambda **given: folder._decide(SimpleNamespace(**{"resume": None, "overwrite": False, **given}),  # noqa: E731
+                                            RUN_OUTPUTS)
+    assert decide() is None and decide(resume="latest") is None  # an empty folder: a fresh start
+    for step in (2, 4, 6):
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        write_bytes(checkpoint / "trainer.json", b"{}")
+        if step != 6:  # 6: every object up, its done record never written (killed mid-upload)
+            mark_done(checkpoint)
+    with pytest.raises(LaionkitError, match="already holds a run"):
+        decide()
+    assert decide(resume="latest") == "step-00000004"
+    assert decide(resume=s3.url("runs", "x", "checkpoints", "step-00000002")) == "step-00000002"
+    with pytest.raises(LaionkitError, match="no done record"):
+        decide(resume=s3.url("runs", "x", "checkpoints", "step-00000006"))
+    with pytest.raises(LaionkitError, match="a checkpoint of --output"):
+        decide(resume=s3.url("elsewhere", "step-00000002"))
+    assert decide(overwrite=True) is None
+    assert run.list(complete_only=False) == []
