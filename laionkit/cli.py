@@ -368,6 +368,9 @@ def stats_command(
 
     laionkit train s3://bucket/latents --output runs/tiny --unet-config tiny --cache-dir /scratch/cache --cache-size 200000000000
 
+    laionkit train s3://bucket/latents --output s3://bucket/runs/sd15 --unet-config sd15 --max-steps 50000
+    --resume latest   # checkpoints staged in $LAIONKIT_STAGING, uploaded with done records; AWS_* credentials
+
     laionkit train latents-flux/ --output runs/flux --transformer flux-dev --lora-rank 16 --max-steps 2000
 
     laionkit train latents-sd3/ --output runs/sd3 --transformer-config sd3-medium --shift 3 --weighting none
@@ -384,7 +387,7 @@ torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.m
 """)
 def train_command(
     latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Run folder: checkpoints, metrics, samples, unet/.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.")],
     unet: Annotated[Optional[str], typer.Option("--unet", "--transformer", help="Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev) or folder with the family's unet/ or transformer/ weights.")] = None,
     unet_config: Annotated[Optional[str], typer.Option("--unet-config", "--transformer-config", help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny) or a config folder/file.")] = None,
     noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
@@ -427,7 +430,7 @@ def train_command(
     shuffle_buffer: Annotated[int, typer.Option(help="Samples in each worker's shuffle buffer.")] = 1000,
     checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 1000,
     keep_checkpoints: Annotated[int, typer.Option(help="Keep the last K checkpoints.")] = 3,
-    resume: Annotated[Optional[str], typer.Option(help="latest (newest complete checkpoint that verifies, if any) or a checkpoint folder.")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL --output: one of its checkpoints/step-N URLs).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Delete the run already in --output (metrics, checkpoints, unet/...) and start over.")] = False,
     max_nonfinite: Annotated[int, typer.Option(help="Stop with an error after this many consecutive steps with a non-finite loss.")] = 3,
     log_every: Annotated[int, typer.Option(help="Log (and check for SIGTERM) every N steps.")] = 10,

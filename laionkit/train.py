@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from laionkit import lora, valloss
+from laionkit import lora, runfolder, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -58,7 +58,7 @@ CHECKPOINT_PREFIX = "step-"
 @dataclass(frozen=True)
 class TrainConfig:
     latents: Path | str  # a folder or a URL (s3://...), streamed
-    output: Path
+    output: Path | str  # a folder or a URL (s3://...), staged locally (laionkit/runfolder.py)
     unet: str | None = None
     unet_config: str | None = None
     noise_scheduler: str | None = None
@@ -1131,11 +1131,12 @@ class StopFlag:
 
 
 def run(config: TrainConfig) -> TrainResult:
+    config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
     with StopFlag() as stop:
-        return _train(config, stop)
+        return _train(config, stop, remote)
 
 
-def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
+def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
     from diffusers.optimization import get_scheduler
@@ -1162,8 +1163,11 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
-    storage.refuse_overlap([config.latents, *(folder for folder, _ in config.later_stages()),
-                            *([config.val_latents] if config.val_latents else [])], output, "train")
+    inputs = [config.latents, *(folder for folder, _ in config.later_stages()),
+              *([config.val_latents] if config.val_latents else [])]
+    storage.refuse_overlap(inputs, output, "train")
+    if remote is not None:  # the bucket's run: fresh-run rules there, a resume's checkpoint downloaded
+        config = remote.claim(config, accelerator, inputs)
     claim_run_folder(config, accelerator)
     if main:
         output.mkdir(parents=True, exist_ok=True)
@@ -1431,6 +1435,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
                               "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
                 last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                                                   config, {name: obj.state_dict() for name, obj in extra_states.items()})
+                if remote is not None:  # uploaded, done record last, older ones pruned in the bucket
+                    remote.checkpoint_saved(accelerator, last_checkpoint, config.keep_checkpoints)
             else:
                 accelerator.print(f"warning: step {step}: loss or weights not finite, no checkpoint written "
                                   f"(the last good one stays: {last_good(output)})")
@@ -1457,6 +1463,8 @@ def _train(config: TrainConfig, stop: StopFlag) -> TrainResult:
             lora.export(accelerator, unet, ema, master, output)
         else:
             export(accelerator, unet, ema, master, output, data.family.denoiser_subfolder)
+        if remote is not None:
+            remote.finished(accelerator)
     accelerator.end_training()
     return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 

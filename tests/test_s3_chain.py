@@ -5,8 +5,8 @@ kill -9 of rank 0 at the worst moment, then a rerun that must give what the kill
 
 Each stage's bucket output equal to the same stage on local disk is tests/test_s3_stages.py; here the
 stages feed each other from the bucket. Sizes are the smallest that still give each rank several units:
-the test is about the storage contract, not the numbers. Train's run folder (checkpoints, metrics) is
-local by design (docs/FORMATS.md §5); its latents stream from the bucket.
+the test is about the storage contract, not the numbers. Train's latents stream from the bucket and its
+run folder is there too (staged locally, laionkit/runfolder.py): each rank's checkpoint files uploaded.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def tar_of(location: Location) -> dict[str, bytes]:
         return {member.name: tar.extractfile(member).read() for member in tar.getmembers()}
 
 
-def train_ranks(latents: str, run: Path, env: dict[str, str], *extra: str) -> int:
+def train_ranks(latents: str, run: str, env: dict[str, str], *extra: str) -> int:
     """Two `laionkit train` rank processes (RANK/WORLD_SIZE as torchrun sets them, gloo on CPU) under one
     shell in a new process group, so a kill -9 of the group takes both, as a node failure would."""
     command = [sys.executable, "-m", "laionkit.cli", "train", latents, "--output", str(run), *TRAIN, *extra]
@@ -202,9 +202,9 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     assert len(keys) == len(set(keys)) == PHOTOS
 
     # -- train: two ranks stream the bucket's latents (one through --cache-dir); both killed by kill -9
-    # as rank 0 starts the step-4 checkpoint (steps 1-4 logged, checkpoint 2 complete); the rerun resumes
-    # from checkpoint 2 and must give steps 3-4 the same samples and losses.
-    run = tmp_path / "run"
+    # as rank 0 starts the step-4 checkpoint (steps 1-4 logged in staging, checkpoint 2 in the bucket); the
+    # rerun downloads checkpoint 2 and must give steps 3-4 the same samples and losses.
+    run = s3.url("run")
     killing = with_hook(s3, tmp_path, """
         import os, signal
         import laionkit.train as train
@@ -218,20 +218,29 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     unet = ("--unet-config", str(tiny_models / "unet"))
     cache = ("--cache-dir", str(tmp_path / "cache"), "--cache-size", str(2**20))
     assert train_ranks(latents, run, killing, *unet, *cache) == -signal.SIGKILL
-    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step-00000002"]
-    assert not (run / "unet").exists()
-    logged = (run / "metrics.jsonl").read_text().splitlines()
-    seen = {rank: (run / "seen" / f"rank-0000{rank}.jsonl").read_text().splitlines() for rank in (0, 1)}
+    folder = Location.parse(run)
+    assert [p.name for p in (folder / "checkpoints").list("step-*", complete_only=False)] == ["step-00000002"]
+    both = {p.name for p in (folder / "checkpoints" / "step-00000002").list(complete_only=False)}
+    assert {"rank-00000.json", "rank-00001.json", "trainer.json"} <= both  # each rank's files are there
+    assert not (folder / "unet").exists()
+    [staged] = (tmp_path / "staging").glob("laionkit-run-run-*")  # the killed run's working copy
+    logged = (staged / "metrics.jsonl").read_text().splitlines()
+    seen = {rank: (staged / "seen" / f"rank-0000{rank}.jsonl").read_text().splitlines() for rank in (0, 1)}
     assert [json.loads(line)["step"] for line in logged] == [1, 2, 3, 4]
+    uploaded = (folder / "metrics.jsonl").read_bytes().decode().splitlines()
+    assert uploaded == logged[:2]  # with checkpoint 2
 
     assert train_ranks(latents, run, env, *unet) == 0  # streamed, no cache
-    assert (run / "metrics.jsonl").read_text().splitlines()[:2] == logged[:2]
-    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    text = lambda location: location.read_bytes().decode().splitlines()  # noqa: E731
+    assert text(folder / "metrics.jsonl")[:2] == logged[:2]
+    resumed = [json.loads(line) for line in text(folder / "metrics.jsonl")]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # no step twice, none missing
     assert [r["loss"] for r in resumed[2:]] == pytest.approx([json.loads(line)["loss"] for line in logged[2:]],
                                                              rel=1e-5, abs=1e-7)
     for rank in (0, 1):
-        assert (run / "seen" / f"rank-0000{rank}.jsonl").read_text().splitlines() == seen[rank]
+        assert text(folder / "seen" / f"rank-0000{rank}.jsonl") == seen[rank]
     steps = [json.loads(line)["keys"] for rank in (0, 1) for line in seen[rank][:2]]  # the first epoch
     assert sorted(key for step in steps for key in step) == sorted(keys)  # every sample once per epoch
-    assert (run / "unet" / "config.json").is_file()
+    assert [p.name for p in (folder / "checkpoints").list("step-*", complete_only=False)] == \
+        ["step-00000002", "step-00000004"]  # --keep-checkpoints 3, both with their done records
+    assert (folder / "unet").is_complete() and (folder / "unet" / "config.json").exists()

@@ -254,3 +254,85 @@ def test_filter_scores_embeddings_read_by_row_range_from_the_bucket_like_local_d
 
     assert read_parts(output).equals(read_parts(reference))
     assert 0 < read_parts(output).num_rows < 1000 and "aes" in read_parts(output).column_names
+
+
+def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the_same_losses(
+        s3, latent_shards, tmp_path, monkeypatch):
+    """--output s3://...: checkpoints go to the bucket with trainer.json and then the done record last; a
+    kill -9 between them (checkpoint 2 recorded, 4 not) resumes from 2 on --resume latest (4 passed over) to
+    the losses of an uninterrupted local run, and the exported unet/ in the bucket loads with diffusers."""
+    from laionkit.common import LaionkitError
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
+    monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
+    args = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
+            "--workers", "0", "--max-steps", "4", "--log-every", "1", "--checkpoint-every", "2",
+            "--keep-checkpoints", "1")
+    options = dict(unet_config="tiny", batch_size=2, lr=1e-3, log_with="none", quiet=True, workers=0, max_steps=4,
+                   log_every=1, checkpoint_every=2, keep_checkpoints=1)  # the same, in this process (cheaper)
+    local, run = tmp_path / "local", s3.url("runs", "tiny")
+    train(TrainConfig(latents=latent_shards, output=local, **options))
+
+    argv = ["train", str(latent_shards), "--output", run, *args, "--resume", "latest"]
+    result = killed_run(s3, tmp_path, f"import runpy, sys; sys.argv = {['laionkit', *argv]!r}; "
+                        "runpy.run_module('laionkit.cli', run_name='__main__')", "location.name == 'step-00000004'")
+    assert result.returncode == -9, result.stderr[-3000:]
+    checkpoints = Location.parse(run) / "checkpoints"
+    assert [p.name for p in checkpoints.list("step-*")] == ["step-00000002"]
+    assert [p.name for p in checkpoints.list("step-*", complete_only=False)] == ["step-00000002", "step-00000004"]
+    assert (checkpoints / "step-00000004" / "trainer.json").exists()  # every object up, the record never
+    assert not (Location.parse(run) / "unet").exists()
+
+    with pytest.raises(LaionkitError, match=r"already holds a run \(checkpoints, metrics.jsonl\)"):
+        train(TrainConfig(latents=latent_shards, output=run, **options))
+    assert train(TrainConfig(latents=latent_shards, output=run, resume="latest", **options)).step == 4
+
+    assert [p.name for p in checkpoints.list("step-*", complete_only=False)] == ["step-00000004"]
+    records = lambda text: [json.loads(line) for line in text.splitlines()]  # noqa: E731
+    resumed = records((Location.parse(run) / "metrics.jsonl").read_bytes().decode())
+    uninterrupted = records((local / "metrics.jsonl").read_text())
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in uninterrupted], rel=1e-5, abs=1e-7)
+    unet = Location.parse(run) / "unet"
+    assert unet.is_complete()
+    downloaded = tmp_path / "downloaded"
+    unet.fs.get(unet.path + "/", str(downloaded), recursive=True)
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel.from_pretrained(downloaded)
+    reference = UNet2DConditionModel.from_pretrained(local / "unet")
+    for (name, weight), other in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert weight.allclose(other, rtol=1e-4, atol=1e-6), name
+
+
+def test_train_bucket_run_folder_fresh_run_rules_and_resume_choice(s3):
+    """Rank 0's decision for a URL --output, without training: a run there is refused, deleted with
+    --overwrite; --resume picks the newest checkpoint with a done record, and an explicit one must have it."""
+    from types import SimpleNamespace
+
+    from laionkit.common import LaionkitError
+    from laionkit.common.storage import mark_done, write_bytes
+    from laionkit.runfolder import RunFolder
+    from laionkit.train import RUN_OUTPUTS
+
+    run = Location.parse(s3.url("runs", "x"))
+    folder = RunFolder(run, Path("unused"))
+    decide = lambda **given: folder._decide(SimpleNamespace(**{"resume": None, "overwrite": False, **given}),  # noqa: E731
+                                            RUN_OUTPUTS)
+    assert decide() is None and decide(resume="latest") is None  # an empty folder: a fresh start
+    for step in (2, 4, 6):
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        write_bytes(checkpoint / "trainer.json", b"{}")
+        if step != 6:  # 6: every object up, its done record never written (killed mid-upload)
+            mark_done(checkpoint)
+    with pytest.raises(LaionkitError, match="already holds a run"):
+        decide()
+    assert decide(resume="latest") == "step-00000004"
+    assert decide(resume=s3.url("runs", "x", "checkpoints", "step-00000002")) == "step-00000002"
+    with pytest.raises(LaionkitError, match="no done record"):
+        decide(resume=s3.url("runs", "x", "checkpoints", "step-00000006"))
+    with pytest.raises(LaionkitError, match="a checkpoint of --output"):
+        decide(resume=s3.url("elsewhere", "step-00000002"))
+    assert decide(overwrite=True) is None
+    assert run.list(complete_only=False) == []
