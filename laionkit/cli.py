@@ -452,6 +452,7 @@ def train_command(
     stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option(help="Latents at a URL: keep local copies of their shards here (shared by workers and ranks).")] = None,
     cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
+    storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,

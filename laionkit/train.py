@@ -128,6 +128,7 @@ class TrainConfig:
     val_samples: int = 64
     cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
     cache_size: int = 100 * 2**30
+    storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
 
     def __post_init__(self) -> None:
         choices = {
@@ -1131,9 +1132,12 @@ class StopFlag:
 
 
 def run(config: TrainConfig) -> TrainResult:
-    config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
-    with StopFlag() as stop:
-        return _train(config, stop, remote)
+    # Every URL of the run (latents, --val-latents, --output, in this process and its forked DataLoader
+    # workers) is parsed with --storage-options.
+    with storage.default_options(storage.parse_storage_options(config.storage_options)):
+        config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
+        with StopFlag() as stop:
+            return _train(config, stop, remote)
 
 
 def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:

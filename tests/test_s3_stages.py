@@ -195,8 +195,14 @@ def test_train_streams_latents_from_the_bucket_through_a_bounded_cache_with_the_
     local, remote, cache = tmp_path / "local", tmp_path / "remote", tmp_path / "cache"
     run_cli("train", latent_shards, "--output", local, *args)
     biggest = max(p.stat().st_size for p in latent_shards.glob("*.tar"))
+    # Credentials and endpoint only in --storage-options (none in the environment): they must reach every
+    # read, in the DataLoader workers and the cache too.
+    bare = {key: value for key, value in s3.env.items() if not key.startswith("AWS_")}
     run_cli("train", s3.url("latents"), "--output", remote, *args, "--cache-dir", cache,
-            "--cache-size", str(biggest + 1), env=s3.env)  # room for one shard: the second evicts the first
+            "--cache-size", str(biggest + 1),  # room for one shard: the second evicts the first
+            "--storage-options", json.dumps(s3.storage_options),
+            env={**bare, "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent",
+                 "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"})
 
     losses = lambda run: [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())  # noqa: E731
                           if "loss" in r]

@@ -59,6 +59,23 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     return options
 
 
+# What Location.parse uses when its caller passes no storage options: set for the length of a train run
+# (``default_options``), whose latents, run folder and DataLoader workers (forked, so they inherit it)
+# parse paths in many places.
+_DEFAULT_OPTIONS: dict[str, Any] = {}
+
+
+@contextmanager
+def default_options(options: dict[str, Any]) -> Iterator[None]:
+    """``--storage-options`` for every path parsed without options of its own, until the block ends."""
+    global _DEFAULT_OPTIONS
+    previous, _DEFAULT_OPTIONS = _DEFAULT_OPTIONS, dict(options)
+    try:
+        yield
+    finally:
+        _DEFAULT_OPTIONS = previous
+
+
 def _options_for(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     from fsspec.registry import known_implementations
 
@@ -171,7 +188,7 @@ class Location:
             raise LaionkitError(f"not a URL or path: {text!r}")
         if protocol in ("s3", "s3a", "gs", "gcs") and not rest.split("/", 1)[0]:
             raise LaionkitError(f"{text}: no bucket name after {protocol}://")
-        options = _options_for(protocol, storage_options or {})
+        options = _options_for(protocol, _DEFAULT_OPTIONS if storage_options is None else storage_options)
         if protocol == "s3a":
             protocol = "s3"
         # http(s) keeps its scheme in the path: that is what fsspec's HTTPFileSystem expects.
