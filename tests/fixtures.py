@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,53 @@ def latent_shards(tmp_path_factory, image_shards, tiny_models) -> Path:
     run(EncodeConfig(shards=(str(image_shards),), output=output, model=str(tiny_models), resolution=64,
                      batch_size=4, workers=0, quiet=True))
     return output
+
+
+@dataclass(frozen=True)
+class FlowLatents:
+    name: str  # the flow-matching family: sd3 or flux
+    model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
+    latents: Path  # `laionkit encode` of image_shards with it at 64 px
+
+
+@pytest.fixture(scope="session")
+def flow_latents(tmp_path_factory, image_shards):
+    """``flow_latents("sd3" | "flux")``: the family's tiny pipeline and its encode of image_shards at 64 px,
+    built on first use and shared by every test of the session (tests/test_sd3_flux.py, tests/test_scale.py)."""
+    from laionkit.encode import EncodeConfig, run
+    from laionkit.families import get_family
+
+    built: dict[str, FlowLatents] = {}
+
+    def get(name: str) -> FlowLatents:
+        if name not in built:
+            root = tmp_path_factory.mktemp(name)
+            model = get_family(name).write_tiny(root / "model", 0)
+            run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
+                             batch_size=4, workers=0, quiet=True))
+            built[name] = FlowLatents(name, model, root / "latents")
+        return built[name]
+
+    return get
+
+
+# The Flux run of flux_run, as keyword arguments of laionkit.train.TrainConfig (besides latents, val_latents
+# and output): from scratch (--transformer-config tiny, the dynamic shift), checkpoints every 3 steps, EMA,
+# validation images and the validation loss.
+FLUX_RUN = dict(unet_config="tiny", max_steps=6, batch_size=2, lr=1e-3, log_with="none", quiet=True, log_every=1,
+                workers=0, shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=3, validate_every=6,
+                validation_count=2, validation_steps=2, val_samples=3, val_every=3, ema=True, ema_decay=0.9)
+
+
+@pytest.fixture(scope="session")
+def flux_run(tmp_path_factory, flow_latents):
+    """The TrainConfig of a Flux run (FLUX_RUN on flow_latents("flux")) trained once, in this process, for
+    the session: the uninterrupted reference that kill -9 + resume, per-block compile and checkpointing
+    must reproduce, and an export (transformer/, transformer_ema/) for diffusers' FluxPipeline."""
+    from laionkit.train import TrainConfig, run
+
+    flux = flow_latents("flux")
+    config = TrainConfig(latents=flux.latents, val_latents=flux.latents,
+                         output=tmp_path_factory.mktemp("flux-run") / "reference", **FLUX_RUN)
+    run(config)
+    return config

@@ -164,30 +164,23 @@ def test_two_ranks_uneven_buckets_kill9_resume_exactly_and_count_samples_per_buc
     assert got[12]["samples_per_bucket"] == {size: seen[size] for size in got[12]["samples_per_bucket"]}
 
 
-COMPILE = """
-import sys, torch
-torch._dynamo.config.recompile_limit = 1  # one graph per function: a second bucket shape would be refused
-torch._dynamo.config.fail_on_recompile_limit_hit = True
-if not torch.cuda.is_available():  # inductor on CPU takes minutes per shape; dynamo's guards are the same
-    _compile = torch.compile
-    torch.compile = lambda model, dynamic=None, mode=None: _compile(model, dynamic=dynamic, backend="eager")
-from laionkit.cli import main
-sys.argv = ["laionkit", *sys.argv[1:]]
-main()
-"""
-
-
-def test_compile_takes_one_graph_per_bucket(bucket_latents, tmp_path):
+def test_compile_takes_one_graph_per_bucket(bucket_latents, tmp_path, monkeypatch):
     """--compile (dynamic=False) on bucketed latents compiles each bucket shape instead of failing at
-    (or silently falling back past) dynamo's recompile limit. On CPU dynamo traces with its eager
-    backend: inductor there did not finish in 7 min on the dev machine's 2 shared cores."""
-    script = tmp_path / "compiled.py"
-    script.write_text(COMPILE)
+    (or silently falling back past) dynamo's recompile limit, here 1 graph per function: a second bucket
+    shape would be refused. On CPU dynamo traces with its eager backend: inductor there did not finish in
+    7 min on the dev machine's 2 shared cores; dynamo's guards are the same."""
+    import torch
+
+    if not torch.cuda.is_available():
+        original = torch.compile
+        monkeypatch.setattr(torch, "compile", lambda model, dynamic=None, mode=None: original(
+            model, dynamic=dynamic, backend="eager"))
+    torch._dynamo.reset()
     run = tmp_path / "run"
-    result = subprocess.run([sys.executable, str(script), "train", bucket_latents, "--output", run, *TINY,
-                             "--batch-size", "2", "--max-steps", "6", "--log-every", "6", "--workers", "0",
-                             "--compile"], capture_output=True, text=True, timeout=600, env=ENV)
-    assert result.returncode == 0, result.stderr[-3000:]
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        run_cli("train", bucket_latents, "--output", run, *TINY, "--batch-size", "2", "--max-steps", "6",
+                "--log-every", "6", "--workers", "0", "--compile")
+    torch._dynamo.reset()
     counts = _records(run, "metrics.jsonl")[6]["samples_per_bucket"]
     assert sum(1 for n in counts.values() if n) >= 2, counts
 

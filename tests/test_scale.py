@@ -1,20 +1,22 @@
 """Scale features through the family layer (FamilySpec.block_classes): activation checkpointing per block
 (--checkpointing blocks|every-N|none), regional --compile (each transformer block compiled on its own),
-and a real kill -9 + resume of a flow family through the CLI. Tiny models on CPU."""
+and a real kill -9 + resume of a flow family through the CLI. Tiny models on CPU; the Flux runs reproduce
+the session's flux_run (tests/fixtures.py), trained once."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
+from fixtures import FLUX_RUN
 
 from laionkit.common import LaionkitError
 from laionkit.families import flow as flow_math
@@ -70,7 +72,8 @@ def loss_and_grads(model, loss):
 def test_checkpointing_recomputes_the_chosen_blocks_and_changes_no_gradient(name):
     """--checkpointing blocks / every-2 on the family's blocks: the same loss and gradients as without,
     fewer tensors saved for backward, and exactly the chosen blocks run their forward twice (once more in
-    backward); a no-grad forward (validation) runs each block once."""
+    backward); a no-grad forward (validation) runs each block once. For sd3 / flux, diffusers' own
+    enable_gradient_checkpointing gives the same loss and gradients as well."""
     spec, model = tiny_denoiser(name)
     loss = loss_fn(name, spec, model)
     blocks = spec.blocks(model)
@@ -100,6 +103,14 @@ def test_checkpointing_recomputes_the_chosen_blocks_and_changes_no_gradient(name
     clone = copy.deepcopy(model)  # EMA-style copies recompute their own blocks, not the original's
     for block in spec.blocks(clone):
         assert block.forward.__self__ is block and block._plain_forward.__self__ is block
+    if name != "sd":  # diffusers' own per-block checkpointing (what --gradient-checkpointing called before
+        # --checkpointing) recomputes each block too: same loss, same gradients
+        _, theirs = tiny_denoiser(name)
+        theirs.enable_gradient_checkpointing()
+        their_loss, their_grads, _ = loss_and_grads(theirs, loss_fn(name, spec, theirs))
+        assert their_loss == plain_loss
+        for a, b in zip(plain, their_grads):
+            torch.testing.assert_close(b, a)
 
 
 def test_checkpointing_flag_values_and_the_deprecated_alias(tmp_path):
@@ -157,30 +168,25 @@ def test_regional_compile_with_checkpointing_matches_eager():
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def flux_latents(tmp_path_factory, image_shards) -> Path:
-    from laionkit.encode import EncodeConfig, run
+def without_validation(flux_run, **changes):
+    """flux_run's training (the same batches and losses) without EMA, validation images or validation loss."""
+    from laionkit.train import TrainConfig
 
-    root = tmp_path_factory.mktemp("flux")
-    model = get_family("flux").write_tiny(root / "model", 0)
-    run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
-                     batch_size=4, workers=0, quiet=True))
-    return root / "latents"
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    off = {name: defaults[name] for name in ("ema", "validate_every", "val_latents", "val_every", "val_samples")}
+    return replace(flux_run, **{**off, **changes})
 
 
 def metrics(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_train_compile_per_block_with_checkpointing_matches_eager(flux_latents, tmp_path, monkeypatch):
+def test_train_compile_per_block_with_checkpointing_matches_eager(flux_run, tmp_path, monkeypatch):
     """`train --compile --checkpointing blocks` on Flux compiles each transformer block (never the whole
-    model) and trains to the eager run's losses. The backend is AOTAutograd without inductor's codegen
-    (inductor takes minutes per graph on this shared CPU)."""
-    from laionkit.train import TrainConfig, run
+    model) and trains to the eager run's (flux_run's) losses. The backend is AOTAutograd without inductor's
+    codegen (inductor takes minutes per graph on this shared CPU)."""
+    from laionkit.train import run
 
-    base = dict(latents=flux_latents, unet_config="tiny", max_steps=2, batch_size=4, lr=1e-3, log_with="none",
-                quiet=True, log_every=1, workers=0, shuffle_buffer=3)
-    run(TrainConfig(output=tmp_path / "eager", **base))
     compiled = []
     original = torch.compile
 
@@ -190,53 +196,59 @@ def test_train_compile_per_block_with_checkpointing_matches_eager(flux_latents, 
 
     monkeypatch.setattr(torch, "compile", compile)
     torch._dynamo.reset()
-    run(TrainConfig(output=tmp_path / "compiled", compile=True, checkpointing="blocks", **base))
+    # flux_run's first 2 steps (EMA and validation change no training loss)
+    run(without_validation(flux_run, output=tmp_path / "compiled", max_steps=2, compile=True, checkpointing="blocks"))
     assert compiled == ["FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxSingleTransformerBlock"]
-    want, got = metrics(tmp_path / "eager"), metrics(tmp_path / "compiled")
+    want, got = metrics(flux_run.output), metrics(tmp_path / "compiled")
     for step in (1, 2):
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
 
 
-def _train(latents: Path, run: Path, *extra) -> list[str]:
-    return [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run), "--transformer-config",
-            "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet", "--log-every", "1",
-            "--workers", "0", "--shuffle-buffer", "3", "--caption-dropout", "0.5", "--max-steps", "8",
-            "--checkpoint-every", "2", *map(str, extra)]
+def _flags(**options) -> list[str]:
+    """TrainConfig keyword arguments as `laionkit train` flags."""
+    flags = []
+    for key, value in options.items():
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags
 
 
-def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_latents, tmp_path):
-    """`laionkit train` on Flux killed with SIGKILL right after its step-4 checkpoint landed, rerun with
-    --resume latest: every step's loss and the exported transformer equal an uninterrupted run's. The
-    killed run checkpoints every other block (--checkpointing every-2), which changes no number."""
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_run, tmp_path):
+    """`laionkit train` on Flux (flux_run's flags: from scratch, dynamic shift, EMA, validation images and
+    loss) killed with SIGKILL right after its step-3 checkpoint landed, rerun with --resume latest: every
+    step's loss, the validation losses and the exported transformer/ and transformer_ema/ equal the
+    uninterrupted flux_run's. The killed run checkpoints every other block (--checkpointing every-2), which
+    changes no number."""
+    from safetensors.torch import load_file
 
-    reference = tmp_path / "reference"  # in this process (no second start-up): the same flags as _train's
-    train(TrainConfig(latents=flux_latents, output=reference, unet_config="tiny", batch_size=2, lr=1e-3,
-                      log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3, caption_dropout=0.5,
-                      max_steps=8, checkpoint_every=2))
-
+    reference = flux_run.output
     run = tmp_path / "run"
-    process = subprocess.Popen(_train(flux_latents, run, "--checkpointing", "every-2"),
+    args = ["train", str(flux_run.latents), "--output", str(run), "--val-latents", str(flux_run.val_latents),
+            *_flags(**FLUX_RUN), "--checkpointing", "every-2"]
+    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while not (run / "checkpoints" / "step-00000004").is_dir() and process.poll() is None:
+    while not (run / "checkpoints" / "step-00000003").is_dir() and process.poll() is None:
         assert time.time() < deadline
         time.sleep(0.01)
     process.kill()
     assert process.wait() == -9, "the run ended before the kill"
     assert not (run / "transformer").exists(), "killed too late: the run already finished"
-    run_cli(*_train(flux_latents, run, "--checkpointing", "every-2", "--resume", "latest")[3:])
+    run_cli(*args, "--resume", "latest")
     expected, got = metrics(reference), metrics(run)
-    assert sorted(got) == list(range(1, 9))
-    for step in range(1, 9):
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
-    from safetensors.torch import load_file
-
-    want, have = (load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors") for folder in (reference, run))
-    assert want.keys() == have.keys()
-    for key in want:
-        torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    for step in (3, 6):  # the fixed-sigma validation loss: the same weights give the same number
+        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
+    assert expected[6]["val_loss"] != expected[3]["val_loss"]
+    for output in (reference, run):
+        assert (output / "samples" / "step-000006.png").stat().st_size > 0
+        assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
+    for folder in ("transformer", "transformer_ema"):  # the resumed run exports what the whole run did
+        want, have = (load_file(output / folder / "diffusion_pytorch_model.safetensors") for output in (reference, run))
+        assert want.keys() == have.keys(), folder
+        for key in want:
+            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
 
 
 def test_unet_compiles_whole_with_checkpointed_blocks():
@@ -257,44 +269,20 @@ def test_unet_compiles_whole_with_checkpointed_blocks():
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_checkpointing_with_lora_ema_and_validation_gives_the_same_losses(flux_latents, tmp_path):
-    """LoRA adapters inside checkpointed blocks, EMA, validation images and the validation loss (no-grad
-    forwards through the checkpointed blocks): the same losses, val_loss and adapters as without."""
-    from safetensors.torch import load_file
+def test_cli_checkpointing_flags(flux_run, tmp_path, capsys, monkeypatch):
+    """A wrong --checkpointing is one line and exit 2; --gradient-checkpointing still trains, as blocks (to
+    flux_run's step-1 loss), and says it is deprecated; --help shows the flags with examples."""
+    from laionkit.train import run
 
-    from laionkit.train import TrainConfig, run
-
-    base = dict(latents=flux_latents, unet=str(flux_latents.parent / "model"), lora_rank=2, max_steps=2,
-                batch_size=4, lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
-                ema=True, ema_decay=0.5, validate_every=2, validation_count=1, validation_steps=1,
-                val_latents=flux_latents, val_samples=2, val_every=2)
-    for name, checkpointing in (("plain", "none"), ("checked", "blocks")):
-        run(TrainConfig(output=tmp_path / name, checkpointing=checkpointing, **base))
-    want, got = metrics(tmp_path / "plain"), metrics(tmp_path / "checked")
-    for step in (1, 2):
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
-    assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-6)
-    assert (tmp_path / "checked" / "samples" / "step-000002.png").is_file()
-    for folder in ("lora", "lora_ema"):
-        a, b = (load_file(tmp_path / name / folder / "pytorch_lora_weights.safetensors") for name in ("plain", "checked"))
-        assert a.keys() == b.keys() and a
-        for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=f"{folder} {key}")
-
-
-def test_cli_checkpointing_flags(flux_latents, tmp_path, capsys):
-    """A wrong --checkpointing is one line and exit 2; --gradient-checkpointing still trains, as blocks, and
-    says it is deprecated; --help shows the flags with examples."""
-    from laionkit.train import TrainConfig, run
-
-    bad = run_cli("train", flux_latents, "--output", tmp_path / "bad", "--transformer-config", "tiny",
+    bad = run_cli("train", flux_run.latents, "--output", tmp_path / "bad", "--transformer-config", "tiny",
                   "--max-steps", "1", "--checkpointing", "every-0", check=False)
     assert bad.returncode == 2 and "--checkpointing 'every-0'" in bad.stderr and "Traceback" not in bad.stderr
-    run(TrainConfig(latents=flux_latents, output=tmp_path / "old", unet_config="tiny", max_steps=1, batch_size=2,
-                    workers=0, log_with="none", quiet=True, gradient_checkpointing=True))
+    run(without_validation(flux_run, output=tmp_path / "old", max_steps=1, gradient_checkpointing=True))
     said = capsys.readouterr().out
     assert "--gradient-checkpointing is deprecated" in said
     assert "activation checkpointing: 3 of 3 FluxTransformerBlock/FluxSingleTransformerBlock blocks" in said
-    assert metrics(tmp_path / "old")[1]["loss"] > 0
-    help_text = run_cli("train", "--help", env={**os.environ, "COLUMNS": "200"}).stdout
+    loss = metrics(tmp_path / "old")[1]["loss"]
+    assert loss > 0 and loss == pytest.approx(metrics(flux_run.output)[1]["loss"], rel=1e-6)
+    monkeypatch.setenv("COLUMNS", "200")
+    help_text = run_cli("train", "--help").stdout
     assert "--checkpointing" in help_text and "--compile --checkpointing blocks" in help_text

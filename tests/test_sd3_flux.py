@@ -1,7 +1,8 @@
 """SD3 and Flux end to end on CPU, through the same encode and train loops as SD / SDXL: tiny models ->
 encode the real photos -> the flow-matching loss is diffusers' training step -> train -> stop + resume
 exact -> export transformer/ -> diffusers' own StableDiffusion3Pipeline / FluxPipeline, with no laionkit,
-generates from the export. One encode per family (module-scoped)."""
+generates from the export. One encode per family for the session (flow_latents, tests/fixtures.py); Flux's
+kill -9 + resume of flux_run is tests/test_scale.py's."""
 
 from __future__ import annotations
 
@@ -10,40 +11,29 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import run_cli
+from fixtures import FlowLatents
 
 from laionkit.common import LaionkitError
 from laionkit.families import get_family
 
 FAMILIES = ("sd3", "flux")
 PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
-
-
-@dataclass(frozen=True)
-class Flow:
-    name: str
-    model: Path  # the tiny pipeline folder
-    latents: Path  # its encode of the 8 real photos at 64 px
+TRANSFORMERS = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def flow(request, tmp_path_factory, image_shards) -> Flow:
-    from laionkit.encode import EncodeConfig, run
-
-    root = tmp_path_factory.mktemp(request.param)
-    model = get_family(request.param).write_tiny(root / "model", 0)
-    run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
-                     batch_size=4, workers=0, quiet=True))
-    return Flow(request.param, model, root / "latents")
+def flow(request, flow_latents) -> FlowLatents:
+    return flow_latents(request.param)
 
 
-def load_pipeline(flow: Flow):
+def load_pipeline(flow: FlowLatents):
     import diffusers
 
     return getattr(diffusers, PIPELINES[flow.name]).from_pretrained(flow.model)
@@ -84,10 +74,10 @@ def test_encode_writes_the_family_text_and_shifted_16_channel_latents(flow):
         np.testing.assert_allclose(row["pooled"].float(), want["pooled"][index], atol=3e-3, rtol=1e-2)
 
 
-def test_flux_refuses_sizes_it_cannot_pack(tmp_path, image_shards):
+def test_flux_refuses_sizes_it_cannot_pack(tmp_path, image_shards, flow_latents):
     from laionkit.encode import EncodeConfig, run
 
-    model = get_family("flux").write_tiny(tmp_path / "model", 0)
+    model = flow_latents("flux").model
     for resolution, buckets, odd in ((72, False, "72x72"), (64, True, "56x72, 72x56")):
         with pytest.raises(LaionkitError, match=f"multiples of 16 px; {odd} are not"):
             run(EncodeConfig(shards=(str(image_shards),), output=tmp_path / f"out{resolution}", model=str(model),
@@ -203,41 +193,48 @@ def test_real_size_configs_build_and_flags_are_checked(flow, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
-    """6 steps (SD3 fine-tunes the tiny transformer with cosmap weighting; Flux trains --transformer-config
-    tiny from scratch, dynamic shift) with EMA, validation images and the validation loss; the run cut back
-    to its step-3 checkpoint (as a stop leaves it) resumes to the same losses and exported weights;
-    transformer/ loads into the family's pipeline."""
+@pytest.fixture(scope="module")
+def sd3_run(flow_latents, tmp_path_factory) -> tuple[Path, Path]:
+    """4 steps fine-tuning the tiny SD3 transformer with cosmap weighting, EMA, validation images and the
+    validation loss (reference/); the run cut back to its step-2 checkpoint (as a stop leaves it) and resumed
+    (stopped/)."""
     from laionkit.train import TrainConfig, run
 
-    model = {"unet": str(flow.model)} if flow.name == "sd3" else {"unet_config": "tiny"}
-    extra = {"weighting": "cosmap"} if flow.name == "sd3" else {}
-    config = TrainConfig(latents=flow.latents, output=tmp_path / "reference", **model, **extra, max_steps=6,
-                         batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
-                         shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=3, validate_every=6,
-                         validation_count=2, validation_steps=2, val_latents=flow.latents, val_samples=3,
-                         val_every=3, ema=True, ema_decay=0.9)
+    sd3 = flow_latents("sd3")
+    root = tmp_path_factory.mktemp("sd3-run")
+    config = TrainConfig(latents=sd3.latents, output=root / "reference", unet=str(sd3.model), weighting="cosmap",
+                         max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
+                         shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4,
+                         validation_count=2, validation_steps=2, val_latents=sd3.latents, val_samples=3,
+                         val_every=2, ema=True, ema_decay=0.9)
     run(config)
-    reference = tmp_path / "reference"
-    assert (reference / "samples" / "step-000006.png").stat().st_size > 0
-    assert (reference / "transformer" / "config.json").is_file() and not (reference / "unet").exists()
-
-    stopped = tmp_path / "stopped"  # the run as a stop after step 3 leaves it: checkpoint and metrics
-    shutil.copytree(reference, stopped)
-    shutil.rmtree(stopped / "checkpoints" / "step-00000006")
+    reference, stopped = root / "reference", root / "stopped"
+    shutil.copytree(reference, stopped)  # the run as a stop after step 2 leaves it: checkpoint and metrics
+    shutil.rmtree(stopped / "checkpoints" / "step-00000004")
     shutil.rmtree(stopped / "transformer")
     shutil.rmtree(stopped / "transformer_ema")
-    (stopped / "samples" / "step-000006.png").unlink()
+    (stopped / "samples" / "step-000004.png").unlink()
     run(replace(config, output=stopped, resume="latest"))
-    expected, got = metrics(reference), metrics(stopped)
-    assert sorted(got) == list(range(1, 7))
-    for step in range(1, 7):
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
-    for step in (3, 6):  # the fixed-sigma validation loss: the same weights give the same number
-        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
-    assert expected[6]["val_loss"] != expected[3]["val_loss"]
+    return reference, stopped
+
+
+def test_sd3_train_stop_resume_exactly_and_export_the_transformer(sd3_run):
+    """The resumed SD3 run reproduces the losses, validation losses and exported weights (transformer/,
+    transformer_ema/) of the uninterrupted one. Flux (from scratch, dynamic shift) does the same through a
+    real kill -9: tests/test_scale.py."""
     from safetensors.torch import load_file
 
+    reference, stopped = sd3_run
+    for output in (reference, stopped):
+        assert (output / "samples" / "step-000004.png").stat().st_size > 0
+        assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
+    expected, got = metrics(reference), metrics(stopped)
+    assert sorted(got) == list(range(1, 5))
+    for step in range(1, 5):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    for step in (2, 4):  # the fixed-sigma validation loss: the same weights give the same number
+        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
+    assert expected[4]["val_loss"] != expected[2]["val_loss"]
     for folder in ("transformer", "transformer_ema"):  # the resumed run exports what the whole run did
         want, have = (load_file(run_dir / folder / "diffusion_pytorch_model.safetensors")
                       for run_dir in (reference, stopped))
@@ -245,33 +242,70 @@ def test_train_stop_resume_export_and_generate_without_laionkit(flow, tmp_path):
         for key in want:
             torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
 
-    pipeline = PIPELINES[flow.name]
-    transformer = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}[flow.name]
-    script = textwrap.dedent(f"""
-        import sys
-        import torch
-        from diffusers import {pipeline}, {transformer}
-        transformer = {transformer}.from_pretrained({str(stopped / "transformer")!r})
-        pipe = {pipeline}.from_pretrained({str(flow.model)!r}, transformer=transformer)
-        image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2,
-                     generator=torch.Generator().manual_seed(0)).images[0]
-        image.save({str(tmp_path / "generated.png")!r})
-        assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
-        print(image.size, type(transformer).__name__)
-    """)
-    free = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+
+GENERATE = """
+import sys
+import torch
+import diffusers
+for pipeline, transformer, exported, model, image in zip(*[iter(sys.argv[1:])] * 5):
+    weights = getattr(diffusers, transformer).from_pretrained(exported)
+    pipe = getattr(diffusers, pipeline).from_pretrained(model, transformer=weights)
+    picture = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2,
+                   generator=torch.Generator().manual_seed(0)).images[0]
+    picture.save(image)
+    print(picture.size, type(weights).__name__)
+assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
+"""
+
+
+def test_exports_generate_in_diffusers_without_laionkit(sd3_run, flux_run, flow_latents, tmp_path):
+    """transformer/ of the resumed SD3 run and of flux_run load into StableDiffusion3Pipeline / FluxPipeline
+    and generate, in one fresh interpreter that never imports laionkit."""
+    exports = {"sd3": sd3_run[1], "flux": flux_run.output}
+    args = []
+    for name in FAMILIES:
+        args += [PIPELINES[name], TRANSFORMERS[name], str(exports[name] / "transformer"),
+                 str(flow_latents(name).model), str(tmp_path / f"{name}.png")]
+    free = subprocess.run([sys.executable, "-c", textwrap.dedent(GENERATE), *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert free.returncode == 0, free.stderr[-3000:]
-    assert f"(64, 64) {transformer}" in free.stdout
+    for name in FAMILIES:
+        assert f"(64, 64) {TRANSFORMERS[name]}" in free.stdout, name
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
 def test_lora_on_the_transformer_exports_what_the_pipeline_loads(flow, tmp_path):
+    """LoRA adapters on the transformer with EMA, validation images and the validation loss: lora/ and
+    lora_ema/ exported (no transformer/), and lora/ changes what the family's pipeline draws. On Flux, the
+    adapters inside checkpointed blocks (--checkpointing blocks; validation runs no-grad forwards through
+    them) give the same losses, val_loss and adapters as without."""
+    from safetensors.torch import load_file
+
     from laionkit.train import TrainConfig, run
 
-    output = tmp_path / "lora-run"
-    run(TrainConfig(latents=flow.latents, output=output, unet=str(flow.model), lora_rank=4, max_steps=2,
-                    batch_size=4, lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0))
+    base = dict(latents=flow.latents, unet=str(flow.model), lora_rank=2, max_steps=2, batch_size=4, lr=1e-2,
+                log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3, ema=True, ema_decay=0.5,
+                validate_every=2, validation_count=1, validation_steps=1, val_latents=flow.latents, val_samples=2,
+                val_every=2)
+    output = tmp_path / "plain"
+    run(TrainConfig(output=output, **base))
     assert (output / "lora" / "pytorch_lora_weights.safetensors").is_file() and not (output / "transformer").exists()
+    assert (output / "lora_ema" / "pytorch_lora_weights.safetensors").is_file()
+    if flow.name == "flux":
+        run(TrainConfig(output=tmp_path / "checked", checkpointing="blocks", **base))
+        want, got = metrics(output), metrics(tmp_path / "checked")
+        for step in (1, 2):
+            assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
+        assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-6)
+        assert (tmp_path / "checked" / "samples" / "step-000002.png").is_file()
+        for folder in ("lora", "lora_ema"):
+            a, b = (load_file(tmp_path / name / folder / "pytorch_lora_weights.safetensors")
+                    for name in ("plain", "checked"))
+            assert a.keys() == b.keys() and a
+            for key in a:
+                torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=f"{folder} {key}")
+
     pipe = load_pipeline(flow)
     pipe.set_progress_bar_config(disable=True)
 
@@ -284,14 +318,14 @@ def test_lora_on_the_transformer_exports_what_the_pipeline_loads(flow, tmp_path)
     assert (draw() - before).abs().max() > 1e-4  # the adapters change the pipeline's output
 
 
-def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shards, monkeypatch):
+def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shards, flow_latents, monkeypatch):
     """Flux on aspect-ratio buckets: img_ids and the dynamic shift follow each micro-batch's latent shape."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.families import flow as flow_math
     from laionkit.train import TrainConfig
     from laionkit.train import run as train
 
-    model = get_family("flux").write_tiny(tmp_path / "model", 0)
+    model = flow_latents("flux").model
     latents = tmp_path / "latents"
     run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(model), resolution=128, buckets=True,
                      batch_size=4, workers=0, quiet=True))
@@ -336,41 +370,6 @@ def test_fsdp_wraps_each_transformer_block():
                                             transformer_cls_names_to_wrap="CrossAttnDownBlock2D,UpBlock2D")
     assert fsdp_wrap_units(plugin, unet, get_family("sd")) == ["CrossAttnDownBlock2D", "UpBlock2D"]
     assert sd3.SPEC.block_classes == ("JointTransformerBlock",)
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_gradient_checkpointing_per_block_changes_no_gradient(name):
-    """diffusers' own per-block checkpointing (what --gradient-checkpointing called before --checkpointing, which
-    does the same through the family's blocks: tests/test_scale.py) recomputes each block: same loss, same grads."""
-    import diffusers
-
-    from laionkit.families import flow as flow_math
-
-    spec = get_family(name)
-    model = getattr(diffusers, spec.denoiser_class).from_config(dict(spec.configs["tiny"]))
-    generator = torch.Generator().manual_seed(0)
-    text = model.config.joint_attention_dim
-    cond = {"states": torch.randn(2, 7, text, generator=generator),
-            "pooled": torch.randn(2, model.config.pooled_projection_dim, generator=generator)}
-    if name == "flux":
-        cond["guidance"] = torch.full((2,), 3.5)
-    x0, noise = torch.randn(2, 2, 16, 8, 8, generator=generator)
-    sigmas = torch.tensor([0.2, 0.7])
-    scale = spec.objective.timestep_scale
-
-    def grads():
-        model.zero_grad()
-        noisy = flow_math.interpolate(x0, noise, sigmas)
-        loss = flow_math.loss(spec.predict(model, noisy, sigmas * scale, cond), x0, noise, sigmas)
-        loss.backward()
-        return loss.item(), [p.grad.clone() for p in model.parameters()]
-
-    plain_loss, plain = grads()
-    model.enable_gradient_checkpointing()
-    checked_loss, checked = grads()
-    assert checked_loss == plain_loss
-    for a, b in zip(plain, checked):
-        torch.testing.assert_close(a, b)
 
 
 def test_online_text_stores_token_ids_and_trains_as_stored_text_does(flow, tmp_path, image_shards, tiny_models):
