@@ -504,6 +504,23 @@ def stored_conditioning(cond: dict, online: OnlineText | None, device, dtype) ->
     return {**{k: v for k, v in cond.items() if not k.startswith("ids_")}, **online(cond, device, dtype)}
 
 
+def perturbed(config: TrainConfig, noise: torch.Tensor, generator) -> torch.Tensor:
+    """The noise that goes into the noisy input: with --input-perturbation, noise + gamma * fresh noise
+    (the loss target stays ``noise``)."""
+    if not config.input_perturbation:
+        return noise
+    return noise + config.input_perturbation * randn(noise.shape, generator, noise)
+
+
+def dropout_captions(config: TrainConfig, cond: dict, empty: dict, batch: int, generator) -> dict:
+    """--caption-dropout: each sample's text replaced by the empty caption's with that probability."""
+    if not config.caption_dropout:
+        return cond
+    device = cond["states"].device
+    dropped = torch.rand(batch, generator=generator, device=device) < config.caption_dropout
+    return drop_captions(cond, empty, dropped)
+
+
 def drop_captions(cond: dict, empty: dict, dropped: torch.Tensor) -> dict:
     """Caption dropout: the dropped samples get every stored tensor of the empty caption, together."""
     out = dict(cond)
@@ -555,14 +572,9 @@ def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainCo
         u = compute_density_for_timestep_sampling("logit_normal", batch, config.logit_mean, config.logit_std,
                                                   device=latents.device, generator=generator)
         timesteps = (u * steps).long().clamp(max=steps - 1)
-    input_noise = noise
-    if config.input_perturbation:
-        input_noise = noise + config.input_perturbation * randn(noise.shape, generator, noise)
     text = cond["states"]
-    noisy = noise_scheduler.add_noise(latents, input_noise, timesteps).to(text.dtype)
-    if config.caption_dropout:
-        dropped = torch.rand(batch, generator=generator, device=text.device) < config.caption_dropout
-        cond = drop_captions(cond, empty, dropped)
+    noisy = noise_scheduler.add_noise(latents, perturbed(config, noise, generator), timesteps).to(text.dtype)
+    cond = dropout_captions(config, cond, empty, batch, generator)
     if noise_scheduler.config.prediction_type == "epsilon":
         target = noise
     else:
@@ -638,14 +650,9 @@ def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet,
     shift = objective.sigma_shift(height, width)
     if shift != 1.0:
         sigmas = flow.shift_sigmas(sigmas, shift)
-    input_noise = noise
-    if config.input_perturbation:
-        input_noise = noise + config.input_perturbation * randn(noise.shape, generator, noise)
     text = cond["states"]
-    noisy = flow.interpolate(latents, input_noise, sigmas).to(text.dtype)
-    if config.caption_dropout:
-        dropped = torch.rand(batch, generator=generator, device=text.device) < config.caption_dropout
-        cond = drop_captions(cond, empty, dropped)
+    noisy = flow.interpolate(latents, perturbed(config, noise, generator), sigmas).to(text.dtype)
+    cond = dropout_captions(config, cond, empty, batch, generator)
     cond = guidance_input(objective, cond, batch, latents.device)
     prediction = data.family.predict(model, noisy, sigmas * objective.timestep_scale, cond)
     return flow.loss(prediction, latents, noise, sigmas, objective.weighting)

@@ -273,8 +273,9 @@ def run_child(out: Path, name: str, argv: list[str], timeout: float, env: dict |
     return result
 
 
-def child_argv(out: Path, name: str, mode: str, **kw) -> list[str]:
-    argv = [sys.executable, __file__, "--child", mode, "--out", str(out), "--name", name]
+def child_argv(out: Path, name: str, mode: str, *, script: str = __file__, **kw) -> list[str]:
+    """The command of one child measurement of ``script``: keyword arguments become its flags."""
+    argv = [sys.executable, script, "--child", mode, "--out", str(out), "--name", name]
     for key, value in kw.items():
         if value is True:
             argv.append(f"--{key.replace('_', '-')}")

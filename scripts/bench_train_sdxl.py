@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import print_table, run_child, steady_rate  # noqa: E402
+from bench_train import child_argv, print_table, run_child, steady_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {1024: 8, 512: 32, 64: 4}
@@ -120,16 +120,6 @@ def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path) 
 
 
 # --- (a): the bare diffusers step, one process per measurement -------------------------------------
-
-def child_argv(out: Path, name: str, mode: str, **kw) -> list[str]:
-    argv = [sys.executable, __file__, "--child", mode, "--out", str(out), "--name", name]
-    for key, value in kw.items():
-        if value is True:
-            argv.append(f"--{key.replace('_', '-')}")
-        elif value is not None and value is not False:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
-
 
 def child_bare(args) -> dict:
     from diffusers import DDPMScheduler, UNet2DConditionModel
@@ -270,8 +260,9 @@ def main() -> None:
             if "a" in parts:
                 for policy in ("autocast", "bf16"):
                     name = f"a-{policy}-{tag}"
-                    measure(name, child_argv(args.out, name, "bare", policy=policy, resolution=resolution,
-                                             batch=batch, steps=args.steps, compile=compiled, smoke=args.smoke))
+                    measure(name, child_argv(args.out, name, "bare", script=__file__, policy=policy,
+                                             resolution=resolution, batch=batch, steps=args.steps,
+                                             compile=compiled, smoke=args.smoke))
             if "b" in parts:
                 laionkit_train(f"b-{tag}", square, batch, compiled)
             if "buckets" in parts and resolution == args.resolutions[0]:

@@ -143,3 +143,22 @@ def flux_run(tmp_path_factory, flow_latents):
                          output=tmp_path_factory.mktemp("flux-run") / "reference", **FLUX_RUN)
     run(config)
     return config
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl records by step."""
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def assert_resumed_like(reference: Path, resumed: Path, steps: int, val_steps: tuple[int, int]) -> None:
+    """A resumed run logged every step's loss as the uninterrupted one did, and the same fixed-sigma
+    validation loss at both validation steps (which differ: the weights moved between them)."""
+    import pytest
+
+    expected, got = metrics(reference), metrics(resumed)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    for step in val_steps:  # the same weights give the same number
+        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
+    assert expected[val_steps[1]]["val_loss"] != expected[val_steps[0]]["val_loss"]

@@ -6,16 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from fixtures import metrics
 
 FAST = ("--batch-size", "4", "--lr", "1e-2", "--log-with", "none", "--quiet", "--workers", "0")
 
-
-def metrics(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 # Runs with no laionkit import: what a user of the exported folder has.

@@ -6,17 +6,15 @@ the session's flux_run (tests/fixtures.py), trained once."""
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 import time
 from dataclasses import fields, replace
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import FLUX_RUN
+from fixtures import FLUX_RUN, assert_resumed_like, metrics
 
 from laionkit.common import LaionkitError
 from laionkit.families import flow as flow_math
@@ -177,9 +175,6 @@ def without_validation(flux_run, **changes):
     return replace(flux_run, **{**off, **changes})
 
 
-def metrics(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-
 
 def test_train_compile_per_block_with_checkpointing_matches_eager(flux_run, tmp_path, monkeypatch):
     """`train --compile --checkpointing blocks` on Flux compiles each transformer block (never the whole
@@ -234,13 +229,7 @@ def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_run, tmp_path
     assert process.wait() == -9, "the run ended before the kill"
     assert not (run / "transformer").exists(), "killed too late: the run already finished"
     run_cli(*args, "--resume", "latest")
-    expected, got = metrics(reference), metrics(run)
-    assert sorted(got) == list(range(1, 7))
-    for step in range(1, 7):
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
-    for step in (3, 6):  # the fixed-sigma validation loss: the same weights give the same number
-        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
-    assert expected[6]["val_loss"] != expected[3]["val_loss"]
+    assert_resumed_like(reference, run, steps=6, val_steps=(3, 6))
     for output in (reference, run):
         assert (output / "samples" / "step-000006.png").stat().st_size > 0
         assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()

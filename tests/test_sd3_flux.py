@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import FlowLatents
+from fixtures import FlowLatents, assert_resumed_like, metrics
 
 from laionkit.common import LaionkitError
 from laionkit.families import get_family
@@ -46,9 +46,6 @@ def first_rows(latents: Path, count: int) -> list[dict]:
     data = open_latents(latents)
     return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
-
-def metrics(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 def test_encode_writes_the_family_text_and_shifted_16_channel_latents(flow):
@@ -228,13 +225,7 @@ def test_sd3_train_stop_resume_exactly_and_export_the_transformer(sd3_run):
     for output in (reference, stopped):
         assert (output / "samples" / "step-000004.png").stat().st_size > 0
         assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
-    expected, got = metrics(reference), metrics(stopped)
-    assert sorted(got) == list(range(1, 5))
-    for step in range(1, 5):
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
-    for step in (2, 4):  # the fixed-sigma validation loss: the same weights give the same number
-        assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
-    assert expected[4]["val_loss"] != expected[2]["val_loss"]
+    assert_resumed_like(reference, stopped, steps=4, val_steps=(2, 4))
     for folder in ("transformer", "transformer_ema"):  # the resumed run exports what the whole run did
         want, have = (load_file(run_dir / folder / "diffusion_pytorch_model.safetensors")
                       for run_dir in (reference, stopped))

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from fixtures import metrics
 
 from laionkit.latents import StreamLayout, Unit, latent_loader, partition, unit_length
 
 # Small and fast: 8x8 latents, tiny UNet, no tensorboard.
 TINY = ("--unet-config", "tiny", "--batch-size", "4", "--lr", "1e-3", "--log-with", "none", "--quiet")
 
-
-def metrics(run: Path) -> dict[int, dict]:
-    return {record["step"]: record for record in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 def seen(run: Path, rank: int = 0) -> dict[int, list[str]]:
