@@ -446,15 +446,21 @@ def print_table(results: dict[str, dict], title: str, width: int = 30) -> None:
               f"{r['gpu_mem_gib']:>8.1f}{r['wall_s']:>8.0f}")
 
 
+def save_results(summary: dict, out: Path, report: Path | None, suffix: str = "", tail: int = 20000) -> None:
+    """results.json in ``out``; with ``report``, a copy and the children's logs (their last ``tail``
+    characters each, one file) there too."""
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    if report:
+        report.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "results.json", report / f"results{suffix}.json")
+        logs = "".join(f"===== {log.name}\n{log.read_text()[-tail:]}\n" for log in sorted(out.glob("*.log")))
+        (report / f"children{suffix}.log").write_text(logs)
+
+
 def report(results: dict[str, dict], args) -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     summary = {"device": device, "torch": torch.__version__, "results": results}
-    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
-    if args.report:
-        args.report.mkdir(parents=True, exist_ok=True)
-        shutil.copy(args.out / "results.json", args.report / "results.json")
-        logs = "".join(f"===== {log.name}\n{log.read_text()[-20000:]}\n" for log in sorted(args.out.glob("*.log")))
-        (args.report / "children.log").write_text(logs)
+    save_results(summary, args.out, args.report)
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
     print_table(results, f"{device}, torch {torch.__version__}")
     print("\nratios")

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import child_argv, print_table, run_child, steady_rate  # noqa: E402
+from bench_train import child_argv, print_table, run_child, save_results, steady_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {1024: 8, 512: 32, 64: 4}
@@ -276,12 +276,7 @@ def main() -> None:
 
     summary = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)
                if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
-    (args.out / "results.json").write_text(json.dumps(summary, indent=2))
-    if args.report:
-        args.report.mkdir(parents=True, exist_ok=True)
-        shutil.copy(args.out / "results.json", args.report / "results-sdxl.json")
-        logs = "".join(f"===== {log.name}\n{log.read_text()[-8000:]}\n" for log in sorted(args.out.glob("*.log")))
-        (args.report / "children-sdxl.log").write_text(logs)
+    save_results(summary, args.out, args.report, suffix="-sdxl", tail=8000)
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
     print_table(results, f"{summary['device']}, torch {torch.__version__}")
     print("\nratios")
