@@ -551,20 +551,28 @@ def randn(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor
     return torch.randn(shape, generator=generator, device=like.device, dtype=like.dtype)
 
 
+def latents_and_noise(moments, config: TrainConfig, data: LatentSet, generator: torch.Generator,
+                      channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh latent drawn from the stored moments, shifted and scaled as the VAE's config says, and the
+    noise for it (with --noise-offset), both from ``generator`` in that order."""
+    mean, logvar = moments.float().chunk(2, dim=1)
+    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
+    latents = (latents - data.shift_factor) * data.scaling_factor
+    if channels_last:
+        latents = latents.contiguous(memory_format=torch.channels_last)
+    noise = randn(latents.shape, generator, latents)
+    if config.noise_offset:
+        noise = noise + config.noise_offset * randn((latents.shape[0], latents.shape[1], 1, 1), generator, latents)
+    return latents, noise
+
+
 def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainConfig,
                    data: LatentSet, generator: torch.Generator) -> torch.Tensor:
     """The DDPM training loss for one batch: fresh latent, noise, timestep, prediction, (min-SNR) MSE."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
-    mean, logvar = moments.float().chunk(2, dim=1)
-    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
-    latents = (latents - data.shift_factor) * data.scaling_factor
-    if config.channels_last:
-        latents = latents.contiguous(memory_format=torch.channels_last)
+    latents, noise = latents_and_noise(moments, config, data, generator, config.channels_last)
     batch = latents.shape[0]
-    noise = randn(latents.shape, generator, latents)
-    if config.noise_offset:
-        noise = noise + config.noise_offset * randn((batch, latents.shape[1], 1, 1), generator, latents)
     steps = noise_scheduler.config.num_train_timesteps
     if config.timestep_sampling == "uniform":
         timesteps = torch.randint(0, steps, (batch,), generator=generator, device=latents.device)
@@ -637,13 +645,8 @@ def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet,
     weighted MSE of the prediction to noise - x0. The timestep input is sigma x the family's scale."""
     from laionkit.families import flow
 
-    mean, logvar = moments.float().chunk(2, dim=1)
-    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
-    latents = (latents - data.shift_factor) * data.scaling_factor
+    latents, noise = latents_and_noise(moments, config, data, generator)
     batch, _, height, width = latents.shape
-    noise = randn(latents.shape, generator, latents)
-    if config.noise_offset:
-        noise = noise + config.noise_offset * randn((batch, latents.shape[1], 1, 1), generator, latents)
     sigmas = flow.sample_sigmas(batch, objective.sigma_sampling, logit_mean=objective.logit_mean,
                                 logit_std=objective.logit_std, mode_scale=objective.mode_scale,
                                 generator=generator, device=latents.device)
@@ -1214,8 +1217,9 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in all_buckets]
     if config.gradient_checkpointing:
         accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
-    if config.checkpoint_interval():  # activation checkpointing on the family's blocks (FamilySpec.blocks)
-        checked = data.family.checkpoint_blocks(unet, config.checkpoint_interval())
+    interval = config.checkpoint_interval()
+    if interval:  # activation checkpointing on the family's blocks (FamilySpec.blocks)
+        checked = data.family.checkpoint_blocks(unet, interval)
         accelerator.print(f"activation checkpointing: {len(checked)} of {len(data.family.blocks(unet))} "
                           f"{'/'.join(data.family.block_classes)} blocks")
     if config.compile and data.family.regional_compile:
