@@ -184,14 +184,8 @@ class RunFolder:
 
     def _put(self, path: Path) -> None:
         """One file or folder as plain objects (no done record): a single PUT is whole or absent."""
-        if not path.exists():
-            return
-        target = self.remote / path.relative_to(self.local).as_posix()
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        with storage._errors("cannot write", target):
-            for file in files:
-                key = target if file == path else target / file.relative_to(path).as_posix()
-                target.fs.put_file(str(file), key.path)
+        if path.exists():
+            storage.upload(path, self.remote / path.relative_to(self.local).as_posix())
 
     # ---- the end --------------------------------------------------------------------------------------
     def finished(self, accelerator) -> None:
@@ -206,13 +200,7 @@ class RunFolder:
         accelerator.wait_for_everyone()
 
 
-def put_folder(local: Path, target: Location, record: dict | None = None) -> None:
+def put_folder(local: Path, target: Location) -> None:
     """A local folder as objects under ``target``, its done record removed first and written last."""
     target.remove()
-    sizes = {}
-    with storage._errors("cannot write", target):
-        for file in sorted(p for p in local.rglob("*") if p.is_file()):
-            rel = file.relative_to(local).as_posix()
-            target.fs.put_file(str(file), target.join(rel).path)
-            sizes[rel] = file.stat().st_size
-    storage.mark_done(target, {"sizes": sizes, **(record or {})})
+    storage.mark_done(target, {"sizes": storage.upload(local, target)})

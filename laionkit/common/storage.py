@@ -484,19 +484,28 @@ def atomic_write(location: Location | str, folder: bool = False, shared: bool = 
         if folder:
             tmp.mkdir()
         yield tmp
-        sizes = {}
-        with _errors("cannot write", location):
-            if folder:
+        if folder:
+            with _errors("cannot write", location):
                 if fs.exists(location.path):  # a rerun replaces the folder whole: no stale objects stay
                     fs.rm(location.path, recursive=True)
-                for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                    rel = file.relative_to(tmp).as_posix()
-                    fs.put_file(str(file), location.join(rel).path)
-                    sizes[rel] = file.stat().st_size
-            else:
-                fs.put_file(str(tmp), location.path)
-                sizes[location.name] = tmp.stat().st_size
-            mark_done(location, {"sizes": sizes, **(record or {})})
+        mark_done(location, {"sizes": upload(tmp, location), **(record or {})})
+
+
+def upload(local: Path, location: Location) -> dict[str, int]:
+    """A local file as the object ``location``, or a folder's files as objects under it (no done record:
+    callers write it after); returns the sizes uploaded by name (a folder's by relative path)."""
+    fs = location.fs
+    sizes = {}
+    with _errors("cannot write", location):
+        if local.is_dir():
+            for file in sorted(p for p in local.rglob("*") if p.is_file()):
+                rel = file.relative_to(local).as_posix()
+                fs.put_file(str(file), location.join(rel).path)
+                sizes[rel] = file.stat().st_size
+        else:
+            fs.put_file(str(local), location.path)
+            sizes[location.name] = local.stat().st_size
+    return sizes
 
 
 def mark_done(location: Location, record: dict | None = None) -> None:
