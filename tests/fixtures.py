@@ -153,8 +153,6 @@ def metrics(run: Path) -> dict[int, dict]:
 def assert_resumed_like(reference: Path, resumed: Path, steps: int, val_steps: tuple[int, int]) -> None:
     """A resumed run logged every step's loss as the uninterrupted one did, and the same fixed-sigma
     validation loss at both validation steps (which differ: the weights moved between them)."""
-    import pytest
-
     expected, got = metrics(reference), metrics(resumed)
     assert sorted(got) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
