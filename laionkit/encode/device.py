@@ -117,19 +117,24 @@ def _prepared(loader, encoders: Encoders, channels_last: bool) -> Iterator:
     prep_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def prepared() -> Iterator:
-        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders."""
-        for item in loader:
-            if isinstance(item, ShardDone):
-                yield item
-                continue
-            if prep_stream is None:
-                yield _gpu_batch(item, device, encoders.vae_dtype, channels_last), None
-                continue
-            with torch.cuda.stream(prep_stream):
-                batch = _gpu_batch(item, device, encoders.vae_dtype, channels_last)
-                ready = torch.cuda.Event()
-                ready.record(prep_stream)
-            yield batch, ready
+        """Host->device copies and GPU decode on their own stream, one batch ahead of the encoders.
+
+        Under inference_mode, as the encode loop and its compile warm-up are (the mode is per thread, and
+        this runs in the prepare thread): a compiled graph guards on it, and a normal tensor after the
+        warm-up's inference tensors recompiled both encoders inside the first run's timed loop."""
+        with torch.inference_mode():
+            for item in loader:
+                if isinstance(item, ShardDone):
+                    yield item
+                    continue
+                if prep_stream is None:
+                    yield _gpu_batch(item, device, encoders.vae_dtype, channels_last), None
+                    continue
+                with torch.cuda.stream(prep_stream):
+                    batch = _gpu_batch(item, device, encoders.vae_dtype, channels_last)
+                    ready = torch.cuda.Event()
+                    ready.record(prep_stream)
+                yield batch, ready
 
     return prepared()
 
