@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from laionkit import lora, runfolder, valloss
+from laionkit import fp8, lora, runfolder, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -129,6 +129,8 @@ class TrainConfig:
     cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
     cache_size: int = 100 * 2**30
     storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
+    fp8: bool = False  # the blocks' linear layers in float8 (laionkit/fp8.py)
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self) -> None:
         choices = {
@@ -174,6 +176,7 @@ class TrainConfig:
         self.checkpoint_interval()
         lora.check_config(self)
         valloss.check_config(self)
+        fp8.check_config(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
@@ -1221,6 +1224,11 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     if interval:  # activation checkpointing on the family's blocks (FamilySpec.blocks)
         checked = data.family.checkpoint_blocks(unet, interval)
         accelerator.print(f"activation checkpointing: {len(checked)} of {len(data.family.blocks(unet))} "
+                          f"{'/'.join(data.family.block_classes)} blocks")
+    if config.fp8:  # FP8 hook: the blocks' linear layers train in float8 (laionkit/fp8.py)
+        fp8.check_device(device)
+        converted = fp8.convert(unet, data.family.block_classes, config.fp8_recipe)
+        accelerator.print(f"fp8 ({config.fp8_recipe}): {len(converted)} linear layers of the "
                           f"{'/'.join(data.family.block_classes)} blocks")
     if config.compile and data.family.regional_compile:
         # Transformers: each block compiled in place, before DDP/FSDP wrap it (FSDP2 renames the classes):

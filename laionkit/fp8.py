@@ -1,0 +1,67 @@
+"""FP8 for `laionkit train --fp8`: the denoiser blocks' linear layers train in float8 (torchao), bf16 elsewhere.
+
+torchao's float8 training (``torchao.float8.convert_to_float8_training``) swaps ``nn.Linear`` for
+``Float8Linear``: the weight stays a bf16 (or fp32 master) parameter, and each matmul of the forward and
+backward casts its inputs to float8 with dynamic scales (``tensorwise``: one scale per tensor, the fastest;
+``rowwise``: one per row, closer to bf16) and runs ``torch._scaled_mm``. The state dict keeps nn.Linear's
+keys, so checkpoints, exact resume, EMA and the export are unchanged: an FP8 run exports the same diffusers
+folder a bf16 run does.
+
+What converts: the ``nn.Linear`` layers inside the family's repeated blocks (``FamilySpec.block_classes``:
+the transformer blocks of SD3 / Flux / PixArt, the UNet's attention blocks) whose both sides are multiples
+of 16 (the float8 GEMM's alignment); embedders, norms and the final projection stay bf16, as torchtitan's
+float8 recipe leaves the output layer out. Float8 matmuls are fast on GPUs of compute capability 8.9 and
+newer (Ada, Hopper, Blackwell) and with ``--compile`` (the casts fuse); eager float8 spends the saving on
+separate cast kernels. Whether it pays, and whether the loss stays within noise of bf16, is measured per
+model in docs/BENCHMARKS.md ("FP8"), which is why it is opt-in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from laionkit.common import LaionkitError
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def check_config(config) -> None:
+    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
+    if not config.fp8:
+        return
+    if config.fp8_recipe not in RECIPES:
+        raise LaionkitError(f"--fp8-recipe {config.fp8_recipe!r}: one of {', '.join(RECIPES)}")
+    if config.lora_rank is not None:
+        raise LaionkitError("--fp8 with --lora-rank: the frozen base would stay bf16 and only the small adapter "
+                            "matmuls could run in float8; train LoRA in bf16 (drop --fp8)")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise LaionkitError("--fp8 needs torchao: pip install 'laionkit[fp8]'") from None
+
+
+def check_device(device: torch.device) -> None:
+    """Float8 GEMMs need compute capability 8.9+ on CUDA; on CPU they run (slowly: for tests and checks)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise LaionkitError(f"--fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); {name} is "
+                            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+
+
+def convert(model: torch.nn.Module, block_classes, recipe: str = "tensorwise") -> list[str]:
+    """Swap the blocks' float8-eligible nn.Linear layers for Float8Linear in place; returns their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    blocks = tuple(f"{name}." for name, module in model.named_modules() if type(module).__name__ in block_classes)
+
+    def wanted(module: torch.nn.Module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and name.startswith(blocks)
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    converted = [name for name, module in model.named_modules() if wanted(module, name)]
+    if not converted:
+        raise LaionkitError(f"--fp8: no linear layer of the {'/'.join(block_classes)} blocks has both sides a "
+                            "multiple of 16; nothing would train in float8")
+    convert_to_float8_training(model, module_filter_fn=wanted,
+                               config=Float8LinearConfig.from_recipe_name(recipe))
+    return converted

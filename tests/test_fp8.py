@@ -1,0 +1,79 @@
+"""`laionkit train --fp8`: the denoiser blocks' linear layers train in float8 through torchao (on CPU here:
+torch._scaled_mm runs there too, slowly); checkpoints, exact resume and the export are a bf16 run's."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from laionkit.common import LaionkitError
+from tests.conftest import run_cli
+from tests.fixtures import metrics
+
+pytest.importorskip("torchao.float8")
+
+
+def test_fp8_converts_only_the_blocks_linear_layers():
+    from diffusers import SD3Transformer2DModel
+    from torchao.float8.float8_linear import Float8Linear
+
+    from laionkit import fp8
+    from laionkit.families.sd3 import TINY_TRANSFORMER_CONFIG
+
+    model = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG)
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    converted = fp8.convert(model, ("JointTransformerBlock",))
+    assert converted and set(converted) < linears
+    assert all(name.startswith("transformer_blocks.") for name in converted)
+    now = dict(model.named_modules())
+    assert all(isinstance(now[name], Float8Linear) for name in converted)
+    assert not isinstance(now["proj_out"], Float8Linear)  # the output projection stays high precision
+    with pytest.raises(LaionkitError, match="no linear layer of the Nothing blocks"):
+        fp8.convert(SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG), ("Nothing",))
+
+
+def test_fp8_trains_resumes_exactly_and_exports_a_plain_transformer(flow_latents, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    from laionkit.train import TrainConfig, run
+
+    sd3 = flow_latents("sd3")
+    base = TrainConfig(latents=sd3.latents, output=tmp_path / "bf16", unet_config="tiny", max_steps=4, batch_size=4,
+                       lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
+                       checkpoint_every=2)
+    run(base)
+    config = replace(base, output=tmp_path / "fp8", fp8=True)
+    run(config)
+    plain, fp8_losses = metrics(base.output), metrics(config.output)
+    # float8 matmuls change the numbers a little, not the run: same data, same noise, close losses
+    assert fp8_losses[1]["loss"] != plain[1]["loss"]
+    for step in range(1, 5):
+        assert fp8_losses[step]["loss"] == pytest.approx(plain[step]["loss"], rel=0.1), step
+    # kill after the step-2 checkpoint, resume: the same losses as the uninterrupted fp8 run
+    stopped = tmp_path / "stopped"
+    shutil.copytree(config.output, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-00000004")
+    shutil.rmtree(stopped / "transformer")
+    run(replace(config, output=stopped, resume="latest"))
+    resumed = metrics(stopped)
+    for step in range(1, 5):
+        assert resumed[step]["loss"] == pytest.approx(fp8_losses[step]["loss"], rel=1e-5, abs=1e-7), step
+    # the export is a plain diffusers transformer with a bf16 run's keys
+    exported = SD3Transformer2DModel.from_pretrained(stopped / "transformer")
+    reference = SD3Transformer2DModel.from_pretrained(base.output / "transformer")
+    assert exported.state_dict().keys() == reference.state_dict().keys()
+    assert not any("Float8" in type(module).__name__ for module in exported.modules())
+
+
+def test_fp8_refusals(flow_latents, tmp_path):
+    sd3 = flow_latents("sd3")
+    result = run_cli("train", sd3.latents, "--output", tmp_path / "run", "--transformer-config", "tiny",
+                     "--max-steps", "1", "--fp8", "--lora-rank", "4", "--log-with", "none", check=False)
+    assert result.returncode == 2 and "--fp8 with --lora-rank" in result.stderr
+    result = run_cli("train", sd3.latents, "--output", tmp_path / "run", "--transformer-config", "tiny",
+                     "--max-steps", "1", "--fp8", "--fp8-recipe", "blockwise", "--log-with", "none", check=False)
+    assert result.returncode == 2 and "--fp8-recipe 'blockwise'" in result.stderr
+    assert "Traceback" not in result.stderr
