@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from laionkit.common import LaionkitError
-from tests.conftest import run_cli
+from conftest import run_cli
 from tests.fixtures import metrics
 
 pytest.importorskip("torchao.float8")
