@@ -1,0 +1,367 @@
+"""Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux) against the bare diffusers step
+(not a test; results in docs/BENCHMARKS.md).
+
+Per family, at real size and random init (``--transformer-config sd3-medium``: 2.0B; ``flux-dev``: 11.9B),
+bf16, per resolution (1024 px and 512 px):
+
+(peak)    the bf16 matmul peak of this GPU (torch.mm, 8192^3), measured in this run: MFU is against it.
+(a)       the ceiling, bare diffusers + torch, no laionkit code: the transformer ``from_config``, flow matching
+          as diffusers' train_dreambooth_sd3.py / train_dreambooth_flux.py compute it (logit-normal sigma via
+          ``compute_density_for_timestep_sampling``, the family's shift, x_t = (1 - s) x0 + s e, target e - x0,
+          MSE; Flux: 2x2-packed latents, img_ids / txt_ids, guidance 3.5), backward, fused AdamW, on tensors
+          already on the GPU; the whole model in bf16 (the fastest bare step). Eager, and compiled per block
+          (``block.compile()``, as torchtitan's Flux does).
+(b)       `laionkit train` on latent shards with stored text (``encode --text stored``), eager and compiled.
+(online)  the same on ``encode --text online`` latents: the frozen text encoders (real sizes: CLIP-L,
+          CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux, random init) run in the train loop.
+(fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
+          data: samples/s and the two loss curves (mean |difference| against the bf16 run's own step noise).
+(big)     Flux only: the largest configurations that train on this GPU (full-parameter depth fractions with
+          ``--checkpointing blocks``, and LoRA on the whole 12B), samples/s, MFU and peak memory.
+
+The latents come from `laionkit encode` of generated photos with a tiny 16-channel VAE (8x, like SD3's and
+Flux's) and real-size text encoders: the train step sees real shapes, and online text costs what it would.
+Every measurement runs in its own process.
+
+    python scripts/bench_train_flow.py --family sd3 --out /tmp/flow --report $OUT        # GPU machine
+    python scripts/bench_train_flow.py --family sd3 --smoke --out /tmp/flow-smoke         # CPU plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import child_argv, print_table, run_child, save_results, steady_rate  # noqa: E402
+from bench_train_sdxl import _write_shard  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}}
+CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev"}
+
+
+def real_text_encoders(family: str, folder: Path) -> None:
+    """Replace the tiny writer's text encoders by real-size ones (random init, bf16): CLIP-L (768, 12
+    layers), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW
+
+    def clip(cls, hidden, layers, act):
+        return cls(CLIPTextConfig(vocab_size=CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
+                                  num_hidden_layers=layers, num_attention_heads=hidden // 64, projection_dim=hidden,
+                                  max_position_embeddings=CLIP_WINDOW, hidden_act=act, bos_token_id=49406,
+                                  eos_token_id=49407, pad_token_id=1))
+
+    t5 = lambda: T5EncoderModel(T5Config(  # noqa: E731 - google/t5-v1_1-xxl's encoder
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, is_encoder_decoder=False))
+    if family == "sd3":
+        parts = {"text_encoder": lambda: clip(CLIPTextModelWithProjection, 768, 12, "quick_gelu"),
+                 "text_encoder_2": lambda: clip(CLIPTextModelWithProjection, 1280, 32, "gelu"),
+                 "text_encoder_3": t5}
+    else:
+        parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu"), "text_encoder_2": t5}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for sub, build in parts.items():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = build().to(torch.bfloat16)
+        shutil.rmtree(folder / sub)
+        model.save_pretrained(folder / sub)
+        del model
+
+
+def write_models(folder: Path, family: str, smoke: bool) -> Path:
+    from laionkit.families import get_family
+
+    if not (folder / "model_index.json").exists():
+        get_family(family).write_tiny(folder, 0)
+        if not smoke:
+            real_text_encoders(family, folder)
+    return folder
+
+
+def prepare(out: Path, family: str, resolution: int, images: int, text: str, models: Path) -> Path:
+    """Square photo shards and their latents (`laionkit encode --text stored|online`)."""
+    from laionkit.encode import EncodeConfig, run
+
+    latents = out / f"latents-{resolution}-{text}"
+    if (latents / "manifest.json").exists():
+        return latents
+    jpegs = out / f"jpeg-{resolution}"
+    if not jpegs.exists():
+        jpegs.mkdir(parents=True)
+        per_shard = 64
+        jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, False) for s in range(max(1, images // per_shard))]
+        with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
+            pool.map(_write_shard, jobs)
+    run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution, text=text,
+                     batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True), log=lambda _: None)
+    return latents
+
+
+# --- children: one measurement per process ---------------------------------------------------------
+
+def child_peak(args) -> dict:
+    """bf16 matmul TFLOP/s of this GPU: the best of a few 8192^3 torch.mm runs."""
+    if not torch.cuda.is_available():
+        return {"peak_tflops": 0.0}
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    best = 0.0
+    for _ in range(5):
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(50):
+            a @ b
+        torch.cuda.synchronize()
+        best = max(best, 2 * n**3 * 50 / (time.perf_counter() - started) / 1e12)
+    return {"peak_tflops": best}
+
+
+def child_bare(args) -> dict:
+    """(a): the bare diffusers flow-matching step on in-GPU tensors, whole model in bf16."""
+    import diffusers
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from laionkit.families import get_family
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    spec = get_family(args.family)
+    arch = dict(spec.configs["tiny" if args.smoke else CONFIG[args.family]])
+    latent = args.resolution // 8
+    text_len = 77 + 256 if args.family == "sd3" else 512
+    if args.smoke:
+        text_len = 77 + 16 if args.family == "sd3" else 16
+    if args.family == "sd3":
+        arch.update(sample_size=latent, pos_embed_max_size=max(arch["pos_embed_max_size"], latent // 2))
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with torch.device(device):
+        model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(dtype)
+    model.train()
+    if args.compile:
+        for block in spec.blocks(model):
+            block.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    batch = args.batch
+    x0 = torch.randn(batch, 16, latent, latent, device=device, dtype=dtype)
+    width = arch["joint_attention_dim"]
+    states = torch.randn(batch, text_len, width, device=device, dtype=dtype)
+    pooled = torch.randn(batch, arch["pooled_projection_dim"], device=device, dtype=dtype)
+    if args.family == "flux":
+        from diffusers import FluxPipeline
+
+        ids = FluxPipeline._prepare_latent_image_ids(batch, latent // 2, latent // 2, device, dtype)
+        txt_ids = torch.zeros(text_len, 3, device=device, dtype=dtype)
+        guidance = torch.full((batch,), 3.5, device=device, dtype=torch.float32)
+        shift = (1.15 - 0.5) / (4096 - 256) * ((latent // 2) ** 2 - 256) + 0.5  # train_dreambooth_flux's mu
+        shift = float(torch.tensor(shift).exp())
+    else:
+        shift = 3.0
+
+    def forward(noisy, sigma, rows=batch):
+        if args.family == "flux":
+            packed = FluxPipeline._pack_latents(noisy, rows, 16, latent, latent)
+            out = model(hidden_states=packed, timestep=sigma, guidance=guidance[:rows], pooled_projections=pooled[:rows],
+                        encoder_hidden_states=states[:rows], txt_ids=txt_ids, img_ids=ids, return_dict=False)[0]
+            return FluxPipeline._unpack_latents(out, args.resolution, args.resolution, 8)
+        return model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=states[:rows],
+                     pooled_projections=pooled[:rows], return_dict=False)[0]
+
+    def step():
+        noise = torch.randn_like(x0)
+        u = compute_density_for_timestep_sampling("logit_normal", batch, logit_mean=0.0, logit_std=1.0).to(device)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        s = sigma.view(-1, 1, 1, 1).to(dtype)
+        pred = forward((1 - s) * x0 + s * noise, sigma.to(dtype))
+        loss = torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        forward(x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), rows=1).float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    flops = float(counter.get_total_flops())
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    rate = args.steps * batch / (time.perf_counter() - started)
+    return {"samples_per_s": rate, "tflops": flops * rate / 1e12, "mfu": flops * rate / 989e12,  # as train's
+            "flops_per_sample": flops, "data_wait_pct": 0.0,
+            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
+    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, latents, runs")
+    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs here")
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
+    parser.add_argument("--parts", default="peak,a,b,online,fp8", help="comma list of peak, a, b, online, fp8, big")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 512])
+    parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) at the first resolution")
+    parser.add_argument("--images", type=int, default=256, help="photos per latent set")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps (b: 3 log windows of steps/3 after one)")
+    parser.add_argument("--fp8-steps", type=int, default=200)
+    parser.add_argument("--fp8-resolution", type=int, default=512)
+    parser.add_argument("--fp8-batch", type=int, default=16)
+    parser.add_argument("--budget", type=float, default=560, help="seconds; later measurements are skipped")
+    parser.add_argument("--child", choices=["bare", "peak"])
+    parser.add_argument("--name")
+    parser.add_argument("--resolution", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        result = child_bare(args) if args.child == "bare" else child_peak(args)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result))
+        return
+
+    started = time.perf_counter()
+    if args.smoke:
+        args.resolutions, args.images, args.steps, args.fp8_steps, args.fp8_resolution = [64], 16, 3, 4, 64
+    family = args.family
+    batch_of = lambda resolution: BATCH[family].get(resolution, 2)  # noqa: E731
+    parts = set(args.parts.split(","))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    models = write_models(args.out / "models", family, args.smoke)
+    print(f"models ready after {time.perf_counter() - started:.0f} s", flush=True)
+    results: dict[str, dict] = {}
+    left = lambda: args.budget - (time.perf_counter() - started)  # noqa: E731
+
+    def measure(name: str, argv: list[str], run: Path | None = None) -> None:
+        if left() < 40:
+            results[name] = {"error": "skipped: out of time budget"}
+            print(f"{name}: skipped", flush=True)
+            return
+        if run is not None:
+            shutil.rmtree(run, ignore_errors=True)
+        results[name] = run_child(args.out, name, argv, timeout=left(), env=env)
+        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+            results[name].update(steady_rate(run))
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+
+    def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
+              config: str | None = None) -> Path:
+        run = args.out / f"run-{name}"
+        window = max(2, args.steps // 3)
+        total = steps or window * 4
+        measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
+                       "--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]),
+                       "--batch-size", str(batch), "--max-steps", str(total), "--log-every", str(window),
+                       "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
+                       "--shuffle-buffer", "64", "--mixed-precision", "no" if args.smoke else "bf16", *extra], run)
+        return run
+
+    first = args.resolutions[0]
+    if "peak" in parts:
+        measure("peak", child_argv(args.out, "peak", "peak", script=__file__))
+    for mode in args.modes.split(","):
+        compiled = mode == "compiled"
+        flags = ["--compile", "--bf16-weights"] if compiled else []
+        if "a" in parts:
+            measure(f"a-{first}-{mode}", child_argv(args.out, f"a-{first}-{mode}", "bare", script=__file__,
+                                                    family=family, resolution=first, batch=batch_of(first),
+                                                    steps=args.steps, compile=compiled, smoke=args.smoke))
+        if "b" in parts:
+            train(f"b-{first}-{mode}", prepare(args.out, family, first, args.images, "stored", models),
+                  batch_of(first), *flags)
+    for resolution in args.resolutions:
+        for text in ("stored", "online") if "online" in parts else ():
+            if text == "stored" and resolution == first and "b" in parts:
+                continue  # b-<first>-eager is this row
+            train(f"{text}-{resolution}-eager", prepare(args.out, family, resolution, args.images, text, models),
+                  batch_of(resolution))
+    if "fp8" in parts:
+        latents = prepare(args.out, family, args.fp8_resolution, args.images, "stored", models)
+        common = ["--compile", "--bf16-weights", "--seed", "0"]
+        window = max(1, args.fp8_steps // 10)
+        for name, extra in (("fp8-off", []), ("fp8-on", ["--fp8"])):
+            run = args.out / f"run-{name}"
+            measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
+                           "--transformer-config", "tiny" if args.smoke else CONFIG[family],
+                           "--batch-size", str(args.fp8_batch), "--max-steps", str(args.fp8_steps),
+                           "--log-every", "1", "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet",
+                           "--workers", "4", "--shuffle-buffer", "64",
+                           "--mixed-precision", "no" if args.smoke else "bf16", *common, *extra], run)
+            if (run / "metrics.jsonl").exists():
+                curve = losses(run)
+                results[name]["losses"] = curve
+                rates = [json.loads(line)["samples_per_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+                results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
+    if "big" in parts and family == "flux":
+        latents = prepare(args.out, family, first, args.images, "stored", models)
+        results["flux_12b_full_fits"] = {"note": "bf16 weights + fp32 master + AdamW: 16 bytes/parameter, "
+                                         "190 GiB for 11.9B: not on one H200; depth fractions below"}
+        for text in ("stored", "online"):  # LoRA on the whole 12B: the single-GPU Flux run
+            train(f"big-lora64-12b-{text}", prepare(args.out, family, first, args.images, text, models), 1,
+                  "--lora-rank", "64", "--checkpointing", "blocks")
+        for layers, single in ((10, 19), (12, 24)):
+            arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,
+                    "num_layers": layers, "num_single_layers": single}
+            path = args.out / f"flux-{layers}-{single}.json"
+            path.write_text(json.dumps(arch))
+            train(f"big-full-{layers}x{single}", latents, 1, "--checkpointing", "blocks", config=str(path))
+
+    summary = {"date": time.strftime("%Y-%m-%d"), "family": family, "device": torch.cuda.get_device_name(0)
+               if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
+    save_results(summary, args.out, args.report, suffix=f"-{family}", tail=8000)
+    print_table({k: v for k, v in results.items() if k != "peak"}, f"{summary['device']}, torch {torch.__version__}")
+    rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
+    peak = results.get("peak", {}).get("peak_tflops")
+    print(f"\nmeasured bf16 matmul peak: {peak}")
+    for mode in args.modes.split(","):
+        a, b = rate(f"a-{first}-{mode}"), rate(f"b-{first}-{mode}")
+        if a and b:
+            flops = results[f"a-{first}-{mode}"]["flops_per_sample"]
+            print(f"  b/a {first} {mode}: {b / a:.3f} (target >= 0.98); b model TFLOP/s {flops * b / 1e12:.0f}"
+                  + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak (target >= 0.5)" if peak else ""))
+    for resolution in args.resolutions:
+        stored = rate(f"stored-{resolution}-eager") or rate(f"b-{resolution}-eager")
+        online = rate(f"online-{resolution}-eager")
+        if stored and online:
+            print(f"  online/stored text {resolution}: {online / stored:.3f}")
+    if rate("fp8-on") and rate("fp8-off"):
+        on, off = results["fp8-on"]["losses"], results["fp8-off"]["losses"]
+        tail = len(off) // 2
+        print(f"  fp8 speed-up: {rate('fp8-on') / rate('fp8-off'):.3f}; mean loss, second half: fp8 "
+              f"{statistics.mean(on[tail:]):.4f} vs bf16 {statistics.mean(off[tail:]):.4f} (bf16 step-to-step "
+              f"std {statistics.pstdev(off[tail:]):.4f})")
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
