@@ -53,7 +53,13 @@ CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev"}
 def real_text_encoders(family: str, folder: Path) -> None:
     """Replace the tiny writer's text encoders by real-size ones (random init, bf16): CLIP-L (768, 12
     layers), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
 
     from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import run_cli
 
 from laionkit.common import LaionkitError
-from conftest import run_cli
 from tests.fixtures import metrics
 
 pytest.importorskip("torchao.float8")
