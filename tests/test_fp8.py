@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import run_cli
+from fixtures import metrics
 
 from laionkit.common import LaionkitError
-from tests.fixtures import metrics
 
 pytest.importorskip("torchao.float8")
 
