@@ -97,15 +97,16 @@ def latent_shards(tmp_path_factory, image_shards, tiny_models) -> Path:
 
 @dataclass(frozen=True)
 class FlowLatents:
-    name: str  # the flow-matching family: sd3 or flux
+    name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text)
     model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
     latents: Path  # `laionkit encode` of image_shards with it at 64 px
 
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux")``: the family's tiny pipeline and its encode of image_shards at 64 px,
-    built on first use and shared by every test of the session (tests/test_sd3_flux.py, tests/test_scale.py)."""
+    """``flow_latents("sd3" | "flux" | "pixart")``: the family's tiny pipeline and its encode of image_shards at
+    64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
+    tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.families import get_family
 
