@@ -10,15 +10,13 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
-from fixtures import FlowLatents, assert_resumed_like, metrics
+from fixtures import FlowLatents, assert_kill9_resumes_like, metrics, train_flags
 
 from laionkit.common import LaionkitError
 from laionkit.families import detect_family, get_family
@@ -178,32 +176,10 @@ def test_train_kill9_resume_matches_an_uninterrupted_run(pixart, reference, tmp_
     """`laionkit train` on PixArt killed with SIGKILL right after its step-2 checkpoint landed, rerun with
     --resume latest: every step's loss, the validation losses and the exported transformer/ and
     transformer_ema/ equal the uninterrupted run's."""
-    from safetensors.torch import load_file
-
     run = tmp_path / "run"
     args = ["train", str(pixart.latents), "--output", str(run), "--val-latents", str(pixart.latents),
-            "--transformer", str(pixart.model)]
-    for key, value in RUN.items():
-        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (run / "checkpoints" / "step-00000002").is_dir() and process.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    process.kill()
-    assert process.wait() == -9, "the run ended before the kill"
-    assert not (run / "transformer").exists(), "killed too late: the run already finished"
-    run_cli(*args, "--resume", "latest")
-    assert_resumed_like(reference, run, steps=4, val_steps=(2, 4))
-    for output in (reference, run):
-        assert (output / "samples" / "step-000004.png").stat().st_size > 0
-        assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
-    for folder in ("transformer", "transformer_ema"):
-        want, have = (load_file(output / folder / "diffusion_pytorch_model.safetensors") for output in (reference, run))
-        assert want.keys() == have.keys(), folder
-        for key in want:
-            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
+            "--transformer", str(pixart.model), *train_flags(**RUN)]
+    assert_kill9_resumes_like(reference, args, run, kill_at=2, steps=4)
 
 
 GENERATE = """
