@@ -84,6 +84,10 @@ def test_stored_states_are_trimmed_losslessly(pixart):
     assert not batch["text"][~batch["mask"]].any()  # the padding is zeros, masked out
     assert np.load(pixart.latents / "empty_caption.npy").shape == (1, 32)  # "" is "</s>"
     assert np.load(pixart.latents / "empty_mask.npy").tolist() == [True]
+    # encode records what a sample costs on disk, measured: below the padded states alone
+    size = sum(path.stat().st_size for path in pixart.latents.glob("*.tar"))
+    assert manifest["bytes"] == {"total": size, "per_sample": size / 8, "per_billion_samples": size / 8 * 1e9}
+    assert size / 8 < 300 * 32 * 2
 
     noisy, t = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([10, 200, 500, 999])
     extra = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}}

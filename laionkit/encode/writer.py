@@ -81,6 +81,7 @@ class ShardOutput:
     def finish(self) -> None:
         self.sink.close()
         self.stack.close()
+        self.bytes = self.path.size()  # the tar as stored: what a sample costs (trimmed text varies per sample)
 
     def abort(self, error: BaseException) -> None:
         self.sink.close()
