@@ -262,3 +262,31 @@ def test_buckets_from_scratch_and_lora_refused(pixart, image_shards, tmp_path):
     with pytest.raises(LaionkitError, match="PixArtTransformer2DModel takes no PEFT adapters"):
         train(TrainConfig(latents=pixart.latents, output=tmp_path / "lora", unet=str(pixart.model), lora_rank=2,
                           max_steps=1, log_with="none", quiet=True, workers=0))
+
+
+def test_validation_grid_with_bf16_weights_and_fp32_outputs(pixart):
+    """With --mixed-precision bf16 the weights are bf16 and accelerate's prepared forward returns fp32, so a
+    scheduler step promotes the latents to fp32; PixArtSigmaPipeline has no callback_on_step_end, so
+    validate casts them back in place through its per-step callback (else: 'Input type (float) and bias
+    type (c10::BFloat16) should be the same')."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from laionkit.train import (
+        TrainConfig,
+        load_noise_scheduler,
+        open_latents,
+        validate,
+        validation_conditioning,
+    )
+
+    data = open_latents(pixart.latents)
+    pipe = load_pipeline(pixart)
+    model = torch.nn.Module.to(pipe.transformer, torch.bfloat16)
+    model.forward = convert_outputs_to_fp32(model.forward)
+    config = TrainConfig(latents=pixart.latents, output=Path("unused"), unet=str(pixart.model), max_steps=1,
+                         validation_steps=2)
+    _, texts = validation_conditioning(data, 2)
+    empty = {key: value.to(torch.bfloat16) for key, value in data.empty.items()}
+    images = validate(model, pipe.vae, load_noise_scheduler(config, data.family), texts, empty, data, config,
+                      torch.device("cpu"))
+    assert images.shape == (2, 3, 64, 64) and torch.isfinite(images).all()
