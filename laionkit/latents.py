@@ -43,10 +43,14 @@ from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
 
 # The members a training sample needs; others are skipped unread. Extra text tensors of a model family
-# (SDXL's pooled.npy) and the json's size fields (SDXL's time_ids) travel in the batch when present.
+# (SDXL's pooled.npy, PixArt's mask.npy) and the json's size fields (SDXL's time_ids) travel in the batch
+# when present.
 MOMENTS, TEXT = "moments.npy", "text.npy"
 IDS_PREFIX = ".ids_"  # encode --text online: <key>.ids_<tokenizer subfolder>.npy, int32 token ids
-EXTRA_TENSORS = ("pooled",)
+EXTRA_TENSORS = ("pooled", "mask")
+# Decoded keys whose first axis may differ between samples: a family with a text mask stores its states
+# and mask trimmed to each caption's length (laionkit.families.FamilySpec.text_mask).
+VARIABLE_LENGTH = ("text", "mask")
 SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
 
 
@@ -155,6 +159,30 @@ def decode(sample: dict) -> dict:
     return decoded
 
 
+def pad_to(value: torch.Tensor, length: int, dim: int = 0) -> torch.Tensor:
+    """``value`` zero-padded along ``dim`` to ``length`` (zeros: masked-out positions, False in a mask)."""
+    missing = length - value.shape[dim]
+    if missing <= 0:
+        return value
+    shape = list(value.shape)
+    shape[dim] = missing
+    return torch.cat([value, value.new_zeros(shape)], dim=dim)
+
+
+def pad_stack(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack tensors whose first axis may differ (trimmed text), zero-padded to the longest."""
+    length = max(value.shape[0] for value in values)
+    return torch.stack([pad_to(value, length) for value in values])
+
+
+def collate(samples: Sequence[dict]) -> dict:
+    """A batch of decoded samples: default_collate, except that trimmed text (``VARIABLE_LENGTH``) is
+    zero-padded to the longest of the batch, its mask marking the padding as masked out."""
+    batch = default_collate([{k: v for k, v in sample.items() if k not in VARIABLE_LENGTH} for sample in samples])
+    batch.update({key: pad_stack([sample[key] for sample in samples]) for key in VARIABLE_LENGTH if key in samples[0]})
+    return batch
+
+
 def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
     return int(np.random.SeedSequence([seed, epoch, rank, worker]).generate_state(1)[0])
 
@@ -239,7 +267,7 @@ class LatentStream(IterableDataset):
                     if skip_batches:
                         skip_batches -= 1
                     else:
-                        yield default_collate([decode(raw) for raw in bucket])
+                        yield collate([decode(raw) for raw in bucket])
             if produced == 0 and skip == 0:
                 raise self._starved(worker)
             skip = 0
@@ -322,7 +350,8 @@ def _ignore_interrupt(_worker: int) -> None:
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,
                   cache: ReadCache | None = None) -> DataLoader:
     """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``, one (h, w)
-    per batch; the workers form the batches (see the module docstring)."""
+    per batch (T: the longest caption of the batch where text is trimmed, ``collate``); the workers form
+    the batches (see the module docstring)."""
     return DataLoader(
         LatentStream(layout, batches_done, cache),
         batch_size=None,

@@ -73,6 +73,9 @@ def attach(unet, config, accelerator) -> None:
                                             DistributedType.MULTI_CPU):
         raise LaionkitError(f"--lora-rank runs on one device or DDP, not {accelerator.distributed_type.value}: "
                             "launch with train/ddp.yaml (adapters are small: no sharding is needed)")
+    if not hasattr(unet, "add_adapter"):
+        raise LaionkitError(f"--lora-rank: diffusers' {type(unet).__name__} takes no PEFT adapters (no add_adapter; "
+                            "its pipeline loads no LoRA): train it without --lora-rank")
     unet.requires_grad_(False)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if low is not None and not MasterWeights.wanted(config, accelerator):

@@ -46,8 +46,10 @@ from laionkit.latents import (
     STOP_SIGNALS,
     StreamLayout,
     Unit,
+    collate,
     decode,
     latent_loader,
+    pad_to,
     read_unit,
     shard_paths,
 )
@@ -323,7 +325,13 @@ def open_latents(latents: Path | str) -> LatentSet:
         empty = torch.from_numpy(np.load(io.BytesIO(empty_path.read_bytes())))
     except (OSError, ValueError, LaionkitError) as error:
         raise LaionkitError(f"{empty_path} (the manifest's empty_caption) cannot be read: {error}") from None
-    if tuple(empty.shape) != tuple(first["text"].shape):
+    # Text trimmed to each caption's length (a family with a text mask): shapes agree but for their length.
+    trimmed = set((manifest.get("text") or {}).get("trimmed") or ())
+
+    def differ(key: str, found: torch.Tensor, want: torch.Tensor) -> bool:
+        return tuple(found.shape)[key in trimmed:] != tuple(want.shape)[key in trimmed:]
+
+    if differ("states", empty, first["text"]):
         raise LaionkitError(f"{empty_path}: shape {tuple(empty.shape)} != text embeddings "
                             f"{tuple(first['text'].shape)} in {shards[0]}")
     empties = {"states": empty}
@@ -338,7 +346,7 @@ def open_latents(latents: Path | str) -> LatentSet:
             empties[key] = torch.from_numpy(np.load(io.BytesIO(path.read_bytes())))
         except (OSError, ValueError) as error:
             raise LaionkitError(f"{path} (the empty caption's {key}) cannot be read: {error}") from None
-        if tuple(empties[key].shape) != tuple(first[key].shape):
+        if differ(key, empties[key], first[key]):
             raise LaionkitError(f"{path}: shape {tuple(empties[key].shape)} != {key} "
                                 f"{tuple(first[key].shape)} in {shards[0]}")
     return LatentSet(
@@ -350,7 +358,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         shift_factor=float(vae.get("shift_factor") or 0.0),
         vae_source=(manifest.get("models") or {}).get("vae", {}).get("source"),
         moments_shape=square[0] if square else tuple(first["moments"].shape),
-        text_shape=tuple(first["text"].shape),
+        text_shape=tuple(manifest["text"]["stored"]["states"] if "states" in trimmed else first["text"].shape),
         empty_caption=empty,
         family=family,
         empty=empties,
@@ -525,26 +533,35 @@ def dropout_captions(config: TrainConfig, cond: dict, empty: dict, batch: int, g
 
 
 def drop_captions(cond: dict, empty: dict, dropped: torch.Tensor) -> dict:
-    """Caption dropout: the dropped samples get every stored tensor of the empty caption, together."""
+    """Caption dropout: the dropped samples get every stored tensor of the empty caption, together.
+    Trimmed text (a family with a text mask) and the empty caption's are zero-padded to the longer first."""
     out = dict(cond)
     for key, value in empty.items():
+        current = cond[key]
+        if value.shape != current.shape[1:] and value.shape[1:] == current.shape[2:]:
+            length = max(value.shape[0], current.shape[1])
+            value, current = pad_to(value, length), pad_to(current, length, dim=1)
         mask = dropped.view(-1, *([1] * (value.dim())))
-        out[key] = torch.where(mask, value, cond[key])
+        out[key] = torch.where(mask, value, current)
     return out
 
 
-def load_noise_scheduler(config: TrainConfig):
-    """DDPM with the model family's schedule: --noise-scheduler, else --unet's folder, else SD's."""
+def load_noise_scheduler(config: TrainConfig, spec: FamilySpec | None = None):
+    """DDPM with the model family's schedule: --noise-scheduler, else --unet's folder (or preset), else the
+    family's objective's betas (SD's when no family is given)."""
     from diffusers import DDPMScheduler
 
     from laionkit.common.models import load_scheduler
 
-    source = config.noise_scheduler or config.unet
+    spec = spec or get_family("sd")
+    source = config.noise_scheduler or (spec.presets.get(config.unet, config.unet) if config.unet else None)
     if source is not None:
         scheduler = load_scheduler(source)
     else:
-        scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                  num_train_timesteps=1000, clip_sample=False, steps_offset=1)
+        objective = spec.objective
+        scheduler = DDPMScheduler(beta_start=objective.beta_start, beta_end=objective.beta_end,
+                                  beta_schedule=objective.beta_schedule, num_train_timesteps=1000,
+                                  clip_sample=False, steps_offset=1)
     if config.prediction_type is not None:
         scheduler.register_to_config(prediction_type=config.prediction_type)
     return scheduler
@@ -1024,16 +1041,14 @@ def validation_conditioning(data: LatentSet, count: int, online: OnlineText | No
         rows.append(decode(sample))
         if len(rows) == count:
             break
+    batch = collate(rows)  # trimmed text padded to the longest prompt
     if online is not None:  # token ids, encoded by the run's own text encoders
-        ids = {name: torch.stack([row[name] for row in rows]) for name in rows[0] if name.startswith("ids_")}
-        return captions, {key: value.cpu() for key, value in online(ids, online.device, online.dtype).items()}
-    stacked = {key: torch.stack([row["text" if key == "states" else key] for row in rows])
-               for key in data.family.stored}
-    return captions, stacked
+        return captions, {key: value.cpu() for key, value in online(batch, online.device, online.dtype).items()}
+    return captions, {key: batch["text" if key == "states" else key] for key in data.family.stored}
 
 
 # Pipeline keyword of each stored key (the negative_ version takes the empty caption's).
-PIPELINE_KEYWORDS = {"states": "prompt_embeds", "pooled": "pooled_prompt_embeds"}
+PIPELINE_KEYWORDS = {"states": "prompt_embeds", "pooled": "pooled_prompt_embeds", "mask": "prompt_attention_mask"}
 
 
 @torch.no_grad()
@@ -1067,12 +1082,16 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
     pipe.set_progress_bar_config(disable=True)
     dtype = next(unet.parameters()).dtype
     guided_by_embedding = spec.embedded_guidance and getattr(unet.config, "guidance_embeds", False)
+    # The empty caption's tensors for every prompt, and the prompts', padded alike (trimmed text).
+    texts = {key: value.to(device, dtype) for key, value in texts.items()}
+    every = torch.ones(len(texts["states"]), dtype=torch.bool, device=device)
+    negatives, texts = drop_captions(texts, empty, every), drop_captions(texts, empty, ~every)
     prompts = {}
     for key, keyword in PIPELINE_KEYWORDS.items():
         if key in texts:
-            prompts[keyword] = texts[key].to(device, dtype)
+            prompts[keyword] = texts[key]
             if not guided_by_embedding:
-                prompts[f"negative_{keyword}"] = empty[key].expand_as(texts[key]).to(device, dtype)
+                prompts[f"negative_{keyword}"] = negatives[key].to(device, dtype)
     if spec.embedded_guidance and not guided_by_embedding:
         prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's classifier-free guidance
     channels, height, width = data.moments_shape
@@ -1081,12 +1100,25 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
     latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
     if spec.pack_latents is not None:
         latents = spec.pack_latents(latents)
+    call = inspect.signature(pipeline_class.__call__).parameters
+    if "use_resolution_binning" in call:  # PixArt: draw at the data's size, not at the nearest of its bins
+        prompts["use_resolution_binning"] = False
+    if "negative_prompt_embeds" in prompts and "negative_prompt" in call:
+        prompts["negative_prompt"] = None  # PixArt defaults it to "", which it refuses beside the embeddings
     # Accelerate's prepared forward returns fp32 outputs, so a scheduler step promotes the latents to fp32;
-    # they go back to the weights' dtype before the next step (bf16 master weights have no autocast).
+    # they go back to the weights' dtype before the next step (bf16 master weights have no autocast): as
+    # callback_on_step_end returns them, or in place where the pipeline has only the per-step `callback`.
+    if "callback_on_step_end" in call:
+        each_step = {"callback_on_step_end": lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
+                     "callback_on_step_end_tensor_inputs": ["latents"]}
+    else:
+        def cast(_step, _t, found):
+            found.data = found.data.to(dtype)
+
+        each_step = {"callback": cast, "callback_steps": 1}
     latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
                    guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
-                   callback_on_step_end=lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
-                   callback_on_step_end_tensor_inputs=["latents"], **prompts).images
+                   **each_step, **prompts).images
     if spec.unpack_latents is not None:
         latents = spec.unpack_latents(latents, height, width)
     images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
@@ -1215,7 +1247,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
-    noise_scheduler = load_noise_scheduler(config) if objective.kind == "ddpm" else None
+    noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
     shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
     model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in all_buckets]
     if config.gradient_checkpointing:

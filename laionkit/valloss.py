@@ -58,7 +58,7 @@ def sample_generator(seed: int, key: str) -> torch.Generator:
 def load(config, data) -> ValSet:
     """The fixed samples and their fixed draws, on the CPU; DIR must come from the training data's VAE
     and text encoder (same latent and text shapes, scaling and shift)."""
-    from laionkit.latents import Unit, decode, read_unit
+    from laionkit.latents import Unit, decode, pad_stack, read_unit
     from laionkit.train import open_latents
 
     val = open_latents(config.val_latents)
@@ -90,7 +90,7 @@ def load(config, data) -> ValSet:
     if not keys:
         raise LaionkitError(f"--val-latents {config.val_latents}: no samples")
     return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u),
-                  {name: torch.stack(values) for name, values in cond.items()})
+                  {name: pad_stack(values) for name, values in cond.items()})  # trimmed text padded
 
 
 @torch.no_grad()

@@ -97,15 +97,16 @@ def latent_shards(tmp_path_factory, image_shards, tiny_models) -> Path:
 
 @dataclass(frozen=True)
 class FlowLatents:
-    name: str  # the flow-matching family: sd3 or flux
+    name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text)
     model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
     latents: Path  # `laionkit encode` of image_shards with it at 64 px
 
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux")``: the family's tiny pipeline and its encode of image_shards at 64 px,
-    built on first use and shared by every test of the session (tests/test_sd3_flux.py, tests/test_scale.py)."""
+    """``flow_latents("sd3" | "flux" | "pixart")``: the family's tiny pipeline and its encode of image_shards at
+    64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
+    tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.families import get_family
 
@@ -160,3 +161,51 @@ def assert_resumed_like(reference: Path, resumed: Path, steps: int, val_steps: t
     for step in val_steps:  # the same weights give the same number
         assert got[step]["val_loss"] == pytest.approx(expected[step]["val_loss"], rel=1e-6), step
     assert expected[val_steps[1]]["val_loss"] != expected[val_steps[0]]["val_loss"]
+
+
+def train_flags(**options) -> list[str]:
+    """TrainConfig keyword arguments as `laionkit train` flags."""
+    flags = []
+    for key, value in options.items():
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags
+
+
+def assert_same_exports(reference: Path, resumed: Path, folders=("transformer", "transformer_ema")) -> None:
+    """The resumed run exported what the whole run did: every tensor of each folder's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    for folder in folders:
+        want, have = (load_file(run / folder / "diffusion_pytorch_model.safetensors") for run in (reference, resumed))
+        assert want.keys() == have.keys(), folder
+        for key in want:
+            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
+
+
+def assert_kill9_resumes_like(reference: Path, args: list[str], run: Path, kill_at: int, steps: int) -> None:
+    """`laionkit ARGS` (a train of ``steps`` steps into ``run``, validating at ``kill_at`` and at the end)
+    killed with SIGKILL the moment its step-``kill_at`` checkpoint lands, while it still runs (nothing
+    exported yet), then rerun with --resume latest: every step's loss, the validation losses, the last
+    validation grid and the exported transformer/ and transformer_ema/ are the uninterrupted reference's."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import run_cli
+
+    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / f"step-{kill_at:08d}").is_dir() and process.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    process.kill()
+    assert process.wait() == -9, "the run ended before the kill"
+    assert not (run / "transformer").exists(), "killed too late: the run already finished"
+    run_cli(*args, "--resume", "latest")
+    assert_resumed_like(reference, run, steps=steps, val_steps=(kill_at, steps))
+    for output in (reference, run):
+        assert (output / "samples" / f"step-{steps:06d}.png").stat().st_size > 0
+        assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
+    assert_same_exports(reference, run)

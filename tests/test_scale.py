@@ -6,15 +6,12 @@ the session's flux_run (tests/fixtures.py), trained once."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-import time
 from dataclasses import fields, replace
 
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import FLUX_RUN, assert_resumed_like, metrics
+from fixtures import FLUX_RUN, assert_kill9_resumes_like, metrics, train_flags
 
 from laionkit.common import LaionkitError
 from laionkit.families import flow as flow_math
@@ -199,45 +196,16 @@ def test_train_compile_per_block_with_checkpointing_matches_eager(flux_run, tmp_
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
 
 
-def _flags(**options) -> list[str]:
-    """TrainConfig keyword arguments as `laionkit train` flags."""
-    flags = []
-    for key, value in options.items():
-        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    return flags
-
-
 def test_flux_train_kill9_resume_matches_an_uninterrupted_run(flux_run, tmp_path):
     """`laionkit train` on Flux (flux_run's flags: from scratch, dynamic shift, EMA, validation images and
     loss) killed with SIGKILL right after its step-3 checkpoint landed, rerun with --resume latest: every
     step's loss, the validation losses and the exported transformer/ and transformer_ema/ equal the
     uninterrupted flux_run's. The killed run checkpoints every other block (--checkpointing every-2), which
     changes no number."""
-    from safetensors.torch import load_file
-
-    reference = flux_run.output
     run = tmp_path / "run"
     args = ["train", str(flux_run.latents), "--output", str(run), "--val-latents", str(flux_run.val_latents),
-            *_flags(**FLUX_RUN), "--checkpointing", "every-2"]
-    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (run / "checkpoints" / "step-00000003").is_dir() and process.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    process.kill()
-    assert process.wait() == -9, "the run ended before the kill"
-    assert not (run / "transformer").exists(), "killed too late: the run already finished"
-    run_cli(*args, "--resume", "latest")
-    assert_resumed_like(reference, run, steps=6, val_steps=(3, 6))
-    for output in (reference, run):
-        assert (output / "samples" / "step-000006.png").stat().st_size > 0
-        assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
-    for folder in ("transformer", "transformer_ema"):  # the resumed run exports what the whole run did
-        want, have = (load_file(output / folder / "diffusion_pytorch_model.safetensors") for output in (reference, run))
-        assert want.keys() == have.keys(), folder
-        for key in want:
-            torch.testing.assert_close(have[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{folder} {key}")
+            *train_flags(**FLUX_RUN), "--checkpointing", "every-2"]
+    assert_kill9_resumes_like(flux_run.output, args, run, kill_at=3, steps=6)
 
 
 def test_unet_compiles_whole_with_checkpointed_blocks():

@@ -80,6 +80,7 @@ from laionkit.encode.records import (
     RERUN_REMEDY,
     _models,
     _settings,
+    describe_cost,
     latent_family,
     latent_status,
     merge_records,
@@ -156,6 +157,10 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
                             f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
                             "are these image shards?")
+    cost = manifest.get("bytes")
+    if cost and cost["per_sample"] is not None and not config.quiet and rank.rank == 0:
+        log(f"laionkit encode: {manifest['counts']['samples_out']:,} samples in {manifest['shards']['done']} shards, "
+            f"{describe_cost(cost)}")
     return summary
 
 

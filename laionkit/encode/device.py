@@ -17,7 +17,7 @@ from laionkit.common import LaionkitError, Rank
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
 from laionkit.encode.config import EncodeConfig
 from laionkit.encode.reader import ShardDone, resize_rgb
-from laionkit.families import DEFAULT_FAMILY
+from laionkit.families import DEFAULT_FAMILY, families, get_family
 
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
 # nvjpeg decode, whose per-image resize runs in the main process (docs/BENCHMARKS.md, encode).
@@ -147,8 +147,9 @@ class Encoders:
         self.family = config.family
         self.online = config.text == "online"
         if self.online and self.family.tokenize is None:
+            online = [name for name in families() if get_family(name).tokenize is not None]
             raise LaionkitError(f"--text online: family {self.family.name} stores its text-encoder outputs only "
-                                "(online text: sd3, flux)")
+                                f"(online text: {', '.join(online)})")
         self.dtype = _compute_dtype(config.dtype, device)
         self.layer = config.layer
         # Eager, the SD VAE encoder measured slower channels_last than contiguous on an H200 (eager GroupNorm
@@ -177,13 +178,15 @@ class Encoders:
 
     def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
         """Refuse image sizes the family cannot encode."""
-        if self.family.pack_latents is not None:  # Flux packs 2x2 latent patches: even latent sides
-            multiple = 2 * 2 ** (len(self.vae.config.block_out_channels) - 1)
+        patch = self.family.patch_size
+        if patch > 1:  # Flux packs 2x2 latent patches, PixArt embeds them: latent sides are multiples of 2
+            multiple = patch * 2 ** (len(self.vae.config.block_out_channels) - 1)
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:
                 raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
-                                    f"{self.family.name} packs 2x2 latent patches, so image sides must be multiples "
-                                    f"of {multiple} px; {', '.join(odd)} are not (try a multiple of {8 * multiple})")
+                                    f"{self.family.name} takes {patch}x{patch} latent patches, so image sides must be "
+                                    f"multiples of {multiple} px; {', '.join(odd)} are not (try a multiple of "
+                                    f"{8 * multiple})")
 
     def _encode_images(self, pixels):
         return self.vae.encode(pixels).latent_dist.parameters
@@ -211,24 +214,36 @@ class Encoders:
             facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
         if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)
             facts["family"] = self.family.name
-            empty = self.empty_caption()
+            empty = self.empty_caption(trim=False)
             facts["text"]["hidden_size"] = int(empty["states"].shape[-1])
             facts["text"]["sequence_length"] = int(empty["states"].shape[0])  # SD3: 77 CLIP + T5 tokens
             facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
+            if self.family.trimmed:  # per sample, these end at the caption's length (up to the shape above)
+                facts["text"]["trimmed"] = list(self.family.trimmed)
             if self.online:  # only then: stored folders keep the settings they had (resume)
                 facts["text"]["mode"] = "online"
                 facts["text"]["ids"] = {self.family.ids_member(i): int(ids.shape[-1]) for i, ids in
                                         enumerate(self.family.tokenize(self.tokenizers, [""]))}
         return facts
 
-    def empty_caption(self) -> dict[str, np.ndarray]:
-        """Every stored text tensor of the caption "" (caption dropout swaps all of them together)."""
+    def empty_caption(self, trim: bool = True) -> dict[str, np.ndarray]:
+        """Every stored text tensor of the caption "" (caption dropout swaps all of them together), trimmed
+        as a sample's are (a family with a text mask) unless ``trim`` is False."""
         window = self.tokenizer.model_max_length
         ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
                              return_tensors="pt").input_ids
         with torch.inference_mode():
             found = self.text_of(ids.to(self.device), [""], compiled=False)
-        return {key: value[0].to(torch.float16).cpu().numpy() for key, value in found.items()}
+        empty = {key: _stored(value[0]).cpu().numpy() for key, value in found.items()}
+        lengths = self.family.text_lengths(found) if trim else None
+        for key in self.family.trimmed if lengths is not None else ():
+            empty[key] = empty[key][: int(lengths[0])]
+        return empty
+
+
+def _stored(value: torch.Tensor) -> torch.Tensor:
+    """A text tensor as encode stores it: float16 (floats), as it is otherwise (PixArt's bool mask)."""
+    return value.to(torch.float16) if value.is_floating_point() else value
 
 
 def _compute_dtype(name: str, device):
@@ -294,7 +309,7 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig, ready=N
         pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
             memory_format=encoders.layout)
         input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
-    moments, stored = None, {}
+    moments, stored, trim = None, {}, None
     if count:
         moments = encoders.encode_images(pixels)[:count].to(torch.float16).to("cpu", non_blocking=True)
         captions = [record["caption"] for record in batch["records"]]
@@ -302,12 +317,17 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig, ready=N
             stored = {encoders.family.ids_member(index): ids[:count].to(torch.int32) for index, ids in
                       enumerate(encoders.family.tokenize(encoders.tokenizers, captions))}
         else:
-            stored = {encoders.family.member(key): value[:count].to(torch.float16).to("cpu", non_blocking=True)
-                      for key, value in encoders.text_of(input_ids, captions).items()}
+            found = encoders.text_of(input_ids, captions)
+            stored = {encoders.family.member(key): _stored(value[:count]).to("cpu", non_blocking=True)
+                      for key, value in found.items()}
+            lengths = encoders.family.text_lengths(found)
+            if lengths is not None:  # the writer cuts these members of each sample to its caption's length
+                trim = (lengths[:count].to("cpu", non_blocking=True),
+                        tuple(encoders.family.member(key) for key in encoders.family.trimmed))
     done = None
     if encoders.device.type == "cuda":
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(encoders.device))
     return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
-            "moments": moments, "stored": stored, "done": done, "skips": batch.get("skips", []),
+            "moments": moments, "stored": stored, "trim": trim, "done": done, "skips": batch.get("skips", []),
             "decoded": batch["decoded"]}

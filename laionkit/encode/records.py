@@ -72,7 +72,7 @@ def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], secon
         "shard": done.shard, "rank": rank, "samples_in": done.samples_in,
         "samples_out": written.samples, "truncated": written.truncated,
         "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
-        "sizes": dict(written.sizes), "seconds": round(seconds, 3), "settings": settings,
+        "sizes": dict(written.sizes), "bytes": written.bytes, "seconds": round(seconds, 3), "settings": settings,
         "models": models,
     }
 
@@ -163,11 +163,29 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
                    "skipped": sum(skips.values()), "truncated_captions": sum(r["truncated"] for r in records)},
         "skips": dict(sorted(skips.items())),
         "sizes": dict(sorted(sizes.items())),
+        "bytes": storage_cost(records),
         "records": {record["shard"]: record_path(output, record["shard"]).name for record in records},
         "versions": versions(),
     }
     manifest["complete"] = expected is not None and not manifest["shards"]["missing"]
     return manifest
+
+
+def storage_cost(records: Sequence[dict]) -> dict | None:
+    """The done shards' bytes on disk: in all, per sample written (measured, so trimmed text counts at its
+    true length) and projected to a billion samples; None when a record predates the count."""
+    if any(record.get("bytes") is None for record in records):
+        return None
+    total, samples = sum(record["bytes"] for record in records), sum(record["samples_out"] for record in records)
+    per_sample = total / samples if samples else None
+    return {"total": total, "per_sample": per_sample,
+            "per_billion_samples": per_sample * 1e9 if per_sample is not None else None}
+
+
+def describe_cost(cost: dict) -> str:
+    """A storage cost as one line: KiB per sample and PiB per billion samples."""
+    return f"{cost['per_sample'] / 2**10:,.1f} KiB per sample ({cost['per_billion_samples'] / 2**50:,.2f} PiB " \
+           "per billion samples)"
 
 
 def summarize(folder: Path | Location):
@@ -194,8 +212,7 @@ def summarize(folder: Path | Location):
     overview.add_row("size on disk", f"{size / 2**20:,.1f} MiB")
     if counts["samples_out"]:  # what --text stored vs online costs at web scale
         per_sample = size / counts["samples_out"]
-        overview.add_row("per sample", f"{per_sample / 2**10:,.1f} KiB ({per_sample * 1e9 / 2**50:,.2f} PiB "
-                                       "per billion samples)")
+        overview.add_row("per sample", describe_cost({"per_sample": per_sample, "per_billion_samples": per_sample * 1e9}))
     tables = [overview]
     for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
         if counter:

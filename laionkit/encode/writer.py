@@ -61,10 +61,12 @@ class ShardOutput:
         self.skips: list[dict] = []
         self.started = time.perf_counter()
 
-    def write(self, keys: list[str], records: list[dict], moments: np.ndarray, stored: dict[str, np.ndarray]
-              ) -> None:
-        """One sample per key: moments, every stored text tensor under its member name, the json."""
-        rows = {member: npy_rows(value) for member, value in stored.items()}
+    def write(self, keys: list[str], records: list[dict], moments: np.ndarray,
+              stored: dict[str, np.ndarray | list[np.ndarray]]) -> None:
+        """One sample per key: moments, every stored text tensor under its member name (a batch array, or
+        one array per sample where their lengths differ), the json."""
+        rows = {member: npy_rows(value) if isinstance(value, np.ndarray) else [npy_bytes(row) for row in value]
+                for member, value in stored.items()}
         for index, (key, record, sample_moments) in enumerate(zip(keys, records, npy_rows(moments))):
             self.sink.write({
                 "__key__": key,
@@ -79,6 +81,7 @@ class ShardOutput:
     def finish(self) -> None:
         self.sink.close()
         self.stack.close()
+        self.bytes = self.path.size()  # the tar as stored: what a sample costs (trimmed text varies per sample)
 
     def abort(self, error: BaseException) -> None:
         self.sink.close()
@@ -148,8 +151,12 @@ class _Writer:
         if item["done"] is not None:
             item["done"].synchronize()
         if item["moments"] is not None:
-            shard.write(item["keys"], item["records"], item["moments"].numpy(),
-                        {member: value.numpy() for member, value in item["stored"].items()})
+            stored = {member: value.numpy() for member, value in item["stored"].items()}
+            if item["trim"] is not None:  # a family with a text mask: each sample up to its caption's length
+                lengths, members = item["trim"]
+                stored.update({member: [row[:n] for row, n in zip(stored[member], lengths.tolist())]
+                               for member in members})
+            shard.write(item["keys"], item["records"], item["moments"].numpy(), stored)
         self.progress.update(len(item["keys"]) + len(item["skips"]))
 
     def _finish(self, done: ShardDone) -> None:

@@ -1,4 +1,5 @@
-"""Model families: everything that differs between SD-, SDXL-, SD3- and Flux-class models, in one place.
+"""Model families: everything that differs between SD-, SDXL-, SD3-, Flux- and PixArt-class models, in one
+place.
 
 encode's and train's loops stay family-agnostic; they look a family up by name (the name encode writes
 into the latent manifest, so train never asks for it twice) and call what its ``FamilySpec`` holds, the
@@ -35,7 +36,12 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   families keep train's own fitting), ``sampler`` is the FlowMatchEulerDiscreteScheduler config that
   draws validation images, ``pack_latents`` / ``unpack_latents`` the pipeline's latent layout when it
   differs from [B, C, h, w], and ``embedded_guidance`` says the pipeline's guidance_scale feeds the
-  transformer's guidance embedding (Flux) instead of classifier-free guidance on negative embeddings.
+  transformer's guidance embedding (Flux) instead of classifier-free guidance on negative embeddings;
+  ``patch_size``: latent sides must be multiples of it (2: the transformer takes 2x2 latent patches);
+- ``text_mask``: the stored key of a text attention mask the denoiser takes (PixArt: ``mask``). Masked
+  positions carry nothing, so encode trims the sequence tensors (``states`` and the mask) of each sample
+  after its last unmasked position (``text_lengths``), the latent loader zero-pads them back to the
+  longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
 whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per
@@ -70,6 +76,11 @@ class Objective:
     weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
     timestep_scale: float = 1000.0  # flow: the denoiser's timestep input is sigma * this (Flux: 1, SD3: 1000)
     guidance: float | None = None  # flow: the guidance embedding's input in training (Flux-dev: 3.5)
+    # ddpm: the noise schedule of a run from scratch (a pretrained --unet / --transformer brings its
+    # scheduler/): SD's scaled-linear betas unless the family trained on others (PixArt: linear)
+    beta_schedule: str = "scaled_linear"
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
 
     def sigma_shift(self, latent_height: int, latent_width: int, patch_size: int = 2) -> float:
         """The shift s for a latent of this size: the static one, Flux's per-resolution one, or 1."""
@@ -113,6 +124,24 @@ class FamilySpec:
     # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
     tokenize: Callable[..., list] | None = None
     encode_tokens: Callable[..., dict[str, Any]] | None = None
+    patch_size: int = 1  # latent sides must be multiples of this (Flux, PixArt: 2x2 patches)
+    text_mask: str | None = None  # the stored key of the text attention mask the denoiser takes (PixArt)
+
+    @property
+    def trimmed(self) -> tuple[str, ...]:
+        """The stored keys encode trims to each caption's length: the states and the mask (``text_mask``)."""
+        return ("states", self.text_mask) if self.text_mask else ()
+
+    def text_lengths(self, found: Mapping[str, Any]):
+        """Each sample's stored length of the ``trimmed`` tensors of a batch ``found`` (the family's text
+        tensors): up to its last unmasked position, at least 1. None for a family without a text mask."""
+        if self.text_mask is None:
+            return None
+        import torch
+
+        mask = found[self.text_mask].bool()
+        positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+        return (mask * positions).amax(dim=-1).clamp(min=1)
 
     def ids_member(self, index: int) -> str:
         """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""
@@ -242,6 +271,7 @@ def detect_family(source: str) -> FamilySpec:
 
 # Importing the family modules registers them.
 from laionkit.families import flux as _flux  # noqa: E402,F401
+from laionkit.families import pixart as _pixart  # noqa: E402,F401
 from laionkit.families import sd as _sd  # noqa: E402,F401
 from laionkit.families import sd3 as _sd3  # noqa: E402,F401
 from laionkit.families import sdxl as _sdxl  # noqa: E402,F401

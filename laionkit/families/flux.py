@@ -191,4 +191,5 @@ SPEC = register_family(FamilySpec(
     pack_latents=pack,
     unpack_latents=unpack,
     embedded_guidance=True,
+    patch_size=2,
 ))

@@ -111,13 +111,14 @@ def tiny_clip_pair(output: Path):
     return encoders, (tokenizer, tokenizer_2)
 
 
-def tiny_t5(output: Path, d_model: int):
-    """A tiny T5 v1.1-style encoder (gated-gelu) with a T5TokenizerFast trained on the shipped captions."""
+def tiny_t5(output: Path, d_model: int, max_length: int = 512):
+    """A tiny T5 v1.1-style encoder (gated-gelu) with a T5TokenizerFast trained on the shipped captions
+    (its model_max_length ``max_length``)."""
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
     from laionkit.families.tokenizers import write_t5
 
-    tokenizer = T5TokenizerFast.from_pretrained(write_t5(output))
+    tokenizer = T5TokenizerFast.from_pretrained(write_t5(output, max_length=max_length))
     encoder = T5EncoderModel(T5Config(
         vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2,
         num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
@@ -126,15 +127,17 @@ def tiny_t5(output: Path, d_model: int):
     return encoder, tokenizer
 
 
-def tiny_vae(scaling_factor: float, shift_factor: float):
-    """A 16-channel, 8x AutoencoderKL without quant convs, as the SD3 and Flux VAEs are."""
+def tiny_vae(scaling_factor: float, shift_factor: float | None = None, latent_channels: int = 16):
+    """A tiny 8x AutoencoderKL: 16 channels without quant convs, as the SD3 and Flux VAEs are, or 4 with
+    them, as SD's and SDXL's (PixArt-Σ's) are."""
     from diffusers import AutoencoderKL
 
+    quant_convs = latent_channels == 4
     return AutoencoderKL(
         block_out_channels=(8, 16, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, norm_num_groups=8, latent_channels=16,
-        sample_size=64, scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
-        use_post_quant_conv=False,
+        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, norm_num_groups=8,
+        latent_channels=latent_channels, sample_size=64, scaling_factor=scaling_factor, shift_factor=shift_factor,
+        use_quant_conv=quant_convs, use_post_quant_conv=quant_convs,
     )
 
 
