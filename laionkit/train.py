@@ -1,9 +1,13 @@
 """`laionkit train`: one Accelerate loop that trains a UNet on streamed latent shards and resumes exactly.
 
-Reads top to bottom: config → accelerator → data set and model → optimizer → resume → loop (loss,
-step, log, checkpoint, validate) → export. Runs as one process, or under `accelerate launch` /
-`torchrun` with the configs in `train/` (DDP, FSDP, DeepSpeed ZeRO-2). Every rank runs exactly
-``max_steps`` optimizer steps: the data stream (laionkit.latents) never runs dry, so no rank waits.
+Reads top to bottom: config → data set → model and objective → checkpoints → validation → the loop,
+whose pieces are ``setup`` (make_accelerator, the run folder, plan_stages, ``build``: model, optimizer,
+EMA, LR schedule) → ``resume`` → per step ``train_step`` (micro_step: loss, backward, apply_gradients),
+``MetricsWindow`` (metrics.jsonl), ``checkpoint``, ``validation_loss`` / ``validation_grid`` → ``finish``
+(export); ``_train`` wires them, and the bench scripts time the same build and train_step. Runs as
+one process, or under `accelerate launch` / `torchrun` with the configs in `train/` (DDP, FSDP,
+DeepSpeed ZeRO-2). Every rank runs exactly ``max_steps`` optimizer steps: the data stream
+(laionkit.latents) never runs dry, so no rank waits.
 
 Invariant of a checkpoint folder ``step-N``: it holds the state *after* N optimizer steps, and every
 rank's data cursor equals ``N * grad_accum`` batches; its name exists only once all ranks wrote it.
@@ -22,6 +26,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -1185,29 +1190,130 @@ def run(config: TrainConfig) -> TrainResult:
             return _train(config, stop, remote)
 
 
-def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class Schedule:
+    """The latent folders a run trains on, in order (LATENTS, then each --stage), with their steps.
 
-    output = config.output
-    accelerator = Accelerator(
+    ``ends[i]`` is the step stage i ends at (the last: the run's max_steps). ``buckets`` are every stage's
+    buckets in first-seen order, the index of every per-bucket count; ``to_all[i][j]`` is that index of
+    stage i's bucket j. ``global_batch`` is the samples of one optimizer step over all ranks."""
+
+    stages: tuple[tuple[Path, LatentSet, int], ...]
+    ends: tuple[int, ...]
+    buckets: tuple[str, ...]
+    to_all: tuple[tuple[int, ...], ...]
+    global_batch: int
+
+    @property
+    def max_steps(self) -> int:
+        return self.ends[-1]
+
+    def stage_at(self, step: int) -> int:
+        """The stage that trains step ``step + 1`` (the last one once all are done)."""
+        return next((i for i, end in enumerate(self.ends) if step < end), len(self.stages) - 1)
+
+    def start(self, stage: int) -> int:
+        return self.ends[stage] - self.stages[stage][2]
+
+    def bucket(self, stage: int, shape) -> int:
+        """The index in ``buckets`` of a batch's moments shape in ``stage``."""
+        return self.to_all[stage][self.stages[stage][1].bucket_of(shape)]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: shape for _, latents, _ in self.stages
+                for key, shape in zip(latents.buckets, latents.bucket_shapes)}
+
+
+def plan_stages(config: TrainConfig, data: LatentSet, world: int) -> Schedule:
+    """--stage: a schedule of latent folders (e.g. low resolution first), each for its number of steps;
+    LATENTS (``data``) first, for --max-steps or --epochs of its samples."""
+    global_batch = config.batch_size * config.grad_accum * world
+    max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
+    stages = [(config.latents, data, max_steps)]
+    for folder, steps in config.later_stages():
+        stages.append((folder, same_model_latents(stages[0], folder, open_latents(folder)), steps))
+    buckets = tuple(dict.fromkeys(key for _, latents, _ in stages for key in latents.buckets))
+    return Schedule(stages=tuple(stages), ends=tuple(itertools.accumulate(steps for _, _, steps in stages)),
+                    buckets=buckets, global_batch=global_batch,
+                    to_all=tuple(tuple(buckets.index(key) for key in latents.buckets) for _, latents, _ in stages))
+
+
+@dataclass
+class Trainer:
+    """What the loop's pieces share: the accelerator, the data plan, the prepared model with its optimizer
+    state, and this rank's counters. ``unet`` is the prepared module (what DDP / FSDP wrap, checkpoints
+    and exports hold); ``model`` is what the forward pass calls: ``unet`` or its compiled form.
+    ``step``, ``bucket_samples`` and ``generator`` are this rank's part of a checkpoint; ``layouts`` (one
+    stream per stage), ``data_key`` (what exact resume compares) and ``remote`` are set by setup for a
+    run, left empty by build for a bench."""
+
+    config: TrainConfig
+    accelerator: Any
+    data: LatentSet  # the first stage's latents: what all stages share (family, VAE scaling, empty caption)
+    schedule: Schedule
+    objective: Objective
+    unet: Any
+    model: Any
+    master: MasterWeights | None
+    trained: list
+    optimizer: Any
+    lr_scheduler: Any
+    ema: Any
+    noise_scheduler: Any  # DDPM families; None for flow matching
+    online: OnlineText | None
+    input_dtype: torch.dtype
+    empty: dict  # the empty caption's stored tensors on the device, for caption dropout
+    model_flops: list[float]  # per sample, per bucket of the schedule
+    generator: torch.Generator  # noise, timesteps and dropout: same init on every rank, different draws
+    bucket_samples: list[int]  # this rank's samples per bucket since the run began
+    # Consecutive steps with a non-finite loss, counted on the device so that no step waits for the host.
+    nonfinite: torch.Tensor
+    grad_norm: torch.Tensor | None
+    step: int = 0
+    layouts: list[StreamLayout] = field(default_factory=list)
+    data_key: dict = field(default_factory=dict)
+    remote: runfolder.RunFolder | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def extra_states(self) -> dict:
+        """Saved by save_checkpoint as plain tensors, not through accelerate, which unpickles these with
+        weights_only=False on load."""
+        return {name: obj for name, obj in (("master", self.master), ("ema", self.ema)) if obj is not None}
+
+
+def make_accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    return Accelerator(
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         log_with=None if config.log_with == "none" else config.log_with,
-        project_config=ProjectConfiguration(project_dir=str(output), logging_dir=str(output / "logs")),
+        project_config=ProjectConfiguration(project_dir=str(config.output),
+                                            logging_dir=str(config.output / "logs")),
         step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
         cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
     )
+
+
+def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None) -> Trainer:
+    """Everything before the first step: the accelerator and the run folder (claimed, the config logged),
+    the latents and their stage schedule, the model as build makes it, and each stage's stream layout."""
+    from accelerate.utils import DistributedType
+
+    output = config.output
+    accelerator = make_accelerator(config)
     launcher = resolve_rank(config.rank, config.world_size)
     if (launcher.rank, launcher.world_size) != (accelerator.process_index, accelerator.num_processes):
         raise LaionkitError(
             f"--rank/--world-size say {launcher.rank}/{launcher.world_size} but the launcher started "
             f"{accelerator.process_index}/{accelerator.num_processes}: train takes ranks from accelerate/torchrun"
         )
-    device, main, world = accelerator.device, accelerator.is_main_process, accelerator.num_processes
+    world = accelerator.num_processes
     if config.ema and accelerator.distributed_type == DistributedType.FSDP:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     if output.exists() and not output.is_dir():
@@ -1218,7 +1324,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     if remote is not None:  # the bucket's run: fresh-run rules there, a resume's checkpoint downloaded
         config = remote.claim(config, accelerator, inputs)
     claim_run_folder(config, accelerator)
-    if main:
+    if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         accelerator.print(f"laionkit train: {json.dumps(asdict(config), default=str)}")
     if config.tf32:
@@ -1230,17 +1336,29 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     if data.empty_shards:
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
-    global_batch = config.batch_size * config.grad_accum * world
-    max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
-    # --stage: a schedule of latent folders (e.g. low resolution first), each for its number of steps.
-    stages = [(config.latents, data, max_steps)]
-    for folder, steps in config.later_stages():
-        stages.append((folder, same_model_latents(stages[0], folder, open_latents(folder)), steps))
-    stage_ends = list(itertools.accumulate(steps for _, _, steps in stages))
-    max_steps = stage_ends[-1]
-    all_buckets = list(dict.fromkeys(key for _, latents, _ in stages for key in latents.buckets))
-    to_all = [[all_buckets.index(key) for key in latents.buckets] for _, latents, _ in stages]
+    schedule = plan_stages(config, data, world)
+    trainer = build(config, accelerator, data, schedule, objective)
+    trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
+                                    config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
+                       for _, latents, _ in schedule.stages]
+    trainer.data_key = layout_key(trainer.layouts[0], data)
+    if len(schedule.stages) > 1:  # which data each step trains on: every stage's layout and steps
+        trainer.data_key["stages"] = [[steps, layout_key(layout, latents)]
+                                      for (_, latents, steps), layout in zip(schedule.stages, trainer.layouts)]
+    trainer.remote = remote
+    return trainer
 
+
+def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule, objective: Objective,
+          optimizer_factory=make_optimizer) -> Trainer:
+    """The denoiser as train trains it (LoRA adapters, activation checkpointing, compile, channels_last),
+    its precision policy (MasterWeights), optimizer (``optimizer_factory(config, params, lr, device)``),
+    EMA and LR schedule, prepared by ``accelerator``; the bench scripts build their step with it too."""
+    from accelerate.utils import DistributedType, set_seed
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+
+    device = accelerator.device
     set_seed(config.seed)  # the same initial weights on every rank
     unet = build_unet(config, data).to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
@@ -1248,8 +1366,8 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
     noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
-    shapes = {key: shape for _, latents, _ in stages for key, shape in zip(latents.buckets, latents.bucket_shapes)}
-    model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in all_buckets]
+    shapes = schedule.shapes()
+    model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in schedule.buckets]
     if config.gradient_checkpointing:
         accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
     interval = config.checkpoint_interval()
@@ -1272,16 +1390,13 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     unet.train()
     master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
     trained = master.master if master is not None else [p for p in unet.parameters() if p.requires_grad]
-    lr = scaled_lr(config, global_batch)
-    optimizer = make_optimizer(config, trained, lr, device)
+    lr = scaled_lr(config, schedule.global_batch)
+    optimizer = optimizer_factory(config, trained, lr, device)
     ema = None
     if config.ema:
         ema = EMAModel(trained, decay=config.ema_decay, foreach=True,
                        model_cls=type(unet), model_config=unet.config)
         ema.to(device)
-    # Saved by save_checkpoint as plain tensors, not through accelerate, which unpickles these with
-    # weights_only=False on load.
-    extra_states = {name: obj for name, obj in (("master", master), ("ema", ema)) if obj is not None}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # we prepare no DataLoader to infer these
         deepspeed = accelerator.state.deepspeed_plugin.deepspeed_config
         deepspeed["train_micro_batch_size_per_gpu"] = config.batch_size
@@ -1296,7 +1411,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
     lr_scheduler = get_scheduler(
         "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
-        optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=max_steps,
+        optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=schedule.max_steps,
     )
     lr_scheduler = accelerator.prepare(lr_scheduler)
     if config.compile:
@@ -1306,45 +1421,187 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         # (FamilySpec.checkpoint_blocks), so the allowance grows with the number of block classes too.
         dynamo = torch._dynamo.config
         per_bucket = 8 * (len(data.family.block_classes) if data.family.regional_compile else 1)
-        dynamo.recompile_limit = max(dynamo.recompile_limit, per_bucket * len(all_buckets))
-        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(all_buckets))
+        dynamo.recompile_limit = max(dynamo.recompile_limit, per_bucket * len(schedule.buckets))
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(schedule.buckets))
     model = unet
     if config.compile and not data.family.regional_compile:  # UNets: the whole denoiser (see compile_blocks)
         model = torch.compile(unet, dynamic=False, mode=config.compile_mode)
+    return Trainer(
+        config=config, accelerator=accelerator, data=data, schedule=schedule, objective=objective, unet=unet,
+        model=model, master=master, trained=trained, optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema,
+        noise_scheduler=noise_scheduler, online=online, input_dtype=input_dtype,
+        empty={key: value.to(device, input_dtype) for key, value in (online.empty() if online else data.empty).items()},
+        model_flops=model_flops,
+        generator=torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index),
+        bucket_samples=[0] * len(schedule.buckets), nonfinite=torch.zeros((), device=device),
+        grad_norm=torch.zeros((), device=device),
+    )
 
-    # Noise, timesteps and dropout come from one generator per rank: same init, different draws.
-    generator = torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index)
-    layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers, config.batch_size,
-                            config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
-               for _, latents, _ in stages]
-    data_key = layout_key(layouts[0], data)
-    if len(stages) > 1:  # which data each step trains on: every stage's layout and steps
-        data_key["stages"] = [[steps, layout_key(layout, latents)] for (_, latents, steps), layout in zip(stages, layouts)]
-    step, resumed_from = 0, find_resume(config, accelerator)
-    bucket_samples = [0] * len(all_buckets)  # this rank's samples per bucket since the run began
-    if resumed_from is not None:
-        state = read_rank_record(accelerator, resumed_from)  # checked before the model and optimizer load
-        lora.check_resume(resumed_from, config)
-        refuse_other_settings(resumed_from, state.get("layout", {}), data_key, "written",
-                              "exact resume needs the same latent shards (names, sample counts, sizes), number "
-                              "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
-        load_checkpoint_state(accelerator, resumed_from, extra_states)
-        generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
-        step = state["step"]
-        # A checkpoint from before per-bucket counts had one bucket, which took every sample.
-        counted = state.get("bucket_samples") or {all_buckets[0]: step * config.batch_size * config.grad_accum}
-        bucket_samples = [int(counted.get(key, 0)) for key in all_buckets]
-        accelerator.print(f"resumed from {resumed_from} at step {step}")
-    cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
-    stage = next((i for i, end in enumerate(stage_ends) if step < end), len(stages) - 1)
-    current = stages[stage][1]  # the stage's latents; `data` (the first stage's) holds what all share
-    stage_start = stage_ends[stage] - stages[stage][2]
-    batches = iter(latent_loader(layouts[stage], batches_done=(step - stage_start) * config.grad_accum,
-                                 pin_memory=device.type == "cuda", cache=cache))
-    empty = {key: value.to(device, input_dtype) for key, value in (online.empty() if online else data.empty).items()}
 
-    metrics_path = output / "metrics.jsonl"
-    keys_path = output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
+def resume(trainer: Trainer) -> Path | None:
+    """--resume: the checkpoint find_resume picks, checked against this run's data layout (before the
+    model and optimizer load), then loaded: accelerate's state, the master / EMA weights, and this rank's
+    generator, step and samples per bucket. None where there is none to resume from."""
+    t, config, accelerator = trainer, trainer.config, trainer.accelerator
+    folder = find_resume(config, accelerator)
+    if folder is None:
+        return None
+    state = read_rank_record(accelerator, folder)
+    lora.check_resume(folder, config)
+    refuse_other_settings(folder, state.get("layout", {}), t.data_key, "written",
+                          "exact resume needs the same latent shards (names, sample counts, sizes), number "
+                          "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
+    load_checkpoint_state(accelerator, folder, t.extra_states)
+    t.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
+    t.step = state["step"]
+    # A checkpoint from before per-bucket counts had one bucket, which took every sample.
+    buckets = t.schedule.buckets
+    counted = state.get("bucket_samples") or {buckets[0]: t.step * config.batch_size * config.grad_accum}
+    t.bucket_samples = [int(counted.get(key, 0)) for key in buckets]
+    accelerator.print(f"resumed from {folder} at step {t.step}")
+    return folder
+
+
+def micro_step(trainer: Trainer, moments: torch.Tensor, cond: dict) -> torch.Tensor:
+    """One micro-batch inside accelerate's accumulate(): the loss of the family's objective, backward, and
+    apply_gradients (clip and optimizer step on the sync micro-batch only). Returns the loss."""
+    t = trainer
+    with t.accelerator.accumulate(t.unet):
+        if t.noise_scheduler is None:
+            loss = flow_loss(t.model, moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
+        else:
+            loss = diffusion_loss(t.model, moments, cond, t.empty, t.noise_scheduler, t.config, t.data, t.generator)
+        t.accelerator.backward(loss)
+        norm = apply_gradients(t.accelerator, t.unet, t.optimizer, t.master, t.config.max_grad_norm)
+        if t.accelerator.sync_gradients:
+            t.grad_norm = norm  # None under DeepSpeed, which clips inside its step
+    return loss
+
+
+def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> list[str]:
+    """One optimizer step: --grad-accum micro-batches from ``batches`` (batches of stage ``stage``), then
+    the LR schedule and EMA step. Counts the step's loss, data wait and model FLOPs into ``window`` and its
+    samples per bucket; returns the step's sample keys."""
+    t, config = trainer, trainer.config
+    step_keys, step_loss = [], torch.zeros((), device=t.device)
+    for _ in range(config.grad_accum):
+        waited = time.perf_counter()
+        batch = next(batches)
+        window.data_wait += time.perf_counter() - waited
+        step_keys += batch["key"]
+        bucket = t.schedule.bucket(stage, batch["moments"].shape[1:])
+        t.bucket_samples[bucket] += len(batch["key"])
+        window.flops += t.model_flops[bucket] * len(batch["key"])
+        moments = batch["moments"].to(t.device, non_blocking=True)
+        cond = batch_conditioning(batch, t.data, t.device, t.input_dtype, t.online)
+        loss = micro_step(t, moments, cond)
+        step_loss += loss.detach().float() / config.grad_accum
+    t.nonfinite = torch.where(torch.isfinite(step_loss), torch.zeros_like(t.nonfinite), t.nonfinite + 1)
+    window.add(step_loss, t.nonfinite)
+    t.lr_scheduler.step()
+    if t.ema is not None:
+        t.ema.step(t.trained)
+    t.step += 1
+    return step_keys
+
+
+def throughput(samples: int, flops: float, elapsed: float, data_wait: float, device: torch.device,
+               world: int = 1, peak_tflops: float = 989.0) -> dict:
+    """A window's samples/s (all ranks) and per GPU, MFU (model FLOPs of all ranks over their peak), the
+    share of the time spent waiting for data, and this process's peak GPU memory: the figures of a
+    metrics.jsonl record, and what the bench scripts report for the steps they time."""
+    samples_per_s = samples / elapsed
+    return {
+        "samples_per_s": samples_per_s,
+        "samples_per_s_per_gpu": samples_per_s / world,
+        "mfu": flops / elapsed / world / (peak_tflops * 1e12),
+        "data_wait_pct": 100.0 * data_wait / elapsed,
+        "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+    }
+
+
+class MetricsWindow:
+    """The steps since the last log step (their summed loss, data wait, model FLOPs and the longest run of
+    non-finite losses) and the metrics.jsonl record made from them on every rank; rank 0 writes it.
+
+    Host time measures the window: the loss reduce of each log step waits for the GPU, so a window's
+    elapsed time covers its steps' GPU work."""
+
+    def __init__(self, accelerator, global_batch: int, peak_tflops: float, path: Path | None = None,
+                 exporter=None) -> None:
+        self.accelerator, self.global_batch, self.peak_tflops = accelerator, global_batch, peak_tflops
+        self.path, self.exporter = path, exporter
+        self.loss = torch.zeros((), device=accelerator.device)
+        self.worst_nonfinite = torch.zeros((), device=accelerator.device)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new window from now (the non-finite run is reset by check_finite)."""
+        self.loss.zero_()
+        self.start, self.steps, self.data_wait, self.flops = time.perf_counter(), 0, 0.0, 0.0
+
+    def add(self, step_loss: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        self.loss += step_loss
+        self.worst_nonfinite = torch.maximum(self.worst_nonfinite, nonfinite)
+        self.steps += 1
+
+    def rates(self, elapsed: float, flops: float) -> dict:
+        """throughput of the window's steps over ``elapsed`` seconds, ``flops`` the model FLOPs of all ranks."""
+        return throughput(self.steps * self.global_batch, flops, elapsed, self.data_wait, self.accelerator.device,
+                          self.accelerator.num_processes, self.peak_tflops)
+
+    def record(self, trainer: Trainer) -> dict:
+        """The window's record, reduced over the ranks (a collective: every rank calls it)."""
+        accelerator, t = self.accelerator, trainer
+        mean_loss = accelerator.reduce(self.loss, "mean").item() / self.steps
+        elapsed = time.perf_counter() - self.start
+        totals = accelerator.reduce(torch.tensor([self.flops, *t.bucket_samples], dtype=torch.float64,
+                                                 device=accelerator.device), "sum").tolist()
+        return {
+            "step": t.step, "loss": mean_loss, "lr": t.lr_scheduler.get_last_lr()[0],
+            "grad_norm": None if t.grad_norm is None else float(t.grad_norm),
+            **self.rates(elapsed, totals[0]),
+            # all ranks, since the run began: sums to step x global batch
+            "samples_per_bucket": {key: int(n) for key, n in zip(t.schedule.buckets, totals[1:])},
+        }
+
+    def write(self, record: dict) -> None:
+        """Rank 0: a metrics.jsonl line, the trackers' scalars and the Prometheus exporter's values."""
+        accelerator = self.accelerator
+        if not accelerator.is_main_process:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(strict_json(record) + "\n")
+        if accelerator.log_with:
+            scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")}
+            scalars.update({f"samples_per_bucket/{k}": v for k, v in record["samples_per_bucket"].items()})
+            accelerator.log(scalars, step=record["step"])
+        if self.exporter is not None:
+            self.exporter.update(record)
+
+    def check_finite(self, step: int, max_nonfinite: int, output: Path) -> None:
+        """Stops a diverged run: the longest run of non-finite losses of any rank in this window."""
+        worst = self.accelerator.reduce(self.worst_nonfinite, "max").item()
+        self.worst_nonfinite.zero_()
+        if worst >= max_nonfinite:
+            raise LaionkitError(
+                f"step {step}: the loss was not finite for {int(worst)} consecutive steps (--max-nonfinite "
+                f"{max_nonfinite}); the run diverged. Last good checkpoint: {last_good(output)}; "
+                "resume from it with a lower --lr, more --warmup-steps or --max-grad-norm"
+            )
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+
+
+def open_records(trainer: Trainer) -> tuple[Path, Path]:
+    """metrics.jsonl and this rank's seen-keys file (--record-keys), without the records of steps a
+    killed run made past the checkpoint resumed from (they are redone); the trackers started."""
+    config, accelerator, step = trainer.config, trainer.accelerator, trainer.step
+    main = accelerator.is_main_process
+    metrics_path = config.output / "metrics.jsonl"
+    keys_path = config.output / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
     if config.resume is not None:  # also with no checkpoint yet: a killed run's records are redone
         if main:
             truncate_jsonl(metrics_path, step)
@@ -1355,173 +1612,156 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     if main and accelerator.log_with:
         tracker_config = {f.name: str(getattr(config, f.name)) for f in fields(config)}
         accelerator.init_trackers("laionkit", config=tracker_config)
-    validation = None
-    if config.validate_every:  # on every rank: under FSDP the forward pass needs them all
-        from laionkit.common.models import load_vae
+    return metrics_path, keys_path
 
-        if data.vae_source is None:
-            raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
-        captions, texts = validation_conditioning(data, config.validation_count, online)
-        if main:
-            (output / "samples").mkdir(exist_ok=True)
-            (output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
-        validation = (load_vae(data.vae_source).to(device), texts)
 
+def checkpoint(trainer: Trainer) -> Path | None:
+    """A checkpoint of this step when every rank's weights agree (else an error) and the loss and weights
+    are finite on all ranks, uploaded where the run folder is remote; None (a warning) when not finite."""
+    t, config, accelerator = trainer, trainer.config, trainer.accelerator
+    step, output = t.step, config.output
+    fingerprint = weights_fingerprint(accelerator, t.unet, t.master)
+    check_ranks_agree(accelerator, fingerprint, step)
+    healthy = t.nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
+    if not accelerator.reduce(torch.tensor(float(healthy), device=t.device), "min").item():
+        accelerator.print(f"warning: step {step}: loss or weights not finite, no checkpoint written "
+                          f"(the last good one stays: {last_good(output)})")
+        return None
+    rank_state = {"step": step, "layout": t.data_key, "fingerprint": fingerprint and fingerprint[0],
+                  "bucket_samples": dict(zip(t.schedule.buckets, t.bucket_samples)),
+                  "generator": base64.b64encode(t.generator.get_state().numpy().tobytes()).decode()}
+    folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
+                             config, {name: obj.state_dict() for name, obj in t.extra_states.items()})
+    if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
+        t.remote.checkpoint_saved(accelerator, folder, config.keep_checkpoints)
+    return folder
+
+
+def validation_prompts(trainer: Trainer) -> tuple | None:
+    """--validate-every: the VAE and the fixed prompts' text tensors (on every rank: under FSDP the
+    forward pass needs them all); rank 0 writes the prompts to RUN/samples/prompts.txt."""
+    config, data = trainer.config, trainer.data
+    if not config.validate_every:
+        return None
+    from laionkit.common.models import load_vae
+
+    if data.vae_source is None:
+        raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
+    captions, texts = validation_conditioning(data, config.validation_count, trainer.online)
+    if trainer.accelerator.is_main_process:
+        (config.output / "samples").mkdir(exist_ok=True)
+        (config.output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
+    return load_vae(data.vae_source).to(trainer.device), texts
+
+
+def validation_grid(trainer: Trainer, validation: tuple, latents: LatentSet) -> None:
+    """The fixed prompts' samples at this step (validate), at ``latents``' size; rank 0 saves the grid."""
+    t = trainer
+    vae, texts = validation
+    t.unet.eval()
+    images = validate(t.accelerator.unwrap_model(t.unet), vae, t.noise_scheduler, texts, t.empty, latents,
+                      t.config, t.device)
+    t.unet.train()
+    if t.accelerator.is_main_process:
+        save_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")
+
+
+def validation_loss(trainer: Trainer, valset) -> dict:
+    """The deterministic validation loss (laionkit/valloss.py): on every rank (all-reduced), in eval mode,
+    through the eager module."""
+    t, objective, device, dtype = trainer, trainer.objective, trainer.device, trainer.input_dtype
+    t.unet.eval()
+    loss = valloss.evaluate(
+        t.accelerator, lambda noisy, timesteps, cond: t.data.family.predict(t.unet, noisy, timesteps, guidance_input(
+            objective, stored_conditioning(cond, t.online, device, dtype), len(noisy), device)),
+        valset, t.config.batch_size, dtype, t.noise_scheduler,
+        flow_shift=None if t.noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
+        timestep_scale=objective.timestep_scale)
+    t.unet.train()
+    return {"val_loss": loss, "val_samples": len(valset.keys)}
+
+
+def finish(trainer: Trainer) -> None:
+    """After the last step: the samples seen per bucket, the export (the denoiser, or the LoRA adapters)
+    and, for a remote run folder, its upload and done record."""
+    t, accelerator = trainer, trainer.accelerator
+    buckets = t.schedule.buckets
+    if len(buckets) > 1:
+        seen = accelerator.reduce(torch.tensor(t.bucket_samples, dtype=torch.float64, device=t.device), "sum")
+        accelerator.print("samples per bucket (all ranks): " + ", ".join(
+            f"{key} {int(n)}" for key, n in zip(buckets, seen.tolist())))
+    if t.config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
+        lora.export(accelerator, t.unet, t.ema, t.master, t.config.output)
+    else:
+        export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder)
+    if t.remote is not None:
+        t.remote.finished(accelerator)
+
+
+def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:
+    from tqdm.auto import tqdm
+
+    t = setup(config, remote)
+    config, accelerator, schedule = t.config, t.accelerator, t.schedule
+    device, main, max_steps = t.device, accelerator.is_main_process, schedule.max_steps
+    resume(t)
+    cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
+    stage = schedule.stage_at(t.step)
+    batches = iter(latent_loader(t.layouts[stage], batches_done=(t.step - schedule.start(stage)) * config.grad_accum,
+                                 pin_memory=device.type == "cuda", cache=cache))
+    metrics_path, keys_path = open_records(t)
+    validation = validation_prompts(t)
     valset = None  # validation-loss hook (laionkit/valloss.py)
     if config.val_latents is not None:
-        valset = valloss.load(config, data)
+        valset = valloss.load(config, t.data)
         accelerator.print(f"validation loss: {len(valset.keys)} samples of {config.val_latents}, "
                           f"every {valloss.every(config)} steps")
-
     exporter = None
     if main and config.metrics_port:
         from laionkit.common.prometheus import MetricsServer
 
         exporter = MetricsServer(config.metrics_port, device.index if device.type == "cuda" else None)
     stop.install()
-    progress = tqdm(total=max_steps, initial=step, disable=config.quiet or not main, desc="train",
-                    unit="step")
-    window_loss = torch.zeros((), device=device)
-    window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
-    grad_norm = torch.zeros((), device=device)
-    # Consecutive steps with a non-finite loss, and the longest such run in this log window; counted on
-    # the device so that no step waits for the host, read at log and checkpoint steps.
-    nonfinite, worst_nonfinite = torch.zeros((), device=device), torch.zeros((), device=device)
+    progress = tqdm(total=max_steps, initial=t.step, disable=config.quiet or not main, desc="train", unit="step")
+    window = MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops, metrics_path, exporter)
     last_checkpoint, stopped_by = None, None
-    while step < max_steps:
-        lora.seed_dropout(config, accelerator.process_index, step)  # LoRA hook: dropout masks as exact as the rest
-        if step == stage_ends[stage]:  # the next stage's stream starts at its first batch
+    while t.step < max_steps:
+        lora.seed_dropout(config, accelerator.process_index, t.step)  # LoRA hook: dropout masks as exact as the rest
+        if t.step == schedule.ends[stage]:  # the next stage's stream starts at its first batch
             stage += 1
-            current = stages[stage][1]
             del batches  # ends the previous stage's workers
-            batches = iter(latent_loader(layouts[stage], pin_memory=device.type == "cuda", cache=cache))
-            accelerator.print(f"step {step}: stage {stage + 1} of {len(stages)}, {stages[stage][0]}")
-        step_keys, step_loss = [], torch.zeros((), device=device)
-        for _ in range(config.grad_accum):
-            waited = time.perf_counter()
-            batch = next(batches)
-            data_wait += time.perf_counter() - waited
-            step_keys += batch["key"]
-            bucket = to_all[stage][current.bucket_of(batch["moments"].shape[1:])]
-            bucket_samples[bucket] += len(batch["key"])
-            window_flops += model_flops[bucket] * len(batch["key"])
-            moments = batch["moments"].to(device, non_blocking=True)
-            cond = batch_conditioning(batch, data, device, input_dtype, online)
-            with accelerator.accumulate(unet):
-                if noise_scheduler is None:
-                    loss = flow_loss(model, moments, cond, empty, config, data, generator, objective)
-                else:
-                    loss = diffusion_loss(model, moments, cond, empty, noise_scheduler, config, data, generator)
-                accelerator.backward(loss)
-                norm = apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
-                if accelerator.sync_gradients:
-                    grad_norm = norm  # None under DeepSpeed, which clips inside its step
-            step_loss += loss.detach().float() / config.grad_accum
-        window_loss += step_loss
-        nonfinite = torch.where(torch.isfinite(step_loss), torch.zeros_like(nonfinite), nonfinite + 1)
-        worst_nonfinite = torch.maximum(worst_nonfinite, nonfinite)
-        lr_scheduler.step()
-        if ema is not None:
-            ema.step(trained)
-        step += 1
-        window_steps += 1
+            batches = iter(latent_loader(t.layouts[stage], pin_memory=device.type == "cuda", cache=cache))
+            accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
+        step_keys = train_step(t, batches, stage, window)
         progress.update()
         if config.record_keys:
             with open(keys_path, "a") as handle:
-                handle.write(json.dumps({"step": step, "keys": step_keys}) + "\n")
+                handle.write(json.dumps({"step": t.step, "keys": step_keys}) + "\n")
 
-        val_due = valset is not None and (step % valloss.every(config) == 0 or step == max_steps)
-        if step % config.log_every == 0 or step == max_steps or val_due:
-            mean_loss = accelerator.reduce(window_loss, "mean").item() / window_steps
-            elapsed = time.perf_counter() - window_start
-            samples_per_s = window_steps * global_batch / elapsed
-            totals = accelerator.reduce(torch.tensor([window_flops, *bucket_samples], dtype=torch.float64,
-                                                     device=device), "sum").tolist()
-            record = {
-                "step": step, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0],
-                "grad_norm": None if grad_norm is None else float(grad_norm), "samples_per_s": samples_per_s,
-                "samples_per_s_per_gpu": samples_per_s / world,
-                "mfu": totals[0] / elapsed / world / (config.peak_tflops * 1e12),
-                "data_wait_pct": 100.0 * data_wait / elapsed,
-                "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
-                # all ranks, since the run began: sums to step x global batch
-                "samples_per_bucket": {key: int(n) for key, n in zip(all_buckets, totals[1:])},
-            }
-            if val_due:  # validation-loss hook: on every rank (all-reduced), eval mode, the eager module
-                unet.eval()
-                record["val_loss"] = valloss.evaluate(
-                    accelerator, lambda noisy, t, cond: data.family.predict(unet, noisy, t, guidance_input(
-                        objective, stored_conditioning(cond, online, device, input_dtype), len(noisy), device)),
-                    valset, config.batch_size, input_dtype, noise_scheduler,
-                    flow_shift=None if noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
-                    timestep_scale=objective.timestep_scale)
-                record["val_samples"] = len(valset.keys)
-                unet.train()
+        val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
+        if t.step % config.log_every == 0 or t.step == max_steps or val_due:
+            record = window.record(t)
+            if val_due:  # validation-loss hook
+                record.update(validation_loss(t, valset))
+            window.write(record)
             if main:
-                with open(metrics_path, "a") as handle:
-                    handle.write(strict_json(record) + "\n")
-                if accelerator.log_with:
-                    scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")}
-                    scalars.update({f"samples_per_bucket/{k}": v for k, v in record["samples_per_bucket"].items()})
-                    accelerator.log(scalars, step=step)
-                if exporter is not None:
-                    exporter.update(record)
-                progress.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{samples_per_s:.1f}")
-            window_loss.zero_()
-            window_start, window_steps, data_wait, window_flops = time.perf_counter(), 0, 0.0, 0.0
-
-            worst = accelerator.reduce(worst_nonfinite, "max").item()
-            worst_nonfinite.zero_()
-            if worst >= config.max_nonfinite:
-                raise LaionkitError(
-                    f"step {step}: the loss was not finite for {int(worst)} consecutive steps (--max-nonfinite "
-                    f"{config.max_nonfinite}); the run diverged. Last good checkpoint: {last_good(output)}; "
-                    "resume from it with a lower --lr, more --warmup-steps or --max-grad-norm"
-                )
+                progress.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.1f}")
+            window.reset()
+            window.check_finite(t.step, config.max_nonfinite, config.output)
 
         stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
-        if step % config.checkpoint_every == 0 or stopped_by:
-            fingerprint = weights_fingerprint(accelerator, unet, master)
-            check_ranks_agree(accelerator, fingerprint, step)
-            healthy = nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
-            if accelerator.reduce(torch.tensor(float(healthy), device=device), "min").item():
-                rank_state = {"step": step, "layout": data_key, "fingerprint": fingerprint and fingerprint[0],
-                              "bucket_samples": dict(zip(all_buckets, bucket_samples)),
-                              "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
-                last_checkpoint = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
-                                                  config, {name: obj.state_dict() for name, obj in extra_states.items()})
-                if remote is not None:  # uploaded, done record last, older ones pruned in the bucket
-                    remote.checkpoint_saved(accelerator, last_checkpoint, config.keep_checkpoints)
-            else:
-                accelerator.print(f"warning: step {step}: loss or weights not finite, no checkpoint written "
-                                  f"(the last good one stays: {last_good(output)})")
-        if validation is not None and (step % config.validate_every == 0 or step == max_steps):
-            vae, texts = validation
-            unet.eval()
-            images = validate(accelerator.unwrap_model(unet), vae, noise_scheduler, texts, empty, current, config,
-                              device)
-            unet.train()
-            if main:
-                save_grid(images, output / "samples" / f"step-{step:06d}.png")
+        if t.step % config.checkpoint_every == 0 or stopped_by:
+            last_checkpoint = checkpoint(t) or last_checkpoint
+        if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
+            validation_grid(t, validation, schedule.stages[stage][1])
         if stopped_by:
             break
     progress.close()
-    if exporter is not None:
-        exporter.close()
-
+    window.close()
     if not stopped_by:
-        if len(all_buckets) > 1:
-            seen = accelerator.reduce(torch.tensor(bucket_samples, dtype=torch.float64, device=device), "sum")
-            accelerator.print("samples per bucket (all ranks): " + ", ".join(
-                f"{key} {int(n)}" for key, n in zip(all_buckets, seen.tolist())))
-        if config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
-            lora.export(accelerator, unet, ema, master, output)
-        else:
-            export(accelerator, unet, ema, master, output, data.family.denoiser_subfolder)
-        if remote is not None:
-            remote.finished(accelerator)
+        finish(t)
     accelerator.end_training()
-    return TrainResult(step=step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+    return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 
 
 def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: LatentSet) -> LatentSet:

@@ -1,10 +1,11 @@
 """Benchmark `laionkit train` against the train-step ceiling and a raw trainer (not a test; docs/BENCHMARKS.md).
 
 Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
-(a) ceiling: the same train step (laionkit.train.diffusion_loss, backward, apply_gradients with the
-    same MasterWeights policy, LR scheduler, through the same Accelerator) fed by tensors already on the
-    GPU, eager and compiled; `precision`: the same under the other precision policy (eager: autocast
-    over fp32 weights, --no-bf16-weights; compiled: bf16 weights with fp32 master, --bf16-weights);
+(a) ceiling: the same train step (laionkit.train.train_step on the model, MasterWeights policy, optimizer
+    and LR scheduler that laionkit.train.build makes, through the same Accelerator, timed by train's
+    MetricsWindow) fed by tensors already on the GPU, eager and compiled; `precision`: the same under the
+    other precision policy (eager: autocast over fp32 weights, --no-bf16-weights; compiled: bf16 weights
+    with fp32 master, --bf16-weights);
 (b) `laionkit train` on latent shards written by `laionkit encode` (SD-VAE-size and CLIP-L-size
     random-init encoders on photo-like JPEGs), its own samples/s from metrics.jsonl, eager and compiled;
 (c) raw trainer: the same loss with the VAE and text encoder in the loop, reading the JPEG shards with
@@ -58,12 +59,15 @@ def export_precision(folder: Path) -> dict:
 
 
 def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int, compiled: bool,
-               smoke: bool) -> list[str]:
-    args = ["train", str(latents), "--output", str(run), "--unet-config", "tiny" if smoke else "sd15",
+               smoke: bool, unet_config: str = "sd15", shuffle_buffer: int = 256,
+               channels_last: bool = True) -> list[str]:
+    """`laionkit train` flags of a (b) measurement: no checkpoints, no trackers, bf16 (smoke: the tiny
+    UNet in fp32); compiled with channels_last unless ``channels_last`` is off."""
+    args = ["train", str(latents), "--output", str(run), "--unet-config", "tiny" if smoke else unet_config,
             "--batch-size", str(batch), "--max-steps", str(steps), "--log-every", str(log_every),
             "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
-            "--mixed-precision", "no" if smoke else "bf16", "--shuffle-buffer", "256"]
-    return args + (["--compile", "--channels-last"] if compiled else [])
+            "--mixed-precision", "no" if smoke else "bf16", "--shuffle-buffer", str(shuffle_buffer)]
+    return args + (["--compile", *(["--channels-last"] if channels_last else [])] if compiled else [])
 
 
 def steady_rate(run: Path) -> dict:
@@ -76,51 +80,41 @@ def steady_rate(run: Path) -> dict:
 
 # --- children: one measurement per process ---------------------------------------------------------
 
-def _accelerated_step(config, data, diffusers_optimizer: bool = False):
-    """Model, optimizer and LR scheduler exactly as laionkit.train.run builds them (or, for the raw
-    trainer, with the optimizer diffusers' script builds: torch.optim.AdamW with its defaults)."""
-    from accelerate import Accelerator
-    from diffusers.optimization import get_scheduler
-
+def _trainer(config, data, diffusers_optimizer: bool = False):
+    """The model, optimizer and LR scheduler as laionkit.train builds them (its make_accelerator and build),
+    or for the raw trainer with the optimizer diffusers' script builds (torch.optim.AdamW, its defaults);
+    and a MetricsWindow that times the steps as train's log windows do."""
     from laionkit.train import (
-        MasterWeights,
-        apply_gradients,
-        build_unet,
-        flops_per_sample,
-        load_noise_scheduler,
+        MetricsWindow,
+        build,
+        make_accelerator,
         make_optimizer,
+        plan_stages,
+        resolve_objective,
     )
 
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, step_scheduler_with_optimizer=False,
-                              cpu=not torch.cuda.is_available())
-    device = accelerator.device
-    torch.manual_seed(0)
-    unet = build_unet(config, data).to(device)
-    flops = flops_per_sample(unet, data, device, data.moments_shape)
-    if config.channels_last:
-        unet = unet.to(memory_format=torch.channels_last)
-    master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
-    trained = master.master if master is not None else list(unet.parameters())
-    optimizer = (torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
-                 if diffusers_optimizer else make_optimizer(config, trained, config.lr, device))
-    unet, optimizer = accelerator.prepare(unet, optimizer)
-    scheduler = accelerator.prepare(get_scheduler("constant_with_warmup", optimizer=optimizer,
-                                                  num_warmup_steps=0, num_training_steps=10**6))
-    model = torch.compile(unet, dynamic=False, mode=config.compile_mode) if config.compile else unet
-    generator = torch.Generator(device).manual_seed(0)
-    noise_scheduler = load_noise_scheduler(config)
+    def diffusers_adamw(config, params, lr, _device):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
 
-    def step(moments, text, empty):
-        from laionkit.train import diffusion_loss
+    accelerator = make_accelerator(config)
+    schedule = plan_stages(config, data, accelerator.num_processes)
+    trainer = build(config, accelerator, data, schedule, resolve_objective(config, data.family),
+                    diffusers_adamw if diffusers_optimizer else make_optimizer)
+    return trainer, MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops)
 
-        loss = diffusion_loss(model, moments, {"states": text}, {"states": empty}, noise_scheduler, config, data,
-                              generator)
-        accelerator.backward(loss)
-        apply_gradients(accelerator, unet, optimizer, master, config.max_grad_norm)
-        scheduler.step()
-        return loss
 
-    return step, device, flops, next(unet.parameters()).dtype
+def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
+    """laionkit.train.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
+    from laionkit.train import train_step
+
+    for _ in range(warmup):
+        train_step(trainer, batches, 0, window)
+    _sync(trainer.device)
+    window.reset()
+    for _ in range(steps):
+        train_step(trainer, batches, 0, window)
+    _sync(trainer.device)
+    return window.rates(time.perf_counter() - window.start, window.flops)
 
 
 def _sync(device) -> None:
@@ -155,7 +149,7 @@ def profile_steps(run_step, steps: int, device) -> str:
 
 def child_ceiling(args) -> dict:
     """(a): the train step on in-GPU tensors, as fast as the step itself allows."""
-    from laionkit.train import TrainConfig, open_latents
+    from laionkit.train import TrainConfig, open_latents, train_step
 
     if args.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -166,24 +160,17 @@ def child_ceiling(args) -> dict:
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
                          batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
                          compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last,
-                         bf16_weights=args.bf16_weights)
+                         bf16_weights=args.bf16_weights, log_with="none")
     torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
-    step, device, flops, dtype = _accelerated_step(config, data)
-    moments = torch.randn(args.batch, *data.moments_shape, device=device).half()
-    text = torch.randn(args.batch, *data.text_shape, device=device, dtype=dtype)
-    empty = data.empty_caption.to(device, dtype)
-    for _ in range(args.warmup):
-        step(moments, text, empty)
-    _sync(device)
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        step(moments, text, empty)
-    _sync(device)
-    rate = args.steps * args.batch / (time.perf_counter() - started)
+    trainer, window = _trainer(config, data)
+    device, dtype = trainer.device, trainer.input_dtype
+    batch = {"key": [""] * args.batch, "moments": torch.randn(args.batch, *data.moments_shape, device=device).half(),
+             "text": torch.randn(args.batch, *data.text_shape, device=device, dtype=dtype)}
+    batches = itertools.repeat(batch)
+    result = _measure(trainer, window, batches, args.warmup, args.steps)
     if args.profile:
-        print(profile_steps(lambda: step(moments, text, empty), args.profile, device), flush=True)
-    return {"samples_per_s": rate, "mfu": flops * rate / (989e12), "data_wait_pct": 0.0,
-            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0}
+        print(profile_steps(lambda: train_step(trainer, batches, 0, window), args.profile, device), flush=True)
+    return result
 
 
 def _jpeg_sample(sample: dict, resolution: int, tokenizer) -> dict:
@@ -202,7 +189,7 @@ def _jpeg_sample(sample: dict, resolution: int, tokenizer) -> dict:
     pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 127.5 - 1
     ids = tokenizer(sample["txt"].decode(), padding="max_length", max_length=tokenizer.model_max_length,
                     truncation=True, return_tensors="pt").input_ids[0]
-    return {"pixels": pixels, "input_ids": ids}
+    return {"key": sample["__key__"], "pixels": pixels, "input_ids": ids}
 
 
 def child_raw(args) -> dict:
@@ -217,8 +204,9 @@ def child_raw(args) -> dict:
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
                          batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False,
-                         bf16_weights=False)  # diffusers' scripts: autocast over fp32 weights
-    step, device, flops, _ = _accelerated_step(config, data, diffusers_optimizer=True)
+                         bf16_weights=False, log_with="none")  # diffusers' scripts: autocast over fp32 weights
+    trainer, window = _trainer(config, data, diffusers_optimizer=True)
+    device = trainer.device
     dtype = torch.float32 if args.precision == "no" else torch.bfloat16
     vae = load_vae(str(args.models), dtype=dtype).to(device)
     text_encoder = load_text_encoder(str(args.models), dtype=dtype).to(device)
@@ -229,31 +217,20 @@ def child_raw(args) -> dict:
                .map(functools.partial(_jpeg_sample, resolution=args.resolution, tokenizer=tokenizer)))
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, num_workers=args.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4)
-    empty = data.empty_caption.to(device).float()
-    batches, waited = iter(loader), 0.0
 
-    def raw_step():
-        nonlocal waited
-        began = time.perf_counter()
-        batch = next(batches)
-        waited += time.perf_counter() - began
-        with torch.no_grad():
-            pixels = batch["pixels"].to(device, dtype, non_blocking=True)
-            moments = vae.encode(pixels).latent_dist.parameters
-            text = text_encoder(batch["input_ids"].to(device, non_blocking=True))[0].float()
-        step(moments, text, empty)
+    def encoded():
+        """The loader's batches through the VAE and text encoder. train_step counts all of next() as data
+        wait; the encoders' share is taken off again, so that data_wait_pct is the loader's, as train's."""
+        for batch in loader:
+            began = time.perf_counter()
+            with torch.no_grad():
+                pixels = batch["pixels"].to(device, dtype, non_blocking=True)
+                moments = vae.encode(pixels).latent_dist.parameters
+                text = text_encoder(batch["input_ids"].to(device, non_blocking=True))[0].float()
+            window.data_wait -= time.perf_counter() - began
+            yield {"key": batch["key"], "moments": moments, "text": text}
 
-    for _ in range(args.warmup):
-        raw_step()
-    _sync(device)
-    waited, started = 0.0, time.perf_counter()
-    for _ in range(args.steps):
-        raw_step()
-    _sync(device)
-    elapsed = time.perf_counter() - started
-    rate = args.steps * args.batch / elapsed
-    return {"samples_per_s": rate, "mfu": flops * rate / 989e12, "data_wait_pct": 100 * waited / elapsed,
-            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0}
+    return _measure(trainer, window, encoded(), args.warmup, args.steps)
 
 
 # --- the orchestrator -------------------------------------------------------------------------------

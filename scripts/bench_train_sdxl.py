@@ -8,7 +8,8 @@ SDXL base's UNet architecture (2.57B parameters, random init: ``--unet-config sd
     backward, fused ``torch.optim.AdamW``, on tensors already on the GPU. Two precision policies, each in
     its own process: ``autocast`` (fp32 weights under bf16 autocast, as diffusers' SDXL script trains) and
     ``bf16`` (the whole model in bf16, optimizer on the bf16 weights: the fastest bare step, numerically
-    weaker than either of laionkit's policies). The faster one is the ceiling.
+    weaker than either of laionkit's policies). The faster one is the ceiling. Only its figures come from
+    laionkit (train.throughput, the arithmetic of metrics.jsonl), so that (a) and (b) are measured alike.
 (b) `laionkit train` on SDXL-format latent shards written by `laionkit encode` (both text encoders' states,
     77 x 2048, pooled 1280, true sizes for time_ids), its samples/s, MFU, data-wait and peak memory from
     metrics.jsonl.
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import child_argv, print_table, run_child, save_results, steady_rate  # noqa: E402
+from bench_train import child_argv, print_table, run_child, save_results, steady_rate, train_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {1024: 8, 512: 32, 64: 4}
@@ -126,6 +127,7 @@ def child_bare(args) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from laionkit.families.sdxl import SCHEDULER_CONFIG, TINY_UNET_CONFIG, UNET_CONFIG
+    from laionkit.train import throughput
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -184,10 +186,9 @@ def child_bare(args) -> dict:
         step()
     if cuda:
         torch.cuda.synchronize()
-    rate = args.steps * batch / (time.perf_counter() - started)
-    return {"samples_per_s": rate, "tflops": flops * rate / 1e12, "mfu": flops * rate / 989e12,
-            "data_wait_pct": 0.0, "flops_per_sample": flops,
-            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+    # Measured as train's metrics.jsonl measures (laionkit.train.throughput: samples/s, MFU, peak memory).
+    result = throughput(args.steps * batch, args.steps * batch * flops, time.perf_counter() - started, 0.0, device)
+    return {**result, "tflops": flops * result["samples_per_s"] / 1e12, "flops_per_sample": flops,
             "parameters": sum(p.numel() for p in unet.parameters())}
 
 
@@ -244,11 +245,9 @@ def main() -> None:
     def laionkit_train(name: str, latents: Path, batch: int, compiled: bool, *extra: str) -> None:
         run = args.out / f"run-{name}"
         window = max(2, args.steps // 3)
-        cli = [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
-               "--unet-config", "tiny" if args.smoke else "sdxl", "--batch-size", str(batch),
-               "--max-steps", str(window * 4), "--log-every", str(window), "--checkpoint-every", str(10**9),
-               "--log-with", "none", "--quiet", "--workers", "4", "--shuffle-buffer", "64",
-               "--mixed-precision", "no" if args.smoke else "bf16", *(["--compile"] if compiled else []), *extra]
+        cli = [sys.executable, "-m", "laionkit.cli", *train_args(
+            latents, run, batch, window * 4, window, compiled, args.smoke, unet_config="sdxl", shuffle_buffer=64,
+            channels_last=False), *extra]
         measure(name, cli, run=run)
 
     for compiled in [mode == "compiled" for mode in args.modes.split(",")]:
