@@ -250,6 +250,76 @@ def run_child(out: Path, name: str, argv: list[str], timeout: float, env: dict |
     return result
 
 
+def family_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags bench_train_sdxl.py and bench_train_flow.py share: the work folder and report, the
+    resolutions, steps and time budget, and a child measurement's own (--name, --resolution, --batch,
+    --warmup, --compile)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, latents, runs")
+    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs here")
+    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 512])
+    parser.add_argument("--images", type=int, default=256, help="photos per latent set")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps (b: 3 log windows of steps/3 after one)")
+    parser.add_argument("--budget", type=float, default=560, help="seconds; later measurements are skipped")
+    parser.add_argument("--name")
+    parser.add_argument("--resolution", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true")
+    return parser
+
+
+def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int, device: torch.device) -> dict:
+    """A bare ceiling's figures: the model FLOPs of ``one_sample()`` (forward + backward of one sample, by
+    torch's flop counter), ``warmup`` untimed calls of ``step()``, then ``steps`` timed ones, reported as
+    train's metrics.jsonl reports a window (laionkit.train.throughput: samples/s, MFU, peak memory)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from laionkit.train import throughput
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        one_sample()
+    model.zero_grad(set_to_none=True)
+    flops = float(counter.get_total_flops())
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    result = throughput(steps * batch, steps * batch * flops, time.perf_counter() - started, 0.0, device)
+    return {**result, "tflops": flops * result["samples_per_s"] / 1e12, "flops_per_sample": flops,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def measurer(out: Path, budget: float, started: float, env: dict, results: dict[str, dict], show: int = 400):
+    """``measure(name, argv, run=None)``: one child measurement under the call's time budget (skipped with
+    under 40 s left), recorded in ``results[name]``; a `laionkit train` run folder adds its steady rate and
+    its samples per bucket from metrics.jsonl."""
+
+    def measure(name: str, argv: list[str], run: Path | None = None) -> None:
+        left = budget - (time.perf_counter() - started)
+        if left < 40:
+            results[name] = {"error": "skipped: out of time budget"}
+            print(f"{name}: skipped", flush=True)
+            return
+        if run is not None:
+            shutil.rmtree(run, ignore_errors=True)
+        results[name] = run_child(out, name, argv, timeout=left, env=env)
+        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+            results[name].update(steady_rate(run))
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
+        print(f"{name}: {json.dumps(results[name])[:show]}", flush=True)
+
+    return measure
+
+
 def child_argv(out: Path, name: str, mode: str, *, script: str = __file__, **kw) -> list[str]:
     """The command of one child measurement of ``script``: keyword arguments become its flags."""
     argv = [sys.executable, script, "--child", mode, "--out", str(out), "--name", name]

@@ -29,7 +29,6 @@ Every measurement runs in its own process.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import child_argv, print_table, run_child, save_results, steady_rate  # noqa: E402
+from bench_train import child_argv, family_bench_parser, measurer, print_table, save_results, time_bare_step  # noqa: E402
 from bench_train_sdxl import _write_shard  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +141,6 @@ def child_bare(args) -> dict:
     """(a): the bare diffusers flow-matching step on in-GPU tensors, whole model in bf16."""
     import diffusers
     from diffusers.training_utils import compute_density_for_timestep_sampling
-    from torch.utils.flop_counter import FlopCounterMode
 
     from laionkit.families import get_family
 
@@ -202,26 +200,10 @@ def child_bare(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    counter = FlopCounterMode(display=False)
-    with counter:
+    def one_sample():
         forward(x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), rows=1).float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    flops = float(counter.get_total_flops())
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    rate = args.steps * batch / (time.perf_counter() - started)
-    return {"samples_per_s": rate, "tflops": flops * rate / 1e12, "mfu": flops * rate / 989e12,  # as train's
-            "flops_per_sample": flops, "data_wait_pct": 0.0,
-            "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-            "parameters": sum(p.numel() for p in model.parameters())}
+
+    return time_bare_step(step, one_sample, model, args.steps, args.warmup, batch, device)
 
 
 def losses(run: Path) -> list[float]:
@@ -229,26 +211,14 @@ def losses(run: Path) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
-    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, latents, runs")
-    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs here")
-    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny models, 64 px, few steps")
     parser.add_argument("--parts", default="peak,a,b,online,fp8", help="comma list of peak, a, b, online, fp8, big")
-    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 512])
     parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) at the first resolution")
-    parser.add_argument("--images", type=int, default=256, help="photos per latent set")
-    parser.add_argument("--steps", type=int, default=15, help="timed steps (b: 3 log windows of steps/3 after one)")
     parser.add_argument("--fp8-steps", type=int, default=200)
     parser.add_argument("--fp8-resolution", type=int, default=512)
     parser.add_argument("--fp8-batch", type=int, default=16)
-    parser.add_argument("--budget", type=float, default=560, help="seconds; later measurements are skipped")
     parser.add_argument("--child", choices=["bare", "peak"])
-    parser.add_argument("--name")
-    parser.add_argument("--resolution", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -266,19 +236,7 @@ def main() -> None:
     models = write_models(args.out / "models", family, args.smoke)
     print(f"models ready after {time.perf_counter() - started:.0f} s", flush=True)
     results: dict[str, dict] = {}
-    left = lambda: args.budget - (time.perf_counter() - started)  # noqa: E731
-
-    def measure(name: str, argv: list[str], run: Path | None = None) -> None:
-        if left() < 40:
-            results[name] = {"error": "skipped: out of time budget"}
-            print(f"{name}: skipped", flush=True)
-            return
-        if run is not None:
-            shutil.rmtree(run, ignore_errors=True)
-        results[name] = run_child(args.out, name, argv, timeout=left(), env=env)
-        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
-            results[name].update(steady_rate(run))
-        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+    measure = measurer(args.out, args.budget, started, env, results, show=300)
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None) -> Path:

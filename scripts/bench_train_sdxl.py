@@ -28,7 +28,6 @@ small SDXL-shaped pipeline (tiny VAE with SDXL's 8x downsampling, one-layer CLIP
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -41,7 +40,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import child_argv, print_table, run_child, save_results, steady_rate, train_args  # noqa: E402
+from bench_train import (  # noqa: E402
+    child_argv,
+    family_bench_parser,
+    measurer,
+    print_table,
+    save_results,
+    time_bare_step,
+    train_args,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {1024: 8, 512: 32, 64: 4}
@@ -124,10 +131,8 @@ def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path) 
 
 def child_bare(args) -> dict:
     from diffusers import DDPMScheduler, UNet2DConditionModel
-    from torch.utils.flop_counter import FlopCounterMode
 
     from laionkit.families.sdxl import SCHEDULER_CONFIG, TINY_UNET_CONFIG, UNET_CONFIG
-    from laionkit.train import throughput
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -170,47 +175,21 @@ def child_bare(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    counter = FlopCounterMode(display=False)
-    with counter, autocast:
-        unet(latents[:1], torch.tensor([500], device=device), encoder_hidden_states=states[:1],
-             added_cond_kwargs={"text_embeds": pooled[:1], "time_ids": time_ids[:1]}).sample.float().sum().backward()
-    unet.zero_grad(set_to_none=True)
-    flops = float(counter.get_total_flops())
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    # Measured as train's metrics.jsonl measures (laionkit.train.throughput: samples/s, MFU, peak memory).
-    result = throughput(args.steps * batch, args.steps * batch * flops, time.perf_counter() - started, 0.0, device)
-    return {**result, "tflops": flops * result["samples_per_s"] / 1e12, "flops_per_sample": flops,
-            "parameters": sum(p.numel() for p in unet.parameters())}
+    def one_sample():
+        with autocast:
+            unet(latents[:1], torch.tensor([500], device=device), encoder_hidden_states=states[:1],
+                 added_cond_kwargs={"text_embeds": pooled[:1], "time_ids": time_ids[:1]}).sample.float().sum().backward()
+
+    return time_bare_step(step, one_sample, unet, args.steps, args.warmup, batch, device)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="work folder: models, shards, latents, runs")
-    parser.add_argument("--report", type=Path, help="also copy results.json and the child logs here")
-    parser.add_argument("--smoke", action="store_true", help="CPU plumbing check: tiny UNet, 64 px, few steps")
+    parser = family_bench_parser(__doc__)
     parser.add_argument("--parts", default="a,b,buckets,lora", help="comma list of a, b, buckets, lora, maxbatch")
-    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 512])
     parser.add_argument("--modes", default="eager", help="comma list of eager, compiled")
-    parser.add_argument("--images", type=int, default=256, help="photos per latent set")
-    parser.add_argument("--steps", type=int, default=15, help="timed steps (b: 3 log windows of steps/3 after one)")
     parser.add_argument("--max-batches", type=int, nargs="+", default=[12, 16], help="maxbatch: batches to try")
-    parser.add_argument("--budget", type=float, default=560, help="seconds; later measurements are skipped")
     parser.add_argument("--child", choices=["bare"])
-    parser.add_argument("--name")
     parser.add_argument("--policy", choices=["autocast", "bf16"], default="autocast")
-    parser.add_argument("--resolution", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -226,21 +205,7 @@ def main() -> None:
     if not (models / "model_index.json").exists():
         write_sdxl_shaped_models(models, args.smoke)
     results: dict[str, dict] = {}
-    left = lambda: args.budget - (time.perf_counter() - started)  # noqa: E731
-
-    def measure(name: str, argv: list[str], run: Path | None = None) -> None:
-        if left() < 40:
-            results[name] = {"error": "skipped: out of time budget"}
-            print(f"{name}: skipped", flush=True)
-            return
-        if run is not None:
-            shutil.rmtree(run, ignore_errors=True)
-        results[name] = run_child(args.out, name, argv, timeout=left(), env=env)
-        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
-            results[name].update(steady_rate(run))
-            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
-        print(f"{name}: {json.dumps(results[name])[:400]}", flush=True)
+    measure = measurer(args.out, args.budget, started, env, results)
 
     def laionkit_train(name: str, latents: Path, batch: int, compiled: bool, *extra: str) -> None:
         run = args.out / f"run-{name}"
