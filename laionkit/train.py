@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from laionkit import lora, runfolder, valloss
+from laionkit import fsdp, lora, runfolder, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -1166,6 +1166,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
         cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
     )
+    fsdp.honor_fsdp_on_cpu(accelerator)  # accelerate would run an FSDP config on CPU ranks as DDP
     launcher = resolve_rank(config.rank, config.world_size)
     if (launcher.rank, launcher.world_size) != (accelerator.process_index, accelerator.num_processes):
         raise LaionkitError(
