@@ -1251,7 +1251,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
-        lora.register_checkpoint_hooks(accelerator, config)
+        lora.register_checkpoint_hooks(accelerator, unet, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
     online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online

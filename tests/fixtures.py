@@ -150,6 +150,22 @@ def metrics(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
+def assert_lora_resumed_like(whole: Path, resumed: Path, steps: list[int]) -> dict:
+    """A LoRA run resumed (into its own folder) from a checkpoint of ``whole`` logged whole's losses at
+    ``steps``, all it logged, and exported the same adapters to the bit; returns whole's export."""
+    import torch
+    from safetensors.torch import load_file
+
+    expected, got = metrics(whole), metrics(resumed)
+    assert sorted(got) == steps
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    exported = load_file(whole / "lora" / "pytorch_lora_weights.safetensors")
+    again = load_file(resumed / "lora" / "pytorch_lora_weights.safetensors")
+    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
+    return exported
+
+
 def assert_resumed_like(reference: Path, resumed: Path, steps: int, val_steps: tuple[int, int]) -> None:
     """A resumed run logged every step's loss as the uninterrupted one did, and the same fixed-sigma
     validation loss at both validation steps (which differ: the weights moved between them)."""

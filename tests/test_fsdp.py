@@ -4,12 +4,14 @@ says where and why); train honors the FSDP config on CPU, so what runs here is a
 fully_shard per wrap unit, sharded distributed checkpoints, gathered exports.
 
 Each launch costs seconds of imports on 2 cores, so the tests share the work: SD3 (one FSDP unit per
-transformer block) is killed with -9 and resumed; the UNet is checked against DDP step by step."""
+transformer block) is killed with -9 and resumed; the UNet is checked against DDP step by step; LoRA
+trains adapters over a sharded frozen base."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import metrics
+from fixtures import assert_lora_resumed_like, metrics
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -137,3 +140,35 @@ def test_the_unet_under_fsdp_trains_as_under_ddp(latent_shards, tmp_path):
     weights = {kind: UNet2DConditionModel.from_pretrained(run / "unet").state_dict() for kind, run in runs.items()}
     for name, tensor in weights["ddp"].items():  # Adam's first steps amplify rounding where gradients are ~0
         torch.testing.assert_close(weights["fsdp"][name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_lora_under_fsdp_trains_adapters_over_a_sharded_frozen_base(latent_shards, tiny_models, tmp_path):
+    """--lora-rank with fsdp.yaml (bf16): checkpoints hold the adapters only, in the sharded model checkpoint
+    and in adapter.safetensors; a resume from one reproduces the run (LoRA dropout included), and the export
+    holds whole adapter tensors that diffusers' load_lora_weights puts into the pipeline."""
+    from diffusers import StableDiffusionPipeline
+
+    args = ("--unet", tiny_models, "--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "1e-2", "--max-steps", "4",
+            "--checkpoint-every", "2")
+    whole = tmp_path / "whole"
+    result = finish(accelerate_launch(29586, "fsdp.yaml", "bf16", latent_shards, whole, *args))
+    assert "FSDP2 on CPU ranks (gloo)" in result.stdout
+    checkpoint = whole / "checkpoints" / "step-00000002"
+    adapters = load_file(checkpoint / "adapter.safetensors")
+    assert adapters and all("lora_" in name for name in adapters)
+    assert {t.dtype for t in adapters.values()} == {torch.float32}  # trained in fp32 over the bf16 base
+    assert assert_sharded(checkpoint) == set(adapters)  # the frozen base is not checkpointed
+
+    resumed = tmp_path / "resumed"
+    finish(accelerate_launch(29587, "fsdp.yaml", "bf16", latent_shards, resumed, *args, "--resume", checkpoint))
+    assert_lora_resumed_like(whole, resumed, [3, 4])  # LoRA dropout included
+    assert not (whole / "unet").exists()
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_models, safety_checker=None)
+    pipe.load_lora_weights(whole / "lora")
+    trained = load_file(whole / "checkpoints" / "step-00000004" / "adapter.safetensors")
+    loaded = {re.sub(r"\.default(_\d+)?\.", ".", name): p.detach() for name, p in pipe.unet.named_parameters()
+              if "lora_" in name}
+    assert loaded.keys() == {re.sub(r"\.default\.", ".", name) for name in trained}
+    for name, value in trained.items():  # whole tensors (not one rank's shard), the trained values
+        torch.testing.assert_close(loaded[re.sub(r"\.default\.", ".", name)].float(), value, rtol=0, atol=0)
