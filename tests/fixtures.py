@@ -7,9 +7,12 @@ on them with the tiny models, so downstream tests consume what the upstream stag
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +146,28 @@ def flux_run(tmp_path_factory, flow_latents):
                          output=tmp_path_factory.mktemp("flux-run") / "reference", **FLUX_RUN)
     run(config)
     return config
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 of ``pid`` and its descendants, as a scheduler ends a job: torchrun (also inside `accelerate
+    launch`) starts each rank in a session of its own, so killing the launcher's process group alone would
+    leave the ranks training on. Descendants are found through /proc (Linux)."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[parent].append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children[found[-1]]
+    for each in found:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def metrics(run: Path) -> dict[int, dict]:

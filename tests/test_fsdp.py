@@ -10,9 +10,9 @@ trains adapters over a sharded frozen base."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import assert_lora_resumed_like, metrics
+from fixtures import assert_lora_resumed_like, kill_tree, metrics
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,25 +58,11 @@ def logged(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (line for line in lines if line.endswith("}")))}
 
 
-def kill_job(launcher: int) -> None:
-    """kill -9 of a whole launch, as a scheduler ends a job: torchrun (inside `accelerate launch`) starts
-    each rank in a session of its own, so killing the launcher's process group alone would leave the ranks
-    training on."""
-    import psutil  # accelerate's dependency
-
-    ranks = psutil.Process(launcher).children(recursive=True)
-    for pid in (launcher, *(rank.pid for rank in ranks)):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_sd3_under_fsdp_resumes_after_kill9_exactly_and_exports_the_whole_transformer(flow_latents, tmp_path):
     """fsdp.yaml as shipped (bf16 mixed precision, its UNet block names): one unit per JointTransformerBlock.
     Killed with -9 (launcher and ranks) two steps past its checkpoint at step 3, it resumes from it (with
     --checkpointing blocks: activation checkpointing inside each FSDP unit) and logs the losses the run
-    logged before the kill, then exports the whole transformer."""
+    logged before the kill, a validation loss and grid, then exports the whole transformer."""
     from diffusers import SD3Transformer2DModel
 
     sd3 = flow_latents("sd3")
@@ -84,24 +70,26 @@ def test_sd3_under_fsdp_resumes_after_kill9_exactly_and_exports_the_whole_transf
     run = tmp_path / "run"
     process = subprocess.Popen(accelerate_launch(29581, "fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps",
                                                  1000),
-                               env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+                               env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while max(logged(run), default=0) < 5:  # step 6 (the next checkpoint) is a step away
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
     finally:
-        kill_job(process.pid)
+        kill_tree(process.pid)  # the launcher and both ranks, as kill -9 of the job
         process.wait()
     uninterrupted = logged(run)
     assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000003"]
     names = assert_sharded(run / "checkpoints" / "step-00000003")
 
     end = max(uninterrupted) + 1
-    # resumed with activation checkpointing inside each FSDP unit: it changes no number
+    # resumed with activation checkpointing inside each FSDP unit (it changes no number), and at the end a
+    # validation loss and a validation grid, which run the sharded transformer on every rank
     result = finish(accelerate_launch(29582, "fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps", end,
-                                      "--resume", "latest", "--checkpointing", "blocks"))
+                                      "--resume", "latest", "--checkpointing", "blocks", "--val-latents",
+                                      sd3.latents, "--val-every", end, "--val-samples", 3, "--validate-every", end,
+                                      "--validation-count", 2, "--validation-steps", 2))
     assert "FSDP2 on CPU ranks (gloo)" in result.stdout and "resumed from" in result.stdout
     assert "wrapping each JointTransformerBlock" in result.stdout
     assert "activation checkpointing: 2 of 2 JointTransformerBlock blocks" in result.stdout
@@ -109,6 +97,8 @@ def test_sd3_under_fsdp_resumes_after_kill9_exactly_and_exports_the_whole_transf
     assert sorted(got) == list(range(1, end + 1))
     for step in uninterrupted:  # 4 and 5 trained again from the checkpoint
         assert got[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=1e-5, abs=1e-7), step
+    assert got[end]["val_samples"] == 3 and math.isfinite(got[end]["val_loss"])
+    assert (run / "samples" / f"step-{end:06d}.png").is_file()
     exported = SD3Transformer2DModel.from_pretrained(run / "transformer").state_dict()
     assert set(exported) == names  # whole tensors of every sharded parameter
     assert {t.dtype for t in exported.values()} == {torch.float32}  # FSDP2's fp32 parameters, not bf16
