@@ -12,8 +12,15 @@ export). The invariants:
 - a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings as metadata) and no
   base weights: accelerate's model file is suppressed by a save hook and its load replaced by ours, so a
   resume reads data only and a run with other LoRA settings is refused before anything loads;
+- under FSDP the frozen base is sharded with the adapters (in bf16 under bf16 mixed precision; the adapters
+  stay fp32, which FSDP2 allows: only trainable parameters must share a dtype). accelerate then saves and
+  loads the model itself, as sharded distributed checkpoints, before and regardless of the hooks, so the
+  denoiser's ``state_dict`` is made its adapters (``expose_adapters_only``): ``pytorch_model_fsdp_0/``
+  holds the adapters' shards and is what a resume loads; ``adapter.safetensors`` (gathered) is written too,
+  for the settings check and for users;
 - the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
-  ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``.
+  ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
+  whole adapter tensors (gathered from the ranks' shards under FSDP).
 """
 
 from __future__ import annotations
@@ -70,9 +77,9 @@ def attach(unet, config, accelerator) -> None:
     from laionkit.train import MasterWeights
 
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_GPU,
-                                            DistributedType.MULTI_CPU):
-        raise LaionkitError(f"--lora-rank runs on one device or DDP, not {accelerator.distributed_type.value}: "
-                            "launch with train/ddp.yaml (adapters are small: no sharding is needed)")
+                                            DistributedType.MULTI_CPU, DistributedType.FSDP):
+        raise LaionkitError(f"--lora-rank runs on one device, DDP or FSDP, not {accelerator.distributed_type.value}: "
+                            "launch with train/ddp.yaml or train/fsdp.yaml")
     if not hasattr(unet, "add_adapter"):
         raise LaionkitError(f"--lora-rank: diffusers' {type(unet).__name__} takes no PEFT adapters (no add_adapter; "
                             "its pipeline loads no LoRA): train it without --lora-rank")
@@ -104,26 +111,53 @@ def trainable(unet) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in unet.named_parameters() if p.requires_grad]
 
 
-def register_checkpoint_hooks(accelerator, config) -> None:
-    """accelerate saves and loads the optimizer, scheduler and RNG states; the model's part is ours."""
-    from safetensors.torch import load_file, safe_open, save_file
+@torch.no_grad()
+def adapters(unet) -> dict[str, torch.Tensor]:
+    """The adapter weights by name as whole tensors. Under FSDP each rank holds a shard of each (a DTensor),
+    gathered here: a collective, so every rank calls it, and all get the whole tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in trainable(unet)}
+
+
+def expose_adapters_only(unet) -> None:
+    """The denoiser's ``state_dict`` becomes its adapters, and loading one forgives the missing frozen base:
+    under FSDP this is what accelerate's sharded checkpoint writes and reads (see the module docstring)."""
+    names = {name for name, _ in trainable(unet)}
+
+    def keep_adapters(_module, state, prefix, _metadata) -> None:
+        for key in [key for key in state if key[len(prefix):] not in names]:
+            del state[key]
+
+    def base_is_not_missing(_module, incompatible) -> None:
+        incompatible.missing_keys[:] = [key for key in incompatible.missing_keys if key in names]
+
+    unet.register_state_dict_post_hook(keep_adapters)
+    unet.register_load_state_dict_post_hook(base_is_not_missing)
+
+
+def register_checkpoint_hooks(accelerator, unet, config) -> None:
+    """accelerate saves and loads the optimizer, scheduler and RNG states; the model's part is ours (under FSDP:
+    accelerate's sharded model checkpoint, of the adapters only, and adapter.safetensors beside it)."""
+    from accelerate.utils import DistributedType
+    from safetensors.torch import load_file, save_file
 
     recorded = {"laionkit_lora": json.dumps(settings(config))}
+    if accelerator.distributed_type == DistributedType.FSDP:
+        expose_adapters_only(accelerator.unwrap_model(unet))
 
     def save(models, weights, output_dir) -> None:
         weights.clear()  # no model.safetensors: the frozen base is not part of the checkpoint
+        named = adapters(accelerator.unwrap_model(models[0]))  # every rank: gathers FSDP shards
         if accelerator.is_main_process:
-            named = trainable(accelerator.unwrap_model(models[0]))
-            save_file({name: p.detach().contiguous().cpu() for name, p in named},
+            save_file({name: p.contiguous().cpu() for name, p in named.items()},
                       str(Path(output_dir) / ADAPTER_FILE), metadata=recorded)
 
     def load(models, input_dir) -> None:
+        if accelerator.distributed_type == DistributedType.FSDP:  # accelerate loaded the adapters' shards
+            return
         model = accelerator.unwrap_model(models.pop(0))
         path = Path(input_dir) / ADAPTER_FILE
-        with safe_open(str(path), "pt") as handle:
-            found = json.loads((handle.metadata() or {}).get("laionkit_lora", "{}"))
-        refuse_other_settings(Path(input_dir), found, settings(config), "trained",
-                              "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
         stored = load_file(str(path))
         named = dict(trainable(model))
         if set(stored) != set(named) or any(stored[n].shape != p.shape for n, p in named.items()):
@@ -137,7 +171,10 @@ def register_checkpoint_hooks(accelerator, config) -> None:
 
 
 def check_resume(folder: Path, config) -> None:
-    """A full-model checkpoint and an adapter checkpoint are not interchangeable: say so in one line."""
+    """A full-model checkpoint and an adapter checkpoint are not interchangeable, nor adapters of other
+    LoRA settings: say so in one line, before anything loads."""
+    from safetensors import safe_open
+
     has_adapters = (folder / ADAPTER_FILE).is_file()
     if config.lora_rank is not None and not has_adapters:
         raise LaionkitError(f"--resume {folder}: it holds no {ADAPTER_FILE} (written by a run without "
@@ -145,17 +182,21 @@ def check_resume(folder: Path, config) -> None:
     if config.lora_rank is None and has_adapters:
         raise LaionkitError(f"--resume {folder}: it holds LoRA adapters only (written with --lora-rank); "
                             "give the same --lora-rank to resume it")
+    if has_adapters:
+        with safe_open(str(folder / ADAPTER_FILE), "pt") as handle:
+            found = json.loads((handle.metadata() or {}).get("laionkit_lora", "{}"))
+        refuse_other_settings(folder, found, settings(config), "trained",
+                              "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
 
 
 def export(accelerator, unet, ema, master, output: Path) -> None:
     """RUN/lora (and RUN/lora_ema with --ema) in diffusers' LoRA format, the fp32 adapter weights (the
-    master copies with MasterWeights, not their bf16 rounding)."""
+    master copies with MasterWeights, not their bf16 rounding; under FSDP gathered from the ranks' shards)."""
+    model = accelerator.unwrap_model(unet)
+    named = adapters(model) if master is None else dict(zip(master.names, master.master))  # every rank
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(unet)
-        names, values = zip(*trainable(model))
-        if master is not None:
-            names, values = master.names, master.master
-        _save_lora(model, dict(zip(names, values)), output / "lora")
+        names = list(named)
+        _save_lora(model, named, output / "lora")
         if ema is not None:
             _save_lora(model, dict(zip(names, ema.shadow_params)), output / "lora_ema")
     accelerator.wait_for_everyone()
@@ -168,11 +209,12 @@ def _save_lora(model, named: dict, folder: Path) -> None:
 
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
     layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model, state_dict=state))
-    if type(model).__name__.startswith("UNet"):
+    # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
+    if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
     else:  # SD3 / Flux transformers: their pipelines name the denoiser "transformer"
-        pipeline = {"SD3Transformer2DModel": diffusers.StableDiffusion3Pipeline}.get(
-            type(model).__name__, diffusers.FluxPipeline)
+        pipeline = (diffusers.StableDiffusion3Pipeline if isinstance(model, diffusers.SD3Transformer2DModel)
+                    else diffusers.FluxPipeline)
         keyword = "transformer_lora_layers"
     with atomic_output(folder) as tmp:
         pipeline.save_lora_weights(str(tmp), **{keyword: layers}, weight_name=EXPORT_FILE)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laionkit import fp8, lora, runfolder, valloss
+from laionkit import fp8, fsdp, lora, runfolder, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -1289,7 +1289,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    return Accelerator(
+    accelerator = Accelerator(
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         log_with=None if config.log_with == "none" else config.log_with,
@@ -1298,6 +1298,8 @@ def make_accelerator(config: TrainConfig):
         step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
         cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
     )
+    fsdp.honor_fsdp_on_cpu(accelerator)  # accelerate would run an FSDP config on CPU ranks as DDP
+    return accelerator
 
 
 def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None) -> Trainer:
@@ -1405,7 +1407,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
-        lora.register_checkpoint_hooks(accelerator, config)
+        lora.register_checkpoint_hooks(accelerator, unet, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
     online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online

@@ -7,9 +7,12 @@ on them with the tiny models, so downstream tests consume what the upstream stag
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,9 +149,47 @@ def flux_run(tmp_path_factory, flow_latents):
     return config
 
 
+def kill_tree(pid: int) -> None:
+    """kill -9 of ``pid`` and its descendants, as a scheduler ends a job: torchrun (also inside `accelerate
+    launch`) starts each rank in a session of its own, so killing the launcher's process group alone would
+    leave the ranks training on. Descendants are found through /proc (Linux)."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[parent].append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children[found[-1]]
+    for each in found:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def metrics(run: Path) -> dict[int, dict]:
     """A run's metrics.jsonl records by step."""
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def assert_lora_resumed_like(whole: Path, resumed: Path, steps: list[int]) -> dict:
+    """A LoRA run resumed (into its own folder) from a checkpoint of ``whole`` logged whole's losses at
+    ``steps``, all it logged, and exported the same adapters to the bit; returns whole's export."""
+    import torch
+    from safetensors.torch import load_file
+
+    expected, got = metrics(whole), metrics(resumed)
+    assert sorted(got) == steps
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
+    exported = load_file(whole / "lora" / "pytorch_lora_weights.safetensors")
+    again = load_file(resumed / "lora" / "pytorch_lora_weights.safetensors")
+    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
+    return exported
 
 
 def assert_resumed_like(reference: Path, resumed: Path, steps: int, val_steps: tuple[int, int]) -> None:

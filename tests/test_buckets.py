@@ -10,7 +10,6 @@ import collections
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from fixtures import kill_tree
 
 from laionkit.latents import StreamLayout, latent_loader
 
@@ -95,22 +95,6 @@ def _torchrun(port: int, *args) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (torchrun starts each rank in a session of its own)."""
-    children = collections.defaultdict(list)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children[parent].append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children[found[-1]]
-    return found
-
-
 def _records(run: Path, name: str) -> dict[int, dict]:
     lines = (run / name).read_text().splitlines()
     return {record["step"]: record for record in map(json.loads, filter(None, lines))}
@@ -134,11 +118,7 @@ def test_two_ranks_uneven_buckets_kill9_resume_exactly_and_count_samples_per_buc
     while not (run / "checkpoints" / "step-00000006").is_dir() and process.poll() is None:
         assert time.time() < deadline
         time.sleep(0.05)
-    for pid in _process_tree(process.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(process.pid)
     process.wait()
     assert not (run / "unet").exists(), "killed too late: the run already finished"
     resumed = subprocess.run(_torchrun(29563, bucket_latents, "--output", run, *args, "--resume", "latest"),

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import run_cli
-from fixtures import metrics
+from fixtures import assert_lora_resumed_like, metrics
 
 FAST = ("--batch-size", "4", "--lr", "1e-2", "--log-with", "none", "--quiet", "--workers", "0")
 
@@ -54,13 +54,7 @@ def test_lora_checkpoints_adapters_only_resumes_exactly_and_exports_what_diffuse
 
     resumed = tmp_path / "resumed"
     run_cli("train", latent_shards, "--output", resumed, *args, "--max-steps", "4", "--resume", checkpoint)
-    expected, got = metrics(whole), metrics(resumed)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
-        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5, abs=1e-7), step
-    exported = load_file(whole / "lora" / "pytorch_lora_weights.safetensors")
-    again = load_file(resumed / "lora" / "pytorch_lora_weights.safetensors")
-    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
+    exported = assert_lora_resumed_like(whole, resumed, [3, 4])
     assert all(k.startswith("unet.") for k in exported) and {t.dtype for t in exported.values()} == {torch.float32}
     assert any((t != t.bfloat16().float()).any() for t in exported.values()), "exported the bf16 rounding"
     assert (whole / "lora_ema" / "pytorch_lora_weights.safetensors").is_file()

@@ -328,9 +328,9 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
 
 
 def test_fsdp_wraps_each_transformer_block():
-    """On CPU accelerate runs FSDP as one process, so the wrap policy is what is tested: train/fsdp.yaml
-    names the UNet's blocks; a transformer family gets one FSDP unit per transformer block instead, and a
-    UNet keeps the configured units."""
+    """The wrap policy, in process: train/fsdp.yaml names the UNet's blocks; a transformer family gets one
+    FSDP unit per transformer block instead, and a UNet keeps the configured units. Training under it
+    with 2 real ranks: tests/test_fsdp.py."""
     import diffusers
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy

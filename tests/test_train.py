@@ -159,8 +159,8 @@ def _rank_records(checkpoint: Path) -> list[dict]:
 def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards, tmp_path, precision, accum):
     """Two real DDP ranks (torchrun, gloo): every checkpoint's weight fingerprints agree. With bf16
     weights and --grad-accum 2 they drifted apart (the master gradients took the no_sync micro-batch's
-    local gradients, which DDP never all-reduced). FSDP is not in the matrix: on a CPU-only machine
-    accelerate runs fsdp.yaml as one process (train/README)."""
+    local gradients, which DDP never all-reduced). FSDP holds one sharded copy of the weights, nothing to
+    drift: tests/test_fsdp.py checks it against DDP instead."""
     import torch
     from safetensors.torch import load_file
 

@@ -1,0 +1,48 @@
+"""FSDP2 where accelerate leaves it out: `accelerate launch` with an FSDP config on CPU-only ranks (gloo).
+
+accelerate 1.15 starts the processes of `accelerate launch --config_file train/fsdp.yaml --num_processes 2`
+on a machine without GPUs (commands/launch.py sends ``use_fsdp`` to ``multi_gpu_launcher``, which is
+torchrun), and the Accelerator builds the FSDP plugin from the launcher's FSDP_* environment, but
+``AcceleratorState.__init__`` (state.py, ``elif self.distributed_type in [DistributedType.MULTI_GPU, ...]``)
+turns a rank into FSDP only on an accelerator device; a CPU rank stays ``MULTI_CPU`` and the model is
+wrapped in DDP: the FSDP config is dropped without a word. torch's FSDP2 (``fully_shard``) itself runs on
+CPU over gloo (sharded parameters, bf16 mixed precision, reduce-scatter, distributed checkpoints).
+
+``honor_fsdp_on_cpu`` sets the FSDP state accelerate would have set on a GPU (the same plugin, built from the
+same environment), so everything after it is accelerate's own FSDP2 path: ``prepare`` (fsdp2_prepare_model),
+``save_state`` / ``load_state`` (sharded distributed checkpoints), ``get_state_dict`` and gradient clipping.
+It exists so that the FSDP code paths of `laionkit train` run and are tested with real ranks on CPU; on
+GPUs it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from laionkit.common import LaionkitError
+
+
+def honor_fsdp_on_cpu(accelerator) -> bool:
+    """Make a CPU rank launched with an FSDP config an FSDP2 rank, as a GPU rank would be. Returns whether
+    it did (and says so). Called right after the Accelerator is built, before anything is prepared."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if (accelerator.distributed_type != DistributedType.MULTI_CPU
+            or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"):
+        return False
+    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment, as Accelerator builds it
+    if plugin.fsdp_version != 2:
+        raise LaionkitError("FSDP on CPU ranks runs FSDP2 only: set fsdp_version: 2 in the accelerate config "
+                            "(train/fsdp.yaml does)")
+    if accelerator.mixed_precision == "fp16":
+        # the Accelerator made its gradient scaler for the DDP state, not FSDP2's: untried, so refused
+        raise LaionkitError("FSDP on CPU ranks: --mixed-precision fp16 is not supported; use bf16 or no")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = accelerator.state
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ ends
+    accelerator.print("FSDP2 on CPU ranks (gloo)")
+    return True
