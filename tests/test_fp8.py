@@ -44,14 +44,13 @@ def test_fp8_trains_resumes_exactly_and_exports_a_plain_transformer(flow_latents
     base = TrainConfig(latents=sd3.latents, output=tmp_path / "bf16", unet_config="tiny", max_steps=4, batch_size=4,
                        lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
                        checkpoint_every=2)
-    run(base)
+    run(replace(base, max_steps=1))  # the bf16 step 1: the same batch, noise and initial weights
     config = replace(base, output=tmp_path / "fp8", fp8=True)
     run(config)
     plain, fp8_losses = metrics(base.output), metrics(config.output)
-    # float8 matmuls change the numbers a little, not the run: same data, same noise, close losses
+    # float8 matmuls change the numbers a little, not the run: same data, same noise, a close loss
     assert fp8_losses[1]["loss"] != plain[1]["loss"]
-    for step in range(1, 5):
-        assert fp8_losses[step]["loss"] == pytest.approx(plain[step]["loss"], rel=0.1), step
+    assert fp8_losses[1]["loss"] == pytest.approx(plain[1]["loss"], rel=0.05)
     # kill after the step-2 checkpoint, resume: the same losses as the uninterrupted fp8 run
     stopped = tmp_path / "stopped"
     shutil.copytree(config.output, stopped)
