@@ -297,10 +297,13 @@ def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int,
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def measurer(out: Path, budget: float, started: float, env: dict, results: dict[str, dict], show: int = 400):
+def measurer(out: Path, budget: float, started: float, env: dict, results: dict[str, dict], show: int = 400,
+             report: Path | None = None):
     """``measure(name, argv, run=None)``: one child measurement under the call's time budget (skipped with
     under 40 s left), recorded in ``results[name]``; a `laionkit train` run folder adds its steady rate and
-    its samples per bucket from metrics.jsonl."""
+    its samples per bucket from metrics.jsonl, kept as OUT/<name>-metrics.jsonl, and the run folder is then
+    removed (a real-size export is GBs); with ``report``, the results so far are rewritten to
+    REPORT/results-partial.json after each measurement."""
 
     def measure(name: str, argv: list[str], run: Path | None = None) -> None:
         left = budget - (time.perf_counter() - started)
@@ -315,7 +318,13 @@ def measurer(out: Path, budget: float, started: float, env: dict, results: dict[
             results[name].update(steady_rate(run))
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
+            shutil.copy(run / "metrics.jsonl", out / f"{name}-metrics.jsonl")
+        if run is not None:  # a real-size run's export and last checkpoint are GBs: a call's runs filled 64 GB
+            shutil.rmtree(run, ignore_errors=True)
         print(f"{name}: {json.dumps(results[name])[:show]}", flush=True)
+        if report is not None:  # what is measured so far survives a call cut short by its time limit
+            report.mkdir(parents=True, exist_ok=True)
+            (report / "results-partial.json").write_text(json.dumps(results, indent=1))
 
     return measure
 

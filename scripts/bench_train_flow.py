@@ -206,10 +206,6 @@ def child_bare(args) -> dict:
     return time_bare_step(step, one_sample, model, args.steps, args.warmup, batch, device)
 
 
-def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
@@ -236,7 +232,7 @@ def main() -> None:
     models = write_models(args.out / "models", family, args.smoke)
     print(f"models ready after {time.perf_counter() - started:.0f} s", flush=True)
     results: dict[str, dict] = {}
-    measure = measurer(args.out, args.budget, started, env, results, show=300)
+    measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None) -> Path:
@@ -281,10 +277,11 @@ def main() -> None:
                            "--log-every", "1", "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet",
                            "--workers", "4", "--shuffle-buffer", "64",
                            "--mixed-precision", "no" if args.smoke else "bf16", *common, *extra], run)
-            if (run / "metrics.jsonl").exists():
-                curve = losses(run)
-                results[name]["losses"] = curve
-                rates = [json.loads(line)["samples_per_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+            logged = args.out / f"{name}-metrics.jsonl"  # measure's copy of the run's metrics.jsonl
+            if logged.exists():
+                records = [json.loads(line) for line in logged.read_text().splitlines()]
+                results[name]["losses"] = [record["loss"] for record in records]
+                rates = [record["samples_per_s"] for record in records]
                 results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
     if "big" in parts and family == "flux":
         latents = prepare(args.out, family, first, args.images, "stored", models)

@@ -205,7 +205,7 @@ def main() -> None:
     if not (models / "model_index.json").exists():
         write_sdxl_shaped_models(models, args.smoke)
     results: dict[str, dict] = {}
-    measure = measurer(args.out, args.budget, started, env, results)
+    measure = measurer(args.out, args.budget, started, env, results, report=args.report)
 
     def laionkit_train(name: str, latents: Path, batch: int, compiled: bool, *extra: str) -> None:
         run = args.out / f"run-{name}"
