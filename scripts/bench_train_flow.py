@@ -35,14 +35,13 @@ import shutil
 import statistics
 import sys
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import child_argv, family_bench_parser, measurer, print_table, save_results, time_bare_step  # noqa: E402
-from bench_train_sdxl import _write_shard  # noqa: E402
+from bench_train_sdxl import prepare  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}}
@@ -95,25 +94,6 @@ def write_models(folder: Path, family: str, smoke: bool) -> Path:
         if not smoke:
             real_text_encoders(family, folder)
     return folder
-
-
-def prepare(out: Path, family: str, resolution: int, images: int, text: str, models: Path) -> Path:
-    """Square photo shards and their latents (`laionkit encode --text stored|online`)."""
-    from laionkit.encode import EncodeConfig, run
-
-    latents = out / f"latents-{resolution}-{text}"
-    if (latents / "manifest.json").exists():
-        return latents
-    jpegs = out / f"jpeg-{resolution}"
-    if not jpegs.exists():
-        jpegs.mkdir(parents=True)
-        per_shard = 64
-        jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, False) for s in range(max(1, images // per_shard))]
-        with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
-            pool.map(_write_shard, jobs)
-    run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution, text=text,
-                     batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True), log=lambda _: None)
-    return latents
 
 
 # --- children: one measurement per process ---------------------------------------------------------
@@ -235,13 +215,13 @@ def main() -> None:
     measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
-              config: str | None = None) -> Path:
+              config: str | None = None, log_every: int | None = None) -> Path:
         run = args.out / f"run-{name}"
         window = max(2, args.steps // 3)
         total = steps or window * 4
         measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
                        "--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]),
-                       "--batch-size", str(batch), "--max-steps", str(total), "--log-every", str(window),
+                       "--batch-size", str(batch), "--max-steps", str(total), "--log-every", str(log_every or window),
                        "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
                        "--shuffle-buffer", "64", "--mixed-precision", "no" if args.smoke else "bf16", *extra], run)
         return run
@@ -257,26 +237,20 @@ def main() -> None:
                                                     family=family, resolution=first, batch=batch_of(first),
                                                     steps=args.steps, compile=compiled, smoke=args.smoke))
         if "b" in parts:
-            train(f"b-{first}-{mode}", prepare(args.out, family, first, args.images, "stored", models),
+            train(f"b-{first}-{mode}", prepare(args.out, first, args.images, False, models, "stored"),
                   batch_of(first), *flags)
     for resolution in args.resolutions:
         for text in ("stored", "online") if "online" in parts else ():
             if text == "stored" and resolution == first and "b" in parts:
                 continue  # b-<first>-eager is this row
-            train(f"{text}-{resolution}-eager", prepare(args.out, family, resolution, args.images, text, models),
+            train(f"{text}-{resolution}-eager", prepare(args.out, resolution, args.images, False, models, text),
                   batch_of(resolution))
     if "fp8" in parts:
-        latents = prepare(args.out, family, args.fp8_resolution, args.images, "stored", models)
+        latents = prepare(args.out, args.fp8_resolution, args.images, False, models, "stored")
         common = ["--compile", "--bf16-weights", "--seed", "0"]
         window = max(1, args.fp8_steps // 10)
         for name, extra in (("fp8-off", []), ("fp8-on", ["--fp8"])):
-            run = args.out / f"run-{name}"
-            measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
-                           "--transformer-config", "tiny" if args.smoke else CONFIG[family],
-                           "--batch-size", str(args.fp8_batch), "--max-steps", str(args.fp8_steps),
-                           "--log-every", "1", "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet",
-                           "--workers", "4", "--shuffle-buffer", "64",
-                           "--mixed-precision", "no" if args.smoke else "bf16", *common, *extra], run)
+            train(name, latents, args.fp8_batch, *common, *extra, steps=args.fp8_steps, log_every=1)
             logged = args.out / f"{name}-metrics.jsonl"  # measure's copy of the run's metrics.jsonl
             if logged.exists():
                 records = [json.loads(line) for line in logged.read_text().splitlines()]
@@ -284,11 +258,11 @@ def main() -> None:
                 rates = [record["samples_per_s"] for record in records]
                 results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
     if "big" in parts and family == "flux":
-        latents = prepare(args.out, family, first, args.images, "stored", models)
+        latents = prepare(args.out, first, args.images, False, models, "stored")
         results["flux_12b_full_fits"] = {"note": "bf16 weights + fp32 master + AdamW: 16 bytes/parameter, "
                                          "190 GiB for 11.9B: not on one H200; depth fractions below"}
         for text in ("stored", "online"):  # LoRA on the whole 12B: the single-GPU Flux run
-            train(f"big-lora64-12b-{text}", prepare(args.out, family, first, args.images, text, models), 1,
+            train(f"big-lora64-12b-{text}", prepare(args.out, first, args.images, False, models, text), 1,
                   "--lora-rank", "64", "--checkpointing", "blocks")
         for layers, single in ((10, 19), (12, 24)):
             arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,

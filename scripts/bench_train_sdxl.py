@@ -107,22 +107,24 @@ def _write_shard(job: tuple[Path, int, int, int, bool]) -> None:
                                             "width": width, "height": height})})
 
 
-def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path) -> Path:
-    """JPEG shards (square-ish or mixed aspects) and their SDXL latents (`laionkit encode`)."""
+def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, text: str = "stored") -> Path:
+    """JPEG shards (square-ish or mixed aspects) and their latents by ``models`` (`laionkit encode --text
+    TEXT`); shards and latents are made once per work folder."""
     from laionkit.encode import EncodeConfig, run
 
     tag = f"{resolution}-{'buckets' if mixed else 'square'}"
-    latents = out / f"latents-{tag}"
+    latents = out / f"latents-{tag}{'' if text == 'stored' else f'-{text}'}"
     if (latents / "manifest.json").exists():
         return latents
     jpegs = out / f"jpeg-{tag}"
-    jpegs.mkdir(parents=True, exist_ok=True)
-    per_shard = 64
-    jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, mixed) for s in range(max(1, images // per_shard))]
-    with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
-        pool.map(_write_shard, jobs)
+    if not jpegs.exists():
+        jpegs.mkdir(parents=True)
+        per_shard = 64
+        jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, mixed) for s in range(max(1, images // per_shard))]
+        with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
+            pool.map(_write_shard, jobs)
     run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution,
-                     buckets=mixed, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True),
+                     buckets=mixed, text=text, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True),
         log=lambda _: None)
     return latents
 
