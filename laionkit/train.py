@@ -96,6 +96,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     mixed_precision: str | None = None
     bf16_weights: bool | None = None  # None: on in eager mode, off with --compile (measured, see MasterWeights)
+    full_bf16: bool = False  # weights, gradients and optimizer state all in bf16, no fp32 master (full_bf16_policy)
     ema: bool = False
     ema_decay: float = 0.9999
     checkpointing: str = "none"  # activation checkpointing per family block: blocks, every-N or none
@@ -179,6 +180,9 @@ class TrainConfig:
                 value = math.nan
             if not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--shift {self.shift!r}: a number > 0 (static shift), dynamic or none")
+        if self.full_bf16 and (self.mixed_precision not in (None, "bf16") or self.bf16_weights is False):
+            raise LaionkitError("--full-bf16 trains bf16 weights without fp32 master copies: it needs "
+                                "--mixed-precision bf16 and cannot be combined with --no-bf16-weights")
         self.later_stages()
         self.checkpoint_interval()
         lora.check_config(self)
@@ -744,11 +748,37 @@ class MasterWeights:
     @staticmethod
     def wanted(config: TrainConfig, accelerator) -> bool:
         """Only where nothing else owns precision: bf16 on one device or DDP (FSDP and DeepSpeed do it)."""
-        from accelerate.utils import DistributedType
-
         chosen = (not config.compile) if config.bf16_weights is None else config.bf16_weights
-        return (chosen and accelerator.mixed_precision == "bf16" and accelerator.distributed_type
-                in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU))
+        return chosen and not config.full_bf16 and _owns_precision(accelerator)
+
+
+def _owns_precision(accelerator) -> bool:
+    """bf16 on one device or DDP: laionkit chooses the precision policy (FSDP and DeepSpeed own theirs)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.mixed_precision == "bf16" and accelerator.distributed_type in (
+        DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+
+
+def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
+    """--full-bf16 (kohya's --full_bf16): weights, gradients and AdamW state all in bf16, no fp32 master
+    copies and no autocast: 8 bytes per trained parameter instead of 20 (a full-parameter Flux-12B fits one
+    H200), and the fastest step (what the bench scripts' bare ceiling runs). Numerically weaker: an update
+    under half a bf16 ulp of its weight is lost (|update| < ~0.2 % of |w|), so use it with learning rates
+    that move weights by more than that, or for memory. Returns whether the policy applies (bf16 on one
+    device or DDP; under FSDP / DeepSpeed it is refused in check)."""
+    from accelerate.utils import AutocastKwargs, DistributedType
+
+    if not config.full_bf16:
+        return False
+    if not _owns_precision(accelerator):
+        where = ("FSDP / DeepSpeed set their own precision (their mixed-precision config)"
+                 if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+                 else f"mixed precision is {accelerator.mixed_precision!r}")
+        raise LaionkitError(f"--full-bf16: {where}; it works with bf16 on one device or DDP")
+    accelerator.autocast_handler = AutocastKwargs(enabled=False)  # the weights are bf16 already
+    torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
+    return True
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
@@ -1362,7 +1392,11 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
 
     device = accelerator.device
     set_seed(config.seed)  # the same initial weights on every rank
-    unet = build_unet(config, data).to(device)
+    # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
+    # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
+    with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
+        unet = build_unet(config, data)
+    unet = unet.to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
@@ -1383,20 +1417,23 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         accelerator.print(f"fp8 ({config.fp8_recipe}): {len(converted)} linear layers of the "
                           f"{'/'.join(data.family.block_classes)} blocks")
     if config.compile and data.family.regional_compile:
-        # Transformers: each block compiled in place, before DDP/FSDP wrap it (FSDP2 renames the classes):
-        # compile time independent of depth. UNets compile whole below: their glue between blocks (down/up
-        # samplers, norms, projections) is a large share of the work, and whole-model compile is measured.
+        # Transformers and SDXL: each block compiled in place, before DDP/FSDP wrap it (FSDP2 renames the
+        # classes): compile time independent of depth (SDXL's whole-UNet compile ran past 320 s on an H200).
+        # SD 1.x/2.x compile whole below: their glue between blocks (down/up samplers, norms, projections) is
+        # a large share of the work at 256-512 px, and whole-model compile is measured there.
         data.family.compile_blocks(unet, dynamic=False, mode=config.compile_mode)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
     unet.train()
+    full_bf16 = full_bf16_policy(config, accelerator, unet)
     master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
     trained = master.master if master is not None else [p for p in unet.parameters() if p.requires_grad]
     lr = scaled_lr(config, schedule.global_batch)
     optimizer = optimizer_factory(config, trained, lr, device)
     ema = None
-    if config.ema:
-        ema = EMAModel(trained, decay=config.ema_decay, foreach=True,
+    if config.ema:  # in fp32 under --full-bf16 too: a 0.9999 decay's updates vanish in bf16
+        shadow = [p.detach().float() for p in trained] if full_bf16 else trained
+        ema = EMAModel(shadow, decay=config.ema_decay, foreach=True,
                        model_cls=type(unet), model_config=unet.config)
         ema.to(device)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # we prepare no DataLoader to infer these
@@ -1419,10 +1456,10 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     if config.compile:
         # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
         # per function, 256 in all), else the shapes past the limit would run uncompiled.
-        # Per block (transformers), the checkpointed blocks of every class share one compiled function
-        # (FamilySpec.checkpoint_blocks), so the allowance grows with the number of block classes too.
+        # Per block, the blocks of one class share one code object whose graphs differ by the block's shapes
+        # (SDXL's ResnetBlock2D has a dozen channel / size pairs): at most one graph per block instance.
         dynamo = torch._dynamo.config
-        per_bucket = 8 * (len(data.family.block_classes) if data.family.regional_compile else 1)
+        per_bucket = max(8, len(data.family.blocks(unet))) if data.family.regional_compile else 8
         dynamo.recompile_limit = max(dynamo.recompile_limit, per_bucket * len(schedule.buckets))
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(schedule.buckets))
     model = unet

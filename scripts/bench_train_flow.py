@@ -1,7 +1,8 @@
 """Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux) against the bare diffusers step
 (not a test; results in docs/BENCHMARKS.md).
 
-Per family, at real size and random init (``--transformer-config sd3-medium``: 2.0B; ``flux-dev``: 11.9B),
+Per family, at real size and random init (``--transformer-config sd3-medium``: 2.0B; ``flux-dev``: 11.9B;
+``pixart-sigma-xl``: 0.61B, stored vs online text only),
 bf16, per resolution (1024 px and 512 px):
 
 (peak)    the bf16 matmul peak of this GPU (torch.mm, 8192^3), measured in this run: MFU is against it.
@@ -16,8 +17,10 @@ bf16, per resolution (1024 px and 512 px):
           CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux, random init) run in the train loop.
 (fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
           data: samples/s and the two loss curves (mean |difference| against the bf16 run's own step noise).
-(big)     Flux only: the largest configurations that train on this GPU (full-parameter depth fractions with
-          ``--checkpointing blocks``, and LoRA on the whole 12B), samples/s, MFU and peak memory.
+(big)     Flux only: the largest configurations that train on this GPU, samples/s, MFU and peak memory: LoRA
+          rank 64 on the whole 12B with stored and with online text per resolution (Flux's stored vs online
+          comparison), full-parameter 12B under ``--full-bf16``, and a full-parameter depth fraction under
+          the default policy (fp32 master weights), all with ``--checkpointing blocks``.
 
 The latents come from `laionkit encode` of generated photos with a tiny 16-channel VAE (8x, like SD3's and
 Flux's) and real-size text encoders: the train step sees real shapes, and online text costs what it would.
@@ -25,6 +28,7 @@ Every measurement runs in its own process.
 
     python scripts/bench_train_flow.py --family sd3 --out /tmp/flow --report $OUT        # GPU machine
     python scripts/bench_train_flow.py --family sd3 --smoke --out /tmp/flow-smoke         # CPU plumbing check
+    python scripts/bench_train_flow.py --family pixart --parts online --out /tmp/pixart   # stored vs online only
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from bench_train import child_argv, family_bench_parser, measurer, print_table, 
 from bench_train_sdxl import prepare  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}}
-CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev"}
+BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}, "pixart": {1024: 16, 512: 64, 64: 2}}
+CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev", "pixart": "pixart-sigma-xl"}
+LORA_BATCH = {1024: 4, 512: 16}  # Flux-12B LoRA with --checkpointing blocks
+FRACTIONS = ((8, 16),)  # Flux depth fractions (double, single blocks) trained full-parameter, default policy
 
 
 def real_text_encoders(family: str, folder: Path) -> None:
@@ -74,8 +80,10 @@ def real_text_encoders(family: str, folder: Path) -> None:
         parts = {"text_encoder": lambda: clip(CLIPTextModelWithProjection, 768, 12, "quick_gelu"),
                  "text_encoder_2": lambda: clip(CLIPTextModelWithProjection, 1280, 32, "gelu"),
                  "text_encoder_3": t5}
-    else:
+    elif family == "flux":
         parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu"), "text_encoder_2": t5}
+    else:  # pixart: T5-XXL alone
+        parts = {"text_encoder": t5}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for sub, build in parts.items():
         torch.manual_seed(0)
@@ -258,18 +266,24 @@ def main() -> None:
                 rates = [record["samples_per_s"] for record in records]
                 results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
     if "big" in parts and family == "flux":
+        # LoRA rank 64 on the whole 12B (frozen bf16 base, checkpointed blocks): the single-GPU Flux run, and
+        # the one where stored vs online text is measured for Flux (full-parameter 12B fits only below).
+        for resolution in args.resolutions:
+            for text in ("stored", "online"):
+                train(f"big-lora64-12b-{text}-{resolution}", prepare(args.out, resolution, args.images, False,
+                                                                      models, text),
+                      LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--checkpointing", "blocks")
         latents = prepare(args.out, first, args.images, False, models, "stored")
-        results["flux_12b_full_fits"] = {"note": "bf16 weights + fp32 master + AdamW: 16 bytes/parameter, "
-                                         "190 GiB for 11.9B: not on one H200; depth fractions below"}
-        for text in ("stored", "online"):  # LoRA on the whole 12B: the single-GPU Flux run
-            train(f"big-lora64-12b-{text}", prepare(args.out, first, args.images, False, models, text), 1,
-                  "--lora-rank", "64", "--checkpointing", "blocks")
-        for layers, single in ((10, 19), (12, 24)):
+        # Full-parameter: the default policy (bf16 weights, fp32 master + AdamW) needs 20 bytes per parameter,
+        # 238 GB for 11.9B: a depth fraction fits; --full-bf16 (8 bytes per parameter, 95 GB) fits all 12B.
+        train(f"big-full-12b-fullbf16-{first}", latents, 1, "--full-bf16", "--mixed-precision", "bf16",
+              "--checkpointing", "blocks")
+        for layers, single in FRACTIONS:
             arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,
                     "num_layers": layers, "num_single_layers": single}
             path = args.out / f"flux-{layers}-{single}.json"
             path.write_text(json.dumps(arch))
-            train(f"big-full-{layers}x{single}", latents, 1, "--checkpointing", "blocks", config=str(path))
+            train(f"big-full-{layers}x{single}-{first}", latents, 1, "--checkpointing", "blocks", config=str(path))
 
     summary = {"date": time.strftime("%Y-%m-%d"), "family": family, "device": torch.cuda.get_device_name(0)
                if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}

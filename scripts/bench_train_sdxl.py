@@ -15,10 +15,13 @@ SDXL base's UNet architecture (2.57B parameters, random init: ``--unet-config sd
     metrics.jsonl.
 (buckets) the same on aspect-ratio buckets of the same pixel area (``encode --buckets``; photos of aspect
     1:2 .. 2:1), against (b) square.
+(full) `laionkit train --full-bf16`: the bare ``bf16`` policy (bf16 weights and AdamW state, no fp32 master
+    weights) in laionkit, against (a) ``bf16``: the same numerics on both sides.
 (lora) `laionkit train --lora-rank 64` on the same UNet (frozen base) against (b) full: samples/s and memory.
 (maxbatch) (b) at larger batches: the largest that fits.
 
-Eager and compiled (``--compile``; the bare ceiling with ``torch.compile(unet)``). The latents come from a
+Eager and compiled (``--compile``: each ResnetBlock2D / BasicTransformerBlock compiled on its own, in
+laionkit and in the bare ceiling alike; the whole-UNet compile ran past 320 s). The latents come from a
 small SDXL-shaped pipeline (tiny VAE with SDXL's 8x downsampling, one-layer CLIP encoders of SDXL's widths
 768 + 1280): the train step only sees their shapes. Every measurement runs in its own process.
 
@@ -159,7 +162,12 @@ def child_bare(args) -> dict:
     pooled = torch.randn(batch, pooled_dim, device=device, dtype=dtype)
     time_ids = torch.tensor([[args.resolution] * 2 + [0, 0] + [args.resolution] * 2] * batch, device=device,
                             dtype=dtype)
-    model = torch.compile(unet) if args.compile else unet
+    model = unet
+    if args.compile:  # per block, as laionkit's --compile for SDXL (the whole-UNet compile ran past 320 s)
+        blocks = [m for m in unet.modules() if type(m).__name__ in ("ResnetBlock2D", "BasicTransformerBlock")]
+        torch._dynamo.config.recompile_limit = max(8, len(blocks))
+        for block in blocks:
+            block.compile(dynamic=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not pure_bf16)
     alphas = scheduler.alphas_cumprod.to(device)
 
@@ -187,11 +195,12 @@ def child_bare(args) -> dict:
 
 def main() -> None:
     parser = family_bench_parser(__doc__)
-    parser.add_argument("--parts", default="a,b,buckets,lora", help="comma list of a, b, buckets, lora, maxbatch")
+    parser.add_argument("--parts", default="a,b,buckets,lora", help="comma list of a, b, full, buckets, lora, maxbatch")
     parser.add_argument("--modes", default="eager", help="comma list of eager, compiled")
     parser.add_argument("--max-batches", type=int, nargs="+", default=[12, 16], help="maxbatch: batches to try")
     parser.add_argument("--child", choices=["bare"])
     parser.add_argument("--policy", choices=["autocast", "bf16"], default="autocast")
+    parser.add_argument("--policies", default="autocast,bf16", help="a: the bare policies to measure")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -224,13 +233,15 @@ def main() -> None:
             square = prepare(args.out, resolution, args.images, False, models)
             tag = f"{resolution}-{mode}"
             if "a" in parts:
-                for policy in ("autocast", "bf16"):
+                for policy in args.policies.split(","):
                     name = f"a-{policy}-{tag}"
                     measure(name, child_argv(args.out, name, "bare", script=__file__, policy=policy,
                                              resolution=resolution, batch=batch, steps=args.steps,
                                              compile=compiled, smoke=args.smoke))
             if "b" in parts:
                 laionkit_train(f"b-{tag}", square, batch, compiled)
+            if "full" in parts:  # --full-bf16: the bare pure-bf16 step's policy (no fp32 master weights)
+                laionkit_train(f"full-{tag}", square, batch, compiled, "--full-bf16", "--mixed-precision", "bf16")
             if "buckets" in parts and resolution == args.resolutions[0]:
                 laionkit_train(f"buckets-{tag}", prepare(args.out, resolution, args.images, True, models), batch,
                                compiled)
@@ -256,6 +267,8 @@ def main() -> None:
                     print(f"  b/a({policy}) {tag}: {b / a:.3f}")
             if b and ceilings:
                 print(f"  b / best bare {tag}: {b / max(ceilings.values()):.3f}  (target >= 0.98)")
+            if rate(f"full-{tag}") and ceilings.get("bf16"):
+                print(f"  full-bf16 / bare bf16 {tag}: {rate(f'full-{tag}') / ceilings['bf16']:.3f}  (same policy)")
             for other in ("buckets", "lora64"):
                 if rate(f"{other}-{tag}") and b:
                     print(f"  {other}/square {tag}: {rate(f'{other}-{tag}') / b:.3f}")

@@ -21,7 +21,7 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
 - ``block_classes``: the denoiser's repeated block, the FSDP wrap unit and the activation-checkpointing
   unit (class names, resolved on the built model, so importing a family imports no diffusers);
   ``checkpoint_blocks`` (train ``--checkpointing``) and ``compile_blocks`` (``--compile`` where
-  ``regional_compile``: the transformers, whose blocks hold nearly all the compute) act on these blocks;
+  ``regional_compile``: the transformers and SDXL, whose whole-model compile is too slow) act on these blocks;
 - ``pipeline_class``: the diffusers pipeline that draws validation grids and that an export must load
   into; the export is that pipeline's folder layout with the trained denoiser in ``denoiser_subfolder``;
 - ``write_tiny(output, seed)``: a tiny random-init model in the real diffusers layout for offline tests;

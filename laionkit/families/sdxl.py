@@ -223,6 +223,7 @@ SPEC = register_family(FamilySpec(
     conditioning=conditioning,
     objective=Objective(kind="ddpm", prediction="epsilon"),
     block_classes=("ResnetBlock2D", "BasicTransformerBlock"),
+    regional_compile=True,  # --compile per block: the whole 2.6B UNet took > 320 s to compile (BENCHMARKS)
     write_tiny=write_tiny,
     presets=PRESETS,
     configs={"sdxl": UNET_CONFIG, "tiny": TINY_UNET_CONFIG},
