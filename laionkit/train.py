@@ -752,34 +752,6 @@ class MasterWeights:
         return chosen and not config.full_bf16 and _owns_precision(accelerator)
 
 
-def _owns_precision(accelerator) -> bool:
-    """bf16 on one device or DDP: laionkit chooses the precision policy (FSDP and DeepSpeed own theirs)."""
-    from accelerate.utils import DistributedType
-
-    return accelerator.mixed_precision == "bf16" and accelerator.distributed_type in (
-        DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-
-
-def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
-    """--full-bf16 (kohya's --full_bf16): weights, gradients and AdamW state all in bf16, no fp32 master
-    copies and no autocast: 8 bytes per trained parameter instead of 20 (a full-parameter Flux-12B fits one
-    H200), and the fastest step (what the bench scripts' bare ceiling runs). Numerically weaker: an update
-    under half a bf16 ulp of its weight is lost (|update| < ~0.2 % of |w|), so use it with learning rates
-    that move weights by more than that, or for memory. Returns whether the policy applies (bf16 on one
-    device or DDP; under FSDP / DeepSpeed it is refused in check)."""
-    from accelerate.utils import AutocastKwargs, DistributedType
-
-    if not config.full_bf16:
-        return False
-    if not _owns_precision(accelerator):
-        where = ("FSDP / DeepSpeed set their own precision (their mixed-precision config)"
-                 if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-                 else f"mixed precision is {accelerator.mixed_precision!r}")
-        raise LaionkitError(f"--full-bf16: {where}; it works with bf16 on one device or DDP")
-    accelerator.autocast_handler = AutocastKwargs(enabled=False)  # the weights are bf16 already
-    torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
-    return True
-
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """The micro-batch's bf16 gradients into the fp32 master gradients: one foreach call over all
@@ -813,6 +785,35 @@ def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
         with torch.no_grad():
             torch._foreach_copy_(self.master, [t.to(self.master[0].device) for t in state["master"]])
         self.publish()
+
+
+def _owns_precision(accelerator) -> bool:
+    """bf16 on one device or DDP: laionkit chooses the precision policy (FSDP and DeepSpeed own theirs)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.mixed_precision == "bf16" and accelerator.distributed_type in (
+        DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+
+
+def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
+    """--full-bf16 (kohya's --full_bf16): weights, gradients and AdamW state all in bf16, no fp32 master
+    copies and no autocast: 8 bytes per trained parameter instead of 20 (a full-parameter Flux-12B fits one
+    H200), and the fastest step (what the bench scripts' bare ceiling runs). Numerically weaker: an update
+    under half a bf16 ulp of its weight is lost (|update| < ~0.2 % of |w|), so use it with learning rates
+    that move weights by more than that, or for memory. Returns whether the policy applies (bf16 on one
+    device or DDP; under FSDP / DeepSpeed it is refused in check)."""
+    from accelerate.utils import AutocastKwargs, DistributedType
+
+    if not config.full_bf16:
+        return False
+    if not _owns_precision(accelerator):
+        where = ("FSDP / DeepSpeed set their own precision (their mixed-precision config)"
+                 if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+                 else f"mixed precision is {accelerator.mixed_precision!r}")
+        raise LaionkitError(f"--full-bf16: {where}; it works with bf16 on one device or DDP")
+    accelerator.autocast_handler = AutocastKwargs(enabled=False)  # the weights are bf16 already
+    torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
+    return True
 
 
 def apply_gradients(accelerator, unet, optimizer, master: MasterWeights | None, max_grad_norm: float):
@@ -1887,13 +1888,16 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
     elif master is not None:
         fp32 = dict(zip(master.names, master.master))
     if accelerator.is_main_process:
+        from accelerate import init_empty_weights
+
         model = accelerator.unwrap_model(unet)
-        plain = type(model).from_config(model.config)
-        plain.load_state_dict(state_dict)
-        params = dict(plain.named_parameters())
-        with torch.no_grad():
-            for name, weight in fp32.items():
-                params[name].copy_(weight)
+        # No random init of a model whose every weight is overwritten next (minutes for Flux-12B on a CPU):
+        # parameters are created empty and take the fp32 tensors (master weights where there are) as theirs.
+        with init_empty_weights(include_buffers=False):
+            plain = type(model).from_config(model.config)
+        weights = {name: fp32.get(name, tensor).detach().to("cpu") for name, tensor in state_dict.items()}
+        plain.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()},
+                              assign=True)
         with atomic_output(output / subfolder) as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:

@@ -266,6 +266,11 @@ def main() -> None:
                 rates = [record["samples_per_s"] for record in records]
                 results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
     if "big" in parts and family == "flux":
+        latents = prepare(args.out, first, args.images, False, models, "stored")
+        # Full-parameter: the default policy (bf16 weights, fp32 master + AdamW) needs 20 bytes per parameter,
+        # 238 GB for 11.9B: a depth fraction fits; --full-bf16 (8 bytes per parameter, 95 GB) fits all 12B.
+        train(f"big-full-12b-fullbf16-{first}", latents, 1, "--full-bf16", "--mixed-precision", "bf16",
+              "--checkpointing", "blocks")
         # LoRA rank 64 on the whole 12B (frozen bf16 base, checkpointed blocks): the single-GPU Flux run, and
         # the one where stored vs online text is measured for Flux (full-parameter 12B fits only below).
         for resolution in args.resolutions:
@@ -273,11 +278,6 @@ def main() -> None:
                 train(f"big-lora64-12b-{text}-{resolution}", prepare(args.out, resolution, args.images, False,
                                                                       models, text),
                       LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--checkpointing", "blocks")
-        latents = prepare(args.out, first, args.images, False, models, "stored")
-        # Full-parameter: the default policy (bf16 weights, fp32 master + AdamW) needs 20 bytes per parameter,
-        # 238 GB for 11.9B: a depth fraction fits; --full-bf16 (8 bytes per parameter, 95 GB) fits all 12B.
-        train(f"big-full-12b-fullbf16-{first}", latents, 1, "--full-bf16", "--mixed-precision", "bf16",
-              "--checkpointing", "blocks")
         for layers, single in FRACTIONS:
             arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,
                     "num_layers": layers, "num_single_layers": single}
