@@ -72,7 +72,10 @@ def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int,
 
 def steady_rate(run: Path) -> dict:
     """samples/s, MFU and data-wait of the log windows after the first (start-up, compilation)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = records[1:] or records  # a run cut short after one window: that window, start-up included
+    if not records:
+        return {}
     pick = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
     return {"samples_per_s": pick("samples_per_s"), "mfu": pick("mfu"), "data_wait_pct": pick("data_wait_pct"),
             "gpu_mem_gib": max(r["gpu_mem_gib"] for r in records)}
@@ -314,7 +317,9 @@ def measurer(out: Path, budget: float, started: float, env: dict, results: dict[
         if run is not None:
             shutil.rmtree(run, ignore_errors=True)
         results[name] = run_child(out, name, argv, timeout=left, env=env)
-        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+        if run is not None and (run / "metrics.jsonl").exists():
+            # also after an error past the timed steps (a 12B export cut off by the time budget): the rates
+            # are the steps' own, and the error stays in the record beside them
             results[name].update(steady_rate(run))
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
@@ -422,7 +427,9 @@ def main() -> None:
         if run is not None:
             shutil.rmtree(run, ignore_errors=True)
         results[name] = run_child(args.out, name, argv, timeout=left(), **kw)
-        if run is not None and "error" not in results[name] and (run / "metrics.jsonl").exists():
+        if run is not None and (run / "metrics.jsonl").exists():
+            # also after an error past the timed steps (a 12B export cut off by the time budget): the rates
+            # are the steps' own, and the error stays in the record beside them
             results[name].update(steady_rate(run))
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
 
