@@ -322,7 +322,7 @@ def measurer(out: Path, budget: float, started: float, env: dict, results: dict[
             # are the steps' own, and the error stays in the record beside them
             results[name].update(steady_rate(run))
             records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket")
+            results[name]["samples_per_bucket"] = records[-1].get("samples_per_bucket") if records else None
             shutil.copy(run / "metrics.jsonl", out / f"{name}-metrics.jsonl")
         if run is not None:  # a real-size run's export and last checkpoint are GBs: a call's runs filled 64 GB
             shutil.rmtree(run, ignore_errors=True)
