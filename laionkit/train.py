@@ -693,11 +693,27 @@ def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet,
 def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[int, ...],
                      objective: Objective | None = None) -> float:
     """Model FLOPs of one sample's forward + backward at moments ``shape`` (a bucket's: attention grows
-    faster than the pixel count, so buckets differ), counted once by torch's flop counter."""
+    faster than the pixel count, so buckets differ), counted once by torch's flop counter.
+
+    Counted on a weightless copy of the denoiser (meta tensors, the same modules, LoRA layers and
+    requires_grad): a real one-sample step at full size runs before the precision policy and activation
+    checkpointing apply, and for Flux-12B at 1024 px (fp32 weights, gradients and activations) it ran the
+    H200 out of memory. Where a model cannot run on meta tensors, the count runs on ``device`` as before."""
+    try:
+        return count_flops(_weightless(unet), data, torch.device("meta"), shape, objective)
+    except Exception:  # noqa: BLE001 - a data-dependent forward (.item() and the like) needs real tensors
+        flops = count_flops(unet, data, device, shape, objective)
+        unet.zero_grad(set_to_none=True)
+        return flops
+
+
+def count_flops(model, data: LatentSet, device: torch.device, shape: tuple[int, ...],
+                objective: Objective | None = None) -> float:
+    """torch's flop counter over one sample's forward + backward of ``model`` on ``device``."""
     from torch.utils.flop_counter import FlopCounterMode
 
     channels, height, width = shape
-    dtype = next(unet.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
+    dtype = next(model.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
     sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
     cond = {key: torch.zeros(1, *value.shape, device=device, dtype=dtype) for key, value in data.empty.items()}
     cond.update({name: torch.tensor([[height * 8, width * 8]], device=device) for name in SIZE_FIELDS})
@@ -705,9 +721,21 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
         cond = guidance_input(objective, cond, 1, device)
     counter = FlopCounterMode(display=False)
     with counter:
-        data.family.predict(unet, sample, torch.tensor([500], device=device), cond).sum().backward()
-    unet.zero_grad(set_to_none=True)
+        data.family.predict(model, sample, torch.tensor([500], device=device), cond).sum().backward()
     return float(counter.get_total_flops())
+
+
+def _weightless(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are meta tensors of the same shapes, dtypes
+    and requires_grad: no memory, no copy of the weights."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, torch.nn.Parameter) else empty)
+    return copy.deepcopy(module, memo)
 
 
 def make_optimizer(config: TrainConfig, params, lr: float, device: torch.device):
