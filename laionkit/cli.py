@@ -525,13 +525,42 @@ def encode(
                           f"from {summary['shards']} shards into {output}", highlight=False)
 
 
+# A failed CUDA context ("sticky" errors: every later CUDA call fails too). Seen on an H200: after a cuBLAS
+# failure the traceback was printed, then the process never exited (interpreter teardown frees CUDA memory
+# and joins loader threads) until its launcher killed it minutes later.
+DEVICE_FAILURES = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "illegal memory access", "NCCL error")
+
+
+def device_failed(error: BaseException) -> bool:
+    """Whether ``error`` says the accelerator itself failed (not a user mistake, not an out-of-memory)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, getattr(torch, "AcceleratorError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(mark in str(error) for mark in DEVICE_FAILURES)
+
+
 def main() -> None:
-    """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback."""
+    """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback. A
+    failed device prints its traceback and exits 1 at once, skipping the teardown that can hang on a
+    failed CUDA context (a launcher or a Slurm step then sees the failure instead of a silent hang)."""
     try:
         app()
     except LaionkitError as error:
         err_console.print(Text.assemble(("error:", "bold red"), f" {error}"), soft_wrap=True)
         sys.exit(2)
+    except Exception as error:
+        if not device_failed(error):
+            raise
+        import os
+        import traceback
+
+        traceback.print_exc()
+        err_console.print(Text.assemble(("error:", "bold red"), " the accelerator failed (above); exiting "
+                                        "without interpreter teardown, which can hang on a failed device"),
+                          soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

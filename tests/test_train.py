@@ -524,3 +524,36 @@ def test_bad_input_is_one_clear_line(latent_shards, tmp_path, damage, args, mess
     result = run_cli("train", latents, *TINY, *flat, check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+FAILED_DEVICE = """
+import sys, threading, time
+from laionkit import train
+def failed(*args, **kwargs):  # what cuBLAS raised on an H200 inside train's first backward
+    raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`")
+train.flops_per_sample = failed
+threading.Thread(target=time.sleep, args=(600,), daemon=False).start()  # teardown that would never end
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_failed_device_exits_at_once_instead_of_hanging_in_teardown(latent_shards, tmp_path):
+    """After a sticky CUDA error the traceback went out and the process then hung in interpreter teardown
+    until its launcher's limit killed it (H200, Flux-12B). The CLI now exits 1 at once on such errors: here
+    a non-daemon thread that would hold a normal exit for 10 minutes does not hold it."""
+    script = tmp_path / "failed_device.py"
+    script.write_text(FAILED_DEVICE)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script), "train", str(latent_shards), "--output", str(tmp_path / "run"), *TINY,
+         "--max-steps", "2", "--workers", "0"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert time.monotonic() - started < 200
+    assert "CUBLAS_STATUS_EXECUTION_FAILED" in result.stderr and "the accelerator failed" in result.stderr
+
+    from laionkit.cli import device_failed
+
+    assert not device_failed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not device_failed(ValueError("CUDA error in a caption"))
