@@ -20,7 +20,10 @@ export). The invariants:
   for the settings check and for users;
 - the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
   ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
-  whole adapter tensors (gathered from the ranks' shards under FSDP).
+  whole adapter tensors (gathered from the ranks' shards under FSDP). PixArt's transformer has no
+  ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters (``inject_adapter_in_model``, as
+  PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is PEFT's adapter folder, which
+  ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
 """
 
 from __future__ import annotations
@@ -80,9 +83,6 @@ def attach(unet, config, accelerator) -> None:
                                             DistributedType.MULTI_CPU, DistributedType.FSDP):
         raise LaionkitError(f"--lora-rank runs on one device, DDP or FSDP, not {accelerator.distributed_type.value}: "
                             "launch with train/ddp.yaml or train/fsdp.yaml")
-    if not hasattr(unet, "add_adapter"):
-        raise LaionkitError(f"--lora-rank: diffusers' {type(unet).__name__} takes no PEFT adapters (no add_adapter; "
-                            "its pipeline loads no LoRA): train it without --lora-rank")
     unet.requires_grad_(False)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if low is not None and not MasterWeights.wanted(config, accelerator):
@@ -90,7 +90,12 @@ def attach(unet, config, accelerator) -> None:
     lora = LoraConfig(r=config.lora_rank, lora_alpha=alpha(config), lora_dropout=config.lora_dropout,
                       init_lora_weights="gaussian", target_modules=targets(config))
     try:
-        unet.add_adapter(lora)
+        if hasattr(unet, "add_adapter"):  # diffusers' PEFT integration: what its pipelines' LoRA loaders read
+            unet.add_adapter(lora)
+        else:  # PixArt's transformer has none: PEFT injects the same layers (PixArt's own LoRA recipe)
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(lora, unet)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise LaionkitError(f"--lora-targets {config.lora_targets}: {str(error).splitlines()[0]}") from None
     for param in unet.parameters():
@@ -208,13 +213,31 @@ def _save_lora(model, named: dict, folder: Path) -> None:
     from peft.utils import get_peft_model_state_dict
 
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model, state_dict=state))
+    peft_layers = get_peft_model_state_dict(model, state_dict=state)
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
     if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
-    else:  # SD3 / Flux transformers: their pipelines name the denoiser "transformer"
+    elif isinstance(model, (diffusers.SD3Transformer2DModel, diffusers.FluxTransformer2DModel)):
+        # their pipelines name the denoiser "transformer"
         pipeline = (diffusers.StableDiffusion3Pipeline if isinstance(model, diffusers.SD3Transformer2DModel)
                     else diffusers.FluxPipeline)
         keyword = "transformer_lora_layers"
+    else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
+        _save_peft_adapter(model, peft_layers, folder)
+        return
     with atomic_output(folder) as tmp:
-        pipeline.save_lora_weights(str(tmp), **{keyword: layers}, weight_name=EXPORT_FILE)
+        pipeline.save_lora_weights(str(tmp), **{keyword: convert_state_dict_to_diffusers(peft_layers)},
+                                   weight_name=EXPORT_FILE)
+
+
+def _save_peft_adapter(model, layers: dict, folder: Path) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` writes them (keys
+    under ``base_model.model.``): ``PeftModel.from_pretrained(transformer, folder)`` loads them, and
+    ``merge_and_unload()`` gives a plain transformer for the family's pipeline."""
+    from safetensors.torch import save_file
+
+    with atomic_output(folder) as tmp:
+        tmp.mkdir(parents=True)
+        save_file({f"base_model.model.{name}": value for name, value in layers.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        model.peft_config["default"].save_pretrained(str(tmp))

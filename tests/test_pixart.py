@@ -243,10 +243,9 @@ def test_online_text_trains_as_stored_text_does(pixart, reference, image_shards,
     assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-4)
 
 
-def test_buckets_from_scratch_and_lora_refused(pixart, image_shards, tmp_path):
+def test_buckets_from_scratch(pixart, image_shards, tmp_path):
     """Aspect-ratio buckets train from scratch (--transformer-config tiny: each bucket's latent shape,
-    captions padded per batch); LoRA is refused in one line, as diffusers' PixArt transformer takes no
-    PEFT adapters and its pipeline loads no LoRA."""
+    captions padded per batch)."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.train import TrainConfig
     from laionkit.train import run as train
@@ -259,9 +258,63 @@ def test_buckets_from_scratch_and_lora_refused(pixart, image_shards, tmp_path):
     record = metrics(tmp_path / "run")[4]
     assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
     assert len([n for n in record["samples_per_bucket"].values() if n]) > 1, "one bucket only"
-    with pytest.raises(LaionkitError, match="PixArtTransformer2DModel takes no PEFT adapters"):
-        train(TrainConfig(latents=pixart.latents, output=tmp_path / "lora", unet=str(pixart.model), lora_rank=2,
-                          max_steps=1, log_with="none", quiet=True, workers=0))
+
+
+LOAD_LORA = """
+import sys
+import torch
+from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
+from peft import PeftModel
+model, lora, image = sys.argv[1:]
+base = PixArtTransformer2DModel.from_pretrained(model, subfolder="transformer")
+x, t = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([500])
+states = torch.randn(1, 5, base.config.caption_channels, generator=torch.Generator().manual_seed(1))
+cond = {"resolution": None, "aspect_ratio": None}
+before = base(x, encoder_hidden_states=states, timestep=t, added_cond_kwargs=cond).sample
+adapted = PeftModel.from_pretrained(base, lora).merge_and_unload()
+after = adapted(x, encoder_hidden_states=states, timestep=t, added_cond_kwargs=cond).sample
+print("changed", float((after - before).abs().max()))
+pipe = PixArtSigmaPipeline.from_pretrained(model, transformer=adapted)
+picture = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, clean_caption=False,
+               use_resolution_binning=False, generator=torch.Generator().manual_seed(0)).images[0]
+picture.save(image)
+assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
+"""
+
+
+def test_lora_trains_adapters_only_resumes_exactly_and_exports_a_peft_adapter(pixart, tmp_path):
+    """--lora-rank on PixArt: diffusers' PixArt transformer has no add_adapter (and its pipeline no LoRA
+    loader), so PEFT injects the adapters, as PixArt's own LoRA recipe does. Checkpoints hold the adapters
+    only; a resume from step 2 gives the uninterrupted run's losses and export; RUN/lora is PEFT's adapter
+    folder, which PeftModel.from_pretrained loads in a fresh interpreter (no laionkit), changing the
+    transformer's output, and the merged transformer generates in PixArtSigmaPipeline."""
+    from safetensors.torch import load_file
+
+    from laionkit.train import TrainConfig
+    from laionkit.train import run as train
+
+    options = dict(latents=pixart.latents, unet=str(pixart.model), lora_rank=4, max_steps=4, batch_size=4,
+                   lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
+                   checkpoint_every=2)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(TrainConfig(output=whole, **options))
+    checkpoint = whole / "checkpoints" / "step-00000002"
+    adapters = load_file(checkpoint / "adapter.safetensors")
+    assert adapters and all("lora_" in name for name in adapters) and not (checkpoint / "model.safetensors").exists()
+    train(TrainConfig(output=resumed, resume=checkpoint, **options))
+    want, got = metrics(whole), metrics(resumed)
+    assert sorted(got) == [3, 4] and all(got[s]["loss"] == want[s]["loss"] for s in (3, 4))
+    exported = {name: load_file(run / "lora" / "adapter_model.safetensors") for name, run in
+                (("whole", whole), ("resumed", resumed))}
+    assert exported["whole"].keys() == exported["resumed"].keys()
+    assert all(torch.equal(exported["whole"][k], exported["resumed"][k]) for k in exported["whole"])
+    assert all(k.startswith("base_model.model.transformer_blocks.") for k in exported["whole"])
+    free = subprocess.run([sys.executable, "-c", textwrap.dedent(LOAD_LORA), str(pixart.model), str(whole / "lora"),
+                           str(tmp_path / "lora.png")], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert free.returncode == 0, free.stderr[-3000:]
+    assert float(free.stdout.split("changed")[1].split()[0]) > 0
+    assert (tmp_path / "lora.png").stat().st_size > 0
 
 
 def test_validation_grid_with_bf16_weights_and_fp32_outputs(pixart):
