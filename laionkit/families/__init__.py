@@ -8,7 +8,8 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
 - which encoders encode runs and what it stores per sample: ``text_encoders`` names the pipeline
   subfolders of the tokenizer/encoder pairs, ``encode_text(tokenizers, encoders, captions)`` returns the
   per-sample tensors keyed by ``stored`` (encode writes them, and their empty-caption versions for caption
-  dropout, which must drop every key together);
+  dropout, which must drop every key together); a family with ``tokenize`` and ``encode_tokens`` (the
+  ``--text online`` pair) gets it as their composition;
 - how train builds the denoiser: ``denoiser_class`` + ``denoiser_subfolder`` (from_pretrained on a
   preset, a hub id or a folder, or from_config on a dict for training from scratch), with ``presets``
   (name -> hub pipeline repo) and ``configs`` (name -> real-size architecture config);
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MethodType
 from typing import Any
@@ -91,6 +93,11 @@ class Objective:
         return self.shift or 1.0
 
 
+def _encode_from_tokens(tokenize, encode_tokens, tokenizers, text_encoders, captions) -> dict[str, Any]:
+    """A tokenizing family's encode_text: its stored tensors from its own token ids."""
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions))
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """What encode and train need to know about one model family (see the module docstring)."""
@@ -101,7 +108,6 @@ class FamilySpec:
     denoiser_subfolder: str
     text_encoders: tuple[tuple[str, str], ...]  # (tokenizer subfolder, text encoder subfolder) pairs
     stored: tuple[str, ...]
-    encode_text: Callable[..., dict[str, Any]]
     conditioning: Callable[[Mapping[str, Any]], dict[str, Any]]
     objective: Objective
     block_classes: tuple[str, ...]
@@ -126,6 +132,15 @@ class FamilySpec:
     encode_tokens: Callable[..., dict[str, Any]] | None = None
     patch_size: int = 1  # latent sides must be multiples of this (Flux, PixArt: 2x2 patches)
     text_mask: str | None = None  # the stored key of the text attention mask the denoiser takes (PixArt)
+    # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
+    # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
+    encode_text: Callable[..., dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.encode_text is None:
+            if self.tokenize is None or self.encode_tokens is None:
+                raise TypeError(f"family {self.name}: give encode_text, or tokenize and encode_tokens")
+            object.__setattr__(self, "encode_text", partial(_encode_from_tokens, self.tokenize, self.encode_tokens))
 
     @property
     def trimmed(self) -> tuple[str, ...]:

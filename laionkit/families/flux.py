@@ -62,11 +62,6 @@ def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
     return {"states": states.to(t5.dtype), "pooled": pooled.to(clip.dtype)}
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
-                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
-    """``states`` [B, T, D_t5] and ``pooled`` [B, D_clip], exactly as FluxPipeline.encode_prompt."""
-    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
-
 
 def pack(latents):
     """[B, C, H, W] -> [B, H/2 * W/2, 4C], FluxPipeline._pack_latents' layout."""
@@ -172,7 +167,6 @@ SPEC = register_family(FamilySpec(
     denoiser_subfolder="transformer",
     text_encoders=(("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")),
     stored=("states", "pooled"),
-    encode_text=encode_text,
     tokenize=tokenize,
     encode_tokens=encode_tokens,
     conditioning=conditioning,

@@ -79,11 +79,6 @@ def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
     return {"states": states, "mask": mask}
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
-                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
-    """``states`` [B, T, D] and ``mask`` [B, T], as PixArtSigmaPipeline.encode_prompt(clean_caption=False)."""
-    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
-
 
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
     """PixArtTransformer2DModel keyword arguments besides the latents and timestep: the states, their mask
@@ -153,7 +148,6 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"),),
     stored=("states", "mask"),
     text_mask="mask",
-    encode_text=encode_text,
     tokenize=tokenize,
     encode_tokens=encode_tokens,
     conditioning=conditioning,

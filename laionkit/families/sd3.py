@@ -67,11 +67,6 @@ def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
     return {"states": torch.cat([clip, t5_states.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str],
-                max_sequence_length: int = T5_MAX_LENGTH) -> dict[str, Any]:
-    """``states`` [B, 77 + T, D_t5] and ``pooled`` [B, D_l + D_g], as StableDiffusion3Pipeline.encode_prompt."""
-    return encode_tokens(text_encoders, tokenize(tokenizers, captions, max_sequence_length))
-
 
 def conditioning(batch: Mapping[str, Any]) -> dict[str, Any]:
     """SD3Transformer2DModel keyword arguments besides hidden_states and timestep (sigma * 1000)."""
@@ -175,7 +170,6 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"),
                    ("tokenizer_3", "text_encoder_3")),
     stored=("states", "pooled"),
-    encode_text=encode_text,
     tokenize=tokenize,
     encode_tokens=encode_tokens,
     conditioning=conditioning,
