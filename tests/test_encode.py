@@ -577,3 +577,38 @@ def test_compiled_encode_compiles_only_in_its_warm_up(image_shards, tiny_models,
     assert summary["samples_out"] == 8  # with padded last batches (8 photos, batches of 3)
     assert counters["frames"]["ok"] == 2, dict(counters["frames"])  # the VAE's and the text encoder's graphs
     torch._dynamo.reset()
+
+
+def test_tar_members_writes_the_bytes_webdatasets_tar_writer_writes(tmp_path):
+    """encode's TarMembers (one write per member, a USTAR header from a template) writes byte for byte the
+    tar webdataset's TarWriter writes for the same samples (mtime 0), members of every size including
+    empty and 512-multiples; a name USTAR cannot hold (over 100 bytes, not ASCII) gets tarfile's PAX
+    header, and tarfile and webdataset read every member back."""
+    import tarfile
+
+    from laionkit.encode.writer import TarMembers
+
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 511, 512, 513, 1024, 118_272, 40_000]
+    samples = [{"__key__": f"{index:09d}", "moments.npy": rng.bytes(size), "text.npy": rng.bytes(size // 2 + 7),
+                "json": json.dumps({"key": index}).encode()} for index, size in enumerate(sizes)]
+    theirs = wds.TarWriter(str(tmp_path / "theirs.tar"), encoder=False, mtime=0)
+    ours = TarMembers(str(tmp_path / "ours.tar"))
+    for sample in samples:
+        theirs.write(sample)
+        for member in sorted(k for k in sample if k != "__key__"):
+            ours.add(f"{sample['__key__']}.{member}", sample[member])
+    theirs.close()
+    ours.close()
+    assert (tmp_path / "ours.tar").read_bytes() == (tmp_path / "theirs.tar").read_bytes()
+
+    odd = {"k" * 120 + ".json": b"{}", "caf\u00e9-1.json": b"[1]", "plain.txt": b"x" * 700}
+    with_pax = TarMembers(str(tmp_path / "pax.tar"))
+    for name, data in odd.items():
+        with_pax.add(name, data)
+    with_pax.close()
+    with tarfile.open(tmp_path / "pax.tar") as archive:
+        assert {m.name: archive.extractfile(m).read() for m in archive.getmembers()} == odd
+    read = list(wds.WebDataset(str(tmp_path / "ours.tar"), shardshuffle=False))
+    assert [r["__key__"] for r in read] == [s["__key__"] for s in samples]
+    assert all(r["moments.npy"] == s["moments.npy"] for r, s in zip(read, samples))
