@@ -190,8 +190,8 @@ def _rank_records(checkpoint: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(checkpoint.glob("rank-*.json"))]
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-@pytest.mark.parametrize("precision", ["bf16-weights", "autocast"])
+@pytest.mark.parametrize(("precision", "accum"), [("bf16-weights", 1), ("bf16-weights", 2), ("autocast", 1),
+                                                  ("autocast", 2), ("full-bf16", 2)])
 def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards, tmp_path, precision, accum):
     """Two real DDP ranks (torchrun, gloo): every checkpoint's weight fingerprints agree. With bf16
     weights and --grad-accum 2 they drifted apart (the master gradients took the no_sync micro-batch's
@@ -201,8 +201,9 @@ def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards,
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    weights = "--bf16-weights" if precision == "bf16-weights" else "--no-bf16-weights"
-    result = _torchrun(2, 29530 + 2 * accum + (precision == "autocast"), "train", latent_shards, "--output", run,
+    weights = {"bf16-weights": "--bf16-weights", "autocast": "--no-bf16-weights", "full-bf16": "--full-bf16"}[precision]
+    port = 29530 + 2 * accum + ["bf16-weights", "autocast", "full-bf16"].index(precision) * 5
+    result = _torchrun(2, port, "train", latent_shards, "--output", run,
                        *TINY, "--batch-size", "2", "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "2",
                        "--workers", "0", "--mixed-precision", "bf16", weights, "--grad-accum", accum)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -216,6 +217,8 @@ def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards,
         assert stored == {torch.bfloat16}
         master = torch.load(checkpoint / "master.pt", weights_only=True)["master"]
         assert {t.dtype for t in master} == {torch.float32}
+    elif precision == "full-bf16":
+        assert stored == {torch.bfloat16} and not (checkpoint / "master.pt").exists()
     else:
         assert stored == {torch.float32} and not (checkpoint / "master.pt").exists()
 
