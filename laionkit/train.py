@@ -1761,7 +1761,8 @@ def finish(trainer: Trainer) -> None:
     if t.config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
         lora.export(accelerator, t.unet, t.ema, t.master, t.config.output)
     else:
-        export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder)
+        export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
+               torch.bfloat16 if t.config.full_bf16 else torch.float32)
     if t.remote is not None:
         t.remote.finished(accelerator)
 
@@ -1893,14 +1894,17 @@ def save_grid(images: torch.Tensor, path: Path) -> None:
         save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
 
 
-def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, subfolder: str = "unet") -> None:
+def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, subfolder: str = "unet",
+           dtype: torch.dtype = torch.float32) -> None:
     """The final denoiser (and its EMA) as diffusers folders that its class's from_pretrained loads, named
     as the family's pipeline names it (RUN/unet, RUN/transformer; EMA: RUN/unet_ema, RUN/transformer_ema).
 
     The weights go into a fresh, unwrapped UNet of the same config before saving: under FSDP2 the
     prepared module's parameters are DTensor shards, which diffusers' save_pretrained cannot write
     even when handed the gathered state dict (seen on 2 H200s, 2026-11-30). With MasterWeights or
-    DeepSpeed the fp32 master weights are written, not their bf16 rounding."""
+    DeepSpeed the fp32 master weights are written, not their bf16 rounding. ``dtype`` is the weights'
+    own: bfloat16 under --full-bf16, where fp32 would double the size (48 GB for Flux-12B) and add
+    nothing; the EMA, kept in fp32, is written in fp32."""
     from accelerate.utils import DistributedType
 
     state_dict = accelerator.get_state_dict(unet)  # gathers FSDP / ZeRO shards; every rank must call it
@@ -1924,11 +1928,12 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
         with init_empty_weights(include_buffers=False):
             plain = type(model).from_config(model.config)
         weights = {name: fp32.get(name, tensor).detach().to("cpu") for name, tensor in state_dict.items()}
-        plain.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()},
+        plain.load_state_dict({name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()},
                               assign=True)
         with atomic_output(output / subfolder) as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
         if ema is not None:
+            torch.nn.Module.float(plain)
             ema.copy_to(plain.parameters())
             with atomic_output(output / f"{subfolder}_ema") as tmp:
                 plain.save_pretrained(tmp, safe_serialization=True)
