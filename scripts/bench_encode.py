@@ -14,6 +14,8 @@ the one-GPU eager run.
 
     python scripts/bench_encode.py --out results/            # on the GPU machine (about 5 minutes)
     python scripts/bench_encode.py --out results/ --modes eager --decodes cpu --gpus 2 4 8
+    python scripts/bench_encode.py --out results/ --modes compile --decodes cpu --resolutions 256 --profile 8
+                                                             # + torch.profiler of run() on 8 shards: GPU busy %
     python scripts/bench_encode.py --smoke --out /tmp/bench  # CPU, tiny models, minutes
 """
 
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--ceiling-seconds", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="(b) this many times per row on the same loaded encoders; every run is reported")
+    parser.add_argument("--profile", type=int, default=0, metavar="SHARDS",
+                        help="after timing, profile laionkit's run() over this many shards (torch.profiler): "
+                             "its top ops and how busy the GPU was")
     parser.add_argument("--smoke", action="store_true", help="tiny models, tiny images, CPU: checks the script")
     parser.add_argument("--gpus", type=int, nargs="+", default=[], help="also encode on N GPUs (eager, torchrun)")
     parser.add_argument("--rank-child", help=argparse.SUPPRESS)
@@ -290,6 +296,25 @@ def main() -> None:
                 except Exception:  # noqa: BLE001 - as above
                     row[f"error_{decode}"] = traceback.format_exc()
                     print(row[f"error_{decode}"], file=sys.stderr, flush=True)
+            if args.profile:  # where a run's time goes: laionkit's run() on the first shards, profiled
+                try:
+                    sys.path.insert(0, str(Path(__file__).resolve().parent))
+                    from bench_train import profile_steps  # bench_train imports this module: not at the top
+
+                    subset = args.work / f"profile-{resolution}"
+                    subset.mkdir(exist_ok=True)
+                    for tar in sorted(shards.glob("*.tar"))[: args.profile]:
+                        (subset / tar.name).unlink(missing_ok=True)
+                        (subset / tar.name).symlink_to(tar)
+                    profiled = EncodeConfig(**{**config.__dict__, "shards": (str(subset),),
+                                               "output": args.work / "profile-out", "decode": "cpu"})
+                    shutil.rmtree(profiled.output, ignore_errors=True)
+                    report = profile_steps(partial(run, profiled, encoders=encoders), 1, torch.device(device))
+                    print(f"{resolution}px {mode} profile of run() over {args.profile} shards:\n{report}", flush=True)
+                    row["profile_gpu_busy"] = report.rsplit("\n", 1)[-1]
+                except Exception:  # noqa: BLE001 - as above
+                    row["error_profile"] = traceback.format_exc()
+                    print(row["error_profile"], file=sys.stderr, flush=True)
             if mode == "eager":
                 for gpus in args.gpus:
                     try:
