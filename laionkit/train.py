@@ -697,8 +697,8 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
 
     Counted on a weightless copy of the denoiser (meta tensors, the same modules, LoRA layers and
     requires_grad): a real one-sample step at full size runs before the precision policy and activation
-    checkpointing apply, and for Flux-12B at 1024 px (fp32 weights, gradients and activations) it ran the
-    H200 out of memory. Where a model cannot run on meta tensors, the count runs on ``device`` as before."""
+    checkpointing apply, and for Flux-12B at 1024 px (fp32 weights, gradients and activations) that needs
+    more memory than an H200 has. Where a model cannot run on meta tensors, the count runs on ``device`` as before."""
     try:
         return count_flops(_weightless(unet), data, torch.device("meta"), shape, objective)
     except Exception:  # noqa: BLE001 - a data-dependent forward (.item() and the like) needs real tensors
@@ -779,7 +779,6 @@ class MasterWeights:
         chosen = (not config.compile) if config.bf16_weights is None else config.bf16_weights
         return chosen and not config.full_bf16 and _owns_precision(accelerator)
 
-
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """The micro-batch's bf16 gradients into the fp32 master gradients: one foreach call over all
@@ -828,8 +827,8 @@ def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
     copies and no autocast: 8 bytes per trained parameter instead of 20 (a full-parameter Flux-12B fits one
     H200), and the fastest step (what the bench scripts' bare ceiling runs). Numerically weaker: an update
     under half a bf16 ulp of its weight is lost (|update| < ~0.2 % of |w|), so use it with learning rates
-    that move weights by more than that, or for memory. Returns whether the policy applies (bf16 on one
-    device or DDP; under FSDP / DeepSpeed it is refused in check)."""
+    that move weights by more than that, or for memory. Returns whether the policy applies; it is refused
+    (one line) where laionkit does not own the precision: FSDP / DeepSpeed, or no bf16."""
     from accelerate.utils import AutocastKwargs, DistributedType
 
     if not config.full_bf16:
