@@ -162,3 +162,15 @@ def test_lora_under_fsdp_trains_adapters_over_a_sharded_frozen_base(latent_shard
     assert loaded.keys() == {re.sub(r"\.default\.", ".", name) for name in trained}
     for name, value in trained.items():  # whole tensors (not one rank's shard), the trained values
         torch.testing.assert_close(loaded[re.sub(r"\.default\.", ".", name)].float(), value, rtol=0, atol=0)
+
+
+def test_full_bf16_is_refused_under_fsdp_in_one_line(latent_shards, tmp_path):
+    """FSDP2 owns the precision (fsdp.yaml's mixed-precision policy keeps fp32 sharded weights): --full-bf16
+    there is one clear line on each rank (exit 2), not a traceback and not a silently different policy."""
+    command = accelerate_launch(29589, "fsdp.yaml", "bf16", latent_shards, tmp_path / "run", "--unet-config", "tiny",
+                                "--max-steps", "1", "--full-bf16")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert result.returncode != 0
+    assert "error: --full-bf16: FSDP / DeepSpeed set their own precision" in result.stderr
+    # the launcher reports its failed children with its own traceback; no frame of laionkit's is in it
+    assert str(REPO / "laionkit") not in result.stderr and "site-packages/laionkit" not in result.stderr
