@@ -763,15 +763,12 @@ class MasterWeights:
     bf16 until then (see apply_gradients). DDP all-reduces in bf16, as FSDP2 reduce-scatters by default."""
 
     def __init__(self, accelerator, unet) -> None:
-        from accelerate.utils import AutocastKwargs
-
-        accelerator.autocast_handler = AutocastKwargs(enabled=False)  # prepare() must not add autocast
         trained = [(name, p) for name, p in unet.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in trained]
         self.weights = [p for _, p in trained]
         # Parameters (requires_grad) as optimizers and diffusers' EMAModel expect; gradients are set by hand.
         self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.weights]
-        torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
+        bf16_weights_without_autocast(accelerator, unet)
 
     @staticmethod
     def wanted(config: TrainConfig, accelerator) -> bool:
@@ -814,6 +811,15 @@ class MasterWeights:
         self.publish()
 
 
+def bf16_weights_without_autocast(accelerator, unet) -> None:
+    """The model's weights cast to bf16, and no autocast around its forward (``prepare`` must not add it):
+    forward and backward run in the weights' own dtype (MasterWeights, --full-bf16)."""
+    from accelerate.utils import AutocastKwargs
+
+    accelerator.autocast_handler = AutocastKwargs(enabled=False)
+    torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
+
+
 def _owns_precision(accelerator) -> bool:
     """bf16 on one device or DDP: laionkit chooses the precision policy (FSDP and DeepSpeed own theirs)."""
     from accelerate.utils import DistributedType
@@ -829,7 +835,7 @@ def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
     under half a bf16 ulp of its weight is lost (|update| < ~0.2 % of |w|), so use it with learning rates
     that move weights by more than that, or for memory. Returns whether the policy applies; it is refused
     (one line) where laionkit does not own the precision: FSDP / DeepSpeed, or no bf16."""
-    from accelerate.utils import AutocastKwargs, DistributedType
+    from accelerate.utils import DistributedType
 
     if not config.full_bf16:
         return False
@@ -838,8 +844,7 @@ def full_bf16_policy(config: TrainConfig, accelerator, unet) -> bool:
                  if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
                  else f"mixed precision is {accelerator.mixed_precision!r}")
         raise LaionkitError(f"--full-bf16: {where}; it works with bf16 on one device or DDP")
-    accelerator.autocast_handler = AutocastKwargs(enabled=False)  # the weights are bf16 already
-    torch.nn.Module.to(unet, torch.bfloat16)  # not diffusers' .to, which warns to use from_pretrained
+    bf16_weights_without_autocast(accelerator, unet)
     return True
 
 

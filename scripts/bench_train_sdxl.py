@@ -137,6 +137,7 @@ def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, 
 def child_bare(args) -> dict:
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
+    from laionkit.families import get_family
     from laionkit.families.sdxl import SCHEDULER_CONFIG, TINY_UNET_CONFIG, UNET_CONFIG
 
     cuda = torch.cuda.is_available()
@@ -164,7 +165,7 @@ def child_bare(args) -> dict:
                             dtype=dtype)
     model = unet
     if args.compile:  # per block, as laionkit's --compile for SDXL (the whole-UNet compile ran past 320 s)
-        blocks = [m for m in unet.modules() if type(m).__name__ in ("ResnetBlock2D", "BasicTransformerBlock")]
+        blocks = get_family("sdxl").blocks(unet)  # ResnetBlock2D, BasicTransformerBlock, as bench_train_flow
         torch._dynamo.config.recompile_limit = max(8, len(blocks))
         for block in blocks:
             block.compile(dynamic=False)

@@ -100,10 +100,15 @@ def test_overfit_validate_export(latent_shards, tmp_path):
         assert unet.config.in_channels == 4 and unet.config.cross_attention_dim == 32
 
 
-def _checkpoint_dtypes(checkpoint: Path) -> set:
+def _safetensors_dtypes(folder: Path, files: str = "*.safetensors") -> set:
+    """The dtypes of the tensors in ``folder``'s safetensors files (``files``: a glob, or one file's name)."""
     from safetensors.torch import load_file
 
-    return {tensor.dtype for tensor in load_file(checkpoint / "model.safetensors").values()}
+    return {tensor.dtype for path in folder.glob(files) for tensor in load_file(path).values()}
+
+
+def _checkpoint_dtypes(checkpoint: Path) -> set:
+    return _safetensors_dtypes(checkpoint, "model.safetensors")
 
 
 def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export(latent_shards, tmp_path):
@@ -140,12 +145,6 @@ def test_bf16_weights_keep_fp32_master_weights_that_checkpoint_resume_and_export
     assert _checkpoint_dtypes(autocast / "checkpoints" / "step-00000003") == {torch.float32}
 
 
-def _export_dtypes(folder: Path) -> set:
-    from safetensors.torch import load_file
-
-    return {t.dtype for path in folder.glob("*.safetensors") for t in load_file(path).values()}
-
-
 def test_full_bf16_trains_bf16_weights_and_optimizer_state_resumes_exactly_and_exports(latent_shards, tmp_path):
     """--full-bf16: weights, gradients and AdamW state in bf16 with no fp32 master copy (the bare bf16
     step's policy, 8 bytes per parameter); the EMA stays fp32; kill-free resume is exact; the export
@@ -164,9 +163,9 @@ def test_full_bf16_trains_bf16_weights_and_optimizer_state_resumes_exactly_and_e
     assert {t.dtype for state in optimizer.values() for t in state.values() if t.dim()} == {torch.bfloat16}
     # the bf16 weights themselves, in bf16 (fp32 would double the export and add nothing); the EMA in fp32
     exported = [p.detach() for p in UNet2DConditionModel.from_pretrained(whole / "unet").parameters()]
-    assert _export_dtypes(whole / "unet") == {torch.bfloat16}
+    assert _safetensors_dtypes(whole / "unet") == {torch.bfloat16}
     ema = [p.detach() for p in UNet2DConditionModel.from_pretrained(whole / "unet_ema").parameters()]
-    assert _export_dtypes(whole / "unet_ema") == {torch.float32}
+    assert _safetensors_dtypes(whole / "unet_ema") == {torch.float32}
     assert any(not torch.equal(w, w.bfloat16().float()) for w in ema), "the EMA was kept in bf16"
 
     resumed = tmp_path / "resumed"

@@ -78,8 +78,9 @@ class TarMembers:
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime, info.uname, info.gname = len(data), 0o444, 0, "bigdata", "bigdata"
             header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-        self.file.write(b"".join((header, data, b"\0" * (-len(data) % 512))))
-        self.offset += len(header) + len(data) + (-len(data) % 512)
+        padding = b"\0" * (-len(data) % 512)
+        self.file.write(b"".join((header, data, padding)))
+        self.offset += len(header) + len(data) + len(padding)
 
     def close(self) -> None:
         if self.file.closed:
