@@ -16,6 +16,7 @@ the one-GPU eager run.
     python scripts/bench_encode.py --out results/ --modes eager --decodes cpu --gpus 2 4 8
     python scripts/bench_encode.py --out results/ --modes compile --decodes cpu --resolutions 256 --profile 8
                                                              # + torch.profiler of run() on 8 shards: GPU busy %
+    python scripts/bench_encode.py --writer 40 --out /tmp/bench  # CPU: the tar writer alone, vs webdataset's
     python scripts/bench_encode.py --smoke --out /tmp/bench  # CPU, tiny models, minutes
 """
 
@@ -203,6 +204,51 @@ def multi_gpu(config: EncodeConfig, gpus: int, out: Path) -> dict:
             "workers_per_rank": spec["workers"], "rank_seconds": [round(s["seconds"], 2) for s in summaries]}
 
 
+def bench_writer(batches: int, repeats: int) -> dict:
+    """The writer's CPU per batch (CPU only, no models): laionkit's TarMembers against webdataset's TarWriter
+    (the library path, mtime 0: no PAX headers), alternated ``repeats`` times in this process, on SD 256 px
+    shapes (64 samples of moments 8x32x32 and text 77x768 in float16, plus the json), the same bytes out."""
+    import webdataset as wds
+
+    from laionkit.encode.writer import TarMembers, npy_rows
+
+    rng = np.random.default_rng(0)
+    moments = rng.standard_normal((64, 8, 32, 32)).astype(np.float16)
+    text = rng.standard_normal((64, 77, 768)).astype(np.float16)
+    records = [json.dumps({"key": f"{i:09d}", "caption": " ".join(WORDS[:12]), "size": [256, 256]}).encode()
+               for i in range(64)]
+
+    def samples(batch: int):
+        for index, (m, t, j) in enumerate(zip(npy_rows(moments), npy_rows(text), records)):
+            yield f"{batch:05d}{index:04d}", {"json": j, "moments.npy": m, "text.npy": t}
+
+    def webdataset_writer(path: Path) -> None:
+        with wds.TarWriter(str(path), encoder=False, mtime=0) as sink:
+            for batch in range(batches):
+                for key, members in samples(batch):
+                    sink.write({"__key__": key, **members})
+
+    def tar_members(path: Path) -> None:
+        sink = TarMembers(str(path))
+        for batch in range(batches):
+            for key, members in samples(batch):
+                for member in sorted(members):
+                    sink.add(f"{key}.{member}", members[member])
+        sink.close()
+
+    work = Path("/tmp/bench_writer")
+    work.mkdir(exist_ok=True)
+    ms: dict[str, list[float]] = {"webdataset": [], "laionkit": []}
+    for _ in range(repeats):
+        for name, write in (("webdataset", webdataset_writer), ("laionkit", tar_members)):
+            started = time.perf_counter()
+            write(work / f"{name}.tar")
+            ms[name].append(1000 * (time.perf_counter() - started) / batches)
+    same = (work / "webdataset.tar").read_bytes() == (work / "laionkit.tar").read_bytes()
+    shutil.rmtree(work)
+    return {"ms_per_batch": ms, "same_bytes": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (bench_encode.json)")
@@ -217,6 +263,8 @@ def main() -> None:
     parser.add_argument("--ceiling-seconds", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="(b) this many times per row on the same loaded encoders; every run is reported")
+    parser.add_argument("--writer", type=int, default=0, metavar="BATCHES",
+                        help="only the writer's CPU per batch of 64: laionkit's tar writer vs webdataset's (CPU)")
     parser.add_argument("--profile", type=int, default=0, metavar="SHARDS",
                         help="after timing, profile laionkit's run() over this many shards (torch.profiler): "
                              "its top ops and how busy the GPU was")
@@ -225,6 +273,12 @@ def main() -> None:
     parser.add_argument("--rank-child", help=argparse.SUPPRESS)
     parser.add_argument("--ceiling-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.writer:
+        result = bench_writer(args.writer, repeats=5)
+        print(json.dumps(result))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_writer.json").write_text(json.dumps(result, indent=2) + "\n")
+        return
     if args.ceiling_child:
         ceiling_child(args.ceiling_child, args.out)
         return

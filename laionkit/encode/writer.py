@@ -62,7 +62,7 @@ class TarMembers:
     """A tar written member by member, one ``write`` per member: a USTAR header (built here from a fixed
     template: only the name, size and checksum differ) + the bytes + padding to 512. Through tarfile (as
     webdataset's TarWriter writes) each member costs a PAX header check and chunked copies, about half of
-    encode's writer thread time (docs/BENCHMARKS.md); a name that USTAR cannot hold (over 100 bytes, not
+    encode's writer thread time (docs/BENCHMARKS.md, `bench_encode.py --writer`); a name that USTAR cannot hold (over 100 bytes, not
     ASCII) still gets tarfile's PAX header. Readers (tarfile, webdataset, GNU tar) see a plain tar."""
 
     def __init__(self, path: str) -> None:
