@@ -118,27 +118,52 @@ def _bare_models(models: Path, dtype, device):
     return vae, text
 
 
-def _rate(step, batch_size: int, seconds: float, device: str) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+def _rate(step, batch_size: int, seconds: float, device: str, images: int = 0) -> tuple[float, list]:
+    """img/s of ``step`` over ``images`` (whole batches), or over ``seconds`` when ``images`` is 0; and its
+    trace: (images, seconds) every 16 steps, from CUDA events (no sync inside the timed loop), which shows
+    whether the rate drifts over a long run (clocks, heat) as a short window cannot."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    steps_wanted = -(-images // batch_size) if images else 0
     with torch.inference_mode():
         for _ in range(3):  # warm-up (and compilation)
             step()
         sync()
+        marks = []
+        first = torch.cuda.Event(enable_timing=True) if cuda else None
+        first.record() if cuda else None
         started, steps = time.perf_counter(), 0
-        while time.perf_counter() - started < seconds or steps < 2:
+        while steps < steps_wanted if steps_wanted else (time.perf_counter() - started < seconds or steps < 2):
             step()
             steps += 1
+            if cuda and steps % 16 == 0:
+                mark = torch.cuda.Event(enable_timing=True)
+                mark.record()
+                marks.append((steps * batch_size, mark))
         sync()
-        return steps * batch_size / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        trace = [(done, first.elapsed_time(mark) / 1000) for done, mark in marks]
+        return steps * batch_size / elapsed, trace
+
+
+def _drift(trace: list, parts: int = 4) -> list[float]:
+    """img/s in each of ``parts`` equal stretches of a trace (first to last): a falling list is a GPU
+    slowing down as the run goes on."""
+    if len(trace) < parts + 1:
+        return []
+    points = [(0, 0.0), *trace]
+    cuts = [points[round(i * (len(points) - 1) / parts)] for i in range(parts + 1)]
+    return [round((b[0] - a[0]) / (b[1] - a[1]), 1) for a, b in zip(cuts, cuts[1:]) if b[1] > a[1]]
 
 
 def ceiling(models: Path, dtype, device: str, batch_size: int, resolution: int, seconds: float,
-            compiled: bool) -> dict:
+            compiled: bool, images: int = 0) -> dict:
     """(a): img/s of the bare diffusers VAE encode + transformers text encode (fp16 outputs, as stored),
-    in each memory layout; ``best`` is the faster one. No laionkit code runs here."""
+    in each memory layout, over ``images`` (as many as (b) encodes: the same length of run, so the same
+    sustained clocks) or ``seconds``; ``best`` is the faster one. No laionkit code runs here."""
     vae, text = _bare_models(models, dtype, device)
     ids = torch.randint(0, 49406, (batch_size, 77), device=device)
-    rates = {}
+    rates, drift = {}, {}
     for name, layout in (("contiguous", torch.contiguous_format), ("channels_last", torch.channels_last)):
         vae.to(memory_format=layout)
         pixels = torch.randn((batch_size, 3, resolution, resolution), device=device).to(dtype)
@@ -151,19 +176,21 @@ def ceiling(models: Path, dtype, device: str, batch_size: int, resolution: int, 
         if compiled:
             torch._dynamo.reset()
             step = torch.compile(step, dynamic=False)
-        rates[name] = _rate(step, batch_size, seconds, device)
+        rates[name], trace = _rate(step, batch_size, seconds, device, images)
+        drift[name] = _drift(trace)
     del vae, text
     torch._dynamo.reset()
     best = max(rates, key=rates.get)
-    return {"ceiling_img_s": rates[best], "ceiling_layout": best, "ceiling_by_layout": rates}
+    return {"ceiling_img_s": rates[best], "ceiling_layout": best, "ceiling_by_layout": rates,
+            "ceiling_drift_by_quarter": drift, "ceiling_images": images}
 
 
 def ceiling_in_child(models: Path, dtype, batch_size: int, resolution: int, seconds: float, compiled: bool,
-                     out: Path) -> dict:
+                     out: Path, images: int = 0) -> dict:
     """(a) in a fresh child process: torch.compile of the bare models (and its cache reset) must not share
     a process with (b), or (b) measures the compiler's leftovers instead of laionkit encode."""
     spec = {"models": str(models), "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
-            "resolution": resolution, "seconds": seconds, "compiled": compiled}
+            "resolution": resolution, "seconds": seconds, "compiled": compiled, "images": images}
     result = out / "ceiling.json"
     result.unlink(missing_ok=True)
     subprocess.run([sys.executable, __file__, "--out", str(out), "--ceiling-child", json.dumps(spec)], check=True)
@@ -176,7 +203,7 @@ def ceiling_child(spec: str, out: Path) -> None:
     if device == "cuda":
         torch.backends.cudnn.benchmark = True
     row = ceiling(Path(fields["models"]), getattr(torch, fields["dtype"]), device, fields["batch_size"],
-                  fields["resolution"], fields["seconds"], fields["compiled"])
+                  fields["resolution"], fields["seconds"], fields["compiled"], fields.get("images", 0))
     (out / "ceiling.json").write_text(json.dumps(row))
 
 
@@ -260,6 +287,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=["eager", "compile"])
     parser.add_argument("--decodes", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"],
                         help="encode's --decode values to run in every mode (gpu needs CUDA)")
+    parser.add_argument("--ceiling-images", default="same",
+                        help="(a) is timed over this many images per layout; 'same' (default): as many as (b) "
+                             "encodes, so both run as long; 0: over --ceiling-seconds")
     parser.add_argument("--ceiling-seconds", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="(b) this many times per row on the same loaded encoders; every run is reported")
@@ -319,8 +349,10 @@ def main() -> None:
             try:
                 t0 = time.perf_counter()
                 dtype = torch.bfloat16 if device == "cuda" else torch.float32  # encode's --dtype auto
+                same = images // SHARD_SIZE * SHARD_SIZE  # what (b) encodes: whole shards
                 row.update(ceiling_in_child(models, dtype, args.batch_size, resolution, args.ceiling_seconds,
-                                            compiled, args.work))
+                                            compiled, args.work,
+                                            same if args.ceiling_images == "same" else int(args.ceiling_images)))
                 row["ceiling_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 encoders = Encoders(config, torch.device(device))
@@ -343,7 +375,9 @@ def main() -> None:
                     row[f"encode_{where}_repeats_img_s"] = rates
                     row.update({f"encode_{where}_img_s": rate, f"ratio_{where}": rate / row["ceiling_img_s"],
                                 f"decoded_{where}": summary["decoded"], "workers": summary["workers"]})
-                    print(f"{resolution}px {mode:8s} decode={where}: ceiling {row['ceiling_img_s']:.0f} img/s, "
+                    print(f"{resolution}px {mode:8s} decode={where}: ceiling {row['ceiling_img_s']:.0f} img/s "
+                          f"over {row['ceiling_images'] or 'a few seconds of'} images (by quarter: "
+                          f"{row['ceiling_drift_by_quarter']}), "
                           f"encode {rate:.0f} img/s, ratio {rate / row['ceiling_img_s']:.3f}, "
                           f"repeats {[round(r) for r in rates]}, "
                           f"workers {summary['workers']}, decoded {summary['decoded']}", flush=True)

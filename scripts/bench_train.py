@@ -140,14 +140,26 @@ def profile_steps(run_step, steps: int, device) -> str:
     if not cuda:
         return table
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
-    busy, (start, end) = 0, kernels[0]
-    for begin, finish in kernels[1:]:  # merge overlapping kernel intervals (sorted by start)
-        if begin > end:
-            busy, start = busy + end - start, begin
-        end = max(end, finish)
-    busy += end - start
+    merged = _merged(kernels)
+    busy, end = sum(finish - begin for begin, finish in merged), merged[-1][1]
     span = end - kernels[0][0]
-    return f"{table}\nGPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms over {steps} steps ({100 * busy / span:.1f} %)"
+    # The middle half of the span too: a run() profiled whole starts with set-up and worker start-up and
+    # ends with a drain, which the steady state between them does not have.
+    low, high = kernels[0][0] + span / 4, kernels[0][0] + 3 * span / 4
+    middle = sum(max(0, min(finish, high) - max(begin, low)) for begin, finish in merged)
+    return (f"{table}\nGPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms over {steps} steps ({100 * busy / span:.1f} %; "
+            f"middle half of the span: {100 * middle / (high - low):.1f} %)")
+
+
+def _merged(intervals: list) -> list:
+    """Sorted (start, end) intervals with the overlapping ones merged."""
+    merged: list = []
+    for begin, finish in intervals:
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], finish)
+        else:
+            merged.append([begin, finish])
+    return merged
 
 
 def child_ceiling(args) -> dict:
