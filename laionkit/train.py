@@ -1249,8 +1249,12 @@ def run(config: TrainConfig) -> TrainResult:
     # workers) is parsed with --storage-options.
     with storage.default_options(storage.parse_storage_options(config.storage_options)):
         config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
-        with StopFlag() as stop:
-            return _train(config, stop, remote)
+        cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()  # setup may turn it off (the family's)
+        try:
+            with StopFlag() as stop:
+                return _train(config, stop, remote)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 @dataclass(frozen=True)
@@ -1398,6 +1402,8 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None) -> Tra
 
     data = open_latents(config.latents)
     objective = resolve_objective(config, data.family)
+    if not data.family.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if data.empty_shards:
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")

@@ -135,6 +135,8 @@ def child_bare(args) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     spec = get_family(args.family)
+    if not spec.cudnn_attention:  # its backward fails there (Flux): the fastest bare step that runs
+        torch.backends.cuda.enable_cudnn_sdp(False)
     arch = dict(spec.configs["tiny" if args.smoke else CONFIG[args.family]])
     latent = args.resolution // 8
     text_len = 77 + 256 if args.family == "sd3" else 512

@@ -160,6 +160,19 @@ def test_real_size_configs_build_and_flags_are_checked(flow, tmp_path):
     else:
         assert (model.config.num_layers, model.config.num_single_layers, model.config.in_channels) == (19, 38, 64)
         assert model.config.guidance_embeds
+    # A config file of one's own: a real-width Flux / SD3 at a depth of choice, as bench_train_flow's fractions.
+    spec = get_family(flow.name)
+    depth = {"sd3": {"num_layers": 3}, "flux": {"num_layers": 1, "num_single_layers": 2}}[flow.name]
+    (tmp_path / "arch.json").write_text(json.dumps({**spec.configs[preset], **depth}))
+    with torch.device("meta"):
+        model = build_unet(TrainConfig(latents=flow.latents, output=tmp_path, unet_config=str(tmp_path / "arch.json"),
+                                       max_steps=1), data)
+    assert {key: model.config[key] for key in depth} == depth
+    assert model.config.attention_head_dim == spec.configs[preset]["attention_head_dim"]  # the real width
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(LaionkitError, match="cannot read the transformer config .*bad.json"):
+        build_unet(TrainConfig(latents=flow.latents, output=tmp_path, unet_config=str(tmp_path / "bad.json"),
+                               max_steps=1), data)
     other = {"sd3": "flux-dev", "flux": "sd3-medium"}[flow.name]
     with pytest.raises(LaionkitError, match=f"--transformer-config {other} is a"):
         build_unet(TrainConfig(latents=flow.latents, output=tmp_path, unet_config=other, max_steps=1), data)
@@ -314,9 +327,15 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
     latents = tmp_path / "latents"
     run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(model), resolution=128, buckets=True,
                      batch_size=4, workers=0, quiet=True))
-    seen = []
+    seen, cudnn = [], []
     original = flow_math.shift_sigmas
-    monkeypatch.setattr(flow_math, "shift_sigmas", lambda sigmas, shift: seen.append(shift) or original(sigmas, shift))
+
+    def shift_sigmas(sigmas, shift):
+        seen.append(shift)
+        cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())  # the family's attention policy, in the step
+        return original(sigmas, shift)
+
+    monkeypatch.setattr(flow_math, "shift_sigmas", shift_sigmas)
     shapes = []
     monkeypatch.setattr(flow_math, "image_seq_len", lambda h, w, p=2: shapes.append((h, w)) or (h // p) * (w // p))
     train(TrainConfig(latents=latents, output=tmp_path / "run", unet_config="tiny", max_steps=4, batch_size=2,
@@ -325,6 +344,8 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
     assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
     assert len(set(shapes)) > 1, "one bucket only: the test data should span several"
     assert seen == [pytest.approx(flow_math.resolution_shift((h // 2) * (w // 2))) for h, w in shapes]
+    # cuDNN's SDPA backward fails on Flux's attention on an H200: off while Flux trains, restored after.
+    assert cudnn and not any(cudnn) and torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_fsdp_wraps_each_transformer_block():

@@ -182,6 +182,11 @@ def load_vae_config(source: str) -> dict:
 
 
 def _load_config(cls, source: str, component: str) -> dict:
+    if Path(source).is_file():  # a config.json of its own (--unet-config / --transformer-config FILE)
+        try:
+            return dict(cls.load_config(source))
+        except OSError as error:
+            raise LaionkitError(f"cannot read the {component} config {source}: {error}") from error
     where = resolve_source(source, component)
     try:
         return dict(cls.load_config(where.location, subfolder=where.subfolder))

@@ -132,6 +132,9 @@ class FamilySpec:
     encode_tokens: Callable[..., dict[str, Any]] | None = None
     patch_size: int = 1  # latent sides must be multiples of this (Flux, PixArt: 2x2 patches)
     text_mask: str | None = None  # the stored key of the text attention mask the denoiser takes (PixArt)
+    # False where cuDNN's SDPA kernels fail on this family's attention: train then runs without them
+    # (process-wide, as --tf32), and PyTorch picks flash / memory-efficient attention instead.
+    cudnn_attention: bool = True
     # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
     # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
     encode_text: Callable[..., dict[str, Any]] | None = None

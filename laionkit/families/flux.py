@@ -186,4 +186,8 @@ SPEC = register_family(FamilySpec(
     unpack_latents=unpack,
     embedded_guidance=True,
     patch_size=2,
+    # On an H200 (torch 2.11, cuDNN 9.19) cuDNN's SDPA backward failed on Flux's attention (head dim 128,
+    # RoPE'd q/k) in bare diffusers as in train, with or without checkpointing; flash, memory-efficient
+    # and math attention ran (docs/BENCHMARKS.md, train, fifth session).
+    cudnn_attention=False,
 ))
