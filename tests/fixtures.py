@@ -149,10 +149,8 @@ def flux_run(tmp_path_factory, flow_latents):
     return config
 
 
-def kill_tree(pid: int) -> None:
-    """kill -9 of ``pid`` and its descendants, as a scheduler ends a job: torchrun (also inside `accelerate
-    launch`) starts each rank in a session of its own, so killing the launcher's process group alone would
-    leave the ranks training on. Descendants are found through /proc (Linux)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants, parents first, found through /proc (Linux)."""
     children = collections.defaultdict(list)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -164,11 +162,23 @@ def kill_tree(pid: int) -> None:
     while todo:
         found.append(todo.pop())
         todo += children[found[-1]]
-    for each in found:
+    return found
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    """``signum`` to each of ``pids`` that is still alive."""
+    for each in pids:
         try:
-            os.kill(each, signal.SIGKILL)
+            os.kill(each, signum)
         except ProcessLookupError:
             pass
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 of ``pid`` and its descendants, as a scheduler ends a job: torchrun (also inside `accelerate
+    launch`) starts each rank in a session of its own, so killing the launcher's process group alone would
+    leave the ranks training on."""
+    signal_all(process_tree(pid), signal.SIGKILL)
 
 
 def metrics(run: Path) -> dict[int, dict]:

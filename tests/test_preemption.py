@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
+from fixtures import process_tree, signal_all
 
 TINY = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
         "--workers", "2", "--log-every", "1", "--checkpoint-every", "1000", "--record-keys")
@@ -31,23 +32,6 @@ def steps_done(run: Path) -> int:
     """Steps rank 0 has finished (--record-keys writes one line per step, whatever --log-every is)."""
     keys = run / "seen" / "rank-00000.jsonl"
     return keys.read_text().count("\n") if keys.is_file() else 0
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (from /proc), parents before their children."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def free_port() -> int:
@@ -77,15 +61,10 @@ def interrupt(command: list[str], run: Path, kill) -> tuple[int, str, int]:
         while not steps_done(run):
             assert process.poll() is None, process.stdout.read()[-3000:]
             if time.monotonic() > deadline:  # hung: where every process of the run is, then fail
-                tree = [process.pid, *descendants(process.pid)]
-                for pid in reversed(tree):  # torchrun's ranks have process groups of their own
-                    os.kill(pid, signal.SIGABRT)
+                tree = process_tree(process.pid)  # torchrun's ranks have sessions of their own
+                signal_all(tree, signal.SIGABRT)
                 time.sleep(5)
-                for pid in tree:
-                    try:
-                        os.killpg(os.getpgid(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                signal_all(tree, signal.SIGKILL)
                 pytest.fail(f"no step done in 240 s; the run's threads:\n{process.communicate()[0][-12000:]}")
             time.sleep(0.05)
         done = steps_done(run)

@@ -183,15 +183,14 @@ def load_vae_config(source: str) -> dict:
 
 def _load_config(cls, source: str, component: str) -> dict:
     if Path(source).is_file():  # a config.json of its own (--unet-config / --transformer-config FILE)
-        try:
-            return dict(cls.load_config(source))
-        except OSError as error:
-            raise LaionkitError(f"cannot read the {component} config {source}: {error}") from error
-    where = resolve_source(source, component)
+        location, subfolder = source, None
+    else:
+        where = resolve_source(source, component)
+        location, subfolder = where.location, where.subfolder
     try:
-        return dict(cls.load_config(where.location, subfolder=where.subfolder))
+        return dict(cls.load_config(location, subfolder=subfolder))
     except OSError as error:
-        raise LaionkitError(f"cannot read the {component} config from {where.location}: {error}") from error
+        raise LaionkitError(f"cannot read the {component} config from {location}: {error}") from error
 
 
 def load_scheduler(source: str):
