@@ -259,8 +259,7 @@ def bench_writer(batches: int, repeats: int) -> dict:
         sink = TarMembers(str(path))
         for batch in range(batches):
             for key, members in samples(batch):
-                for member in sorted(members):
-                    sink.add(f"{key}.{member}", members[member])
+                sink.add_sample(key, members)
         sink.close()
 
     work = Path("/tmp/bench_writer")

@@ -82,6 +82,11 @@ class TarMembers:
         self.file.write(b"".join((header, data, padding)))
         self.offset += len(header) + len(data) + len(padding)
 
+    def add_sample(self, key: str, members: dict[str, bytes]) -> None:
+        """One sample's members as ``KEY.MEMBER``, in webdataset's order (sorted by member name)."""
+        for member in sorted(members):
+            self.add(f"{key}.{member}", members[member])
+
     def close(self) -> None:
         if self.file.closed:
             return
@@ -115,8 +120,7 @@ class ShardOutput:
         for index, (key, record, sample_moments) in enumerate(zip(keys, records, npy_rows(moments))):
             members = {"moments.npy": sample_moments, **{member: row[index] for member, row in rows.items()},
                        "json": json.dumps(record, sort_keys=True).encode()}
-            for member in sorted(members):  # webdataset's order: a sample's members sorted by name
-                self.sink.add(f"{key}.{member}", members[member])
+            self.sink.add_sample(key, members)
             self.samples += 1
             self.truncated += record["truncated"]
             self.sizes["x".join(map(str, record["size"]))] += 1
