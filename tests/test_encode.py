@@ -580,10 +580,10 @@ def test_compiled_encode_compiles_only_in_its_warm_up(image_shards, tiny_models,
 
 
 def test_tar_members_writes_the_bytes_webdatasets_tar_writer_writes(tmp_path):
-    """encode's TarMembers (one write per member, a USTAR header from a template) writes byte for byte the
-    tar webdataset's TarWriter writes for the same samples (mtime 0), members of every size including
-    empty and 512-multiples; a name USTAR cannot hold (over 100 bytes, not ASCII) gets tarfile's PAX
-    header, and tarfile and webdataset read every member back."""
+    """encode's TarMembers (one write per member, a USTAR header from a template; a sample's members in
+    webdataset's order) writes byte for byte the tar webdataset's TarWriter writes for the same samples
+    (mtime 0), members of every size including empty and 512-multiples; a name USTAR cannot hold (over
+    100 bytes, not ASCII) gets tarfile's PAX header, and tarfile and webdataset read every member back."""
     import tarfile
 
     from laionkit.encode.writer import TarMembers
@@ -596,8 +596,7 @@ def test_tar_members_writes_the_bytes_webdatasets_tar_writer_writes(tmp_path):
     ours = TarMembers(str(tmp_path / "ours.tar"))
     for sample in samples:
         theirs.write(sample)
-        for member in sorted(k for k in sample if k != "__key__"):
-            ours.add(f"{sample['__key__']}.{member}", sample[member])
+        ours.add_sample(sample["__key__"], {k: v for k, v in sample.items() if k != "__key__"})
     theirs.close()
     ours.close()
     assert (tmp_path / "ours.tar").read_bytes() == (tmp_path / "theirs.tar").read_bytes()
