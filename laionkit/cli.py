@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -503,7 +504,7 @@ def encode(
     dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
-    text: Annotated[str, typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders.")] = "stored",
+    text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -539,9 +540,26 @@ def device_failed(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(mark in str(error) for mark in DEVICE_FAILURES)
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the accelerator running out of memory (torch.OutOfMemoryError; the CUDA context
+    stays usable, so the normal exit runs)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, getattr(torch, "OutOfMemoryError", ()))
+
+
+def memory_advice(error: BaseException) -> str:
+    """One line for an out-of-memory: where in laionkit it happened, what the allocator said first, and the
+    settings that lower memory."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "laionkit" in Path(frame.filename).parts]
+    where = f" in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    said = ". ".join(str(error).split(". ")[:2]).strip() or type(error).__name__
+    return (f"out of device memory{where}: {said.rstrip('.')}. Lower --batch-size (--grad-accum keeps the global "
+            "batch), or add --checkpointing blocks, --full-bf16 or --lora-rank, or shard with FSDP (train/fsdp.yaml)")
+
+
 def main() -> None:
-    """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback. A
-    failed device prints its traceback and exits 1 at once, skipping the teardown that can hang on a
+    """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback; so
+    does an out-of-memory (exit code 1), with the settings that lower memory. A failed device prints its traceback and exits 1 at once, skipping the teardown that can hang on a
     failed CUDA context (a launcher or a Slurm step then sees the failure instead of a silent hang)."""
     try:
         app()
@@ -549,10 +567,12 @@ def main() -> None:
         err_console.print(Text.assemble(("error:", "bold red"), f" {error}"), soft_wrap=True)
         sys.exit(2)
     except Exception as error:
+        if out_of_memory(error):  # a batch too large for the device: a setting to change, not a bug to trace
+            err_console.print(Text.assemble(("error:", "bold red"), f" {memory_advice(error)}"), soft_wrap=True)
+            sys.exit(1)
         if not device_failed(error):
             raise
         import os
-        import traceback
 
         traceback.print_exc()
         err_console.print(Text.assemble(("error:", "bold red"), " the accelerator failed (above); exiting "

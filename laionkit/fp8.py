@@ -10,13 +10,20 @@ folder a bf16 run does.
 What converts: the ``nn.Linear`` layers inside the family's repeated blocks (``FamilySpec.block_classes``:
 the transformer blocks of SD3 / Flux / PixArt, the UNet's attention blocks) whose both sides are multiples
 of 16 (the float8 GEMM's alignment); embedders, norms and the final projection stay bf16, as torchtitan's
-float8 recipe leaves the output layer out. Float8 matmuls are fast on GPUs of compute capability 8.9 and
+float8 recipe leaves the output layer out. The float8 GEMM also needs the token count (batch x sequence, the
+inner dimension of the weight gradient's GEMM) to be a multiple of 16: SD3's 333 text tokens at batch 8 are
+2664 rows, and the compiled step failed on an H200 (2026-12-01). A converted layer whose input has such a
+row count runs that call as the plain high-precision linear (``_float8_or_plain``); image tokens
+((H/16)·(W/16) for an 8x VAE and 2x2 patches) are a multiple of 16 at every size that is a multiple of 64.
+Float8 matmuls are fast on GPUs of compute capability 8.9 and
 newer (Ada, Hopper, Blackwell) and with ``--compile`` (the casts fuse); eager float8 spends the saving on
 separate cast kernels. Whether it pays, and whether the loss stays within noise of bf16, is measured per
 model in docs/BENCHMARKS.md ("FP8"), which is why it is opt-in.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -64,4 +71,23 @@ def convert(model: torch.nn.Module, block_classes, recipe: str = "tensorwise") -
                             "multiple of 16; nothing would train in float8")
     convert_to_float8_training(model, module_filter_fn=wanted,
                                config=Float8LinearConfig.from_recipe_name(recipe))
+    fallback = _float8_or_plain()
+    for name in converted:
+        model.get_submodule(name).__class__ = fallback
     return converted
+
+
+@functools.cache
+def _float8_or_plain() -> type:
+    """torchao's Float8Linear, except that an input whose rows (all but the last dimension, flattened) are not
+    a multiple of 16 goes through the plain linear: torch._scaled_mm refuses the weight gradient's GEMM then.
+    Under --compile the row count is static per graph, so the choice costs nothing in the step."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class Float8OrPlainLinear(Float8Linear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if (input.numel() // input.shape[-1]) % 16:
+                return torch.nn.functional.linear(input, self.weight, self.bias)
+            return super().forward(input)
+
+    return Float8OrPlainLinear

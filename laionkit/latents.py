@@ -339,12 +339,24 @@ def _ignore_interrupt(_worker: int) -> None:
 
     torchrun, a Ctrl-C and a signal to a container or Slurm step reach the whole process group, workers
     included; a worker that died of it made the trainer fail with "DataLoader worker ... killed by signal"
-    before it could checkpoint. Ignoring is safe: the DataLoader ends its workers through their index
-    queues at shutdown, a worker exits by itself once its trainer is gone (torch's manager watchdog), and
+    before it could checkpoint. Ignoring is safe: the trainer ends its workers through their index queues
+    (``end_workers``), a worker exits by itself once its trainer is gone (torch's manager watchdog), and
     SIGKILL, which a launcher escalates to, still ends it.
     """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def end_workers(batches) -> None:
+    """End a loader iterator's workers now, through their index queues (the DataLoader's own shutdown).
+
+    Train calls it on every way out of its loop, an exception's included. Left to interpreter exit, a
+    failed run hung until its launcher killed it (an out-of-memory on an H200, then on CPU): the
+    exception's traceback keeps the iterator alive, so multiprocessing's exit hook meets the workers
+    first, sends them SIGTERM, which they ignore (``_ignore_interrupt``), and joins them forever."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # absent without workers (num_workers=0)
+    if shutdown is not None:
+        shutdown()
 
 
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,

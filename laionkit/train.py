@@ -53,6 +53,7 @@ from laionkit.latents import (
     Unit,
     collate,
     decode,
+    end_workers,
     latent_loader,
     pad_to,
     read_unit,
@@ -1788,58 +1789,61 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     stage = schedule.stage_at(t.step)
     batches = iter(latent_loader(t.layouts[stage], batches_done=(t.step - schedule.start(stage)) * config.grad_accum,
                                  pin_memory=device.type == "cuda", cache=cache))
-    metrics_path, keys_path = open_records(t)
-    validation = validation_prompts(t)
-    valset = None  # validation-loss hook (laionkit/valloss.py)
-    if config.val_latents is not None:
-        valset = valloss.load(config, t.data)
-        accelerator.print(f"validation loss: {len(valset.keys)} samples of {config.val_latents}, "
-                          f"every {valloss.every(config)} steps")
-    exporter = None
-    if main and config.metrics_port:
-        from laionkit.common.prometheus import MetricsServer
+    try:  # the workers end here on every exit, an exception's included (latents.end_workers says why)
+        metrics_path, keys_path = open_records(t)
+        validation = validation_prompts(t)
+        valset = None  # validation-loss hook (laionkit/valloss.py)
+        if config.val_latents is not None:
+            valset = valloss.load(config, t.data)
+            accelerator.print(f"validation loss: {len(valset.keys)} samples of {config.val_latents}, "
+                              f"every {valloss.every(config)} steps")
+        exporter = None
+        if main and config.metrics_port:
+            from laionkit.common.prometheus import MetricsServer
 
-        exporter = MetricsServer(config.metrics_port, device.index if device.type == "cuda" else None)
-    stop.install()
-    progress = tqdm(total=max_steps, initial=t.step, disable=config.quiet or not main, desc="train", unit="step")
-    window = MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops, metrics_path, exporter)
-    last_checkpoint, stopped_by = None, None
-    while t.step < max_steps:
-        lora.seed_dropout(config, accelerator.process_index, t.step)  # LoRA hook: dropout masks as exact as the rest
-        if t.step == schedule.ends[stage]:  # the next stage's stream starts at its first batch
-            stage += 1
-            del batches  # ends the previous stage's workers
-            batches = iter(latent_loader(t.layouts[stage], pin_memory=device.type == "cuda", cache=cache))
-            accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
-        step_keys = train_step(t, batches, stage, window)
-        progress.update()
-        if config.record_keys:
-            with open(keys_path, "a") as handle:
-                handle.write(json.dumps({"step": t.step, "keys": step_keys}) + "\n")
+            exporter = MetricsServer(config.metrics_port, device.index if device.type == "cuda" else None)
+        stop.install()
+        progress = tqdm(total=max_steps, initial=t.step, disable=config.quiet or not main, desc="train", unit="step")
+        window = MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops, metrics_path, exporter)
+        last_checkpoint, stopped_by = None, None
+        while t.step < max_steps:
+            lora.seed_dropout(config, accelerator.process_index, t.step)  # LoRA hook: dropout masks as exact as the rest
+            if t.step == schedule.ends[stage]:  # the next stage's stream starts at its first batch
+                stage += 1
+                end_workers(batches)  # the previous stage's
+                batches = iter(latent_loader(t.layouts[stage], pin_memory=device.type == "cuda", cache=cache))
+                accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
+            step_keys = train_step(t, batches, stage, window)
+            progress.update()
+            if config.record_keys:
+                with open(keys_path, "a") as handle:
+                    handle.write(json.dumps({"step": t.step, "keys": step_keys}) + "\n")
 
-        val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
-        if t.step % config.log_every == 0 or t.step == max_steps or val_due:
-            record = window.record(t)
-            if val_due:  # validation-loss hook
-                record.update(validation_loss(t, valset))
-            window.write(record)
-            if main:
-                progress.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.1f}")
-            window.reset()
-            window.check_finite(t.step, config.max_nonfinite, config.output)
+            val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
+            if t.step % config.log_every == 0 or t.step == max_steps or val_due:
+                record = window.record(t)
+                if val_due:  # validation-loss hook
+                    record.update(validation_loss(t, valset))
+                window.write(record)
+                if main:
+                    progress.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.1f}")
+                window.reset()
+                window.check_finite(t.step, config.max_nonfinite, config.output)
 
-        stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
-        if t.step % config.checkpoint_every == 0 or stopped_by:
-            last_checkpoint = checkpoint(t) or last_checkpoint
-        if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
-            validation_grid(t, validation, schedule.stages[stage][1])
-        if stopped_by:
-            break
-    progress.close()
-    window.close()
-    if not stopped_by:
-        finish(t)
-    accelerator.end_training()
+            stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
+            if t.step % config.checkpoint_every == 0 or stopped_by:
+                last_checkpoint = checkpoint(t) or last_checkpoint
+            if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
+                validation_grid(t, validation, schedule.stages[stage][1])
+            if stopped_by:
+                break
+        progress.close()
+        window.close()
+        if not stopped_by:
+            finish(t)
+        accelerator.end_training()
+    finally:
+        end_workers(batches)
     return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
 
 

@@ -35,6 +35,28 @@ def test_fp8_converts_only_the_blocks_linear_layers():
         fp8.convert(SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG), ("Nothing",))
 
 
+def test_fp8_layers_run_plain_when_the_token_rows_are_not_a_multiple_of_16():
+    """The float8 weight-gradient GEMM needs batch x tokens to be a multiple of 16 (CUDA's _scaled_mm; SD3's
+    333 text tokens at batch 8 failed on an H200). Such calls run as the plain linear; others in float8."""
+    from diffusers import SD3Transformer2DModel
+
+    from laionkit import fp8
+    from laionkit.families.sd3 import TINY_TRANSFORMER_CONFIG
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG).to(torch.bfloat16)
+    layer = model.get_submodule(fp8.convert(model, ("JointTransformerBlock",))[0])
+    for rows, plain in ((10, True), (16, False)):  # x batch 2: 20 rows (not a multiple of 16), 32 rows
+        x = torch.randn(2, rows, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+        out = layer(x)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(out, expected) is plain, rows
+        assert torch.allclose(out.float(), expected.float(), rtol=0.2, atol=0.2)  # float8 rounding, not garbage
+        out.float().square().sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all() and layer.weight.grad is not None
+        layer.weight.grad = None
+
+
 def test_fp8_trains_resumes_exactly_and_exports_a_plain_transformer(flow_latents, tmp_path):
     from diffusers import SD3Transformer2DModel
 

@@ -317,7 +317,8 @@ def test_lora_on_the_transformer_exports_what_the_pipeline_loads(flow, tmp_path)
 
 
 def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shards, flow_latents, monkeypatch):
-    """Flux on aspect-ratio buckets: img_ids and the dynamic shift follow each micro-batch's latent shape."""
+    """Flux on aspect-ratio buckets: img_ids and the dynamic shift follow each micro-batch's latent shape; with
+    Flux's default text (online), train runs the text encoders per bucket."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.families import flow as flow_math
     from laionkit.train import TrainConfig
@@ -327,6 +328,8 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
     latents = tmp_path / "latents"
     run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(model), resolution=128, buckets=True,
                      batch_size=4, workers=0, quiet=True))
+    # no --text: Flux's default, online (T5's states would be 4x the latent; BENCHMARKS), so train runs T5
+    assert json.loads((latents / "manifest.json").read_text())["text"]["mode"] == "online"
     seen, cudnn = [], []
     original = flow_math.shift_sigmas
 
@@ -427,3 +430,25 @@ def test_online_text_stores_token_ids_and_trains_as_stored_text_does(flow, tmp_p
     with pytest.raises(LaionkitError, match="--text online: family sd stores"):
         run(EncodeConfig(shards=(str(image_shards),), output=tmp_path / "sd", model=str(tiny_models), resolution=64,
                          workers=0, quiet=True, text="online"))
+
+
+def test_a_rerun_without_text_resumes_in_the_folders_text_mode(flow_latents, image_shards, tmp_path):
+    """Flux encodes online text by default; a folder begun with stored text (with --text stored, or before that
+    default) resumes stored when rerun without --text: no refusal, no shards of two modes."""
+    import tarfile
+
+    from laionkit.encode import EncodeConfig, run
+
+    flux = flow_latents("flux")
+    latents = tmp_path / "latents"
+    shutil.copytree(flux.latents, latents)
+    before = (latents / "00001.tar").read_bytes()
+    for name in ("00001.tar", "00001.stats.json"):  # as if killed before its last shard was done
+        (latents / name).unlink()
+    run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(flux.model), resolution=64,
+                     batch_size=4, workers=0, quiet=True))
+    with tarfile.open(latents / "00001.tar") as tar:
+        members = tar.getnames()
+    assert any(name.endswith(".text.npy") for name in members) and not any(".ids_" in name for name in members)
+    assert (latents / "00001.tar").read_bytes() == before
+    assert "mode" not in json.loads((latents / "manifest.json").read_text())["text"]

@@ -569,3 +569,47 @@ def test_a_failed_device_exits_at_once_instead_of_hanging_in_teardown(latent_sha
 
     assert not device_failed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not device_failed(ValueError("CUDA error in a caption"))
+
+
+FAILING_STEP = """
+import sys, torch
+from laionkit import train
+step, calls = train.train_step, []
+def failing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        raise ERROR
+    return step(*args, **kwargs)
+train.train_step = failing
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+main()
+"""
+# What the H200 raised in the third step: the allocator at SDXL batch 16, and inductor compiling a float8 layer.
+STEP_ERRORS = {
+    "out_of_memory": 'torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 480.00 MiB. GPU 0 has a total '
+                     'capacity of 139.80 GiB of which 191.56 MiB is free. Including ...")',
+    "compiler": 'RuntimeError("backend=inductor raised: Expected self.size(1) to be divisible by 16")',
+}
+
+
+@pytest.mark.parametrize("error", STEP_ERRORS)
+def test_an_error_in_the_loop_ends_the_workers_and_the_process(error, latent_shards, tmp_path):
+    """An error in the third step, with loader workers: the process exits at once (an out-of-memory with one
+    line saying what to change). Before, it hung after the traceback until its launcher killed it (H200:
+    SDXL at batch 16, and an inductor error under --fp8): the traceback kept the loader alive, and
+    interpreter exit sent its workers SIGTERM, which they ignore, and waited on them forever."""
+    script = tmp_path / "failing_step.py"
+    script.write_text(FAILING_STEP.replace("ERROR", STEP_ERRORS[error]))
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script), "train", str(latent_shards), "--output", str(tmp_path / "run"), *TINY,
+         "--max-steps", "6", "--workers", "2"], capture_output=True, text=True, timeout=240)
+    assert time.monotonic() - started < 120
+    assert result.returncode == 1, result.stderr[-2000:]
+    if error == "out_of_memory":
+        line = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(line) == 1 and line[0].startswith("error: out of device memory in _train (train.py:")
+        assert "Tried to allocate 480.00 MiB. Lower --batch-size" in line[0] and "Traceback" not in result.stderr
+    else:
+        assert "Traceback" in result.stderr and "divisible by 16" in result.stderr.splitlines()[-1]

@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ from laionkit.encode.records import (
     latent_status,
     merge_records,
     record_path,
+    recorded_text_mode,
     refuse_mixed_settings,
     shard_complete,
     summarize,
@@ -125,6 +126,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         diffusers.utils.logging.disable_progress_bar()
     if output.local:
         Path(output.path).mkdir(parents=True, exist_ok=True)
+    if config.text is None:  # no --text: the folder's mode on a rerun, else the family's default
+        config = replace(config, text=recorded_text_mode(output))
     encoders = encoders or Encoders(config, _device(config, rank))
     gpu_decode = _decode_on_gpu(config, encoders.device)
     buckets = bucket_sizes(config.resolution) if config.buckets else None

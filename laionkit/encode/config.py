@@ -38,14 +38,16 @@ class EncodeConfig:
     world_size: int | None = None
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
-    text: str = "stored"  # stored: text-encoder outputs per sample; online: token ids, train runs the encoders
+    # stored: text-encoder outputs per sample; online: token ids, train runs the encoders; None: the family's
+    # default (FamilySpec.default_text)
+    text: str | None = None
 
     def __post_init__(self) -> None:
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
         if self.text_layer is not None:
             choices["text_layer"] = TEXT_LAYERS
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise LaionkitError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                                     f"got {getattr(self, name)!r}")
         if self.resolution < 8 or self.resolution % 8:
@@ -66,6 +68,11 @@ class EncodeConfig:
     def family(self) -> FamilySpec:
         """The model family, from --model (preset or model_index.json): it decides the encoders run."""
         return detect_family(self.model)
+
+    @property
+    def text_mode(self) -> str:
+        """stored or online: --text, else the family's default."""
+        return self.text or self.family.default_text
 
     @property
     def layer(self) -> str:

@@ -145,7 +145,7 @@ class Encoders:
     def __init__(self, config: EncodeConfig, device) -> None:
         self.device = device
         self.family = config.family
-        self.online = config.text == "online"
+        self.online = config.text_mode == "online"
         if self.online and self.family.tokenize is None:
             online = [name for name in families() if get_family(name).tokenize is not None]
             raise LaionkitError(f"--text online: family {self.family.name} stores its text-encoder outputs only "

@@ -59,6 +59,14 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -
     }
 
 
+def recorded_text_mode(output: Location) -> str | None:
+    """The text mode (stored / online) of the shards already encoded into ``output``, None for a new folder:
+    a rerun without --text resumes in it, whatever the family's default is now."""
+    for record_file in output.list("*" + RECORD_SUFFIX):
+        return (record_file.read_json()["settings"].get("text") or {}).get("mode", "stored")
+    return None
+
+
 def refuse_mixed_settings(output: Location, settings: dict) -> None:
     """Refuse a folder whose shards were encoded with other settings than this run's."""
     for record_file in output.list("*" + RECORD_SUFFIX):

@@ -135,6 +135,9 @@ class FamilySpec:
     # False where cuDNN's SDPA kernels fail on this family's attention: train then runs without them
     # (process-wide, as --tf32), and PyTorch picks flash / memory-efficient attention instead.
     cudnn_attention: bool = True
+    # encode's --text when none is given, chosen per family from the stored-vs-online benchmark
+    # (docs/BENCHMARKS.md: what online text costs the train step against what stored text costs on disk).
+    default_text: str = "stored"
     # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
     # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
     encode_text: Callable[..., dict[str, Any]] | None = None
