@@ -559,8 +559,9 @@ def memory_advice(error: BaseException) -> str:
 
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback; so
-    does an out-of-memory (exit code 1), with the settings that lower memory. A failed device prints its traceback and exits 1 at once, skipping the teardown that can hang on a
-    failed CUDA context (a launcher or a Slurm step then sees the failure instead of a silent hang)."""
+    does an out-of-memory (exit code 1), with the settings that lower memory. A failed device prints its
+    traceback and exits 1 at once, skipping the teardown that can hang on a failed CUDA context (a launcher
+    or a Slurm step then sees the failure instead of a silent hang)."""
     try:
         app()
     except LaionkitError as error:

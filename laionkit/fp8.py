@@ -12,13 +12,12 @@ the transformer blocks of SD3 / Flux / PixArt, the UNet's attention blocks) whos
 of 16 (the float8 GEMM's alignment); embedders, norms and the final projection stay bf16, as torchtitan's
 float8 recipe leaves the output layer out. The float8 GEMM also needs the token count (batch x sequence, the
 inner dimension of the weight gradient's GEMM) to be a multiple of 16: SD3's 333 text tokens at batch 8 are
-2664 rows, and the compiled step failed on an H200 (2026-12-01). A converted layer whose input has such a
-row count runs that call as the plain high-precision linear (``_float8_or_plain``); image tokens
-((H/16)·(W/16) for an 8x VAE and 2x2 patches) are a multiple of 16 at every size that is a multiple of 64.
-Float8 matmuls are fast on GPUs of compute capability 8.9 and
-newer (Ada, Hopper, Blackwell) and with ``--compile`` (the casts fuse); eager float8 spends the saving on
-separate cast kernels. Whether it pays, and whether the loss stays within noise of bf16, is measured per
-model in docs/BENCHMARKS.md ("FP8"), which is why it is opt-in.
+2664 rows, on which the compiled step failed on an H200. A converted layer whose input has such a row count
+runs that call as the plain high-precision linear (``_float8_or_plain``); image tokens ((H/16)·(W/16) for an
+8x VAE and 2x2 patches) are a multiple of 16 at every size that is a multiple of 64. Float8 matmuls are fast
+on GPUs of compute capability 8.9 and newer (Ada, Hopper, Blackwell) and with ``--compile`` (the casts
+fuse); eager float8 spends the saving on separate cast kernels. Whether it pays, and whether the loss stays
+within noise of bf16, is measured per model in docs/BENCHMARKS.md ("FP8"), which is why it is opt-in.
 """
 
 from __future__ import annotations

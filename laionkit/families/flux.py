@@ -190,7 +190,7 @@ SPEC = register_family(FamilySpec(
     # RoPE'd q/k) in bare diffusers as in train, with or without checkpointing; flash, memory-efficient
     # and math attention ran (docs/BENCHMARKS.md, train, fifth session).
     cudnn_attention=False,
-    # T5-XXL's 512 states are 4.2 MB per sample (4x the 1024 px latent); online they cost the 12B step
-    # 2.4 % at 1024 px and 9 % at 512 px (LoRA-64, H200, docs/BENCHMARKS.md): online by default.
+    # T5-XXL's 512 states per sample are 4x the 1024 px latent; run online, they cost the 12B step a few
+    # percent (docs/BENCHMARKS.md, "Flux stored vs online text"): online by default.
     default_text="online",
 ))
