@@ -47,9 +47,9 @@ class EncodeConfig:
         if self.text_layer is not None:
             choices["text_layer"] = TEXT_LAYERS
         for name, allowed in choices.items():
-            if getattr(self, name) is not None and getattr(self, name) not in allowed:
-                raise LaionkitError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
-                                    f"got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value not in allowed and not (name == "text" and value is None):  # no --text: the family's
+                raise LaionkitError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
         if self.resolution < 8 or self.resolution % 8:
             raise LaionkitError(f"--resolution must be a positive multiple of 8, got {self.resolution}")
         if self.batch_size < 1 or self.workers < 0:
