@@ -425,6 +425,7 @@ def train_command(
     gradient_checkpointing: Annotated[bool, typer.Option(help="Deprecated: the same as --checkpointing blocks.")] = False,
     compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
+    compile_dynamic: Annotated[bool, typer.Option(help="With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")] = False,
     channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
     tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,
     seed: Annotated[int, typer.Option(help="Seed: model init (same on every rank), data order and noise.")] = 0,

@@ -104,6 +104,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # deprecated alias of checkpointing="blocks"
     compile: bool = False
     compile_mode: str = "default"
+    compile_dynamic: bool = False  # dynamic=True: one graph with symbolic shapes for every bucket (measured: BENCHMARKS)
     channels_last: bool = False
     tf32: bool = True
     seed: int = 0
@@ -184,6 +185,8 @@ class TrainConfig:
         if self.full_bf16 and (self.mixed_precision not in (None, "bf16") or self.bf16_weights is False):
             raise LaionkitError("--full-bf16 trains bf16 weights without fp32 master copies: it needs "
                                 "--mixed-precision bf16 and cannot be combined with --no-bf16-weights")
+        if self.compile_dynamic and not self.compile:
+            raise LaionkitError("--compile-dynamic chooses how --compile treats shapes: give it with --compile")
         self.later_stages()
         self.checkpoint_interval()
         lora.check_config(self)
@@ -1461,7 +1464,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         # classes): compile time independent of depth (SDXL's whole-UNet compile ran past 320 s on an H200).
         # SD 1.x/2.x compile whole below: their glue between blocks (down/up samplers, norms, projections) is
         # a large share of the work at 256-512 px, and whole-model compile is measured there.
-        data.family.compile_blocks(unet, dynamic=False, mode=config.compile_mode)
+        data.family.compile_blocks(unet, dynamic=config.compile_dynamic, mode=config.compile_mode)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
     unet.train()
@@ -1494,8 +1497,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     )
     lr_scheduler = accelerator.prepare(lr_scheduler)
     if config.compile:
-        # One graph per bucket shape (dynamic=False): each bucket gets dynamo's default allowance (8 graphs
-        # per function, 256 in all), else the shapes past the limit would run uncompiled.
+        # One graph per bucket shape (dynamic=False, the default): each bucket gets dynamo's default allowance
+        # (8 graphs per function, 256 in all), else the shapes past the limit would run uncompiled.
+        # --compile-dynamic traces symbolic shapes instead; the allowance is the same.
         # Per block, the blocks of one class share one code object whose graphs differ by the block's shapes
         # (SDXL's ResnetBlock2D has a dozen channel / size pairs): at most one graph per block instance.
         dynamo = torch._dynamo.config
@@ -1504,7 +1508,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 256 * len(schedule.buckets))
     model = unet
     if config.compile and not data.family.regional_compile:  # UNets: the whole denoiser (see compile_blocks)
-        model = torch.compile(unet, dynamic=False, mode=config.compile_mode)
+        model = torch.compile(unet, dynamic=config.compile_dynamic, mode=config.compile_mode)
     return Trainer(
         config=config, accelerator=accelerator, data=data, schedule=schedule, objective=objective, unet=unet,
         model=model, master=master, trained=trained, optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema,

@@ -15,6 +15,8 @@ SDXL base's UNet architecture (2.57B parameters, random init: ``--unet-config sd
     metrics.jsonl.
 (buckets) the same on aspect-ratio buckets of the same pixel area (``encode --buckets``; photos of aspect
     1:2 .. 2:1), against (b) square.
+(dynamic) compiled only: (buckets) under ``--compile-dynamic`` (symbolic shapes, one graph for every bucket)
+    against (buckets) compiled with one static graph per bucket shape; ``wall_s`` holds each run's compile time.
 (full) `laionkit train --full-bf16`: the bare ``bf16`` policy (bf16 weights and AdamW state, no fp32 master
     weights) in laionkit, against (a) ``bf16``: the same numerics on both sides.
 (lora) `laionkit train --lora-rank 64` on the same UNet (frozen base) against (b) full: samples/s and memory.
@@ -196,7 +198,8 @@ def child_bare(args) -> dict:
 
 def main() -> None:
     parser = family_bench_parser(__doc__)
-    parser.add_argument("--parts", default="a,b,buckets,lora", help="comma list of a, b, full, buckets, lora, maxbatch")
+    parser.add_argument("--parts", default="a,b,buckets,lora",
+                        help="comma list of a, b, full, buckets, dynamic, lora, maxbatch")
     parser.add_argument("--modes", default="eager", help="comma list of eager, compiled")
     parser.add_argument("--max-batches", type=int, nargs="+", default=[12, 16], help="maxbatch: batches to try")
     parser.add_argument("--child", choices=["bare"])
@@ -246,6 +249,9 @@ def main() -> None:
             if "buckets" in parts and resolution == args.resolutions[0]:
                 laionkit_train(f"buckets-{tag}", prepare(args.out, resolution, args.images, True, models), batch,
                                compiled)
+            if "dynamic" in parts and compiled and resolution == args.resolutions[0]:  # symbolic shapes
+                laionkit_train(f"buckets-dynamic-{tag}", prepare(args.out, resolution, args.images, True, models),
+                               batch, compiled, "--compile-dynamic")
             if "lora" in parts and not compiled and resolution == args.resolutions[0]:
                 laionkit_train(f"lora64-{tag}", square, batch, False, "--lora-rank", "64")
             if "maxbatch" in parts and resolution == args.resolutions[0]:
@@ -270,7 +276,7 @@ def main() -> None:
                 print(f"  b / best bare {tag}: {b / max(ceilings.values()):.3f}  (target >= 0.98)")
             if rate(f"full-{tag}") and ceilings.get("bf16"):
                 print(f"  full-bf16 / bare bf16 {tag}: {rate(f'full-{tag}') / ceilings['bf16']:.3f}  (same policy)")
-            for other in ("buckets", "lora64"):
+            for other in ("buckets", "buckets-dynamic", "lora64"):
                 if rate(f"{other}-{tag}") and b:
                     print(f"  {other}/square {tag}: {rate(f'{other}-{tag}') / b:.3f}")
     print(f"total {time.perf_counter() - started:.0f} s")
