@@ -423,7 +423,7 @@ def train_command(
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
     checkpointing: Annotated[str, typer.Option(help="Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks; PixArt: BasicTransformerBlock): blocks (every block), every-N (every N-th block: less recompute, more memory) or none. Same losses and gradients, less activation memory, ~1/3 more compute per checkpointed block.")] = "none",
     gradient_checkpointing: Annotated[bool, typer.Option(help="Deprecated: the same as --checkpointing blocks.")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")] = False,
+    compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket; see --compile-dynamic). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
     compile_dynamic: Annotated[bool, typer.Option(help="With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")] = False,
     channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,

@@ -13,6 +13,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,3 +262,22 @@ def assert_kill9_resumes_like(reference: Path, args: list[str], run: Path, kill_
         assert (output / "samples" / f"step-{steps:06d}.png").stat().st_size > 0
         assert (output / "transformer" / "config.json").is_file() and not (output / "unet").exists()
     assert_same_exports(reference, run)
+
+
+_REPO = Path(__file__).resolve().parents[1]
+_LAUNCH_FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1")
+
+
+def accelerate_launch(port: int, config: str, precision: str, latents: Path, run: Path, *args) -> list[str]:
+    """The command line of `laionkit train` under `accelerate launch` with a train/ config, on 2 ranks."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_REPO / "train" / config),
+            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", str(port),
+            "-m", "laionkit.cli", "train", str(latents), "--output", str(run), *_LAUNCH_FAST, *map(str, args)]
+
+
+def finish(command: list[str]) -> subprocess.CompletedProcess:
+    """Run a launch to its end (5 min at most); its stderr tail is the failure message."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -14,31 +14,17 @@ import math
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures import assert_lora_resumed_like, kill_tree, metrics
+from fixtures import accelerate_launch, assert_lora_resumed_like, finish, kill_tree, metrics
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1")
-
-
-def accelerate_launch(port: int, config: str, precision: str, latents: Path, run: Path, *args) -> list[str]:
-    """The command line of `laionkit train` under `accelerate launch` with a train/ config, on 2 ranks."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "train" / config),
-            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", str(port),
-            "-m", "laionkit.cli", "train", str(latents), "--output", str(run), *FAST, *map(str, args)]
-
-
-def finish(command: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def assert_sharded(checkpoint: Path) -> set[str]:
