@@ -67,9 +67,6 @@ def check_config(config) -> None:
         raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
     if not targets(config):
         raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
-    if config.compile:
-        raise LaionkitError("--lora-rank with --compile is not supported (untested with PEFT's layers): "
-                            "drop --compile")
 
 
 def attach(unet, config, accelerator) -> None:

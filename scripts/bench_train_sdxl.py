@@ -252,8 +252,8 @@ def main() -> None:
             if "dynamic" in parts and compiled and resolution == args.resolutions[0]:  # symbolic shapes
                 laionkit_train(f"buckets-dynamic-{tag}", prepare(args.out, resolution, args.images, True, models),
                                batch, compiled, "--compile-dynamic")
-            if "lora" in parts and not compiled and resolution == args.resolutions[0]:
-                laionkit_train(f"lora64-{tag}", square, batch, False, "--lora-rank", "64")
+            if "lora" in parts and resolution == args.resolutions[0]:
+                laionkit_train(f"lora64-{tag}", square, batch, compiled, "--lora-rank", "64")
             if "maxbatch" in parts and resolution == args.resolutions[0]:
                 for bigger in args.max_batches:
                     laionkit_train(f"b-{tag}-bs{bigger}", square, bigger, compiled)
