@@ -144,8 +144,7 @@ def test_two_ranks_uneven_buckets_kill9_resume_exactly_and_count_samples_per_buc
     assert got[12]["samples_per_bucket"] == {size: seen[size] for size in got[12]["samples_per_bucket"]}
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_compile_takes_one_graph_per_bucket_or_symbolic_shapes(bucket_latents, tmp_path, monkeypatch, dynamic):
+def test_compile_takes_one_graph_per_bucket_or_symbolic_shapes(bucket_latents, tmp_path, monkeypatch):
     """--compile (dynamic=False) on bucketed latents compiles each bucket shape instead of failing at
     (or silently falling back past) dynamo's recompile limit, here 1 graph per function: a second bucket
     shape would be refused. --compile-dynamic hands torch.compile dynamic=True and trains the same steps to
@@ -158,30 +157,23 @@ def test_compile_takes_one_graph_per_bucket_or_symbolic_shapes(bucket_latents, t
 
     def compile_(model, dynamic=None, mode=None):
         asked.append(dynamic)
-        return original(model, dynamic=dynamic, mode=None if not torch.cuda.is_available() else mode,
-                        **({} if torch.cuda.is_available() else {"backend": "eager"}))
+        return original(model, dynamic=dynamic, backend="eager")
 
     monkeypatch.setattr(torch, "compile", compile_)
     args = (*TINY, "--batch-size", "2", "--max-steps", "6", "--log-every", "1", "--workers", "0", "--compile")
+    runs = {"static": tmp_path / "static", "dynamic": tmp_path / "dynamic"}
     torch._dynamo.reset()
-    run = tmp_path / "run"
-    if dynamic:
-        run_cli("train", bucket_latents, "--output", run, *args, "--compile-dynamic")
-    else:
-        with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-            run_cli("train", bucket_latents, "--output", run, *args)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        run_cli("train", bucket_latents, "--output", runs["static"], *args)
     torch._dynamo.reset()
-    assert asked == [dynamic]
-    records = _records(run, "metrics.jsonl")
-    counts = records[6]["samples_per_bucket"]
-    assert sum(1 for n in counts.values() if n) >= 2, counts
-    if dynamic:  # the same steps as eager: the shapes' treatment changes no number
-        eager = tmp_path / "eager"
-        run_cli("train", bucket_latents, "--output", eager, *args[:-1])
-        expected = _records(eager, "metrics.jsonl")
-        for step in range(1, 7):
-            assert records[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-4, abs=1e-6), step
-            assert records[step]["samples_per_bucket"] == expected[step]["samples_per_bucket"], step
+    run_cli("train", bucket_latents, "--output", runs["dynamic"], *args, "--compile-dynamic")
+    torch._dynamo.reset()
+    assert asked == [False, True]
+    static, dynamic = _records(runs["static"], "metrics.jsonl"), _records(runs["dynamic"], "metrics.jsonl")
+    assert sum(1 for n in static[6]["samples_per_bucket"].values() if n) >= 2, static[6]["samples_per_bucket"]
+    for step in range(1, 7):  # the shapes' treatment changes no number
+        assert dynamic[step]["loss"] == pytest.approx(static[step]["loss"], rel=1e-4, abs=1e-6), step
+        assert dynamic[step]["samples_per_bucket"] == static[step]["samples_per_bucket"], step
     refused = run_cli("train", bucket_latents, "--output", tmp_path / "refused", *args[:-1], "--compile-dynamic",
                       check=False)
     assert refused.returncode == 2 and "--compile-dynamic" in refused.stderr and "Traceback" not in refused.stderr
