@@ -281,3 +281,20 @@ def finish(command: list[str]) -> subprocess.CompletedProcess:
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def compile_on_cpu(monkeypatch, backend: str) -> list[tuple[object, dict]]:
+    """Route ``torch.compile`` through ``backend`` for a CPU test: ``eager`` (dynamo's tracing and guards
+    alone) or ``aot_eager`` (also AOT autograd's forward and backward graphs, without inductor's codegen,
+    which takes minutes per graph on a shared CPU). Returns the calls train makes, (target, options) each."""
+    import torch
+
+    calls = []
+    original = torch.compile
+
+    def compile_(target, **options):
+        calls.append((target, options))
+        return original(target, **{**options, "mode": None, "backend": backend})
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    return calls

@@ -24,7 +24,6 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1")
 
 
 def assert_sharded(checkpoint: Path) -> set[str]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import run_cli
-from fixtures import assert_lora_resumed_like, metrics
+from fixtures import assert_lora_resumed_like, compile_on_cpu, metrics
 
 FAST = ("--batch-size", "4", "--lr", "1e-2", "--log-with", "none", "--quiet", "--workers", "0")
 
@@ -134,16 +134,12 @@ def test_lora_with_compile_trains_as_eager(family, latent_shards, tiny_models, f
     import torch
     from safetensors.torch import load_file
 
-    original = torch.compile
-    compiled = []
-
-    def compile_(model, dynamic=None, mode=None):
-        compiled.append(model)
-        return original(model, dynamic=dynamic, backend="aot_eager")
-
-    monkeypatch.setattr(torch, "compile", compile_)
-    latents, model = (latent_shards, tiny_models) if family == "sd" else (flow_latents("sd3").latents,
-                                                                          flow_latents("sd3").model)
+    compiled = compile_on_cpu(monkeypatch, "aot_eager")
+    if family == "sd":
+        latents, model = latent_shards, tiny_models
+    else:
+        sd3 = flow_latents("sd3")
+        latents, model = sd3.latents, sd3.model
     args = (*FAST, "--unet", model, "--lora-rank", "4", "--max-steps", "3", "--log-every", "1",
             "--checkpoint-every", "3", "--shuffle-buffer", "3")
     eager = tmp_path / "eager"

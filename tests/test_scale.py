@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import FLUX_RUN, assert_kill9_resumes_like, metrics, train_flags
+from fixtures import FLUX_RUN, assert_kill9_resumes_like, compile_on_cpu, metrics, train_flags
 
 from laionkit.common import LaionkitError
 from laionkit.families import flow as flow_math
@@ -208,17 +208,11 @@ def test_train_compile_per_block_with_checkpointing_matches_eager(flux_run, tmp_
     codegen (inductor takes minutes per graph on this shared CPU)."""
     from laionkit.train import run
 
-    compiled = []
-    original = torch.compile
-
-    def compile(target, **options):
-        compiled.append(type(getattr(target, "__self__", target)).__name__)
-        return original(target, **{**options, "mode": None, "backend": "aot_eager"})
-
-    monkeypatch.setattr(torch, "compile", compile)
+    calls = compile_on_cpu(monkeypatch, "aot_eager")
     torch._dynamo.reset()
     # flux_run's first 2 steps (EMA and validation change no training loss)
     run(without_validation(flux_run, output=tmp_path / "compiled", max_steps=2, compile=True, checkpointing="blocks"))
+    compiled = [type(getattr(target, "__self__", target)).__name__ for target, _ in calls]
     assert compiled == ["FluxTransformerBlock", "FluxSingleTransformerBlock", "FluxSingleTransformerBlock"]
     want, got = metrics(flux_run.output), metrics(tmp_path / "compiled")
     for step in (1, 2):
