@@ -350,6 +350,28 @@ def stats_command(
     stats_stage.run(stats_stage.StatsConfig(folder=folder, storage_options=storage_options))
 
 
+@app.command("export", epilog="""Examples:
+
+    laionkit export runs/sdxl --format single-file   # RUN/single_file/sdxl-sdxl.safetensors for ComfyUI / A1111
+
+    laionkit export runs/old --format pipeline,single-file --export-files hardlink
+
+A run trained with --export none (or before pipelines were exported) gets RUN/pipeline rebuilt from its newest
+checkpoint's record (latents, base model, noise schedule). Single files: SD 1.x/2.x and SDXL as one CompVis/SGM
+checkpoint (models/checkpoints/), SD3 and Flux as the denoiser alone (models/diffusion_models/).
+""")
+def export_command(
+    run: Annotated[Path, typer.Argument(help="A finished run folder (RUN/unet or RUN/transformer, checkpoints/).")],
+    format: Annotated[str, typer.Option("--format", help="pipeline, single-file, or both comma-separated.")] = "single-file",
+    export_files: Annotated[str, typer.Option(help="RUN/pipeline's base files: copy or hardlink.")] = "copy",
+) -> None:
+    """Export a finished run: a diffusers pipeline folder, or single-file checkpoints for ComfyUI / A1111."""
+    from laionkit.exports import export_run
+
+    for path in export_run(run, format, export_files):
+        typer.echo(str(path))
+
+
 @app.command("train", epilog="""Examples:
 
     laionkit train latents/ --output runs/tiny --unet-config tiny --max-steps 200 --batch-size 8
@@ -457,6 +479,8 @@ def train_command(
     cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
     fp8: Annotated[bool, typer.Option(help="Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability 8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and loss against bf16.")] = False,
     fp8_recipe: Annotated[str, typer.Option(help="--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")] = "tensorwise",
+    export: Annotated[str, typer.Option(help="What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 checkpoint) or none; e.g. --export pipeline,single-file. LoRA runs export RUN/lora only.")] = "pipeline",
+    export_files: Annotated[str, typer.Option(help="RUN/pipeline's VAE, text encoders and tokenizers: copy (default) or hardlink (no extra space where the base lies on the same filesystem; an in-place write into the pipeline then changes the base too).")] = "copy",
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,

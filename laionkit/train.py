@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laionkit import fp8, fsdp, lora, runfolder, valloss
+from laionkit import exports, fp8, fsdp, lora, runfolder, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -141,6 +141,8 @@ class TrainConfig:
     storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
     fp8: bool = False  # the blocks' linear layers in float8 (laionkit/fp8.py)
     fp8_recipe: str = "tensorwise"
+    export: str = "pipeline"  # what finish writes besides RUN/unet: pipeline, single-file (laionkit/exports.py)
+    export_files: str = "copy"  # the base's files in RUN/pipeline: copy or hardlink
 
     def __post_init__(self) -> None:
         choices = {
@@ -192,6 +194,7 @@ class TrainConfig:
         lora.check_config(self)
         valloss.check_config(self)
         fp8.check_config(self)
+        exports.check_config(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
@@ -1778,6 +1781,7 @@ def finish(trainer: Trainer) -> None:
     else:
         export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
                torch.bfloat16 if t.config.full_bf16 else torch.float32)
+        exports.after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
     if t.remote is not None:
         t.remote.finished(accelerator)
 
@@ -1875,7 +1879,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
-               "samples", "seen", "logs")
+               "pipeline", "single_file", "samples", "seen", "logs")
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:

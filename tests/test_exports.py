@@ -1,0 +1,160 @@
+"""RUN/pipeline for every family: a few train steps on the session's tiny models and latents, then diffusers
+alone, in a fresh interpreter with no laionkit and no base model id, loads RUN/pipeline and generates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from laionkit.families import get_family
+
+FAST = dict(max_steps=2, batch_size=2, lr=1e-3, log_with="none", quiet=True, workers=0, shuffle_buffer=3,
+            checkpoint_every=2, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latents) -> dict[str, dict]:
+    """One short run per family, fine-tuned from a base or from scratch (then the pipeline's parts come from
+    the latent manifest), with and without EMA."""
+    from laionkit.encode import EncodeConfig
+    from laionkit.encode import run as encode
+    from laionkit.train import TrainConfig, run
+
+    root = tmp_path_factory.mktemp("exports")
+    sdxl = get_family("sdxl").write_tiny(root / "sdxl-model", 0)
+    encode(EncodeConfig(shards=(str(image_shards),), output=root / "sdxl-latents", model=str(sdxl), resolution=64,
+                        batch_size=4, workers=0, quiet=True))
+    plans = {  # family: (latents, TrainConfig options, the denoiser folder the pipeline must hold)
+        "sd": (latent_shards, dict(unet_config="tiny", ema=True, ema_decay=0.5), "unet_ema"),
+        "sdxl": (root / "sdxl-latents", dict(unet=str(sdxl), prediction_type="v_prediction"), "unet"),
+        "sd3": (flow_latents("sd3").latents, dict(unet=str(flow_latents("sd3").model)), "transformer"),
+        "flux": (flow_latents("flux").latents, dict(unet_config="tiny"), "transformer"),
+        "pixart": (flow_latents("pixart").latents, dict(unet=str(flow_latents("pixart").model), ema=True),
+                   "transformer_ema"),
+    }
+    found = {}
+    for name, (latents, options, denoiser) in plans.items():
+        output = root / name
+        run(TrainConfig(latents=latents, output=output, **FAST, **options))
+        found[name] = {"run": str(output), "denoiser": denoiser, "subfolder": get_family(name).denoiser_subfolder,
+                       "pipeline": get_family(name).pipeline_class}
+    return found
+
+
+GENERATE = """
+import json, sys
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file
+
+report = {}
+for name, run in json.loads(sys.argv[1]).items():
+    pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
+    extra = {"use_resolution_binning": False} if name == "pixart" else {}  # its bins start at 256 px
+    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **extra).images[0]
+    want = load_file(run["run"] + "/" + run["denoiser"] + "/diffusion_pytorch_model.safetensors")
+    have = getattr(pipe, run["subfolder"]).state_dict()
+    report[name] = {"class": type(pipe).__name__, "shape": list(image.shape), "finite": bool(np.isfinite(image).all()),
+                    "same_keys": sorted(want) == sorted(have),
+                    "equal": all(torch.equal(have[key], want[key]) for key in want),
+                    "prediction_type": pipe.scheduler.config.get("prediction_type")}
+assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
+print(json.dumps(report))
+"""
+
+
+def test_every_family_exports_a_pipeline_diffusers_loads_and_generates_from(runs, tmp_path):
+    free = subprocess.run([sys.executable, "-c", textwrap.dedent(GENERATE), json.dumps(runs)], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+                               "OMP_NUM_THREADS": "1"})
+    assert free.returncode == 0, free.stderr[-3000:]
+    report = json.loads(free.stdout.strip().splitlines()[-1])
+    for name, run in runs.items():
+        got = report[name]
+        assert got["class"] == run["pipeline"], name
+        assert got["shape"] == [64, 64, 3] and got["finite"], name
+        assert got["same_keys"] and got["equal"], f"{name}: the pipeline's denoiser is not {run['denoiser']}/"
+        index = json.loads((Path(run["run"]) / "pipeline" / "model_index.json").read_text())
+        assert index["_class_name"] == run["pipeline"]
+    assert report["sdxl"]["prediction_type"] == "v_prediction"  # the schedule it was trained with
+
+
+def test_pipeline_files_are_copies_by_default_and_the_denoiser_is_the_runs_own(runs):
+    """The base's VAE is a copy (a write into the pipeline cannot reach the base); the denoiser shares its
+    inode with RUN/unet (or the EMA folder): one copy of the weights on disk."""
+    sd3 = Path(runs["sd3"]["run"])
+    vae = sd3 / "pipeline" / "vae" / "diffusion_pytorch_model.safetensors"
+    assert vae.stat().st_nlink == 1 and not vae.is_symlink()
+    denoiser = sd3 / "pipeline" / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert denoiser.samefile(sd3 / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def _assert_holds(model, folder: Path, what: str) -> None:
+    """Every tensor of ``folder``'s safetensors equals the model's, key for key."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = {}
+    for path in folder.glob("*.safetensors"):
+        want.update(load_file(str(path)))
+    have = model.state_dict()
+    assert set(want) <= set(have), f"{what}: missing {sorted(set(want) - set(have))[:5]}"
+    unequal = [key for key in want if not torch.equal(have[key].to(want[key].dtype), want[key])]
+    assert not unequal, f"{what}: {len(unequal)} tensors differ, e.g. {unequal[:3]}"
+
+
+def test_single_files_load_back_through_diffusers_from_single_file(runs, monkeypatch):
+    """`laionkit export RUN --format single-file` writes the original layouts; diffusers' own single-file
+    loaders (offline, configs from the run's pipeline folder) read back exactly the pipeline's weights."""
+    import diffusers
+    import torch
+    from conftest import run_cli
+    from diffusers.loaders import single_file_utils
+    from safetensors import safe_open
+
+    files = {}
+    for name in ("sd", "sdxl", "sd3", "flux"):
+        run = Path(runs[name]["run"])
+        files[name] = Path(run_cli("export", run, "--format", "single-file").stdout.split()[-1])
+        assert files[name].parent == run / "single_file"
+    with safe_open(str(files["sd"]), "pt") as sd, safe_open(str(files["sdxl"]), "pt") as xl:
+        assert "model.diffusion_model.input_blocks.0.0.weight" in sd.keys()  # what ComfyUI / A1111 detect
+        assert "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight" in sd.keys()
+        assert "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight" in xl.keys()
+    with safe_open(str(files["flux"]), "pt") as flux:
+        assert "double_blocks.0.img_attn.qkv.weight" in flux.keys() and "single_blocks.0.linear1.weight" in flux.keys()
+
+    for name, cls, parts in (("sd", "StableDiffusionPipeline", ("unet", "vae", "text_encoder")),
+                             ("sdxl", "StableDiffusionXLPipeline", ("unet", "vae", "text_encoder", "text_encoder_2"))):
+        pipeline = Path(runs[name]["run"]) / "pipeline"
+        pipe = getattr(diffusers, cls).from_single_file(str(files[name]), config=str(pipeline), local_files_only=True)
+        for part in parts:
+            _assert_holds(getattr(pipe, part), pipeline / part, f"{name} {part}")
+    sd3 = Path(runs["sd3"]["run"]) / "pipeline"
+    model = diffusers.SD3Transformer2DModel.from_single_file(str(files["sd3"]), config=str(sd3), subfolder="transformer",
+                                                             local_files_only=True)
+    _assert_holds(model, sd3 / "transformer", "sd3 transformer")
+
+    # diffusers' Flux reader splits linear1 at FLUX.1's widths (3072 and 4 x 3072); the tiny model's are its own.
+    flux = Path(runs["flux"]["run"]) / "pipeline"
+    config = json.loads((flux / "transformer" / "config.json").read_text())
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    split = torch.split
+
+    def tiny_split(tensor, sizes, dim=0):
+        return split(tensor, [inner, inner, inner, tensor.shape[0] - 3 * inner] if sizes == (3072,) * 3 + (12288,)
+                     else sizes, dim)
+
+    monkeypatch.setattr(single_file_utils, "torch", type("T", (), {"split": staticmethod(tiny_split),
+                                                                   "__getattr__": lambda self, n: getattr(torch, n)})())
+    model = diffusers.FluxTransformer2DModel.from_single_file(str(files["flux"]), config=str(flux),
+                                                              subfolder="transformer", local_files_only=True)
+    _assert_holds(model, flux / "transformer", "flux transformer")
