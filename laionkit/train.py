@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laionkit import fp8, fsdp, lora, runfolder, valloss
+from laionkit import fp8, fsdp, lora, runfolder, runlock, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -171,8 +171,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--{name} {value}: must be a finite number > 0")
-        if self.resume is not None and self.overwrite:
-            raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
+        if self.resume not in (None, "latest") and self.overwrite:
+            raise LaionkitError("--overwrite goes with --resume latest only (resume if a checkpoint exists, else "
+                                "delete the run and start over); --resume FOLDER continues that checkpoint")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
         if self.shift not in (None, "dynamic", "none"):
@@ -945,11 +946,15 @@ def choose_resume(config: TrainConfig, say) -> Path | None:
     if config.resume is None:
         return None
     if config.resume == "latest":
-        for folder in reversed(complete_checkpoints(config.output)):
+        found = complete_checkpoints(config.output)
+        for folder in reversed(found):
             problem = verify_checkpoint(folder)
             if problem is None:
                 return folder
             say(f"warning: checkpoint {folder} is damaged ({problem}); trying an older one")
+        if found:  # starting over would replace the run these checkpoints belong to
+            raise LaionkitError(f"--resume latest: every checkpoint in {config.output / 'checkpoints'} is damaged "
+                                "(above); restore one, or remove checkpoints/ and give --overwrite to start over")
         return None
     path = Path(config.resume)
     if not (path / "trainer.json").is_file():
@@ -960,14 +965,20 @@ def choose_resume(config: TrainConfig, say) -> Path | None:
     return path
 
 
-def find_resume(config: TrainConfig, accelerator) -> Path | None:
-    """Rank 0 reads and verifies the checkpoint files (once, not once per rank) and tells the others."""
+def find_resume(config: TrainConfig, accelerator, max_steps: int | None = None) -> Path | None:
+    """Rank 0 reads and verifies the checkpoint files (once, not once per rank) and tells the others. A
+    checkpoint past ``max_steps`` is refused: the run would export its later weights as if it had stopped
+    at ``max_steps``."""
     from accelerate.utils import broadcast_object_list
 
     answer = [None, None]
     if accelerator.is_main_process:
         try:
             found = choose_resume(config, accelerator.print)
+            step = found and read_json(found / "trainer.json").get("step")
+            if max_steps is not None and isinstance(step, int) and step > max_steps:
+                raise LaionkitError(f"--resume {config.resume}: {found} is at step {step}, past this run's "
+                                    f"{max_steps} steps (--max-steps / --epochs / --stage): give at least {step}")
             answer = [None if found is None else str(found), None]
         except LaionkitError as error:
             answer = [None, str(error)]
@@ -1255,7 +1266,7 @@ def run(config: TrainConfig) -> TrainResult:
         config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
         cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()  # setup may turn it off (the family's)
         try:
-            with StopFlag() as stop:
+            with StopFlag() as stop, runlock.session():  # the run folder's lock / lease, released at the end
                 return _train(config, stop, remote)
         finally:
             torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
@@ -1526,7 +1537,7 @@ def resume(trainer: Trainer) -> Path | None:
     model and optimizer load), then loaded: accelerate's state, the master / EMA weights, and this rank's
     generator, step and samples per bucket. None where there is none to resume from."""
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
-    folder = find_resume(config, accelerator)
+    folder = find_resume(config, accelerator, t.schedule.max_steps)
     if folder is None:
         return None
     state = read_rank_record(accelerator, folder)
@@ -1835,7 +1846,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 window.check_finite(t.step, config.max_nonfinite, config.output)
 
             stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
-            if t.step % config.checkpoint_every == 0 or stopped_by:
+            if t.step % config.checkpoint_every == 0 or stopped_by or t.step == max_steps:  # always the last
                 last_checkpoint = checkpoint(t) or last_checkpoint
             if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
                 validation_grid(t, validation, schedule.stages[stage][1])
@@ -1879,18 +1890,32 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer"
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:
-    """A fresh run never mixes into another's outputs: a folder that holds one is refused unless
-    --resume continues it or --overwrite deletes it first."""
-    found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
-    if found and config.resume is None:
-        if not config.overwrite:
-            raise LaionkitError(f"--output {config.output} already holds a run ({', '.join(found)}): give "
-                                "--resume latest to continue it, or --overwrite to delete it and start over")
+    """A fresh run never mixes into another's outputs: the main rank takes the folder's lock first (one
+    train per folder, laionkit/runlock.py), then a folder that holds a run is refused unless --resume
+    continues it or --overwrite deletes it first (runfolder.start_over: also a --resume latest that has
+    no checkpoint to continue from)."""
+    answer = [None, False]  # error, start over
+    if accelerator.is_main_process:
+        try:
+            config.output.mkdir(parents=True, exist_ok=True)
+            runlock.hold(runlock.LocalLock(config.output))
+            found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
+            answer = [None, runfolder.start_over(config, config.output, found, bool(complete_checkpoints(
+                config.output)), runfolder.last_logged_step(config.output / "metrics.jsonl"))]
+        except (LaionkitError, OSError) as error:
+            answer = [str(error), False]
+    error, delete = runfolder._broadcast(accelerator, answer)
+    if error is not None:
+        raise LaionkitError(error)
+    if delete:
         accelerator.wait_for_everyone()  # every rank has looked before rank 0 deletes
         if accelerator.is_main_process:
-            for name in found:
+            for name in RUN_OUTPUTS:
                 path = config.output / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
     accelerator.wait_for_everyone()
 
 
