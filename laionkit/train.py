@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laionkit import fp8, fsdp, lora, runfolder, runlock, valloss
+from laionkit import fp8, fsdp, lora, runfolder, runlock, trainchecks, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -114,6 +114,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str | None = None
     overwrite: bool = False
+    allow_changed_text_encoder: bool = False  # online text: train with encoders whose files differ from encode's
     max_nonfinite: int = 3
     log_every: int = 10
     log_with: str = "tensorboard"
@@ -278,11 +279,14 @@ def open_latents(latents: Path | str) -> LatentSet:
 
     latents = Location.parse(latents)
     manifest_path = latents / "manifest.json"
-    if not manifest_path.is_complete() or manifest_path.is_dir():
+    # A bucket folder other tools uploaded (aws s3 sync) has no done records: all its objects count.
+    plain = trainchecks.uploaded_without_records(latents)
+    present = Location.exists if plain else Location.is_complete
+    if not present(manifest_path) or manifest_path.is_dir():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
     from laionkit.encode import RECORD_SUFFIX, latent_status
 
-    if latents.list("*" + RECORD_SUFFIX):
+    if not plain and latents.list("*" + RECORD_SUFFIX):
         manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
     else:
         manifest = _read_record(manifest_path)  # a folder assembled by hand: its manifest is all there is
@@ -298,10 +302,10 @@ def open_latents(latents: Path | str) -> LatentSet:
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
     shards, counts, empty_shards = [], [], []
-    for path in shard_paths(latents):
+    for path in latents.list("*.tar", complete_only=False) or shard_paths(latents) if plain else shard_paths(latents):
         found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
-        if path.name in records and record_file.is_complete() and not record_file.is_dir():
+        if path.name in records and present(record_file) and not record_file.is_dir():
             recorded = _read_record(record_file).get("samples_out")
             if recorded != found:
                 raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
@@ -410,6 +414,7 @@ def build_unet(config: TrainConfig, data: LatentSet):
     if spec.fit_config is not None:
         return build_transformer(config, data, latent_channels, text_dim, pooled_dim)
     if config.unet is not None:
+        trainchecks.check_denoiser_folder(config.unet, spec, "--unet")  # another family's model: one line
         unet = load_unet(spec.presets.get(config.unet, config.unet))
         expects = (unet.config.in_channels, unet.config.cross_attention_dim, _pooled_width(unet.config))
         if expects != (latent_channels, text_dim, pooled_dim):
@@ -443,6 +448,7 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
     spec = data.family
     cls = getattr(diffusers, spec.denoiser_class)
     if config.unet is not None:
+        trainchecks.check_denoiser_folder(config.unet, spec, "--transformer")  # another family's model: one line
         model = _from_pretrained(cls, spec.presets.get(config.unet, config.unet), spec.denoiser_subfolder)
         found = spec.expects(model.config)
         if tuple(found) != (latent_channels, text_dim, pooled_dim):
@@ -467,7 +473,9 @@ def _architecture(config: TrainConfig, spec, flag: str, load) -> dict:
         raise LaionkitError(f"{flag} {config.unet_config} is a {'/'.join(owners)} architecture; these latents "
                             f"are {spec.name} (from {config.latents}/manifest.json), whose configs are "
                             f"{', '.join(spec.configs)}")
-    return {k: v for k, v in load(config.unet_config).items() if not k.startswith("_")}
+    loaded = load(config.unet_config)
+    trainchecks.check_denoiser_class(loaded.get("_class_name"), spec, flag, config.unet_config)
+    return {k: v for k, v in loaded.items() if not k.startswith("_")}
 
 
 def _pooled_width(unet_config) -> int | None:
@@ -481,10 +489,11 @@ class OnlineText:
     """The frozen text encoders of ``encode --text online`` latents, loaded from where encode loaded them
     (the manifest's models), run on each batch's token ids in the training dtype without gradients."""
 
-    def __init__(self, data: LatentSet, device, dtype) -> None:
+    def __init__(self, data: LatentSet, device, dtype, allow_changed: bool = False) -> None:
         from laionkit.common.models import load_text_encoder, load_tokenizer
 
         self.family, self.device, self.dtype = data.family, device, dtype
+        trainchecks.check_text_encoders(data.family, data.models, allow_changed)  # the models encode hashed
         try:
             sources = [(data.models[tok]["source"], tok, data.models[enc]["source"], enc)
                        for tok, enc in data.family.text_encoders]
@@ -1450,6 +1459,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
         unet = build_unet(config, data)
+    trainchecks.check_guidance(config, data.family, unet)
     unet = unet.to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
         lora.attach(unet, config, accelerator)
@@ -1501,7 +1511,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         lora.register_checkpoint_hooks(accelerator, unet, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
-    online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
+    online = OnlineText(data, device, input_dtype, config.allow_changed_text_encoder) if data.online else None
     lr_scheduler = get_scheduler(
         "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=schedule.max_steps,

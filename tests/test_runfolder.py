@@ -99,3 +99,100 @@ def test_resume_latest_never_replaces_a_run_it_cannot_continue(latent_shards, tm
     new = tmp_path / "new"
     run_cli("train", latent_shards, "--output", new, *TINY, "--max-steps", "1", "--resume", "latest")
     assert sorted(metrics(new)) == [1]
+
+
+def test_a_bucket_run_folder_is_leased_to_one_train(latent_shards, s3):
+    """--output s3://: a live lease of another run refuses the train naming its holder; an expired one (its
+    run killed on another host) is taken over, renewed while training and deleted at the end."""
+    from laionkit.common.storage import Location
+    from laionkit.runlock import LEASE_NAME, BucketLease
+
+    url = s3.url("runs", "a")
+    lease = Location.parse(url) / LEASE_NAME
+    train = ("train", latent_shards, "--output", url, *TINY, "--max-steps", "2")
+    holder = BucketLease(Location.parse(url), seconds=60)
+    holder.acquire()  # as a train running elsewhere holds it
+    try:
+        refused = run_cli(*train, "--resume", "latest", check=False)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert "is in use by another train (pid" in refused.stderr and LEASE_NAME in refused.stderr
+        assert not (Location.parse(url) / "metrics.jsonl").exists()
+    finally:
+        holder.release()
+    assert not lease.exists()
+    # a run killed on another host left its lease: refused until it expires, then taken over
+    stale = {"owner": "killed", "pid": 1, "host": "elsewhere", "since": "earlier", "expires": time.time() + 60}
+    lease.fs.pipe_file(lease.path, json.dumps(stale).encode())
+    assert run_cli(*train, check=False).returncode == 2
+    lease.fs.pipe_file(lease.path, json.dumps({**stale, "expires": time.time() - 1}).encode())
+    run_cli(*train)
+    assert (Location.parse(url) / "unet").is_complete() and not lease.exists()
+
+
+def test_latents_uploaded_without_done_records_train(latent_shards, s3, tmp_path):
+    """A latent folder copied to a bucket by other tools (plain PUTs, as aws s3 sync: no done records)
+    counts all its objects (docs/FORMATS.md section 5) and trains."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    for path in sorted(p for p in latent_shards.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{s3.bucket}/latents/{path.relative_to(latent_shards).as_posix()}")
+    assert not [name for name in fs.ls(f"{s3.bucket}/latents") if name.endswith(".done")]
+    run = tmp_path / "run"
+    run_cli("train", s3.url("latents"), "--output", run, *TINY, "--max-steps", "2")
+    assert sorted(metrics(run)) == [1, 2] and (run / "unet" / "config.json").is_file()
+
+
+def test_online_text_refuses_a_text_encoder_replaced_after_encode(flow_latents, image_shards, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from laionkit.encode import EncodeConfig, run
+
+    model = tmp_path / "model"
+    shutil.copytree(flow_latents("sd3").model, model)
+    latents = tmp_path / "latents"
+    run(EncodeConfig(shards=(str(image_shards / "00000.tar"),), output=latents, model=str(model), resolution=64,
+                     batch_size=4, workers=0, quiet=True, text="online"))
+    [weights] = (model / "text_encoder_2").glob("*.safetensors")
+    save_file({k: v * 2 if v.is_floating_point() else v for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})  # another model under the same name
+    base = ("train", latents, "--output", tmp_path / "run", "--transformer", model, *TINY[2:], "--max-steps", "1")
+    refused = run_cli(*base, check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"text_encoder_2 from {model} is not the one encode used" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+    accepted = run_cli(*base, "--allow-changed-text-encoder")
+    assert "warning: online-text latents: text_encoder_2" in accepted.stdout + accepted.stderr
+    assert sorted(metrics(tmp_path / "run")) == [1]
+
+
+def test_denoiser_of_another_family_and_guidance_without_embeds_are_refused(flow_latents, tmp_path):
+    from laionkit.families import get_family
+
+    sd3 = flow_latents("sd3")
+    flux = get_family("flux").write_tiny(tmp_path / "flux", 0)
+    base = ("train", sd3.latents, "--output", tmp_path / "run", *TINY[2:], "--max-steps", "1")
+    other = run_cli(*base, "--transformer", flux, check=False)
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "its config names FluxTransformer2DModel (a flux model); these sd3 latents train a " \
+           "SD3Transformer2DModel" in other.stderr and "Traceback" not in other.stderr
+    guidance = run_cli(*base, "--transformer", sd3.model, "--train-guidance", "3.5", check=False)
+    assert guidance.returncode == 2 and "--train-guidance 3.5: this sd3 SD3Transformer2DModel has no guidance " \
+        "embedding" in guidance.stderr, guidance.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_config_files_hold_flags_the_command_line_overrides(latent_shards, tmp_path):
+    yaml_file, toml_file = tmp_path / "run.yaml", tmp_path / "run.toml"
+    yaml_file.write_text(f"latents: {latent_shards}\noutput: {tmp_path / 'a'}\nunet-config: tiny\nmax-steps: 3\n"
+                         "batch_size: 2\nlog-with: none\nquiet: true\nworkers: 0\nlog-every: 1\n")
+    run_cli("train", "--config", yaml_file, "--max-steps", "1")  # the command line wins
+    trainer = json.loads((tmp_path / "a" / "checkpoints" / "step-00000001" / "trainer.json").read_text())
+    assert sorted(metrics(tmp_path / "a")) == [1] and trainer["config"]["batch_size"] == 2
+    toml_file.write_text('unet_config = "tiny"\nmax_steps = 2\nbatch-size = 2\nlog_with = "none"\nquiet = true\n'
+                         'workers = 0\n"--log-every" = 1\n')
+    run_cli("train", latent_shards, "--output", tmp_path / "b", "--config", toml_file)
+    assert sorted(metrics(tmp_path / "b")) == [1, 2]
+    yaml_file.write_text("max-step: 2\n")
+    wrong = run_cli("train", latent_shards, "--output", tmp_path / "c", "--config", yaml_file, check=False)
+    assert wrong.returncode == 2 and f"--config {yaml_file}: unknown key 'max-step'" in wrong.stderr
