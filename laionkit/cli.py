@@ -404,13 +404,17 @@ def export_command(
 
     laionkit train latents-sdxl/ --output runs/sdxl --unet sdxl --checkpointing every-2 --batch-size 16
 
+    laionkit train --config runs/sd15.yaml --resume latest   # the file's flags; the command line overrides them
+
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
 def train_command(
-    latents: Annotated[str, typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.")],
+    ctx: typer.Context,
+    latents: Annotated[Optional[str], typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="A YAML or TOML file of train flags (keys: flag or TrainConfig field names, e.g. max-steps: 1000, latents: data/latents); flags given here override it.")] = None,
     unet: Annotated[Optional[str], typer.Option("--unet", "--transformer", help="Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl) or folder with the family's unet/ or transformer/ weights.")] = None,
     unet_config: Annotated[Optional[str], typer.Option("--unet-config", "--transformer-config", help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny; pixart: pixart-sigma-xl, tiny) or a config folder/file.")] = None,
     noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
@@ -457,6 +461,7 @@ def train_command(
     keep_checkpoints: Annotated[int, typer.Option(help="Keep the last K checkpoints.")] = 3,
     resume: Annotated[Optional[str], typer.Option(help="latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL --output: one of its checkpoints/step-N URLs).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Delete the run already in --output (metrics, checkpoints, unet/...) and start over.")] = False,
+    allow_changed_text_encoder: Annotated[bool, typer.Option(help="Online-text latents: train although a text encoder or tokenizer's files differ from the sha256 encode recorded in the manifest (refused by default: the stored token ids would be encoded by another model).")] = False,
     max_nonfinite: Annotated[int, typer.Option(help="Stop with an error after this many consecutive steps with a non-finite loss.")] = 3,
     log_every: Annotated[int, typer.Option(help="Log (and check for SIGTERM) every N steps.")] = 10,
     log_with: Annotated[str, typer.Option(help="tensorboard, wandb or none (metrics.jsonl is always written).")] = "tensorboard",
@@ -488,8 +493,13 @@ def train_command(
 ) -> None:
     """Train a latent-diffusion UNet on latent shards with Accelerate (one process, DDP, FSDP or DeepSpeed)."""
     options = dict(locals())
+    from laionkit import trainfile
     from laionkit.train import TrainConfig, run
 
+    options = trainfile.merge(options.pop("ctx"), options, options.pop("config"))
+    for name, flag in (("latents", "LATENTS"), ("output", "--output")):
+        if options[name] is None:
+            raise LaionkitError(f"give {flag} (or {name}: in the --config file)")
     result = run(TrainConfig(**options))
     if result.stopped_by:
         typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "

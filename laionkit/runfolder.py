@@ -22,10 +22,12 @@ them, so every rank's files reach the bucket without a shared file system.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from laionkit import runlock
 from laionkit.common import LaionkitError, storage
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location
@@ -44,6 +46,49 @@ def stage(config):
     digest = hashlib.sha256(str(location).encode()).hexdigest()[:16]
     local = Path(storage._staging(None), f"laionkit-run-{location.name}-{digest}")
     return replace(config, output=local), RunFolder(location, local)
+
+
+def last_logged_step(metrics: Path | str) -> int | None:
+    """The step of the last record of a metrics.jsonl (a path, or its text), None when there is none;
+    a record that cannot be read counts as a run past any checkpoint (refused, never silently replaced)."""
+    if isinstance(metrics, Path):
+        if not metrics.is_file():
+            return None
+        metrics = metrics.read_text(errors="replace")
+    lines = [line for line in metrics.splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        return int(json.loads(lines[-1])["step"])
+    except (ValueError, KeyError, TypeError):
+        return 2**62
+
+
+def start_over(config, where, found: list[str], checkpoint: bool, logged: int | None) -> bool:
+    """Whether the run outputs ``found`` in ``where`` are deleted before this run starts (True), kept
+    (False), or the run is refused (an error): a fresh run refuses a folder that holds a run unless
+    --overwrite; --resume latest with no complete checkpoint starts over only where nothing of value would
+    be replaced: an empty folder (a new preemptible job always passes --resume latest) or a run killed
+    before its first checkpoint (no export, no step logged at or past --checkpoint-every, so at most the
+    records of steps it redoes), else it is refused unless --overwrite."""
+    if not found:
+        return False
+    if config.resume is None:
+        if not config.overwrite:
+            raise LaionkitError(f"--output {where} already holds a run ({', '.join(found)}): give --resume latest "
+                                "to continue it, or --overwrite to delete it and start over")
+        return True
+    if config.resume != "latest" or checkpoint:
+        return False
+    if config.overwrite:
+        return True
+    exports = [name for name in found if name in EXPORTS]
+    if not exports and (logged is None or logged < config.checkpoint_every):
+        return False  # killed before its first checkpoint: it starts over, its records are redone
+    why = f"its export {', '.join(exports)}" if exports else f"metrics.jsonl up to step {logged}"
+    raise LaionkitError(f"--resume latest: --output {where} holds a run ({why}) but no complete checkpoint to "
+                        "resume from; give --overwrite with it to delete the run and start over, or --resume a "
+                        "checkpoint folder")
 
 
 def _gather(accelerator, item) -> list:
@@ -79,6 +124,7 @@ class RunFolder:
         answer = [None, None]  # error, checkpoint name to resume from
         if accelerator.is_main_process:
             try:
+                runlock.hold(runlock.BucketLease(self.remote))  # one train per folder, before anything is read
                 answer = [None, self._decide(config, RUN_OUTPUTS)]
             except LaionkitError as error:
                 answer = [str(error), None]
@@ -102,10 +148,10 @@ class RunFolder:
     def _decide(self, config, run_outputs) -> str | None:
         """Rank 0: the checkpoint to download (None: none), after the fresh-run rules."""
         found = [entry for entry in self.remote.list(complete_only=False) if entry.name in run_outputs]
-        if found and config.resume is None:
-            if not config.overwrite:
-                raise LaionkitError(f"--output {self.remote} already holds a run ({', '.join(e.name for e in found)}): "
-                                    "give --resume latest to continue it, or --overwrite to delete it and start over")
+        complete = self.remote.join("checkpoints").list("step-*") if config.resume == "latest" else []
+        metrics = self.remote / "metrics.jsonl"
+        logged = last_logged_step(metrics.read_bytes().decode(errors="replace")) if metrics.exists() else None
+        if start_over(config, self.remote, [e.name for e in found], bool(complete), logged):
             for entry in found:
                 entry.remove()
             return None
@@ -122,7 +168,6 @@ class RunFolder:
                 raise LaionkitError(f"--resume {given}: not a complete checkpoint (no done record: its upload "
                                     "was cut short)")
             return given.name
-        complete = self.remote.join("checkpoints").list("step-*")
         return complete[-1].name if complete else None
 
     def _download(self, source: Location, target: Path) -> None:

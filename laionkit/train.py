@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from laionkit import exports, fp8, fsdp, lora, runfolder, valloss
+from laionkit import exports, fp8, fsdp, lora, runfolder, runlock, trainchecks, valloss
 from laionkit.common import (
     LaionkitError,
     atomic_output,
@@ -114,6 +114,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str | None = None
     overwrite: bool = False
+    allow_changed_text_encoder: bool = False  # online text: train with encoders whose files differ from encode's
     max_nonfinite: int = 3
     log_every: int = 10
     log_with: str = "tensorboard"
@@ -173,8 +174,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--{name} {value}: must be a finite number > 0")
-        if self.resume is not None and self.overwrite:
-            raise LaionkitError("--resume continues the run in --output, --overwrite deletes it: give one")
+        if self.resume not in (None, "latest") and self.overwrite:
+            raise LaionkitError("--overwrite goes with --resume latest only (resume if a checkpoint exists, else "
+                                "delete the run and start over); --resume FOLDER continues that checkpoint")
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
         if self.shift not in (None, "dynamic", "none"):
@@ -280,11 +282,14 @@ def open_latents(latents: Path | str) -> LatentSet:
 
     latents = Location.parse(latents)
     manifest_path = latents / "manifest.json"
-    if not manifest_path.is_complete() or manifest_path.is_dir():
+    # A bucket folder other tools uploaded (aws s3 sync) has no done records: all its objects count.
+    plain = trainchecks.uploaded_without_records(latents)
+    present = Location.exists if plain else Location.is_complete
+    if not present(manifest_path) or manifest_path.is_dir():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
     from laionkit.encode import RECORD_SUFFIX, latent_status
 
-    if latents.list("*" + RECORD_SUFFIX):
+    if not plain and latents.list("*" + RECORD_SUFFIX):
         manifest = latent_status(latents)  # from the shard records: manifest.json may be a stale merge
     else:
         manifest = _read_record(manifest_path)  # a folder assembled by hand: its manifest is all there is
@@ -300,10 +305,10 @@ def open_latents(latents: Path | str) -> LatentSet:
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
     shards, counts, empty_shards = [], [], []
-    for path in shard_paths(latents):
+    for path in latents.list("*.tar", complete_only=False) or shard_paths(latents) if plain else shard_paths(latents):
         found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
-        if path.name in records and record_file.is_complete() and not record_file.is_dir():
+        if path.name in records and present(record_file) and not record_file.is_dir():
             recorded = _read_record(record_file).get("samples_out")
             if recorded != found:
                 raise LaionkitError(f"{path} holds {found} samples but its record {record_file.name} says "
@@ -412,6 +417,7 @@ def build_unet(config: TrainConfig, data: LatentSet):
     if spec.fit_config is not None:
         return build_transformer(config, data, latent_channels, text_dim, pooled_dim)
     if config.unet is not None:
+        trainchecks.check_denoiser_folder(config.unet, spec, "--unet")  # another family's model: one line
         unet = load_unet(spec.presets.get(config.unet, config.unet))
         expects = (unet.config.in_channels, unet.config.cross_attention_dim, _pooled_width(unet.config))
         if expects != (latent_channels, text_dim, pooled_dim):
@@ -445,6 +451,7 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
     spec = data.family
     cls = getattr(diffusers, spec.denoiser_class)
     if config.unet is not None:
+        trainchecks.check_denoiser_folder(config.unet, spec, "--transformer")  # another family's model: one line
         model = _from_pretrained(cls, spec.presets.get(config.unet, config.unet), spec.denoiser_subfolder)
         found = spec.expects(model.config)
         if tuple(found) != (latent_channels, text_dim, pooled_dim):
@@ -469,7 +476,9 @@ def _architecture(config: TrainConfig, spec, flag: str, load) -> dict:
         raise LaionkitError(f"{flag} {config.unet_config} is a {'/'.join(owners)} architecture; these latents "
                             f"are {spec.name} (from {config.latents}/manifest.json), whose configs are "
                             f"{', '.join(spec.configs)}")
-    return {k: v for k, v in load(config.unet_config).items() if not k.startswith("_")}
+    loaded = load(config.unet_config)
+    trainchecks.check_denoiser_class(loaded.get("_class_name"), spec, flag, config.unet_config)
+    return {k: v for k, v in loaded.items() if not k.startswith("_")}
 
 
 def _pooled_width(unet_config) -> int | None:
@@ -483,10 +492,11 @@ class OnlineText:
     """The frozen text encoders of ``encode --text online`` latents, loaded from where encode loaded them
     (the manifest's models), run on each batch's token ids in the training dtype without gradients."""
 
-    def __init__(self, data: LatentSet, device, dtype) -> None:
+    def __init__(self, data: LatentSet, device, dtype, allow_changed: bool = False) -> None:
         from laionkit.common.models import load_text_encoder, load_tokenizer
 
         self.family, self.device, self.dtype = data.family, device, dtype
+        trainchecks.check_text_encoders(data.family, data.models, allow_changed)  # the models encode hashed
         try:
             sources = [(data.models[tok]["source"], tok, data.models[enc]["source"], enc)
                        for tok, enc in data.family.text_encoders]
@@ -948,11 +958,15 @@ def choose_resume(config: TrainConfig, say) -> Path | None:
     if config.resume is None:
         return None
     if config.resume == "latest":
-        for folder in reversed(complete_checkpoints(config.output)):
+        found = complete_checkpoints(config.output)
+        for folder in reversed(found):
             problem = verify_checkpoint(folder)
             if problem is None:
                 return folder
             say(f"warning: checkpoint {folder} is damaged ({problem}); trying an older one")
+        if found:  # starting over would replace the run these checkpoints belong to
+            raise LaionkitError(f"--resume latest: every checkpoint in {config.output / 'checkpoints'} is damaged "
+                                "(above); restore one, or remove checkpoints/ and give --overwrite to start over")
         return None
     path = Path(config.resume)
     if not (path / "trainer.json").is_file():
@@ -963,14 +977,20 @@ def choose_resume(config: TrainConfig, say) -> Path | None:
     return path
 
 
-def find_resume(config: TrainConfig, accelerator) -> Path | None:
-    """Rank 0 reads and verifies the checkpoint files (once, not once per rank) and tells the others."""
+def find_resume(config: TrainConfig, accelerator, max_steps: int | None = None) -> Path | None:
+    """Rank 0 reads and verifies the checkpoint files (once, not once per rank) and tells the others. A
+    checkpoint past ``max_steps`` is refused: the run would export its later weights as if it had stopped
+    at ``max_steps``."""
     from accelerate.utils import broadcast_object_list
 
     answer = [None, None]
     if accelerator.is_main_process:
         try:
             found = choose_resume(config, accelerator.print)
+            step = found and read_json(found / "trainer.json").get("step")
+            if max_steps is not None and isinstance(step, int) and step > max_steps:
+                raise LaionkitError(f"--resume {config.resume}: {found} is at step {step}, past this run's "
+                                    f"{max_steps} steps (--max-steps / --epochs / --stage): give at least {step}")
             answer = [None if found is None else str(found), None]
         except LaionkitError as error:
             answer = [None, str(error)]
@@ -1258,7 +1278,7 @@ def run(config: TrainConfig) -> TrainResult:
         config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
         cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()  # setup may turn it off (the family's)
         try:
-            with StopFlag() as stop:
+            with StopFlag() as stop, runlock.session():  # the run folder's lock / lease, released at the end
                 return _train(config, stop, remote)
         finally:
             torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
@@ -1442,6 +1462,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
         unet = build_unet(config, data)
+    trainchecks.check_guidance(config, data.family, unet)
     unet = unet.to(device)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
         lora.attach(unet, config, accelerator)
@@ -1493,7 +1514,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         lora.register_checkpoint_hooks(accelerator, unet, config)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
-    online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
+    online = OnlineText(data, device, input_dtype, config.allow_changed_text_encoder) if data.online else None
     lr_scheduler = get_scheduler(
         "constant_with_warmup" if config.lr_schedule == "constant" else "cosine",
         optimizer=optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=schedule.max_steps,
@@ -1529,7 +1550,7 @@ def resume(trainer: Trainer) -> Path | None:
     model and optimizer load), then loaded: accelerate's state, the master / EMA weights, and this rank's
     generator, step and samples per bucket. None where there is none to resume from."""
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
-    folder = find_resume(config, accelerator)
+    folder = find_resume(config, accelerator, t.schedule.max_steps)
     if folder is None:
         return None
     state = read_rank_record(accelerator, folder)
@@ -1839,7 +1860,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 window.check_finite(t.step, config.max_nonfinite, config.output)
 
             stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
-            if t.step % config.checkpoint_every == 0 or stopped_by:
+            if t.step % config.checkpoint_every == 0 or stopped_by or t.step == max_steps:  # always the last
                 last_checkpoint = checkpoint(t) or last_checkpoint
             if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
                 validation_grid(t, validation, schedule.stages[stage][1])
@@ -1883,18 +1904,32 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer"
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:
-    """A fresh run never mixes into another's outputs: a folder that holds one is refused unless
-    --resume continues it or --overwrite deletes it first."""
-    found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
-    if found and config.resume is None:
-        if not config.overwrite:
-            raise LaionkitError(f"--output {config.output} already holds a run ({', '.join(found)}): give "
-                                "--resume latest to continue it, or --overwrite to delete it and start over")
+    """A fresh run never mixes into another's outputs: the main rank takes the folder's lock first (one
+    train per folder, laionkit/runlock.py), then a folder that holds a run is refused unless --resume
+    continues it or --overwrite deletes it first (runfolder.start_over: also a --resume latest that has
+    no checkpoint to continue from)."""
+    answer = [None, False]  # error, start over
+    if accelerator.is_main_process:
+        try:
+            config.output.mkdir(parents=True, exist_ok=True)
+            runlock.hold(runlock.LocalLock(config.output))
+            found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
+            answer = [None, runfolder.start_over(config, config.output, found, bool(complete_checkpoints(
+                config.output)), runfolder.last_logged_step(config.output / "metrics.jsonl"))]
+        except (LaionkitError, OSError) as error:
+            answer = [str(error), False]
+    error, delete = runfolder._broadcast(accelerator, answer)
+    if error is not None:
+        raise LaionkitError(error)
+    if delete:
         accelerator.wait_for_everyone()  # every rank has looked before rank 0 deletes
         if accelerator.is_main_process:
-            for name in found:
+            for name in RUN_OUTPUTS:
                 path = config.output / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
     accelerator.wait_for_everyone()
 
 

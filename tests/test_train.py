@@ -449,7 +449,7 @@ def test_checkpoints_are_verified_data_resumed_by_content_and_runs_never_mix(lat
 
     # --overwrite starts over: nothing of the old run stays
     run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "1", "--overwrite")
-    assert sorted(metrics(run)) == [1] and not (run / "checkpoints").exists()
+    assert sorted(metrics(run)) == [1] and [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
 
 
 def test_empty_shard_is_skipped_and_three_ranks_share_the_samples(latent_shards, tmp_path):
