@@ -32,7 +32,7 @@ from laionkit.common import LaionkitError, storage
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location
 
-EXPORTS = ("unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema")
+EXPORTS = ("unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema", "pipeline", "single_file")
 SHARED = ("metrics.jsonl", "samples", "logs")  # uploaded by rank 0 at the end (metrics.jsonl also per checkpoint)
 
 
