@@ -79,7 +79,7 @@ def test_resume_latest_never_replaces_a_run_it_cannot_continue(latent_shards, tm
     shutil.rmtree(run / "checkpoints")
     refused = run_cli(*base, "--max-steps", "3", "--resume", "latest", check=False)
     assert refused.returncode == 2, refused.stderr[-2000:]
-    assert "holds a run (its export unet) but no complete checkpoint" in refused.stderr
+    assert "holds a run (its export unet, pipeline) but no complete checkpoint" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert (run / "metrics.jsonl").read_text() == finished
     assert (run / "unet" / "diffusion_pytorch_model.safetensors").read_bytes() == exported
