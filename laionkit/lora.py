@@ -20,7 +20,8 @@ export). The invariants:
   for the settings check and for users;
 - the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
   ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
-  whole adapter tensors (gathered from the ranks' shards under FSDP). PixArt's transformer has no
+  whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
+  targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank. PixArt's transformer has no
   ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters (``inject_adapter_in_model``, as
   PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is PEFT's adapter folder, which
   ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
@@ -224,7 +225,18 @@ def _save_lora(model, named: dict, folder: Path) -> None:
         return
     with atomic_output(folder) as tmp:
         pipeline.save_lora_weights(str(tmp), **{keyword: convert_state_dict_to_diffusers(peft_layers)},
+                                   **{keyword.replace("_layers", "_adapter_metadata"): adapter_metadata(model)},
                                    weight_name=EXPORT_FILE)
+
+
+def adapter_metadata(model) -> dict:
+    """The LoraConfig diffusers' loader rebuilds the adapters with (the safetensors metadata key
+    ``lora_adapter_metadata``, under the denoiser's prefix): without it, it infers the rank from the tensors and
+    takes alpha = rank, so a run with --lora-alpha != --lora-rank would load at the wrong strength. Only the
+    fields that shape the adapters, not PEFT's whole ``to_dict()``: the loader passes them to ``LoraConfig(**...)``,
+    and an older PEFT than the trainer's refuses the fields it does not know."""
+    config = model.peft_config["default"]
+    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
 
 
 def _save_peft_adapter(model, layers: dict, folder: Path) -> None:

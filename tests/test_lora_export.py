@@ -1,0 +1,105 @@
+"""What RUN/lora holds is what training trained: loaded back by the family's own loader (diffusers'
+``pipe.load_lora_weights``, PEFT's adapter folder for PixArt) from the tiny model folder, the denoiser gives
+the output of the trained base merged at alpha / rank, with --lora-alpha != --lora-rank (alpha 16, rank 4:
+scale 4, so a loader that assumes scale 1 is far off). The kohya / ComfyUI file beside it loads to the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from laionkit.families import flow as flow_math
+from laionkit.families import get_family
+
+RANK, ALPHA = 4, 16.0
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request, latent_shards, tiny_models, flow_latents, tmp_path_factory):
+    """(family, model folder, run folder): 2 steps of --lora-rank 4 --lora-alpha 16 at a high lr, checkpointed
+    at the last step (its adapter.safetensors is the trained model's state)."""
+    from laionkit.train import TrainConfig, run
+
+    name = request.param
+    latents, model = (latent_shards, tiny_models) if name == "sd" else (flow_latents(name).latents,
+                                                                        flow_latents(name).model)
+    output = tmp_path_factory.mktemp(f"lora-{name}") / "run"
+    run(TrainConfig(latents=latents, output=output, unet=str(model), lora_rank=RANK, lora_alpha=ALPHA, max_steps=2,
+                    batch_size=4, lr=1e-2, log_with="none", quiet=True, workers=0, shuffle_buffer=3,
+                    checkpoint_every=2))
+    return name, model, output
+
+
+def base_denoiser(name, model):
+    import diffusers
+
+    spec = get_family(name)
+    return getattr(diffusers, spec.denoiser_class).from_pretrained(model, subfolder=spec.denoiser_subfolder).eval()
+
+
+def merged(name, model, run, keep=lambda module: True):
+    """The trained model as plain weights: the base with each adapter merged at alpha / rank, W + s * B @ A,
+    from the last checkpoint's adapters (PEFT names ``<module>.lora_A.default.weight``)."""
+    denoiser = base_denoiser(name, model)
+    adapters = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")
+    modules = dict(denoiser.named_modules())
+    names = {key.split(".lora_A.")[0] for key in adapters if ".lora_A." in key}
+    assert names and len(adapters) == 2 * len(names)
+    with torch.no_grad():
+        for module in filter(keep, names):
+            down, up = (adapters[f"{module}.lora_{part}.default.weight"].float() for part in "AB")
+            modules[module].weight += ALPHA / RANK * up @ down
+    return denoiser
+
+
+def output(name, denoiser):
+    """The denoiser's prediction on fixed inputs (an 8x8 latent, 7 text tokens) through the family's own call."""
+    spec = get_family(name)
+    config = denoiser.config
+    generator = torch.Generator().manual_seed(0)
+    channels = config.in_channels // 4 if name == "flux" else config.in_channels  # Flux's input is packed 2x2
+    noisy = torch.randn(2, channels, 8, 8, generator=generator)
+    timestep = torch.tensor([10, 500])
+    if name in ("sd", "sdxl"):
+        cond = {"states": torch.randn(2, 7, config.cross_attention_dim, generator=generator)}
+        if name == "sdxl":
+            cond["pooled"] = torch.randn(2, config.projection_class_embeddings_input_dim
+                                         - 6 * config.addition_time_embed_dim, generator=generator)
+            cond["time_ids"] = torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)
+    elif name == "pixart":
+        cond = {"states": torch.randn(2, 7, config.caption_channels, generator=generator), "mask": torch.ones(2, 7)}
+    else:
+        cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator),
+                "pooled": torch.randn(2, config.pooled_projection_dim, generator=generator)}
+        if getattr(config, "guidance_embeds", False):
+            cond["guidance"] = torch.full((2,), 3.5)
+        timestep = torch.tensor([0.2, 0.7]) * spec.objective.timestep_scale
+        noisy = flow_math.interpolate(noisy, torch.randn(noisy.shape, generator=generator), torch.tensor([0.2, 0.7]))
+    with torch.no_grad():
+        return spec.predict(denoiser, noisy, timestep, cond)
+
+
+def loaded(name, model, lora, **options):
+    """The denoiser as a user gets it: the family's pipeline (PixArt: its transformer) from the model folder,
+    with ``lora`` (a folder, or a state dict) loaded by the family's own LoRA loader."""
+    import diffusers
+
+    spec = get_family(name)
+    if name == "pixart":  # PixArtSigmaPipeline loads no LoRA: PEFT's adapter folder onto its transformer
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(base_denoiser(name, model), str(lora)).eval()
+    pipe = getattr(diffusers, spec.pipeline_class).from_pretrained(model)
+    pipe.load_lora_weights(lora, **options)
+    return getattr(pipe, spec.denoiser_subfolder).eval()
+
+
+def test_exported_lora_loads_at_the_trained_strength(trained):
+    name, model, run = trained
+    want = output(name, merged(name, model, run))
+    base = output(name, base_denoiser(name, model))
+    assert (want - base).abs().max() > 1e-3, "the adapters did not train: the test would prove nothing"
+    got = output(name, loaded(name, model, run / "lora"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
