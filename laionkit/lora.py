@@ -40,6 +40,7 @@ from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
 DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
 ADAPTER_FILE = "adapter.safetensors"
 EXPORT_FILE = "pytorch_lora_weights.safetensors"
+KOHYA_FILE = "lora_kohya.safetensors"  # the same adapters in kohya's sd-scripts / ComfyUI naming (kohya_layers)
 
 
 def settings(config) -> dict:
@@ -199,13 +200,16 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
     named = adapters(model) if master is None else dict(zip(master.names, master.master))  # every rank
     if accelerator.is_main_process:
         names = list(named)
-        _save_lora(model, named, output / "lora")
+        skipped = _save_lora(model, named, output / "lora")
         if ema is not None:
             _save_lora(model, dict(zip(names, ema.shadow_params)), output / "lora_ema")
+        if skipped:
+            accelerator.print(f"{output / 'lora'}: no {KOHYA_FILE}: {skipped}")
     accelerator.wait_for_everyone()
 
 
-def _save_lora(model, named: dict, folder: Path) -> None:
+def _save_lora(model, named: dict, folder: Path) -> str | None:
+    """Write ``folder``; returns why the kohya file was left out, where one was expected but cannot be."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -223,10 +227,19 @@ def _save_lora(model, named: dict, folder: Path) -> None:
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
         _save_peft_adapter(model, peft_layers, folder)
         return
+    kohya, skipped = kohya_layers(model, peft_layers)
     with atomic_output(folder) as tmp:
         pipeline.save_lora_weights(str(tmp), **{keyword: convert_state_dict_to_diffusers(peft_layers)},
                                    **{keyword.replace("_layers", "_adapter_metadata"): adapter_metadata(model)},
                                    weight_name=EXPORT_FILE)
+        if kohya:
+            from safetensors.torch import save_file
+
+            config = model.peft_config["default"]
+            save_file(kohya, str(tmp / KOHYA_FILE), metadata={
+                "format": "pt", "ss_network_module": "networks.lora", "ss_network_dim": str(config.r),
+                "ss_network_alpha": str(config.lora_alpha)})
+    return skipped
 
 
 def adapter_metadata(model) -> dict:
@@ -237,6 +250,80 @@ def adapter_metadata(model) -> dict:
     and an older PEFT than the trainer's refuses the fields it does not know."""
     config = model.peft_config["default"]
     return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+
+
+# Flux's modules in BFL's layout (what kohya's sd-scripts and ComfyUI name), per diffusers module of a block:
+# (BFL module, part, parts). BFL fuses q, k, v (and, in single blocks, the MLP's input) into one linear layer
+# whose output rows are the parts in this order; diffusers' _convert_kohya_flux_lora_to_diffusers splits them.
+FLUX_DOUBLE = {"attn.to_q": ("img_attn_qkv", 0, 3), "attn.to_k": ("img_attn_qkv", 1, 3),
+               "attn.to_v": ("img_attn_qkv", 2, 3), "attn.to_out.0": ("img_attn_proj", 0, 1),
+               "attn.add_q_proj": ("txt_attn_qkv", 0, 3), "attn.add_k_proj": ("txt_attn_qkv", 1, 3),
+               "attn.add_v_proj": ("txt_attn_qkv", 2, 3), "attn.to_add_out": ("txt_attn_proj", 0, 1),
+               "ff.net.0.proj": ("img_mlp_0", 0, 1), "ff.net.2": ("img_mlp_2", 0, 1),
+               "norm1.linear": ("img_mod_lin", 0, 1), "ff_context.net.0.proj": ("txt_mlp_0", 0, 1),
+               "ff_context.net.2": ("txt_mlp_2", 0, 1), "norm1_context.linear": ("txt_mod_lin", 0, 1)}
+FLUX_SINGLE = {"attn.to_q": ("linear1", 0, 4), "attn.to_k": ("linear1", 1, 4), "attn.to_v": ("linear1", 2, 4),
+               "proj_mlp": ("linear1", 3, 4), "proj_out": ("linear2", 0, 1), "norm.linear": ("modulation_lin", 0, 1)}
+FLUX_BLOCKS = {"transformer_blocks": ("double_blocks", FLUX_DOUBLE),
+               "single_transformer_blocks": ("single_blocks", FLUX_SINGLE)}
+
+
+def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
+    """The adapters in kohya's sd-scripts / ComfyUI naming (``KOHYA_FILE``): per module ``lora_unet_<name>``
+    with ``.lora_down.weight`` (A), ``.lora_up.weight`` (B) and ``.alpha``, the update being
+    alpha / rank(lora_down) * up @ down, as diffusers' kohya loaders and ComfyUI read it. SD 1.x/2.x and SDXL
+    name the diffusers UNet's modules (``.`` -> ``_``: kohya's own SD 1.x names, and what ComfyUI and diffusers map
+    for SDXL too); Flux names BFL's modules (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...),
+    where fused modules get the parts' adapters block-diagonally (A stacked, B on the diagonal, zeros for a part
+    not trained): the same update per part, and a layout diffusers splits back into the parts' own adapters.
+    None for SD3 and PixArt (diffusers reads no kohya layout for them; the diffusers file is what loads), and
+    for a Flux module BFL's layout has no place for (with why: the file would miss adapters)."""
+    import diffusers
+
+    config = model.peft_config["default"]
+    rank, alpha = config.r, float(config.lora_alpha)
+    names = sorted({key.split(".lora_A.")[0] for key in layers if ".lora_A." in key})
+
+    def adapter(name):
+        return layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"]
+
+    if isinstance(model, diffusers.UNet2DConditionModel):
+        out = {}
+        for name in names:
+            key = "lora_unet_" + name.replace(".", "_")
+            out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = adapter(name)
+            out[f"{key}.alpha"] = torch.tensor(alpha)
+        return out, None
+    if not isinstance(model, diffusers.FluxTransformer2DModel):
+        return None, None
+    groups: dict[str, dict] = {}  # BFL module -> {"parts": [diffusers module per part], "block": prefix}
+    for name in names:
+        blocks, index, inner = (name.split(".", 2) + ["", ""])[:3]
+        found = FLUX_BLOCKS.get(blocks, (None, {}))
+        if not index.isdigit() or inner not in found[1]:
+            return None, f"the adapter on {name} has no BFL (kohya / ComfyUI) module name"
+        module, part, parts = found[1][inner]
+        group = groups.setdefault(f"lora_unet_{found[0]}_{index}_{module}", {"parts": [None] * parts})
+        group["parts"][part] = name
+        group["prefix"], group["table"], group["module"] = f"{blocks}.{index}.", found[1], module
+    out = {}
+    for key, group in groups.items():
+        inners = [inner for inner, (module, _, _) in group["table"].items() if module == group["module"]]
+        inners.sort(key=lambda inner: group["table"][inner][1])  # the parts' order in the fused module
+        downs, ups = [], []
+        for inner, name in zip(inners, group["parts"]):
+            layer = model.get_submodule(group["prefix"] + inner)
+            if name is None:  # a part not trained: zero adapters keep the block-diagonal layout
+                downs.append(torch.zeros(rank, layer.in_features))
+                ups.append(torch.zeros(layer.out_features, rank))
+            else:
+                down, up = adapter(name)
+                downs.append(down)
+                ups.append(up)
+        out[f"{key}.lora_down.weight"] = torch.cat(downs).contiguous()
+        out[f"{key}.lora_up.weight"] = torch.block_diag(*ups).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(alpha * len(downs))  # alpha / rank(lora_down) stays alpha / rank
+    return out, None
 
 
 def _save_peft_adapter(model, layers: dict, folder: Path) -> None:

@@ -103,3 +103,53 @@ def test_exported_lora_loads_at_the_trained_strength(trained):
     assert (want - base).abs().max() > 1e-3, "the adapters did not train: the test would prove nothing"
     got = output(name, loaded(name, model, run / "lora"))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kohya_file_loads_as_the_diffusers_file(trained):
+    """RUN/lora/lora_kohya.safetensors (kohya / ComfyUI naming, an ``.alpha`` per module) through diffusers'
+    own kohya converters gives the denoiser the diffusers file gives, and the trained model's. Flux's single
+    blocks fuse q, k, v and the MLP input into BFL's linear1, which diffusers' converter splits at FLUX.1's
+    widths only (3072 / 12288, not the tiny model's): there the file is checked against kohya's rule itself,
+    alpha / rank(lora_down) * up @ down = the trained parts' updates stacked (zeros for the MLP's rows), and
+    diffusers loads the rest of the file."""
+    from laionkit.lora import KOHYA_FILE
+
+    name, model, run = trained
+    path = run / "lora" / KOHYA_FILE
+    if name in ("sd3", "pixart"):  # diffusers reads no kohya layout for them: the diffusers / PEFT file serves
+        assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
+        return
+    kohya = load_file(path)
+    assert all(key.startswith("lora_unet_") and key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+               for key in kohya)
+    if name != "flux":
+        want = output(name, merged(name, model, run))
+        torch.testing.assert_close(output(name, loaded(name, model, run / "lora", weight_name=KOHYA_FILE)), want,
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(output(name, loaded(name, model, run / "lora")), want, rtol=1e-4, atol=1e-5)
+        return
+    single = {key: value for key, value in kohya.items() if key.startswith("lora_unet_single_blocks_")}
+    assert single and any(key.startswith("lora_unet_double_blocks_") for key in kohya)
+    double = {key: value for key, value in kohya.items() if key not in single}
+    not_single = lambda module: not module.startswith("single_transformer_blocks.")  # noqa: E731
+    torch.testing.assert_close(output(name, loaded(name, model, double)),
+                               output(name, merged(name, model, run, keep=not_single)), rtol=1e-4, atol=1e-5)
+    adapters = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")
+    base = base_denoiser(name, model)
+    for key in [key for key in single if key.endswith(".alpha")]:
+        block = int(key.split("_")[4])
+        prefix = key[: -len(".alpha")]
+        down, up = single[f"{prefix}.lora_down.weight"], single[f"{prefix}.lora_up.weight"]
+        update = single[key] / down.shape[0] * up @ down
+        if prefix.endswith("_linear1"):
+            parts = []
+            for inner in ("attn.to_q", "attn.to_k", "attn.to_v"):
+                module = f"single_transformer_blocks.{block}.{inner}"
+                a, b = (adapters[f"{module}.lora_{part}.default.weight"] for part in "AB")
+                parts.append(ALPHA / RANK * b @ a)
+            mlp = base.single_transformer_blocks[block].proj_mlp
+            parts.append(torch.zeros(mlp.out_features, mlp.in_features))
+            torch.testing.assert_close(update, torch.cat(parts), rtol=1e-5, atol=1e-7)
+            assert parts[0].abs().max() > 0
+        else:
+            raise AssertionError(f"unexpected {key}: the default targets adapt only q, k, v in single blocks")
