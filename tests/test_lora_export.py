@@ -153,3 +153,36 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
             assert parts[0].abs().max() > 0
         else:
             raise AssertionError(f"unexpected {key}: the default targets adapt only q, k, v in single blocks")
+
+
+def test_flux_kohya_single_blocks_split_back_at_flux1_widths():
+    """At FLUX.1's widths (3072 wide, 12288 MLP: what diffusers' converter assumes) diffusers' own kohya
+    converter splits the block-diagonal linear1 / img_attn_qkv back into each part's adapters with alpha / rank
+    folded in, the MLP's part zero. Only the adapters are real tensors: the transformer is built on the meta
+    device (one block of each kind)."""
+    import diffusers
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+    from peft import LoraConfig
+
+    from laionkit.lora import kohya_layers
+
+    with torch.device("meta"):
+        model = diffusers.FluxTransformer2DModel(num_layers=1, num_single_layers=1)
+        model.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "to_k", "to_v"]))
+    generator = torch.Generator().manual_seed(0)
+    layers = {}
+    for block in ("transformer_blocks.0", "single_transformer_blocks.0"):
+        for inner in ("to_q", "to_k", "to_v"):
+            layers[f"{block}.attn.{inner}.lora_A.weight"] = torch.randn(RANK, 3072, generator=generator)
+            layers[f"{block}.attn.{inner}.lora_B.weight"] = torch.randn(3072, RANK, generator=generator)
+    kohya, skipped = kohya_layers(model, layers)
+    assert skipped is None and sorted(key for key in kohya if key.endswith(".alpha")) == [
+        "lora_unet_double_blocks_0_img_attn_qkv.alpha", "lora_unet_single_blocks_0_linear1.alpha"]
+    back = _convert_kohya_flux_lora_to_diffusers(dict(kohya))
+    for module in sorted({key.split(".lora_A.")[0] for key in layers if ".lora_A." in key}):
+        down, up = (back[f"transformer.{module}.lora_{part}.weight"] for part in "AB")
+        assert down.shape == (RANK, 3072), module  # each part its own rank-4 adapter again
+        want = ALPHA / RANK * layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(up @ down, want, rtol=1e-5, atol=1e-4, msg=module)
+    mlp = "transformer.single_transformer_blocks.0.proj_mlp"
+    assert back[f"{mlp}.lora_B.weight"].shape == (12288, RANK) and not back[f"{mlp}.lora_B.weight"].any()
