@@ -69,6 +69,10 @@ def check_config(config) -> None:
         raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
     if not targets(config):
         raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
+    if config.unet_config is not None:  # the export holds the adapters alone: the random base would be lost
+        raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
+                            "train on a pretrained base, and a from-scratch base is random and never saved; give "
+                            "--unet / --transformer, or drop --lora-rank to train the whole model")
 
 
 def attach(unet, config, accelerator) -> None:
@@ -140,13 +144,12 @@ def expose_adapters_only(unet) -> None:
     unet.register_load_state_dict_post_hook(base_is_not_missing)
 
 
-def register_checkpoint_hooks(accelerator, unet, config) -> None:
+def register_checkpoint_hooks(accelerator, unet, config, family) -> None:
     """accelerate saves and loads the optimizer, scheduler and RNG states; the model's part is ours (under FSDP:
     accelerate's sharded model checkpoint, of the adapters only, and adapter.safetensors beside it)."""
     from accelerate.utils import DistributedType
     from safetensors.torch import load_file, save_file
 
-    recorded = {"laionkit_lora": json.dumps(settings(config))}
     if accelerator.distributed_type == DistributedType.FSDP:
         expose_adapters_only(accelerator.unwrap_model(unet))
 
@@ -154,6 +157,8 @@ def register_checkpoint_hooks(accelerator, unet, config) -> None:
         weights.clear()  # no model.safetensors: the frozen base is not part of the checkpoint
         named = adapters(accelerator.unwrap_model(models[0]))  # every rank: gathers FSDP shards
         if accelerator.is_main_process:
+            recorded = {"laionkit_lora": json.dumps(settings(config)),
+                        BASE_KEY: json.dumps(base_identity(config, family))}
             save_file({name: p.contiguous().cpu() for name, p in named.items()},
                       str(Path(output_dir) / ADAPTER_FILE), metadata=recorded)
 
@@ -174,9 +179,63 @@ def register_checkpoint_hooks(accelerator, unet, config) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
-def check_resume(folder: Path, config) -> None:
+BASE_KEY = "laionkit_lora_base"  # adapter.safetensors metadata: base_identity of the frozen base it trained on
+BASE_SUFFIXES = (".safetensors", ".bin")  # the weights files; configs may differ for the same weights
+
+
+_HASHED: dict[tuple, dict | None] = {}
+
+
+def _weights_hashes(source: str, component: str) -> dict | None:
+    """sha256 per weights file of the component, hashed once per process and file version (a local file is
+    hashed again when its size or mtime changes; hub cache files never change)."""
+    from laionkit.common.models import fingerprint, resolve_source
+
+    where = resolve_source(source, component)
+    key: tuple = (source, component)
+    if where.local:
+        folder = Path(where.location, where.subfolder or "")
+        key += tuple((file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in sorted(folder.iterdir())
+                     if file.name.endswith(BASE_SUFFIXES))
+    if key not in _HASHED:
+        files = fingerprint(source, component).get("files")
+        _HASHED[key] = {name: sha for name, sha in files.items() if name.endswith(BASE_SUFFIXES)} if files else None
+    return _HASHED[key]
+
+
+def base_identity(config, family) -> dict | None:
+    """The frozen base the adapters train on: --unet / --transformer as given and the sha256 of its denoiser's
+    weights files (adapters are deltas to one set of weights; on another base they mean something else).
+    None where the files cannot be found (a hub model missing from the local cache)."""
+    if config.unet is None:
+        return None
+    hashes = _weights_hashes(family.presets.get(config.unet, config.unet), family.denoiser_subfolder)
+    return {"source": config.unet, "files": hashes} if hashes else None
+
+
+def _refuse_other_base(folder: Path, found: dict | None, config, family) -> None:
+    """Same base: the weights files both record agree, and there is one at least. A checkpoint from before
+    the base was recorded, or a base whose files cannot be found, is not checked."""
+    have = base_identity(config, family) if found else None
+    if not found or not have:
+        return
+    common = sorted(set(found["files"]) & set(have["files"]))
+    differ = [name for name in common if found["files"][name] != have["files"][name]]
+    if common and not differ:
+        return
+    name = (differ or sorted(found["files"]))[0]
+    other = differ[0] if differ else sorted(have["files"])[0]
+    flag = f"--{family.denoiser_subfolder}"
+    raise LaionkitError(
+        f"--resume {folder}: its adapters were trained on the base {found['source']} ({name} sha256 "
+        f"{found['files'][name][:12]}), this run's {flag} {config.unet} is another ({other} sha256 "
+        f"{have['files'][other][:12]}); adapters only fit the base they trained on: resume with {flag} "
+        f"{found['source']} or start a new run")
+
+
+def check_resume(folder: Path, config, family) -> None:
     """A full-model checkpoint and an adapter checkpoint are not interchangeable, nor adapters of other
-    LoRA settings: say so in one line, before anything loads."""
+    LoRA settings or trained on another base: say so in one line, before anything loads."""
     from safetensors import safe_open
 
     has_adapters = (folder / ADAPTER_FILE).is_file()
@@ -188,9 +247,11 @@ def check_resume(folder: Path, config) -> None:
                             "give the same --lora-rank to resume it")
     if has_adapters:
         with safe_open(str(folder / ADAPTER_FILE), "pt") as handle:
-            found = json.loads((handle.metadata() or {}).get("laionkit_lora", "{}"))
+            metadata = handle.metadata() or {}
+        found = json.loads(metadata.get("laionkit_lora", "{}"))
         refuse_other_settings(folder, found, settings(config), "trained",
                               "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
+        _refuse_other_base(folder, json.loads(metadata.get(BASE_KEY, "null")), config, family)
 
 
 def export(accelerator, unet, ema, master, output: Path) -> None:

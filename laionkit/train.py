@@ -1487,7 +1487,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
-        lora.register_checkpoint_hooks(accelerator, unet, config)
+        lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
     online = OnlineText(data, device, input_dtype) if data.online else None  # encode --text online
@@ -1530,7 +1530,7 @@ def resume(trainer: Trainer) -> Path | None:
     if folder is None:
         return None
     state = read_rank_record(accelerator, folder)
-    lora.check_resume(folder, config)
+    lora.check_resume(folder, config, t.data.family)
     refuse_other_settings(folder, state.get("layout", {}), t.data_key, "written",
                           "exact resume needs the same latent shards (names, sample counts, sizes), number "
                           "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
