@@ -69,10 +69,11 @@ def check_config(config) -> None:
         raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
     if not targets(config):
         raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
-    if config.unet_config is not None:  # the export holds the adapters alone: the random base would be lost
+    if config.unet_config is not None and not config.lora_random_base:  # the export holds the adapters alone
         raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
                             "train on a pretrained base, and a from-scratch base is random and never saved; give "
-                            "--unet / --transformer, or drop --lora-rank to train the whole model")
+                            "--unet / --transformer, or drop --lora-rank to train the whole model "
+                            "(--lora-random-base allows it, for throughput measurements)")
 
 
 def attach(unet, config, accelerator) -> None:

@@ -133,6 +133,7 @@ class TrainConfig:
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_targets: str = "to_q,to_k,to_v,to_out.0"  # lora.DEFAULT_TARGETS
+    lora_random_base: bool = False  # --lora-rank on --unet-config (a random base, never saved): benchmarks only
     val_latents: Path | None = None
     val_every: int = 0
     val_samples: int = 64

@@ -133,6 +133,9 @@ def test_lora_mistakes_are_one_clear_line(latent_shards, tiny_models, tmp_path):
         assert "Traceback" not in result.stderr
     assert sorted(metrics(run)) == [1]  # nothing trained on the refused resumes
     assert not (tmp_path / "scratch").exists()
+    run_cli("train", latent_shards, "--output", tmp_path / "scratch", *FAST, "--unet-config", "tiny", "--lora-rank",
+            "2", "--max-steps", "1", "--lora-random-base")  # the opt-in, for throughput measurements
+    assert (tmp_path / "scratch" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     run_cli(*on(same), "--lora-rank", "2", "--max-steps", "2", "--resume", "latest")  # the same weights elsewhere
     assert sorted(metrics(run)) == [1, 2]
 
