@@ -9,9 +9,11 @@ export). The invariants:
 - the frozen base runs in the mixed-precision dtype: MasterWeights casts the whole model to bf16 and
   keeps fp32 copies of the adapters; under autocast the base is cast here and the adapters stay fp32,
   as diffusers' train_text_to_image_lora.py does;
-- a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings as metadata) and no
-  base weights: accelerate's model file is suppressed by a save hook and its load replaced by ours, so a
-  resume reads data only and a run with other LoRA settings is refused before anything loads;
+- a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings and the base's identity,
+  the sha256 of its weights files, as metadata) and no base weights: accelerate's model file is suppressed
+  by a save hook and its load replaced by ours, so a resume reads data only, and a run with other LoRA
+  settings or onto another base is refused before anything loads; a from-scratch base (random, never
+  saved) takes no adapters unless ``--lora-random-base`` asks for it (throughput measurements);
 - under FSDP the frozen base is sharded with the adapters (in bf16 under bf16 mixed precision; the adapters
   stay fp32, which FSDP2 allows: only trainable parameters must share a dtype). accelerate then saves and
   loads the model itself, as sharded distributed checkpoints, before and regardless of the hooks, so the
@@ -21,10 +23,11 @@ export). The invariants:
 - the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
   ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
   whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
-  targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank. PixArt's transformer has no
-  ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters (``inject_adapter_in_model``, as
-  PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is PEFT's adapter folder, which
-  ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
+  targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
+  ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
+  PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
+  (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
+  PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
 """
 
 from __future__ import annotations
