@@ -9,9 +9,11 @@ export). The invariants:
 - the frozen base runs in the mixed-precision dtype: MasterWeights casts the whole model to bf16 and
   keeps fp32 copies of the adapters; under autocast the base is cast here and the adapters stay fp32,
   as diffusers' train_text_to_image_lora.py does;
-- a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings as metadata) and no
-  base weights: accelerate's model file is suppressed by a save hook and its load replaced by ours, so a
-  resume reads data only and a run with other LoRA settings is refused before anything loads;
+- a checkpoint holds the adapters (``adapter.safetensors``, with the LoRA settings and the base's identity,
+  the sha256 of its weights files, as metadata) and no base weights: accelerate's model file is suppressed
+  by a save hook and its load replaced by ours, so a resume reads data only, and a run with other LoRA
+  settings or onto another base is refused before anything loads; a from-scratch base (random, never
+  saved) takes no adapters unless ``--lora-random-base`` asks for it (throughput measurements);
 - under FSDP the frozen base is sharded with the adapters (in bf16 under bf16 mixed precision; the adapters
   stay fp32, which FSDP2 allows: only trainable parameters must share a dtype). accelerate then saves and
   loads the model itself, as sharded distributed checkpoints, before and regardless of the hooks, so the
@@ -20,10 +22,12 @@ export). The invariants:
   for the settings check and for users;
 - the export is what diffusers' ``pipe.load_lora_weights(RUN/lora)`` reads: the pipeline class's own
   ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
-  whole adapter tensors (gathered from the ranks' shards under FSDP). PixArt's transformer has no
-  ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters (``inject_adapter_in_model``, as
-  PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is PEFT's adapter folder, which
-  ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
+  whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
+  targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
+  ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
+  PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
+  (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
+  PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
 DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
 ADAPTER_FILE = "adapter.safetensors"
 EXPORT_FILE = "pytorch_lora_weights.safetensors"
+KOHYA_FILE = "lora_kohya.safetensors"  # the same adapters in kohya's sd-scripts / ComfyUI naming (kohya_layers)
 
 
 def settings(config) -> dict:
@@ -67,6 +72,11 @@ def check_config(config) -> None:
         raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
     if not targets(config):
         raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
+    if config.unet_config is not None and not config.lora_random_base:  # the export holds the adapters alone
+        raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
+                            "train on a pretrained base, and a from-scratch base is random and never saved; give "
+                            "--unet / --transformer, or drop --lora-rank to train the whole model "
+                            "(--lora-random-base allows it, for throughput measurements)")
 
 
 def attach(unet, config, accelerator) -> None:
@@ -138,13 +148,12 @@ def expose_adapters_only(unet) -> None:
     unet.register_load_state_dict_post_hook(base_is_not_missing)
 
 
-def register_checkpoint_hooks(accelerator, unet, config) -> None:
+def register_checkpoint_hooks(accelerator, unet, config, family) -> None:
     """accelerate saves and loads the optimizer, scheduler and RNG states; the model's part is ours (under FSDP:
     accelerate's sharded model checkpoint, of the adapters only, and adapter.safetensors beside it)."""
     from accelerate.utils import DistributedType
     from safetensors.torch import load_file, save_file
 
-    recorded = {"laionkit_lora": json.dumps(settings(config))}
     if accelerator.distributed_type == DistributedType.FSDP:
         expose_adapters_only(accelerator.unwrap_model(unet))
 
@@ -152,6 +161,8 @@ def register_checkpoint_hooks(accelerator, unet, config) -> None:
         weights.clear()  # no model.safetensors: the frozen base is not part of the checkpoint
         named = adapters(accelerator.unwrap_model(models[0]))  # every rank: gathers FSDP shards
         if accelerator.is_main_process:
+            recorded = {"laionkit_lora": json.dumps(settings(config)),
+                        BASE_KEY: json.dumps(base_identity(config, family))}
             save_file({name: p.contiguous().cpu() for name, p in named.items()},
                       str(Path(output_dir) / ADAPTER_FILE), metadata=recorded)
 
@@ -172,9 +183,63 @@ def register_checkpoint_hooks(accelerator, unet, config) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
-def check_resume(folder: Path, config) -> None:
+BASE_KEY = "laionkit_lora_base"  # adapter.safetensors metadata: base_identity of the frozen base it trained on
+BASE_SUFFIXES = (".safetensors", ".bin")  # the weights files; configs may differ for the same weights
+
+
+_HASHED: dict[tuple, dict | None] = {}
+
+
+def _weights_hashes(source: str, component: str) -> dict | None:
+    """sha256 per weights file of the component, hashed once per process and file version (a local file is
+    hashed again when its size or mtime changes; hub cache files never change)."""
+    from laionkit.common.models import fingerprint, resolve_source
+
+    where = resolve_source(source, component)
+    key: tuple = (source, component)
+    if where.local:
+        folder = Path(where.location, where.subfolder or "")
+        key += tuple((file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in sorted(folder.iterdir())
+                     if file.name.endswith(BASE_SUFFIXES))
+    if key not in _HASHED:
+        files = fingerprint(source, component).get("files")
+        _HASHED[key] = {name: sha for name, sha in files.items() if name.endswith(BASE_SUFFIXES)} if files else None
+    return _HASHED[key]
+
+
+def base_identity(config, family) -> dict | None:
+    """The frozen base the adapters train on: --unet / --transformer as given and the sha256 of its denoiser's
+    weights files (adapters are deltas to one set of weights; on another base they mean something else).
+    None where the files cannot be found (a hub model missing from the local cache)."""
+    if config.unet is None:
+        return None
+    hashes = _weights_hashes(family.presets.get(config.unet, config.unet), family.denoiser_subfolder)
+    return {"source": config.unet, "files": hashes} if hashes else None
+
+
+def _refuse_other_base(folder: Path, found: dict | None, config, family) -> None:
+    """Same base: the weights files both record agree, and there is one at least. A checkpoint from before
+    the base was recorded, or a base whose files cannot be found, is not checked."""
+    have = base_identity(config, family) if found else None
+    if not found or not have:
+        return
+    common = sorted(set(found["files"]) & set(have["files"]))
+    differ = [name for name in common if found["files"][name] != have["files"][name]]
+    if common and not differ:
+        return
+    name = (differ or sorted(found["files"]))[0]
+    other = differ[0] if differ else sorted(have["files"])[0]
+    flag = f"--{family.denoiser_subfolder}"
+    raise LaionkitError(
+        f"--resume {folder}: its adapters were trained on the base {found['source']} ({name} sha256 "
+        f"{found['files'][name][:12]}), this run's {flag} {config.unet} is another ({other} sha256 "
+        f"{have['files'][other][:12]}); adapters only fit the base they trained on: resume with {flag} "
+        f"{found['source']} or start a new run")
+
+
+def check_resume(folder: Path, config, family) -> None:
     """A full-model checkpoint and an adapter checkpoint are not interchangeable, nor adapters of other
-    LoRA settings: say so in one line, before anything loads."""
+    LoRA settings or trained on another base: say so in one line, before anything loads."""
     from safetensors import safe_open
 
     has_adapters = (folder / ADAPTER_FILE).is_file()
@@ -186,9 +251,11 @@ def check_resume(folder: Path, config) -> None:
                             "give the same --lora-rank to resume it")
     if has_adapters:
         with safe_open(str(folder / ADAPTER_FILE), "pt") as handle:
-            found = json.loads((handle.metadata() or {}).get("laionkit_lora", "{}"))
+            metadata = handle.metadata() or {}
+        found = json.loads(metadata.get("laionkit_lora", "{}"))
         refuse_other_settings(folder, found, settings(config), "trained",
                               "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
+        _refuse_other_base(folder, json.loads(metadata.get(BASE_KEY, "null")), config, family)
 
 
 def export(accelerator, unet, ema, master, output: Path) -> None:
@@ -198,13 +265,16 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
     named = adapters(model) if master is None else dict(zip(master.names, master.master))  # every rank
     if accelerator.is_main_process:
         names = list(named)
-        _save_lora(model, named, output / "lora")
+        skipped = _save_lora(model, named, output / "lora")
         if ema is not None:
             _save_lora(model, dict(zip(names, ema.shadow_params)), output / "lora_ema")
+        if skipped:
+            accelerator.print(f"{output / 'lora'}: no {KOHYA_FILE}: {skipped}")
     accelerator.wait_for_everyone()
 
 
-def _save_lora(model, named: dict, folder: Path) -> None:
+def _save_lora(model, named: dict, folder: Path) -> str | None:
+    """Write ``folder``; returns why the kohya file was left out, where one was expected but cannot be."""
     import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
@@ -222,9 +292,103 @@ def _save_lora(model, named: dict, folder: Path) -> None:
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
         _save_peft_adapter(model, peft_layers, folder)
         return
+    kohya, skipped = kohya_layers(model, peft_layers)
     with atomic_output(folder) as tmp:
         pipeline.save_lora_weights(str(tmp), **{keyword: convert_state_dict_to_diffusers(peft_layers)},
+                                   **{keyword.replace("_layers", "_adapter_metadata"): adapter_metadata(model)},
                                    weight_name=EXPORT_FILE)
+        if kohya:
+            from safetensors.torch import save_file
+
+            config = model.peft_config["default"]
+            save_file(kohya, str(tmp / KOHYA_FILE), metadata={
+                "format": "pt", "ss_network_module": "networks.lora", "ss_network_dim": str(config.r),
+                "ss_network_alpha": str(config.lora_alpha)})
+    return skipped
+
+
+def adapter_metadata(model) -> dict:
+    """The LoraConfig diffusers' loader rebuilds the adapters with (the safetensors metadata key
+    ``lora_adapter_metadata``, under the denoiser's prefix): without it, it infers the rank from the tensors and
+    takes alpha = rank, so a run with --lora-alpha != --lora-rank would load at the wrong strength. Only the
+    fields that shape the adapters, not PEFT's whole ``to_dict()``: the loader passes them to ``LoraConfig(**...)``,
+    and an older PEFT than the trainer's refuses the fields it does not know."""
+    config = model.peft_config["default"]
+    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+
+
+# Flux's modules in BFL's layout (what kohya's sd-scripts and ComfyUI name), per diffusers module of a block:
+# (BFL module, part, parts). BFL fuses q, k, v (and, in single blocks, the MLP's input) into one linear layer
+# whose output rows are the parts in this order; diffusers' _convert_kohya_flux_lora_to_diffusers splits them.
+FLUX_DOUBLE = {"attn.to_q": ("img_attn_qkv", 0, 3), "attn.to_k": ("img_attn_qkv", 1, 3),
+               "attn.to_v": ("img_attn_qkv", 2, 3), "attn.to_out.0": ("img_attn_proj", 0, 1),
+               "attn.add_q_proj": ("txt_attn_qkv", 0, 3), "attn.add_k_proj": ("txt_attn_qkv", 1, 3),
+               "attn.add_v_proj": ("txt_attn_qkv", 2, 3), "attn.to_add_out": ("txt_attn_proj", 0, 1),
+               "ff.net.0.proj": ("img_mlp_0", 0, 1), "ff.net.2": ("img_mlp_2", 0, 1),
+               "norm1.linear": ("img_mod_lin", 0, 1), "ff_context.net.0.proj": ("txt_mlp_0", 0, 1),
+               "ff_context.net.2": ("txt_mlp_2", 0, 1), "norm1_context.linear": ("txt_mod_lin", 0, 1)}
+FLUX_SINGLE = {"attn.to_q": ("linear1", 0, 4), "attn.to_k": ("linear1", 1, 4), "attn.to_v": ("linear1", 2, 4),
+               "proj_mlp": ("linear1", 3, 4), "proj_out": ("linear2", 0, 1), "norm.linear": ("modulation_lin", 0, 1)}
+FLUX_BLOCKS = {"transformer_blocks": ("double_blocks", FLUX_DOUBLE),
+               "single_transformer_blocks": ("single_blocks", FLUX_SINGLE)}
+
+
+def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
+    """The adapters in kohya's sd-scripts / ComfyUI naming (``KOHYA_FILE``): per module ``lora_unet_<name>``
+    with ``.lora_down.weight`` (A), ``.lora_up.weight`` (B) and ``.alpha``, the update being
+    alpha / rank(lora_down) * up @ down, as diffusers' kohya loaders and ComfyUI read it. SD 1.x/2.x and SDXL
+    name the diffusers UNet's modules (``.`` -> ``_``: kohya's own SD 1.x names, and what ComfyUI and diffusers map
+    for SDXL too); Flux names BFL's modules (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...),
+    where fused modules get the parts' adapters block-diagonally (A stacked, B on the diagonal, zeros for a part
+    not trained): the same update per part, and a layout diffusers splits back into the parts' own adapters.
+    None for SD3 and PixArt (diffusers reads no kohya layout for them; the diffusers file is what loads), and
+    for a Flux module BFL's layout has no place for (with why: the file would miss adapters)."""
+    import diffusers
+
+    config = model.peft_config["default"]
+    rank, alpha = config.r, float(config.lora_alpha)
+    names = sorted({key.split(".lora_A.")[0] for key in layers if ".lora_A." in key})
+
+    def adapter(name):
+        return layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"]
+
+    if isinstance(model, diffusers.UNet2DConditionModel):
+        out = {}
+        for name in names:
+            key = "lora_unet_" + name.replace(".", "_")
+            out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = adapter(name)
+            out[f"{key}.alpha"] = torch.tensor(alpha)
+        return out, None
+    if not isinstance(model, diffusers.FluxTransformer2DModel):
+        return None, None
+    groups: dict[str, dict] = {}  # BFL module -> {"parts": [diffusers module per part], "block": prefix}
+    for name in names:
+        blocks, index, inner = (name.split(".", 2) + ["", ""])[:3]
+        found = FLUX_BLOCKS.get(blocks, (None, {}))
+        if not index.isdigit() or inner not in found[1]:
+            return None, f"the adapter on {name} has no BFL (kohya / ComfyUI) module name"
+        module, part, parts = found[1][inner]
+        group = groups.setdefault(f"lora_unet_{found[0]}_{index}_{module}", {"parts": [None] * parts})
+        group["parts"][part] = name
+        group["prefix"], group["table"], group["module"] = f"{blocks}.{index}.", found[1], module
+    out = {}
+    for key, group in groups.items():
+        inners = [inner for inner, (module, _, _) in group["table"].items() if module == group["module"]]
+        inners.sort(key=lambda inner: group["table"][inner][1])  # the parts' order in the fused module
+        downs, ups = [], []
+        for inner, name in zip(inners, group["parts"]):
+            layer = model.get_submodule(group["prefix"] + inner)
+            if name is None:  # a part not trained: zero adapters keep the block-diagonal layout
+                downs.append(torch.zeros(rank, layer.in_features))
+                ups.append(torch.zeros(layer.out_features, rank))
+            else:
+                down, up = adapter(name)
+                downs.append(down)
+                ups.append(up)
+        out[f"{key}.lora_down.weight"] = torch.cat(downs).contiguous()
+        out[f"{key}.lora_up.weight"] = torch.block_diag(*ups).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(alpha * len(downs))  # alpha / rank(lora_down) stays alpha / rank
+    return out, None
 
 
 def _save_peft_adapter(model, layers: dict, folder: Path) -> None:

@@ -134,6 +134,7 @@ class TrainConfig:
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_targets: str = "to_q,to_k,to_v,to_out.0"  # lora.DEFAULT_TARGETS
+    lora_random_base: bool = False  # --lora-rank on --unet-config (a random base, never saved): benchmarks only
     val_latents: Path | None = None
     val_every: int = 0
     val_samples: int = 64
@@ -1511,7 +1512,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
-        lora.register_checkpoint_hooks(accelerator, unet, config)
+        lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
     online = OnlineText(data, device, input_dtype, config.allow_changed_text_encoder) if data.online else None
@@ -1554,7 +1555,7 @@ def resume(trainer: Trainer) -> Path | None:
     if folder is None:
         return None
     state = read_rank_record(accelerator, folder)
-    lora.check_resume(folder, config)
+    lora.check_resume(folder, config, t.data.family)
     refuse_other_settings(folder, state.get("layout", {}), t.data_key, "written",
                           "exact resume needs the same latent shards (names, sample counts, sizes), number "
                           "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")

@@ -279,7 +279,8 @@ def main() -> None:
             for text in ("stored", "online"):
                 train(f"big-lora64-12b-{text}-{resolution}", prepare(args.out, resolution, args.images, False,
                                                                       models, text),
-                      LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--checkpointing", "blocks")
+                      LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--lora-random-base",
+                      "--checkpointing", "blocks")
         for layers, single in FRACTIONS:
             arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,
                     "num_layers": layers, "num_single_layers": single}

@@ -253,7 +253,7 @@ def main() -> None:
                 laionkit_train(f"buckets-dynamic-{tag}", prepare(args.out, resolution, args.images, True, models),
                                batch, compiled, "--compile-dynamic")
             if "lora" in parts and resolution == args.resolutions[0]:
-                laionkit_train(f"lora64-{tag}", square, batch, compiled, "--lora-rank", "64")
+                laionkit_train(f"lora64-{tag}", square, batch, compiled, "--lora-rank", "64", "--lora-random-base")
             if "maxbatch" in parts and resolution == args.resolutions[0]:
                 for bigger in args.max_batches:
                     laionkit_train(f"b-{tag}-bs{bigger}", square, bigger, compiled)

@@ -91,7 +91,7 @@ def test_fp8_trains_resumes_exactly_and_exports_a_plain_transformer(flow_latents
 
 def test_fp8_refusals(flow_latents, tmp_path):
     sd3 = flow_latents("sd3")
-    result = run_cli("train", sd3.latents, "--output", tmp_path / "run", "--transformer-config", "tiny",
+    result = run_cli("train", sd3.latents, "--output", tmp_path / "run", "--transformer", sd3.model,
                      "--max-steps", "1", "--fp8", "--lora-rank", "4", "--log-with", "none", check=False)
     assert result.returncode == 2 and "--fp8 with --lora-rank" in result.stderr
     result = run_cli("train", sd3.latents, "--output", tmp_path / "run", "--transformer-config", "tiny",

@@ -91,13 +91,35 @@ def test_two_ddp_ranks_train_identical_adapters(latent_shards, tiny_models, tmp_
 
 
 def test_lora_mistakes_are_one_clear_line(latent_shards, tiny_models, tmp_path):
+    """Refused in one line (exit 2), nothing trained: resumes with other LoRA settings, across full-model and
+    adapter checkpoints, onto another base (adapters are deltas to the weights they trained on; the base is
+    known by its weights files' sha256, so a byte-identical copy elsewhere resumes), unknown targets, and
+    adapters on a from-scratch base (random, never saved: the adapters alone would be useless)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     run = tmp_path / "run"
     base = ("train", latent_shards, "--output", run, *FAST, "--unet", tiny_models, "--checkpoint-every", "1")
     run_cli(*base, "--lora-rank", "2", "--max-steps", "1")
     full = tmp_path / "full"
     run_cli("train", latent_shards, "--output", full, *FAST, "--unet", tiny_models, "--max-steps", "1",
             "--checkpoint-every", "1")
+    same, other = tmp_path / "same-base", tmp_path / "other-base"
+    shutil.copytree(tiny_models, same)
+    shutil.copytree(tiny_models, other)
+    weights = other / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.01  # a fine-tune of the same architecture: same names, shapes, size
+    save_file(tensors, weights)
+    on = lambda model: (*base[:base.index("--unet") + 1], model, *base[base.index("--unet") + 2:])  # noqa: E731
     cases = [
+        ((*on(other), "--lora-rank", "2", "--max-steps", "2", "--resume", "latest"),
+         f"its adapters were trained on the base {tiny_models} (diffusion_pytorch_model.safetensors sha256 "),
+        (("train", latent_shards, "--output", tmp_path / "scratch", *FAST, "--unet-config", "tiny", "--lora-rank", "2",
+          "--max-steps", "1"), "--lora-rank with --unet-config / --transformer-config tiny: adapters train on a "
+                               "pretrained base"),
         ((*base, "--lora-rank", "4", "--max-steps", "2", "--resume", "latest"), "was trained with other lora_alpha, lora_rank"),
         ((*base, "--max-steps", "2", "--resume", "latest"), "holds LoRA adapters only"),
         (("train", latent_shards, "--output", full, *FAST, "--unet", tiny_models, "--max-steps", "2",
@@ -110,6 +132,12 @@ def test_lora_mistakes_are_one_clear_line(latent_shards, tiny_models, tmp_path):
         assert result.returncode == 2 and message in result.stderr, (message, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
     assert sorted(metrics(run)) == [1]  # nothing trained on the refused resumes
+    assert not (tmp_path / "scratch").exists()
+    run_cli("train", latent_shards, "--output", tmp_path / "scratch", *FAST, "--unet-config", "tiny", "--lora-rank",
+            "2", "--max-steps", "1", "--lora-random-base")  # the opt-in, for throughput measurements
+    assert (tmp_path / "scratch" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    run_cli(*on(same), "--lora-rank", "2", "--max-steps", "2", "--resume", "latest")  # the same weights elsewhere
+    assert sorted(metrics(run)) == [1, 2]
 
 
 @pytest.mark.parametrize("options, message", [
