@@ -113,14 +113,18 @@ def models_tiny(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
     family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3, flux or pixart (PixArt-Σ).")] = "sd",
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace --output if it is not empty (refused otherwise: it is replaced whole).")] = False,
 ) -> None:
     """Write a tiny random-init pipeline of a model family (SD: vae/, unet/, text_encoder/, tokenizer/,
     scheduler/; SDXL adds text_encoder_2/ and tokenizer_2/) in the real diffusers / transformers formats,
     with the real CLIP BPE vocabulary, so everything runs offline."""
-    from laionkit.common import atomic_output
+    from laionkit.common import atomic_output, storage
     from laionkit.families import get_family
 
     spec = get_family(family)
+    if not overwrite:
+        storage.refuse_nonempty(output, "models tiny")
     with atomic_output(output) as tmp:
         spec.write_tiny(tmp, seed)
     typer.echo(f"wrote tiny {spec.name} models to {output}")
@@ -241,6 +245,9 @@ def pack(
     respect_optout: Annotated[
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
+        "files of the same name are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -258,7 +265,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet, storage_options=storage_options,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite,
     )
     manifest = run(config)
     if not quiet:
@@ -313,7 +320,7 @@ def filter_command(
         help="CPU threads for this rank (default: the CPUs it may use); units run in parallel, one thread each.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming; also write into a folder that holds another stage's outputs.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,

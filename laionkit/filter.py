@@ -856,6 +856,7 @@ def run(config: FilterConfig) -> dict:
     storage.refuse_overlap([Location.parse(given, options) for given in config.inputs], output, "filter")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
+    storage.claim_output(output, "filter", config.overwrite)
     with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=storage._staging(None)) \
             if not output.local else nullcontext() as staging:
         return run_in(config, rank, output, staging, started)

@@ -127,6 +127,7 @@ class PackConfig:
     world_size: int | None = None
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
+    overwrite: bool = False  # write into a folder that holds another stage's outputs (same names replaced)
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
@@ -157,7 +158,7 @@ class PackConfig:
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
-        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options"}
+        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite"}
         return {key: value for key, value in asdict(self).items() if key not in skipped}
 
 
@@ -851,6 +852,7 @@ def run(config: PackConfig) -> dict:
     inputs, output = config.locations()
     files = input_files(inputs)
     storage.refuse_overlap(inputs, output, "pack")
+    storage.claim_output(output, "pack", config.overwrite)
     tasks = plan_shards(files, config)
     mine = split(tasks, rank)
     make_output_folder(output)
