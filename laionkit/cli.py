@@ -290,6 +290,8 @@ def pack(
     torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --dedup URL --output out/unique   # exact, ranks meet via files
 
     laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit filter datacomp/metadata/ --preset datacomp-basic --top 0.3:clip_l14_similarity_score --output out/dc
 """)
 def filter_command(
     inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
@@ -298,7 +300,12 @@ def filter_command(
         "--where", help="One DuckDB SQL true/false expression over the input's columns, e.g. 'punsafe < 0.5' or "
         "'length(caption) >= 5' (no subqueries or file access); repeatable, AND-ed.")] = None,
     preset: Annotated[Optional[list[str]], typer.Option(
-        "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
+        "--preset", help="Rule set: laion-safe, sd1, sd2 (LAION; sd1/sd2 also on COYO-700M's columns), coyo-safe, "
+        "datacomp-basic, datacomp-clip-l14-30, datacomp-clip-b32-30; combines with --where.")] = None,
+    top: Annotated[Optional[list[str]], typer.Option(
+        "--top", help="FRACTION:COLUMN: keep the rows whose COLUMN is in the top FRACTION of all inputs' rows with a "
+        "value, exactly over all ranks (ties: earlier input row first), e.g. 0.3:clip_l14_similarity_score; "
+        "repeatable, AND-ed with the other rules.")] = None,
     rename: Annotated[Optional[list[str]], typer.Option(
         "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
     dedup: Annotated[Optional[str], typer.Option(
@@ -330,7 +337,7 @@ def filter_command(
     from laionkit import filter as filter_stage
 
     config = filter_stage.FilterConfig(
-        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
+        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()), top=tuple(top or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
