@@ -130,6 +130,29 @@ def models_tiny(
     typer.echo(f"wrote tiny {spec.name} models to {output}")
 
 
+configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
+                          no_args_is_help=True)
+app.add_typer(configs_app, name="configs")
+
+
+@configs_app.command("copy", epilog="""Examples:
+
+    laionkit configs copy my-configs      # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
+
+    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ --output runs/a
+""")
+def configs_copy(
+    output: Annotated[Path, typer.Argument(help="Folder to copy train/ and pipelines/ into.")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace files that already exist there.")] = False,
+) -> None:
+    """Copy the accelerate / DeepSpeed configs (train/) and the Slurm, Kubernetes, torchrun and Docker files
+    (pipelines/) out of the installed package, to edit for a cluster."""
+    from laionkit import configs
+
+    names = configs.copy(output, overwrite)
+    typer.echo(f"copied {len(names)} files to {output} (train/, pipelines/)")
+
+
 @app.command("run", epilog="""Examples:
 
     laionkit run pipelines/demo.yaml
