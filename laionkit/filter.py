@@ -7,8 +7,11 @@ the remaining columns, of which only the kept rows are written. Peak memory is o
 
 Invariants: the union of ``part-*-<unit>.parquet`` over ranks equals a one-rank run row for row; a
 unit is done iff its part file exists (written atomically, its stats in the parquet footer), so a
-killed run is simply rerun; ``_filter-plan.json`` pins inputs, units and rules so a rerun with other
-arguments is refused instead of mixing outputs.
+killed run is simply rerun; ``_laionkit/filter-plan.parquet`` pins inputs, units and rules so a rerun with
+other arguments is refused instead of mixing outputs.
+
+``--top FRACTION:COLUMN`` is global too, without a coordinator: every rank reads that one column of every
+input and derives the same threshold (and tie cut, by input order), which then acts as a plain rule.
 
 ``--dedup COLUMN`` is global: among rows passing every rule, the first occurrence of a value in global
 unit order is kept, with any number of ranks: the column is hash-partitioned to disk and resolved
@@ -102,9 +105,17 @@ ALIASES: tuple[tuple[str, ...], ...] = tuple(
     for canonical, spellings in COLUMN_ALIASES.items()
 )
 
-# Sidecars start with "_" so dataset readers (pandas, pyarrow.dataset, Spark) skip them and read the folder.
-PLAN_NAME = "_filter-plan.json"
-STATS_GLOB = "_stats-*.json"
+# Sidecars (the plan, each rank's stats) live in _laionkit/ as parquet files with no rows, the parts'
+# columns and the record in their footer: pandas, pyarrow.dataset and Spark skip "_" names, while
+# polars.read_parquet(DIR) reads every file below DIR (refusing other extensions) and
+# datasets.load_dataset(DIR) every non-hidden one; a parquet file with the same columns and no row group
+# adds no row to either.
+SIDECARS = "_laionkit"
+PLAN_NAME = f"{SIDECARS}/filter-plan.parquet"
+STATS_GLOB = "filter-stats-*.parquet"  # in SIDECARS
+SIDECAR_KEY = "laionkit.filter.record"
+JSON_PLAN_NAME = "_filter-plan.json"  # folders filtered before the sidecars moved: still read, resumed
+JSON_STATS_GLOB = "_stats-*.json"
 LEGACY_PLAN_NAME = "filter-plan.json"  # before sidecars were "_"-named
 # Names the SQL built here uses: an input column with one of these would shadow it. file_row_number is
 # DuckDB's parquet row number (a real column of that name hides it: such files are read via arrow).
@@ -922,16 +933,49 @@ def unit_stats_from_part(path: Location) -> dict:
     return {**json.loads(metadata[STATS_KEY.encode()]), "rows_out": footer.num_rows}
 
 
+def plan_location(folder: Location | Path | str) -> Location | None:
+    """The folder's plan sidecar (an older folder's JSON one), None when it has none."""
+    folder = Location.parse(folder)
+    for path in (folder / PLAN_NAME, folder / JSON_PLAN_NAME):
+        if path.is_complete() and not path.is_dir():
+            return path
+    return None
+
+
 def stats_paths(folder: Location | Path | str) -> list[Location]:
-    """The rank stats sidecars of a filter folder."""
-    return Location.parse(folder).list(STATS_GLOB)
+    """The rank stats sidecars of a filter folder (an older folder's ``_stats-*.json``)."""
+    folder = Location.parse(folder)
+    return (folder / SIDECARS).list(STATS_GLOB) or folder.list(JSON_STATS_GLOB)
+
+
+def write_sidecar(path: Location, record: dict, plan: Plan, connection: duckdb.DuckDBPyConnection,
+                  shared: bool = False) -> None:
+    """``record`` in the footer of a parquet file with the columns of a part of the plan's first input and
+    no row group (DuckDB writes none for no rows): readers of the folder get the same schema, no row."""
+    file = plan.files[0]
+    columns = [f"{quote(name)} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
+    columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in plan.scores]
+    output = [plan.renames.get(name, name) for name in file.schema.names] + [spec.name for spec in plan.scores]
+    source = (f"SELECT {', '.join(columns)}, 0::BIGINT AS __laionkit_row "
+              f"FROM read_parquet({literal(glob_literal(file.path))}) LIMIT 0")
+    metadata = literal(json.dumps(record, sort_keys=True, default=str))
+    with storage.atomic_write(path, shared=shared, staging=plan.staging) as tmp:
+        connection.execute(f"COPY (SELECT {', '.join(map(nullable, output))} FROM ({source})) TO {literal(str(tmp))} "
+                           f"(FORMAT parquet, KV_METADATA {{{literal(SIDECAR_KEY)}: {metadata}}})").fetchall()
 
 
 def read_record(path: Location) -> dict:
-    """A sidecar JSON record (plan or rank stats), or a one-line error naming it."""
+    """A sidecar record (plan or rank stats; parquet footer or older JSON), or a one-line error naming it."""
     try:
-        record = path.read_json()
-    except (OSError, ValueError, LaionkitError) as error:
+        if path.name.endswith(".parquet"):
+            # Read whole (a footer and no row): one GET, and no stale listing cache of an object store
+            metadata = pq.read_metadata(pa.BufferReader(path.read_bytes())).metadata or {}
+            if SIDECAR_KEY.encode() not in metadata:
+                raise ValueError(f"no {SIDECAR_KEY} in its footer")
+            record = json.loads(metadata[SIDECAR_KEY.encode()])
+        else:
+            record = path.read_json()
+    except (OSError, ValueError, pa.ArrowException, LaionkitError) as error:
         raise LaionkitError(f"{path}: unreadable ({error}); delete it and rerun the filter") from None
     if not isinstance(record, dict):
         raise LaionkitError(f"{path}: not a laionkit filter record; delete it and rerun the filter")
@@ -950,13 +994,14 @@ def refuse_changed_inputs(plan_path: Location, found: dict, wanted: dict) -> Non
                                 "(size, mtime or footer differ); use --overwrite to redo it, or another --output")
 
 
-def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool) -> None:
+def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool,
+                   connection: duckdb.DuckDBPyConnection) -> None:
     """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
-    plan_path = output / PLAN_NAME
+    plan_path = plan_location(output)
     if (output / LEGACY_PLAN_NAME).is_complete() and not overwrite:
         raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
                             "use --overwrite to redo it, or another --output")
-    if plan_path.is_complete() and not overwrite:
+    if plan_path is not None and not overwrite:
         found = read_record(plan_path)
         refuse_changed_inputs(plan_path, found, plan.record)
         refuse_other_settings(plan_path, found, plan.record, "filtered",
@@ -968,12 +1013,14 @@ def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool) ->
             for unit, path in existing_parts(output).items():
                 if unit % rank.world_size == rank.rank:
                     path.remove()
-            for path in [*output.list(STATS_GLOB), *output.list("stats-*.json")]:
-                number = re.search(r"-(\d+)\.json$", path.name)
+            for path in [*(output / SIDECARS).list(STATS_GLOB), *output.list(JSON_STATS_GLOB),
+                         *output.list("stats-*.json")]:
+                number = re.search(r"-(\d+)\.(json|parquet)$", path.name)
                 if number is None or int(number.group(1)) % rank.world_size == rank.rank:
                     path.remove()
             (output / LEGACY_PLAN_NAME).remove()
-        storage.write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
+        write_sidecar(output / PLAN_NAME, plan.record, plan, connection, shared=True)  # the same from every rank
+        (output / JSON_PLAN_NAME).remove()  # an older folder's plan, now rewritten as the sidecar
     except OSError as error:
         raise LaionkitError(f"--output {output}: cannot write there ({error.strerror or error})") from None
 
@@ -1004,7 +1051,7 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
     database = duckdb.connect(config={"threads": 1})
     plan = make_plan(config, database, Path(staging) if staging else None)
     plan.staging = staging
-    prepare_output(output, plan, rank, config.overwrite)
+    prepare_output(output, plan, rank, config.overwrite, database)
     clip = ClipChoice(
         config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
     )
@@ -1035,7 +1082,8 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
         dedup.finish(set(existing_parts(output)))
     unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
-    storage.write_json(output / f"_stats-{rank.rank:05d}.json", stats)
+    write_sidecar(output / SIDECARS / f"filter-stats-{rank.rank:05d}.parquet", stats, plan, database)
+    (output / f"_stats-{rank.rank:05d}.json").remove()  # an older folder's stats of this rank, now rewritten
     return stats
 
 

@@ -185,7 +185,8 @@ def input_files(inputs: Sequence[Path | Location]) -> list[Location]:
     for given in inputs:
         path = Location.parse(given)
         if path.is_dir():
-            # Hidden and underscore names are sidecars or temporaries (filter's _filter-plan.json, .x.partial).
+            # Hidden and underscore names are sidecars or temporaries (an older filter folder's _filter-plan.json,
+            # .x.partial); filter's _laionkit/ sidecar folder is not listed (files of this folder only).
             found = [p for p in path.list("*.parquet", complete_only=None) if not p.name.startswith("_")]
             if not found:
                 raise LaionkitError(f"{path}: folder holds no .parquet files")
