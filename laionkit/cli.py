@@ -113,17 +113,44 @@ def models_tiny(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
     family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3, flux or pixart (PixArt-Σ).")] = "sd",
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace --output if it is not empty (refused otherwise: it is replaced whole).")] = False,
 ) -> None:
     """Write a tiny random-init pipeline of a model family (SD: vae/, unet/, text_encoder/, tokenizer/,
     scheduler/; SDXL adds text_encoder_2/ and tokenizer_2/) in the real diffusers / transformers formats,
     with the real CLIP BPE vocabulary, so everything runs offline."""
-    from laionkit.common import atomic_output
+    from laionkit.common import atomic_output, storage
     from laionkit.families import get_family
 
     spec = get_family(family)
+    if not overwrite:
+        storage.refuse_nonempty(output, "models tiny")
     with atomic_output(output) as tmp:
         spec.write_tiny(tmp, seed)
     typer.echo(f"wrote tiny {spec.name} models to {output}")
+
+
+configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
+                          no_args_is_help=True)
+app.add_typer(configs_app, name="configs")
+
+
+@configs_app.command("copy", epilog="""Examples:
+
+    laionkit configs copy my-configs      # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
+
+    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ --output runs/a
+""")
+def configs_copy(
+    output: Annotated[Path, typer.Argument(help="Folder to copy train/ and pipelines/ into.")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace files that already exist there.")] = False,
+) -> None:
+    """Copy the accelerate / DeepSpeed configs (train/) and the Slurm, Kubernetes, torchrun and Docker files
+    (pipelines/) out of the installed package, to edit for a cluster."""
+    from laionkit import configs
+
+    names = configs.copy(output, overwrite)
+    typer.echo(f"copied {len(names)} files to {output} (train/, pipelines/)")
 
 
 @app.command("run", epilog="""Examples:
@@ -241,6 +268,9 @@ def pack(
     respect_optout: Annotated[
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
+        "files of the same name are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -258,7 +288,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet, storage_options=storage_options,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite,
     )
     manifest = run(config)
     if not quiet:
@@ -283,6 +313,8 @@ def pack(
     torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --dedup URL --output out/unique   # exact, ranks meet via files
 
     laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit filter datacomp/metadata/ --preset datacomp-basic --top 0.3:clip_l14_similarity_score --output out/dc
 """)
 def filter_command(
     inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
@@ -291,7 +323,12 @@ def filter_command(
         "--where", help="One DuckDB SQL true/false expression over the input's columns, e.g. 'punsafe < 0.5' or "
         "'length(caption) >= 5' (no subqueries or file access); repeatable, AND-ed.")] = None,
     preset: Annotated[Optional[list[str]], typer.Option(
-        "--preset", help="Rule set: laion-safe, sd1, sd2; combines with --where.")] = None,
+        "--preset", help="Rule set: laion-safe, sd1, sd2 (LAION; sd1/sd2 also on COYO-700M's columns), coyo-safe, "
+        "datacomp-basic, datacomp-clip-l14-30, datacomp-clip-b32-30; combines with --where.")] = None,
+    top: Annotated[Optional[list[str]], typer.Option(
+        "--top", help="FRACTION:COLUMN: keep the rows whose COLUMN is in the top FRACTION of all inputs' rows with a "
+        "value, exactly over all ranks (ties: earlier input row first), e.g. 0.3:clip_l14_similarity_score; "
+        "repeatable, AND-ed with the other rules.")] = None,
     rename: Annotated[Optional[list[str]], typer.Option(
         "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
     dedup: Annotated[Optional[str], typer.Option(
@@ -313,7 +350,7 @@ def filter_command(
         help="CPU threads for this rank (default: the CPUs it may use); units run in parallel, one thread each.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming; also write into a folder that holds another stage's outputs.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -323,7 +360,7 @@ def filter_command(
     from laionkit import filter as filter_stage
 
     config = filter_stage.FilterConfig(
-        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()),
+        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()), top=tuple(top or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,

@@ -7,8 +7,11 @@ the remaining columns, of which only the kept rows are written. Peak memory is o
 
 Invariants: the union of ``part-*-<unit>.parquet`` over ranks equals a one-rank run row for row; a
 unit is done iff its part file exists (written atomically, its stats in the parquet footer), so a
-killed run is simply rerun; ``_filter-plan.json`` pins inputs, units and rules so a rerun with other
-arguments is refused instead of mixing outputs.
+killed run is simply rerun; ``_laionkit/filter-plan.parquet`` pins inputs, units and rules so a rerun with
+other arguments is refused instead of mixing outputs.
+
+``--top FRACTION:COLUMN`` is global too, without a coordinator: every rank reads that one column of every
+input and derives the same threshold (and tie cut, by input order), which then acts as a plain rule.
 
 ``--dedup COLUMN`` is global: among rows passing every rule, the first occurrence of a value in global
 unit order is kept, with any number of ranks: the column is hash-partitioned to disk and resolved
@@ -21,6 +24,7 @@ import functools
 import glob
 import hashlib
 import json
+import math
 import os
 import queue
 import re
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,22 +63,59 @@ if TYPE_CHECKING:
 
 # Rule sets used in practice (LAION's advice; Stable Diffusion 1.x and 2.0 training sets). Names are
 # canonical: ALIASES makes them work on every LAION release's spelling.
+# An entry "top:FRACTION:COLUMN" is a quantile rule (--top), the rest are SQL rules (--where).
 PRESETS: dict[str, tuple[str, ...]] = {
     "laion-safe": ("punsafe < 0.5", "pwatermark < 0.8"),
     "sd1": ("pwatermark < 0.5", "aesthetic >= 5", "width >= 512", "height >= 512"),
     "sd2": ("punsafe < 0.1", "aesthetic >= 4.5"),
+    # COYO-700M's own NSFW thresholds (its release already applied them; they guard merged or derived
+    # copies) and LAION's watermark advice, on COYO's columns. sd1 / sd2 work on COYO through ALIASES
+    # where the score is the same model (aesthetic v2, watermark); COYO has no punsafe (its NSFW scores
+    # come from other detectors), so rules naming punsafe are refused on it.
+    "coyo-safe": ("nsfw_score_opennsfw2 < 0.5", "nsfw_score_gantman < 0.5", "watermark_score < 0.8"),
+    # DataComp's "basic filtering" baseline (Gadre et al. 2023, datacomp baselines.py) without its fastText
+    # English test: more than 2 words (whitespace-split) and 5 characters, smaller side >= 200, aspect < 3.
+    "datacomp-basic": (
+        "length(text) > 5",
+        "len(regexp_split_to_array(trim(text), '\\s+')) > 2",
+        "least(original_width, original_height) >= 200",
+        "greatest(original_width, original_height) < 3 * least(original_width, original_height)",
+    ),
+    # DataComp's CLIP-score baselines: the top 30 % of the pool by OpenAI CLIP L/14 (or B/32) similarity.
+    "datacomp-clip-l14-30": ("top:0.3:clip_l14_similarity_score",),
+    "datacomp-clip-b32-30": ("top:0.3:clip_b32_similarity_score",),
+}
+TOP_PREFIX = "top:"
+
+# Filter-only spellings of other datasets' columns that hold the same quantity as LAION's: COYO-700M's
+# LAION aesthetic v2 and watermark scores and CLIP ViT-B/32 similarity, DataComp's original sizes and
+# ViT-B/32 similarity. NSFW scores of other detectors are not LAION's punsafe, so they get no alias.
+FILTER_ALIASES: dict[str, tuple[str, ...]] = {
+    "width": ("original_width",),
+    "height": ("original_height",),
+    "aesthetic": ("aesthetic_score_laion_v2",),
+    "pwatermark": ("watermark_score",),
+    "similarity": ("clip_similarity_vitb32", "clip_b32_similarity_score"),
 }
 
 # Groups of names for one column across LAION releases (the shared table in laionkit.common.columns).
 # DuckDB matches names case-insensitively, so only names differing in more than case need an alias.
 ALIASES: tuple[tuple[str, ...], ...] = tuple(
-    tuple(dict.fromkeys(name.lower() for name in (canonical, *spellings)))
+    tuple(dict.fromkeys(name.lower() for name in (canonical, *spellings, *FILTER_ALIASES.get(canonical, ()))))
     for canonical, spellings in COLUMN_ALIASES.items()
 )
 
-# Sidecars start with "_" so dataset readers (pandas, pyarrow.dataset, Spark) skip them and read the folder.
-PLAN_NAME = "_filter-plan.json"
-STATS_GLOB = "_stats-*.json"
+# Sidecars (the plan, each rank's stats) live in _laionkit/ as parquet files with no rows, the parts'
+# columns and the record in their footer: pandas, pyarrow.dataset and Spark skip "_" names, while
+# polars.read_parquet(DIR) reads every file below DIR (refusing other extensions) and
+# datasets.load_dataset(DIR) every non-hidden one; a parquet file with the same columns and no row group
+# adds no row to either.
+SIDECARS = "_laionkit"
+PLAN_NAME = f"{SIDECARS}/filter-plan.parquet"
+STATS_GLOB = "filter-stats-*.parquet"  # in SIDECARS
+SIDECAR_KEY = "laionkit.filter.record"
+JSON_PLAN_NAME = "_filter-plan.json"  # folders filtered before the sidecars moved: still read, resumed
+JSON_STATS_GLOB = "_stats-*.json"
 LEGACY_PLAN_NAME = "filter-plan.json"  # before sidecars were "_"-named
 # Names the SQL built here uses: an input column with one of these would shadow it. file_row_number is
 # DuckDB's parquet row number (a real column of that name hides it: such files are read via arrow).
@@ -90,6 +132,7 @@ class FilterConfig:
     output: str
     where: tuple[str, ...] = ()
     presets: tuple[str, ...] = ()
+    top: tuple[str, ...] = ()  # --top FRACTION:COLUMN quantile rules
     rename: tuple[str, ...] = ()
     dedup: str | None = None
     embeddings: tuple[str, ...] = ()
@@ -148,10 +191,44 @@ def preset_rules(presets: Sequence[str], where: Sequence[str]) -> list[Rule]:
     for name in presets:
         if name not in PRESETS:
             raise LaionkitError(f"unknown --preset {name!r}; known: {', '.join(PRESETS)}")
-        rules += [Rule(expr, f"preset {name}") for expr in PRESETS[name]]
+        rules += [Rule(expr, f"preset {name}") for expr in PRESETS[name] if not expr.startswith(TOP_PREFIX)]
     rules += [Rule(expr, "--where") for expr in where]
     unique = {rule.expr: rule for rule in reversed(rules)}  # a rule given twice is tested (and counted) once
     return [rule for rule in rules if unique[rule.expr] is rule]
+
+
+@dataclass(frozen=True)
+class TopSpec:
+    """``--top FRACTION:COLUMN``: keep the rows whose COLUMN is among the top FRACTION of the pool."""
+
+    fraction: str  # as given: the count kept is floor(Fraction(fraction) x pool), exact in decimal
+    column: str
+    source: str
+
+    @classmethod
+    def parse(cls, text: str, source: str = "--top") -> TopSpec:
+        fraction, sep, column = text.partition(":")
+        try:
+            value = Fraction(fraction)
+        except (ValueError, ZeroDivisionError):
+            value = None
+        if not sep or not column or value is None or not 0 < value <= 1:
+            raise LaionkitError(f"{source} {text!r}: expected FRACTION:COLUMN with 0 < FRACTION <= 1, "
+                                "e.g. 0.3:clip_l14_similarity_score")
+        return cls(fraction, column, source)
+
+    @property
+    def label(self) -> str:
+        """Its name in the stats and the plan."""
+        return f"top({self.fraction}:{self.column})"
+
+
+def top_specs(presets: Sequence[str], top: Sequence[str]) -> list[TopSpec]:
+    specs = [TopSpec.parse(expr[len(TOP_PREFIX):], f"preset {name}") for name in presets
+             for expr in PRESETS.get(name, ()) if expr.startswith(TOP_PREFIX)]
+    specs += [TopSpec.parse(text) for text in top]
+    unique = {(spec.fraction, spec.column): spec for spec in reversed(specs)}
+    return [spec for spec in specs if unique[(spec.fraction, spec.column)] is spec]
 
 
 def parse_renames(pairs: Sequence[str]) -> dict[str, str]:
@@ -398,8 +475,14 @@ class Plan:
     rules: list[Rule]
     scores: list[ScoreSpec]
     renames: dict[str, str]
-    record: dict  # what _filter-plan.json holds; equal records = interchangeable runs
+    record: dict  # what the plan sidecar holds; equal records = interchangeable runs
     staging: str | None = None  # local folder for parts on their way to an object store
+    labels: dict[str, str] = field(default_factory=dict)  # rule expr -> its name in the stats (--top rules)
+
+    @functools.cached_property
+    def bases(self) -> list[int]:
+        """Global position of each file's first row: the input order --top breaks ties by."""
+        return [sum(f.rows for f in self.files[:i]) for i in range(len(self.files))]
 
     @property
     def plan_id(self) -> str:
@@ -461,6 +544,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
     lock_down(connection, [f.path for f in files], writable or Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection)
+    tops = [top_rule(spec, files, renames, scores, connection) for spec in top_specs(config.presets, config.top)]
+    rules += [rule for rule, _ in tops]
     units = make_units(files, config.unit_rows)
     uses_clip = any(spec.kind == "prompt" for spec in scores)
     record = {
@@ -477,7 +562,64 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         "rename": renames,
         "dedup": config.dedup,
     }
-    return Plan(files, bad, units, rules, scores, renames, record)
+    if tops:  # only then, so plans of folders filtered before --top existed stay equal
+        record["top"] = [found for _, found in tops]
+    return Plan(files, bad, units, rules, scores, renames, record,
+                labels={rule.expr: found["rule"] for rule, found in tops})
+
+
+def top_rule(spec: TopSpec, files: Sequence[InputFile], renames: dict[str, str], scores: Sequence[ScoreSpec],
+             connection: duckdb.DuckDBPyConnection) -> tuple[Rule, dict]:
+    """``--top``: the threshold that keeps exactly floor(FRACTION x N) of the N input rows whose COLUMN has
+    a value (null and NaN are never kept), as a plain rule every rank evaluates alike.
+
+    Every rank reads COLUMN of every input (only that column) and derives the same threshold, so no rank
+    waits for another. Ties: rows are ranked by value, then by input order (file order, then row), so
+    among rows equal to the threshold value the earlier ones are kept, and the count is exact."""
+    if spec.column.lower() in {s.name.lower() for s in scores}:
+        raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: a --score column is computed per unit; "
+                            "--top needs a column of the input files")
+    selects, base = [], 0
+    numeric = True
+    floats = False
+    for file in files:
+        names = [renames.get(name, name) for name in file.schema.names]
+        present = {name.lower(): original for name, original in zip(names, file.schema.names)}
+        aliased = alias_names(names)
+        target = present.get(spec.column.lower()) or (
+            file.schema.names[names.index(aliased[spec.column.lower()])] if spec.column.lower() in aliased else None)
+        if target is None:
+            raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: {file.path} has no such column; "
+                                f"available columns: {', '.join(names)}")
+        kind = file.schema.field(target).type
+        numeric = numeric and (pa.types.is_integer(kind) or pa.types.is_floating(kind))
+        floats = floats or pa.types.is_floating(kind)
+        if not numeric:
+            raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: {file.path} holds {kind}; "
+                                "--top ranks a number column")
+        selects.append(f"SELECT {quote(target)}::DOUBLE AS v, file_row_number + {base} AS pos "
+                       f"FROM read_parquet({literal(glob_literal(file.path))}, file_row_number = true)")
+        base += file.rows
+    valid = "v IS NOT NULL" + (" AND NOT isnan(v)" if floats else "")
+    pool = f"(SELECT * FROM ({' UNION ALL '.join(selects)}) WHERE {valid})"
+    [(rows,)] = connection.execute(f"SELECT count(*) FROM {pool}").fetchall()
+    keep = math.floor(Fraction(spec.fraction) * rows)
+    column = quote(spec.column)
+    found = {"rule": spec.label, "source": spec.source, "fraction": spec.fraction, "column": spec.column,
+             "pool_rows": rows, "kept": keep, "threshold": None, "ties_kept_through": None}
+    if keep == 0:
+        expr = f"{column} IS NULL AND false"
+    elif keep == rows:
+        expr = f"{column} IS NOT NULL"
+    else:
+        [(threshold,)] = connection.execute(f"SELECT v FROM {pool} ORDER BY v DESC LIMIT 1 OFFSET {keep - 1}").fetchall()
+        value = f"CAST({literal(repr(float(threshold)))} AS DOUBLE)"
+        [(above,)] = connection.execute(f"SELECT count(*) FROM {pool} WHERE v > {value}").fetchall()
+        [(last,)] = connection.execute(
+            f"SELECT pos FROM {pool} WHERE v = {value} ORDER BY pos LIMIT 1 OFFSET {keep - above - 1}").fetchall()
+        found.update(threshold=float(threshold), ties_kept_through=int(last))
+        expr = f"({column}::DOUBLE > {value} OR ({column}::DOUBLE = {value} AND __laionkit_gpos <= {int(last)}))"
+    return Rule(expr, spec.source), found
 
 
 def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> pa.Schema:
@@ -652,6 +794,7 @@ class UnitFilter:
             f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names
         ]
         columns += [quote(s.spec.name) for s in self.scorers] + ["__laionkit_row"]
+        columns.append(f"__laionkit_row + {self.plan.bases[unit.file]} AS __laionkit_gpos")  # --top's input order
         columns += [f"{quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items()]
         return f"SELECT {', '.join(columns)} FROM ({source})", output
 
@@ -731,7 +874,7 @@ class UnitFilter:
                self.connection.execute(f"SELECT {', '.join(counts)} FROM {tested}").fetchall()[0]]
         total = row[0]
         stats["rules"] = {
-            rule.expr: asdict(RuleCounts(dropped=row[1 + 2 * i] - row[2 + 2 * i], nulls=total - row[1 + 2 * i]))
+            self.plan.labels.get(rule.expr, rule.expr): asdict(RuleCounts(dropped=row[1 + 2 * i] - row[2 + 2 * i], nulls=total - row[1 + 2 * i]))
             for i, rule in enumerate(self.plan.rules)
         }
         kept = f"({source}) WHERE {where}"  # the rows passing: keep == where, row for row
@@ -790,11 +933,49 @@ def unit_stats_from_part(path: Location) -> dict:
     return {**json.loads(metadata[STATS_KEY.encode()]), "rows_out": footer.num_rows}
 
 
+def plan_location(folder: Location | Path | str) -> Location | None:
+    """The folder's plan sidecar (an older folder's JSON one), None when it has none."""
+    folder = Location.parse(folder)
+    for path in (folder / PLAN_NAME, folder / JSON_PLAN_NAME):
+        if path.is_complete() and not path.is_dir():
+            return path
+    return None
+
+
+def stats_paths(folder: Location | Path | str) -> list[Location]:
+    """The rank stats sidecars of a filter folder (an older folder's ``_stats-*.json``)."""
+    folder = Location.parse(folder)
+    return (folder / SIDECARS).list(STATS_GLOB) or folder.list(JSON_STATS_GLOB)
+
+
+def write_sidecar(path: Location, record: dict, plan: Plan, connection: duckdb.DuckDBPyConnection,
+                  shared: bool = False) -> None:
+    """``record`` in the footer of a parquet file with the columns of a part of the plan's first input and
+    no row group (DuckDB writes none for no rows): readers of the folder get the same schema, no row."""
+    file = plan.files[0]
+    columns = [f"{quote(name)} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
+    columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in plan.scores]
+    output = [plan.renames.get(name, name) for name in file.schema.names] + [spec.name for spec in plan.scores]
+    source = (f"SELECT {', '.join(columns)}, 0::BIGINT AS __laionkit_row "
+              f"FROM read_parquet({literal(glob_literal(file.path))}) LIMIT 0")
+    metadata = literal(json.dumps(record, sort_keys=True, default=str))
+    with storage.atomic_write(path, shared=shared, staging=plan.staging) as tmp:
+        connection.execute(f"COPY (SELECT {', '.join(map(nullable, output))} FROM ({source})) TO {literal(str(tmp))} "
+                           f"(FORMAT parquet, KV_METADATA {{{literal(SIDECAR_KEY)}: {metadata}}})").fetchall()
+
+
 def read_record(path: Location) -> dict:
-    """A sidecar JSON record (plan or rank stats), or a one-line error naming it."""
+    """A sidecar record (plan or rank stats; parquet footer or older JSON), or a one-line error naming it."""
     try:
-        record = path.read_json()
-    except (OSError, ValueError, LaionkitError) as error:
+        if path.name.endswith(".parquet"):
+            # Read whole (a footer and no row): one GET, and no stale listing cache of an object store
+            metadata = pq.read_metadata(pa.BufferReader(path.read_bytes())).metadata or {}
+            if SIDECAR_KEY.encode() not in metadata:
+                raise ValueError(f"no {SIDECAR_KEY} in its footer")
+            record = json.loads(metadata[SIDECAR_KEY.encode()])
+        else:
+            record = path.read_json()
+    except (OSError, ValueError, pa.ArrowException, LaionkitError) as error:
         raise LaionkitError(f"{path}: unreadable ({error}); delete it and rerun the filter") from None
     if not isinstance(record, dict):
         raise LaionkitError(f"{path}: not a laionkit filter record; delete it and rerun the filter")
@@ -813,13 +994,14 @@ def refuse_changed_inputs(plan_path: Location, found: dict, wanted: dict) -> Non
                                 "(size, mtime or footer differ); use --overwrite to redo it, or another --output")
 
 
-def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool) -> None:
+def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool,
+                   connection: duckdb.DuckDBPyConnection) -> None:
     """Refuse to mix runs; with --overwrite each rank clears only what it owns (no race between ranks)."""
-    plan_path = output / PLAN_NAME
+    plan_path = plan_location(output)
     if (output / LEGACY_PLAN_NAME).is_complete() and not overwrite:
         raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
                             "use --overwrite to redo it, or another --output")
-    if plan_path.is_complete() and not overwrite:
+    if plan_path is not None and not overwrite:
         found = read_record(plan_path)
         refuse_changed_inputs(plan_path, found, plan.record)
         refuse_other_settings(plan_path, found, plan.record, "filtered",
@@ -831,12 +1013,14 @@ def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool) ->
             for unit, path in existing_parts(output).items():
                 if unit % rank.world_size == rank.rank:
                     path.remove()
-            for path in [*output.list(STATS_GLOB), *output.list("stats-*.json")]:
-                number = re.search(r"-(\d+)\.json$", path.name)
+            for path in [*(output / SIDECARS).list(STATS_GLOB), *output.list(JSON_STATS_GLOB),
+                         *output.list("stats-*.json")]:
+                number = re.search(r"-(\d+)\.(json|parquet)$", path.name)
                 if number is None or int(number.group(1)) % rank.world_size == rank.rank:
                     path.remove()
             (output / LEGACY_PLAN_NAME).remove()
-        storage.write_json(plan_path, plan.record, shared=True)  # every rank writes the same content
+        write_sidecar(output / PLAN_NAME, plan.record, plan, connection, shared=True)  # the same from every rank
+        (output / JSON_PLAN_NAME).remove()  # an older folder's plan, now rewritten as the sidecar
     except OSError as error:
         raise LaionkitError(f"--output {output}: cannot write there ({error.strerror or error})") from None
 
@@ -856,6 +1040,7 @@ def run(config: FilterConfig) -> dict:
     storage.refuse_overlap([Location.parse(given, options) for given in config.inputs], output, "filter")
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
+    storage.claim_output(output, "filter", config.overwrite)
     with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=storage._staging(None)) \
             if not output.local else nullcontext() as staging:
         return run_in(config, rank, output, staging, started)
@@ -866,7 +1051,7 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
     database = duckdb.connect(config={"threads": 1})
     plan = make_plan(config, database, Path(staging) if staging else None)
     plan.staging = staging
-    prepare_output(output, plan, rank, config.overwrite)
+    prepare_output(output, plan, rank, config.overwrite, database)
     clip = ClipChoice(
         config.clip_model, None if config.clip_pretrained.lower() == "none" else config.clip_pretrained
     )
@@ -897,7 +1082,8 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
         dedup.finish(set(existing_parts(output)))
     unit_records = [filtered[u.index] if u.index in filtered else unit_stats_from_part(done[u.index]) for u in mine]
     stats = rank_stats(unit_records, plan, rank, config, time.perf_counter() - started)
-    storage.write_json(output / f"_stats-{rank.rank:05d}.json", stats)
+    write_sidecar(output / SIDECARS / f"filter-stats-{rank.rank:05d}.parquet", stats, plan, database)
+    (output / f"_stats-{rank.rank:05d}.json").remove()  # an older folder's stats of this rank, now rewritten
     return stats
 
 
@@ -948,6 +1134,7 @@ def rank_stats(units: list[dict], plan: Plan, rank: Rank, config: FilterConfig, 
         "rows_out": sum(u["rows_out"] for u in units),
         "rows_filtered_now": sum(u["rows_in"] for u in units if "seconds" in u),  # not resumed
         "rules": {name: asdict(count) for name, count in rules.items()},
+        "top": plan.record.get("top", []),  # each --top rule's pool, count kept, threshold and tie cut
         "bad_inputs": plan.bad_inputs,
         "bad_units": [
             {"unit": u["unit"], "input": u["input"], "rows": u["bad_rows"], "error": u["bad"]}

@@ -127,6 +127,7 @@ class PackConfig:
     world_size: int | None = None
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
+    overwrite: bool = False  # write into a folder that holds another stage's outputs (same names replaced)
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
@@ -157,7 +158,7 @@ class PackConfig:
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
-        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options"}
+        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite"}
         return {key: value for key, value in asdict(self).items() if key not in skipped}
 
 
@@ -184,7 +185,8 @@ def input_files(inputs: Sequence[Path | Location]) -> list[Location]:
     for given in inputs:
         path = Location.parse(given)
         if path.is_dir():
-            # Hidden and underscore names are sidecars or temporaries (filter's _filter-plan.json, .x.partial).
+            # Hidden and underscore names are sidecars or temporaries (an older filter folder's _filter-plan.json,
+            # .x.partial); filter's _laionkit/ sidecar folder is not listed (files of this folder only).
             found = [p for p in path.list("*.parquet", complete_only=None) if not p.name.startswith("_")]
             if not found:
                 raise LaionkitError(f"{path}: folder holds no .parquet files")
@@ -851,6 +853,7 @@ def run(config: PackConfig) -> dict:
     inputs, output = config.locations()
     files = input_files(inputs)
     storage.refuse_overlap(inputs, output, "pack")
+    storage.claim_output(output, "pack", config.overwrite)
     tasks = plan_shards(files, config)
     mine = split(tasks, rank)
     make_output_folder(output)

@@ -1,7 +1,8 @@
 """`laionkit stats DIR`: a readable summary of a stage's output folder, merged across ranks.
 
 What the folder holds decides the summary (SUMMARIES: marker glob -> summariser), so each stage adds
-its own entry. Filter: every rank's ``_stats-<rank>.json`` carries per-unit records; they are merged by
+its own entry. Filter: every rank's ``_laionkit/filter-stats-<rank>.parquet`` (``_stats-<rank>.json`` in
+older folders) carries per-unit records; they are merged by
 unit index and only those of the folder's current plan count, so stale files from an earlier world
 size or a resumed run never count twice.
 
@@ -39,17 +40,17 @@ def listed(folder: Location, pattern: str) -> list[Location]:
 
 def filter_totals(folder: Location | Path) -> dict:
     """Merge a filter folder's rank stats: one record per unit, totals, per-rank and per-rule counts."""
-    from laionkit.filter import PLAN_NAME, STATS_GLOB, plan_id, read_record
+    from laionkit.filter import PLAN_NAME, plan_id, plan_location, read_record, stats_paths
 
     folder = Location.parse(folder)
-    plan_path = folder / PLAN_NAME
-    if not plan_path.is_complete() or plan_path.is_dir():
+    plan_path = plan_location(folder)
+    if plan_path is None:
         raise LaionkitError(f"{folder}: no {PLAN_NAME}, so not a laionkit filter folder")
     plan_record = read_record(plan_path)
     current = plan_id(plan_record)
     units: dict[int, dict] = {}
     ranks = []
-    for path in listed(folder, STATS_GLOB):
+    for path in stats_paths(folder):
         stats = read_record(path)
         if stats.get("plan_id") != current:
             continue
@@ -181,7 +182,7 @@ def print_encode_summary(folder: Location, console: Console) -> None:
 
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
-    "_stats-*.json": print_filter_summary,
+    "_stats-*.json": print_filter_summary,  # and a folder with a filter plan (filter.plan_location)
     "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
     "*.tar": print_tar_summary,  # plain WebDataset
@@ -192,8 +193,10 @@ def run(config: StatsConfig) -> None:
     folder = Location.parse(str(config.folder), storage.parse_storage_options(config.storage_options))
     if not folder.is_dir():
         raise LaionkitError(f"not a folder: {folder}")
+    from laionkit.filter import plan_location
+
     for marker, summarise in SUMMARIES.items():
-        if listed(folder, marker):
+        if listed(folder, marker) or (summarise is print_filter_summary and plan_location(folder) is not None):
             # Paths, rule SQL and model sources are data: no markup, emoji codes or highlighting.
             summarise(folder, Console(width=max(Console().width, 120), markup=False, emoji=False, highlight=False))
             return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli
 
-from laionkit.filter import PART_NAME
+from laionkit.filter import PART_NAME, read_record, stats_paths
 
 # 1350 rows in 3 files -> 14 units of >= 100 rows, 14 buckets of ~100 rows.
 ARGS = ("--dedup", "URL", "--where", "WIDTH >= 200", "--unit-rows", "100", "--dedup-bucket-rows", "100", "-q")
@@ -60,7 +59,7 @@ def parts(out: Path) -> pa.Table:
 
 
 def dedup_counts(out: Path) -> tuple[int, int]:
-    stats = [json.loads(p.read_text()) for p in out.glob("_stats-*.json")]
+    stats = [read_record(p) for p in stats_paths(out)]
     return (sum(s["rules"]["dedup(URL)"]["dropped"] for s in stats), sum(s["rows_out"] for s in stats))
 
 
@@ -142,7 +141,7 @@ def test_an_unreadable_unit_is_an_error_or_a_counted_skip_left_out_of_the_dedup(
     assert result.returncode == 2 and "b.parquet: cannot read row groups 4-5" in result.stderr
     assert "Traceback" not in result.stderr
     run_cli("filter", inputs, "--output", tmp_path / "out", *ARGS, "--skip-bad")
-    [stats] = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("_stats-*.json")]
+    [stats] = [read_record(p) for p in stats_paths(tmp_path / "out")]
     assert [(u["input"].endswith("b.parquet"), u["rows"]) for u in stats["bad_units"]] == [(True, 100)]
     readable = tmp_path / "readable"
     readable.mkdir()

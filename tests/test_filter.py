@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 from conftest import run_cli
 
 from laionkit.common import LaionkitError
-from laionkit.filter import FilterConfig, InputFile, make_units, run
+from laionkit.filter import FilterConfig, InputFile, make_units, read_record, run, stats_paths
 
 ROWS = 1000
 RULES = ("--where", "punsafe < 0.5", "--where", "AESTHETIC_SCORE >= 4.5", "--where", "WIDTH / HEIGHT <= 2")
@@ -52,7 +51,7 @@ def read_parts(folder: Path) -> pa.Table:
 
 
 def stats_of(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("_stats-*.json"))]
+    return [read_record(p) for p in stats_paths(folder)]
 
 
 def test_rules_keep_the_right_rows_and_count_nulls_and_nans(sample: Path, tmp_path: Path):
@@ -121,7 +120,7 @@ def test_resume_after_interrupted_run_gives_the_same_output(sample: Path, tmp_pa
     # Simulate a kill -9: two units never finished, one left a half-written temporary behind.
     (out / "part-00000-000004.parquet").unlink()
     (out / "part-00000-000007.parquet").rename(out / ".part-00000-000007.parquet.partial")
-    (out / "_stats-00000.json").unlink()
+    (out / "_laionkit" / "filter-stats-00000.parquet").unlink()
     before = {p: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     run_cli("filter", sample, "--output", out, *RULES, "--unit-rows", "100", "-q")
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in before.items())  # finished units not redone
@@ -588,11 +587,13 @@ def test_output_mistakes_are_one_line_errors(sample: Path, tmp_path: Path):
     assert a_file.read_text() == "not a folder" and not (sample.parent / "out").exists()
     out = tmp_path / "out"
     run_cli("filter", sample, "--output", out, "-q")
-    (out / "_filter-plan.json").write_text("{ truncated")
+    (out / "_laionkit" / "filter-plan.parquet").write_bytes(b"PAR1 truncated")
     result = run_cli("filter", sample, "--output", out, "-q", check=False)
-    assert result.returncode == 2 and "_filter-plan.json: unreadable" in result.stderr
+    assert result.returncode == 2 and "filter-plan.parquet: unreadable" in result.stderr
     assert "Traceback" not in result.stderr
-    (out / "_stats-00000.json").write_text("{ truncated")
+    (out / "_laionkit" / "filter-stats-00000.parquet").write_bytes(b"PAR1 truncated")
+    (out / "_laionkit" / "filter-stats-copy.parquet").write_bytes(b"PAR1 truncated")
     (out / "_stats-copy.json").write_text("{ truncated")
     run_cli("filter", sample, "--output", out, "-q", "--overwrite")
     assert [s["rows_out"] for s in stats_of(out)] == [ROWS] and not (out / "_stats-copy.json").exists()
+    assert not (out / "_laionkit" / "filter-stats-copy.parquet").exists()

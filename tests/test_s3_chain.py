@@ -29,6 +29,7 @@ from test_s3_stages import read_parts, tar_members, upload
 from laionkit.common.imageserver import folder_routes, serve
 from laionkit.common.storage import Location
 from laionkit.demo import DEMO_DATA, MISSING_PATH, write_metadata
+from laionkit.filter import read_record, stats_paths
 
 PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))
 FILTER = ("--preset", "laion-safe", "--where", "length(TEXT) >= 10", "--where", "WIDTH >= 64 AND HEIGHT >= 64",
@@ -139,7 +140,7 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     half_written = pq.read_table(io.BytesIO(left.read_bytes()))
     before = {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet")}
     assert sorted(before) == ["part-00000-000000.parquet", "part-00000-000002.parquet"]
-    assert not folder.list("_stats-*.json")  # the rank's stats come last
+    assert not (folder / "_laionkit").list("filter-stats-*")  # the rank's stats come last
     run_cli(*argv, "--rank", "0", env=env)
     run_cli(*argv, "--rank", "1", env=env)
 
@@ -152,7 +153,8 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
                      & (frame.WIDTH >= 64) & (frame.HEIGHT >= 64)]
     kept = read_parts(filtered).to_pandas()
     assert kept.URL.tolist() == expected.URL.tolist() and len(kept) == PHOTOS + 1  # + the dead URL
-    assert sum((folder / f"_stats-0000{r}.json").read_json()["rows_out"] for r in (0, 1)) == PHOTOS + 1
+    stats = [read_record(path) for path in stats_paths(folder)]  # listed anew: this process cached the folder
+    assert [s["rank"] for s in stats] == [0, 1] and sum(s["rows_out"] for s in stats) == PHOTOS + 1
 
     # -- pack: 9 rows -> 5 shards of 2; rank 0 (shards 0, 2, 4) killed between the objects of shard 2:
     # its tar and parquet recorded, its stats (which make the shard done) not

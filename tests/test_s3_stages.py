@@ -25,6 +25,7 @@ from conftest import REPO, run_cli
 
 from laionkit.common.imageserver import folder_routes, serve
 from laionkit.common.storage import Location
+from laionkit.filter import read_record, stats_paths
 
 SAMPLE = REPO / "laionkit" / "data" / "laion-sample.parquet"  # 1000 rows in 4 row groups
 RULES = ("--where", "punsafe < 0.5", "--where", "WIDTH >= 300")
@@ -90,9 +91,10 @@ def test_filter_reads_and_writes_the_bucket_with_two_ranks_like_local_disk(s3, t
     assert read_parts(output).equals(read_parts(reference))
     folder = Location.parse(output)
     assert {p.name.split("-")[1] for p in folder.list("part-*.parquet")} == {"00000", "00001"}
-    assert [p.name for p in folder.list("_*.json")] == ["_filter-plan.json", "_stats-00000.json", "_stats-00001.json"]
+    assert [p.name for p in (folder / "_laionkit").list()] == ["filter-plan.parquet", "filter-stats-00000.parquet",
+                                                               "filter-stats-00001.parquet"]
     assert not list(Path.cwd().glob("s3:*")) and not (tmp_path / "s3:").exists()  # no local "s3:" folder
-    kept = sum((folder / f"_stats-0000{rank}.json").read_json()["rows_out"] for rank in (0, 1))
+    kept = sum(read_record(folder / f"_laionkit/filter-stats-0000{rank}.parquet")["rows_out"] for rank in (0, 1))
     assert kept == read_parts(output).num_rows > 0  # the count reported is what is in the bucket
 
     summary = run_cli("stats", output, env=s3.env).stdout
@@ -117,7 +119,7 @@ def test_filter_killed_before_a_part_is_recorded_resumes_on_the_bucket_to_the_sa
     assert half.exists() and not half.is_complete()  # uploaded, never recorded: a reader skips it
     assert [p.name for p in folder.list("part-*.parquet")] == ["part-00000-000000.parquet",
                                                                "part-00000-000001.parquet"]
-    assert not folder.list("_stats-*.json")
+    assert not (folder / "_laionkit").list("filter-stats-*")
     done_before = {p.name: p.done_record.read_bytes() for p in folder.list("part-*.parquet")}
 
     rerun = run_cli("filter", source, "--output", output, *RULES, "--unit-rows", "1", env=s3.env)
@@ -126,7 +128,8 @@ def test_filter_killed_before_a_part_is_recorded_resumes_on_the_bucket_to_the_sa
             if p.name in done_before} == done_before  # finished units were not redone
     assert len(folder.list("part-*.parquet")) == 4  # no duplicates, no holes
     assert read_parts(output).equals(read_parts(reference))
-    assert (folder / "_stats-00000.json").read_json()["rows_out"] == read_parts(reference).num_rows
+    [stats] = [read_record(path) for path in stats_paths(folder)]  # listed anew: this process cached the folder
+    assert stats["rows_out"] == read_parts(reference).num_rows
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +244,8 @@ def test_filter_dedup_with_two_ranks_meets_in_the_bucket_and_resumes_after_kill_
     assert other.returncode == 0, err
     assert read_parts(output).to_pylist() == expected(folder).to_pylist()
     assert not Location.parse(output).glob(".dedup-*")  # scratch removed once every part is recorded
-    kept = sum((Location.parse(output) / f"_stats-0000{r}.json").read_json()["rows_out"] for r in (0, 1))
+    kept = sum(read_record(Location.parse(output) / f"_laionkit/filter-stats-0000{r}.parquet")["rows_out"]
+               for r in (0, 1))
     assert kept == expected(folder).num_rows
 
 

@@ -10,7 +10,17 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli
 
+from laionkit.common.storage import Location
+from laionkit.filter import SIDECAR_KEY, read_record
 from laionkit.stats import filter_totals
+
+
+def rewrite_record(source: Path, target: Path, record: dict) -> None:
+    """A copy of a sidecar (same columns, no row group) holding another record in its footer."""
+    schema = pq.read_schema(source)
+    with pq.ParquetWriter(target, schema.with_metadata({**(schema.metadata or {}),
+                                                         SIDECAR_KEY.encode(): json.dumps(record).encode()})):
+        pass
 
 SAMPLE = Path(__file__).resolve().parents[1] / "laionkit" / "data" / "laion-sample.parquet"
 
@@ -55,9 +65,12 @@ def test_totals_merge_ranks_and_match_the_data(two_rank_run: Path):
 def test_stale_or_duplicate_stats_are_not_counted_twice(two_rank_run: Path):
     before = filter_totals(two_rank_run)
     # A rank file of the same plan from an earlier world size repeats units; one of another plan is stale.
-    stats = json.loads((two_rank_run / "_stats-00000.json").read_text())
-    (two_rank_run / "_stats-00002.json").write_text(json.dumps({**stats, "rank": 2, "world_size": 3}))
-    (two_rank_run / "_stats-00003.json").write_text(json.dumps({**stats, "plan_id": "0123456789abcdef"}))
+    sidecars = two_rank_run / "_laionkit"
+    stats = read_record(Location.parse(sidecars / "filter-stats-00000.parquet"))
+    rewrite_record(sidecars / "filter-stats-00000.parquet", sidecars / "filter-stats-00002.parquet",
+                   {**stats, "rank": 2, "world_size": 3})
+    rewrite_record(sidecars / "filter-stats-00000.parquet", sidecars / "filter-stats-00003.parquet",
+                   {**stats, "plan_id": "0123456789abcdef"})
     after = filter_totals(two_rank_run)
     assert (after["rows_in"], after["rows_out"], after["rules"]) == (
         before["rows_in"],
@@ -73,7 +86,7 @@ def test_cli_summary_says_what_is_missing(two_rank_run: Path, tmp_path: Path):
     assert "4 of 4 done (complete)" in result.stdout
     half = tmp_path / "half"
     shutil.copytree(two_rank_run, half)
-    for path in half.glob("_stats-00001.json"):
+    for path in half.glob("_laionkit/filter-stats-00001.parquet"):
         path.unlink()
     assert "2 of 4 done (INCOMPLETE" in run_cli("stats", half).stdout
 
@@ -84,9 +97,9 @@ def test_a_folder_without_stage_records_is_a_clear_error(tmp_path: Path):
 
 
 def test_corrupt_rank_stats_is_a_one_line_error(two_rank_run: Path):
-    (two_rank_run / "_stats-00001.json").write_text('{"plan_id": ')
+    (two_rank_run / "_laionkit" / "filter-stats-00001.parquet").write_bytes(b'{"plan_id": ')
     result = run_cli("stats", two_rank_run, check=False)
-    assert result.returncode == 2 and "_stats-00001.json: unreadable" in result.stderr
+    assert result.returncode == 2 and "filter-stats-00001.parquet: unreadable" in result.stderr
     assert "Traceback" not in result.stderr
 
 

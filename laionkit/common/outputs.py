@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,55 @@ def refuse_overlap(inputs, output: str | os.PathLike[str], stage: str) -> None:
             relation = "is" if out == source else ("lies inside" if source in out.parents else "contains")
             raise LaionkitError(f"{stage}: --output {output} {relation} the input {given}; "
                                 "outputs never overwrite inputs, choose another folder")
+
+
+# What each stage leaves in its output folder, by name: the records that say whose folder it is. Each kind
+# is (description, test on one top-level entry name). Tar shards belong to the stage whose per-shard
+# records sit beside them; tars with neither are another tool's (a WebDataset of images, say).
+FOLDER_KINDS: dict[str, tuple[str, Any]] = {
+    "filter": ("filter's parquet parts", lambda name: name in ("_laionkit", "_filter-plan.json", "filter-plan.json")
+               or re.fullmatch(r"part-\d{5}-\d{6}\.parquet", name) is not None),
+    "pack": ("pack's image shards", lambda name: name.endswith("_stats.json")),
+    "encode": ("encode's latent shards", lambda name: name in ("plan.json", "empty_caption.npy")
+               or name.endswith(".stats.json")),
+    "train": ("a training run", lambda name: name in ("metrics.jsonl", "trainer.json", "checkpoints")),
+    "model": ("a model", lambda name: name == "model_index.json"),
+}
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def folder_holds(names: Sequence[str]) -> dict[str, list[str]]:
+    """The kinds of stage output among a folder's entry ``names`` (top level only), each with its names.
+
+    ``shards``: tar files no stage's records account for."""
+    found: dict[str, list[str]] = {}
+    for name in sorted(names):
+        for kind, (_, owns) in FOLDER_KINDS.items():
+            if owns(name):
+                found.setdefault(kind, []).append(name)
+    for name in sorted(names):
+        if name.endswith(TAR_SUFFIXES) and not any(kind in found for kind in ("pack", "encode")):
+            found.setdefault("shards", []).append(name)
+    return found
+
+
+def describe_holdings(found: dict[str, list[str]]) -> str:
+    """``found`` (folder_holds) in words, naming a few entries of each kind."""
+    words = {**{kind: text for kind, (text, _) in FOLDER_KINDS.items()}, "shards": "WebDataset tar shards"}
+    parts = []
+    for kind, names in found.items():
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        parts.append(f"{words.get(kind, kind)} ({shown})")
+    return "; ".join(parts)
+
+
+def refuse_other_stage(names: Sequence[str], output: str, stage: str) -> None:
+    """One stage never writes into another's folder: same-named files (``00000.tar``, ``manifest.json``)
+    would be replaced, and the rest mixed. ``names``: the folder's top-level entries."""
+    others = {kind: found for kind, found in folder_holds(names).items() if kind != stage}
+    if others:
+        raise LaionkitError(f"{stage}: --output {output} holds {describe_holdings(others)}; "
+                            "choose another folder, or --overwrite to write there anyway")
 
 
 def versions() -> dict[str, str]:

@@ -1,0 +1,58 @@
+"""`laionkit configs copy DIR` from an installed (non-editable) wheel: the configs come out of the package's
+data, not from a checkout next to it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+
+def repo_files(*folders: str) -> dict[str, bytes]:
+    return {str(p.relative_to(REPO)): p.read_bytes() for folder in folders for p in sorted((REPO / folder).rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_configs_copy_from_an_installed_wheel_writes_train_and_pipelines(tmp_path: Path):
+    source = tmp_path / "src"  # a copy, so the build writes nothing into the checkout
+    for name in ("laionkit", "train", "pipelines"):
+        shutil.copytree(REPO / name, source / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    [wheel] = (tmp_path / "dist").glob("laionkit-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
+    shutil.rmtree(source)  # nothing but the installed package is left to copy from
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import laionkit; print(laionkit.__file__)"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(site))
+    out = tmp_path / "mine"
+    result = subprocess.run([sys.executable, "-m", "laionkit.cli", "configs", "copy", str(out)], env=env, cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    copied = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert copied == repo_files("train", "pipelines")
+    assert {"train/ddp.yaml", "train/deepspeed-zero2.json", "pipelines/slurm/train.sbatch"} <= set(copied)
+    assert os.access(out / "pipelines" / "torchrun" / "train-multinode.sh", os.X_OK)
+    again = subprocess.run([sys.executable, "-m", "laionkit.cli", "configs", "copy", str(out)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "already holds" in again.stderr and "--overwrite" in again.stderr
+
+
+def test_the_docker_image_installs_the_s3_and_ops_extras():
+    extras = re.findall(r"^(\w+) = \[", (REPO / "pyproject.toml").read_text(), flags=re.M)
+    dockerfile = (REPO / "pipelines" / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    installs = re.findall(r"^RUN pip install (.+)$", dockerfile, flags=re.M)
+    wanted = [set(found.split(",")) for line in installs for found in re.findall(r"\.\[([\w,-]+)\]", line)]
+    assert any({"s3", "ops"} <= chosen for chosen in wanted), installs
+    assert {"s3", "ops"} <= set(extras)
