@@ -4,6 +4,7 @@ output formats as inputs (issue "Faithful outputs")."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -55,3 +56,56 @@ def test_online_text_train_refuses_a_model_folder_missing_a_tokenizer(tmp_path, 
                      "--batch-size", "2", "--workers", "0", "--log-with", "none", "--quiet", check=False)
     one_line_error(result, "tokenizer_2/")
     assert not (tmp_path / "run" / "transformer").exists()
+
+
+# --- 3. a pipeline folder without model_index.json: the family from its components, or a one-line refusal ---
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "pixart"])
+def test_transformer_folder_without_model_index_encodes_as_its_family(tmp_path, image_shards, flow_latents, family):
+    """Before: encoded as SD (CLIP text only, SD's latent scaling), which no transformer trains on. Now the
+    same latents as the folder with its model_index.json, byte for byte."""
+    flow = flow_latents(family)
+    bare = model_copy(flow.model, tmp_path / "model", drop=("model_index.json",))
+    run_cli("encode", image_shards / "00000.tar", "--model", bare, "--output", tmp_path / "out", "--text", "stored",
+            *ENCODE)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["family"] == family
+    assert (tmp_path / "out" / "00000.tar").read_bytes() == (flow.latents / "00000.tar").read_bytes()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sdxl"])
+def test_family_of_a_folder_without_model_index_comes_from_its_components(tmp_path, flow_latents, family):
+    """transformer/config.json's class, else the text encoders (SD3's third, Flux's T5 second, PixArt's T5
+    alone); a UNet with a second text encoder is SDXL."""
+    from laionkit.families import detect_family, get_family
+
+    if family == "sdxl":
+        model = get_family("sdxl").write_tiny(tmp_path / "sdxl", 0)
+    else:
+        model = flow_latents(family).model
+    bare = model_copy(model, tmp_path / "bare", drop=("model_index.json",))
+    assert detect_family(str(bare)).name == family
+    if family != "sdxl":
+        (bare / "transformer" / "config.json").unlink()  # no readable class: the text encoders decide
+        assert detect_family(str(bare)).name == family
+
+
+def test_unknown_transformer_without_model_index_is_refused(tmp_path, image_shards, flow_latents):
+    bare = model_copy(flow_latents("sd3").model, tmp_path / "model", drop=("model_index.json",))
+    config = bare / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "HunyuanDiT2DModel"}))
+    result = run_cli("encode", image_shards / "00000.tar", "--model", bare, "--output", tmp_path / "out", *ENCODE,
+                     check=False)
+    one_line_error(result, "HunyuanDiT2DModel", "model_index.json")
+
+
+# --- 4. SD3's 2x2 patches: odd latent sides are refused at encode, as for Flux and PixArt -----------------
+
+def test_sd3_refuses_sizes_its_patches_cannot_cover(tmp_path, image_shards, flow_latents):
+    """Before: encoded, and train failed on the first batch's shape after the whole encode."""
+    model = flow_latents("sd3").model
+    for resolution, buckets in ((72, ()), (64, ("--buckets",))):
+        result = run_cli("encode", image_shards / "00000.tar", "--model", model, "--output", tmp_path / f"o{resolution}",
+                         *ENCODE, "--resolution", str(resolution), *buckets, check=False)
+        one_line_error(result, "sd3 takes 2x2 latent patches", "multiples of 16 px")
+        assert not list((tmp_path / f"o{resolution}").glob("*.tar"))
