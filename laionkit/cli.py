@@ -506,6 +506,7 @@ def encode(
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
+    caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -520,10 +521,12 @@ def encode(
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
+        caption_key=caption_key,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
-        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped) "
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} with an empty caption) "
                           f"from {summary['shards']} shards into {output}", highlight=False)
 
 

@@ -109,3 +109,66 @@ def test_sd3_refuses_sizes_its_patches_cannot_cover(tmp_path, image_shards, flow
                          *ENCODE, "--resolution", str(resolution), *buckets, check=False)
         one_line_error(result, "sd3 takes 2x2 latent patches", "multiples of 16 px")
         assert not list((tmp_path / f"o{resolution}").glob("*.tar"))
+
+
+# --- 2. captions under .caption / json text / TEXT, --caption-key, empty captions counted ------------------
+
+# (key, members besides the image) of one shard: each place a caption may be, and none at all
+CAPTION_PLACES = {
+    "000000000": {"txt": "a photo from the txt member", "json": {"caption": "the json caption (txt wins)"}},
+    "000000001": {"caption": "a photo from a caption member", "json": {}},
+    "000000002": {"json": {"text": "a photo from json text"}},
+    "000000003": {"json": {"TEXT": "a photo from json TEXT", "caption": None}},
+    "000000004": {"txt": "", "json": {"TEXT": "an empty txt falls through to TEXT"}},
+    "000000005": {"json": {"url": "https://example.org/no-caption.jpg"}},
+}
+
+
+def caption_shard(realdata: Path, path: Path) -> Path:
+    import webdataset as wds
+
+    photos = sorted((realdata / "images").glob("*.jpg"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(path)) as sink:
+        for (key, members), photo in zip(CAPTION_PLACES.items(), photos):
+            sample = {"__key__": key, "jpg": photo.read_bytes(),
+                      **{name: value for name, value in members.items() if name != "json"}}
+            sink.write({**sample, "json": json.dumps(members["json"])})
+    return path
+
+
+def encoded_captions(folder: Path) -> dict[str, str]:
+    import webdataset as wds
+
+    return {sample["__key__"]: json.loads(sample["json"])["caption"]
+            for tar in sorted(folder.glob("*.tar")) for sample in wds.WebDataset(str(tar), shardshuffle=False)}
+
+
+def test_captions_are_found_wherever_tools_put_them_and_empty_ones_are_counted(tmp_path, realdata, tiny_models):
+    """Before: .caption members and json text / TEXT became empty captions, and nothing counted them."""
+    shard = caption_shard(realdata, tmp_path / "in" / "00000.tar")
+    result = run_cli("encode", shard, "--model", tiny_models, "--output", tmp_path / "out",
+                     *ENCODE[:-1])  # not --quiet: the summary line
+    assert encoded_captions(tmp_path / "out") == {
+        "000000000": "a photo from the txt member", "000000001": "a photo from a caption member",
+        "000000002": "a photo from json text", "000000003": "a photo from json TEXT",
+        "000000004": "an empty txt falls through to TEXT", "000000005": ""}
+    record = json.loads((tmp_path / "out" / "00000.stats.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert record["empty_captions"] == manifest["counts"]["empty_captions"] == 1
+    assert "1 with an empty caption" in " ".join(result.stderr.split())
+
+    # --caption-key: one place only, a member or a json key; samples without it get (and count) ""
+    run_cli("encode", shard, "--model", tiny_models, "--output", tmp_path / "by-key", "--caption-key", "TEXT", *ENCODE)
+    got = encoded_captions(tmp_path / "by-key")
+    assert got["000000003"] == "a photo from json TEXT" and got["000000004"] == "an empty txt falls through to TEXT"
+    assert got["000000000"] == got["000000001"] == got["000000002"] == got["000000005"] == ""
+    manifest = json.loads((tmp_path / "by-key" / "manifest.json").read_text())
+    assert manifest["counts"]["empty_captions"] == 4 and manifest["caption_key"] == "TEXT"
+    run_cli("encode", shard, "--model", tiny_models, "--output", tmp_path / "member", "--caption-key", "caption",
+            *ENCODE)
+    assert encoded_captions(tmp_path / "member")["000000001"] == "a photo from a caption member"
+    assert encoded_captions(tmp_path / "member")["000000000"] == "the json caption (txt wins)"
+    # a rerun into a folder with another caption source is refused, not mixed
+    result = run_cli("encode", shard, "--model", tiny_models, "--output", tmp_path / "by-key", *ENCODE, check=False)
+    one_line_error(result, "caption_key")

@@ -188,10 +188,32 @@ def crop_top_left(box: tuple[int, int, int, int], size: tuple[int, int]) -> list
     return [round(top * size[1] / crop_height), round(left * size[0] / crop_width)]
 
 
-def caption_of(sample: dict, meta: dict | None) -> str:
-    if "txt" in sample:
-        return sample["txt"].decode("utf-8", errors="replace")
-    return str((meta or {}).get("caption") or "")
+# Where a sample's caption is looked for, in this order, the first non-empty one winning: pack and
+# img2dataset write .txt (and json "caption"); other tools write .caption members or keep LAION's
+# parquet column names (json "text" / "TEXT"). `encode --caption-key` names the one place instead.
+CAPTION_MEMBERS = ("txt", "caption")
+CAPTION_JSON_KEYS = ("caption", "text", "TEXT")
+
+
+def _as_text(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def caption_of(sample: dict, meta: dict | None, key: str | None = None) -> str:
+    """A sample's caption: ``key`` (a member, else a json key) when given, else the first non-empty of
+    the .txt and .caption members and json caption / text / TEXT; "" when there is none (counted as an
+    empty caption in the shard's record)."""
+    meta = meta if isinstance(meta, dict) else {}
+    if key is not None:
+        return _as_text(sample[key] if key in sample else meta.get(key))
+    for text in (*(sample.get(member) for member in CAPTION_MEMBERS), *(meta.get(name) for name in CAPTION_JSON_KEYS)):
+        if _as_text(text).strip():
+            return _as_text(text)
+    return ""
 
 
 def drafted_box(box: tuple[int, int, int, int], scale: tuple[float, float]) -> tuple[float, float, float, float]:
@@ -227,8 +249,10 @@ class ShardBatches(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
-                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool) -> None:
+                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
+                 caption_key: str | None = None) -> None:
         super().__init__()
+        self.caption_key = caption_key
         self.shards = list(shards)
         self.tokenizer = tokenizer
         self.resolution = resolution
@@ -292,7 +316,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
         item = {
             "key": sample["__key__"], "size": size, "box": box, "image_size": (width, height),
             "original_size": original_size(meta, width, height),
-            "caption": caption_of(sample, meta), "source": meta,
+            "caption": caption_of(sample, meta, self.caption_key), "source": meta,
         }
         if on_gpu:
             item["jpeg"] = data
