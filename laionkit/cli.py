@@ -488,9 +488,11 @@ def train_command(
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
 
     laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
 """)
 def encode(
-    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
     model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux or pixart), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,

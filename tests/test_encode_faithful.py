@@ -172,3 +172,111 @@ def test_captions_are_found_wherever_tools_put_them_and_empty_ones_are_counted(t
     # a rerun into a folder with another caption source is refused, not mixed
     result = run_cli("encode", shard, "--model", tiny_models, "--output", tmp_path / "by-key", *ENCODE, check=False)
     one_line_error(result, "caption_key")
+
+
+# --- 5. img2dataset's parquet and files output formats as inputs, resumable per unit ----------------------
+
+def img2dataset_output(realdata: Path, folder: Path, output_format: str) -> Path:
+    """fixtures.CAPTIONS' photos as img2dataset writes them in ``output_format`` (webdataset, parquet or
+    files), through img2dataset's own sample writers: two shards of 4 photos plus one failed download each
+    (a row without an image in parquet, nothing in tars and files), a metadata parquet beside tars and
+    files folders, and img2dataset's <shard>_stats.json record."""
+    import hashlib
+    import io
+
+    import pyarrow as pa
+    from fixtures import CAPTIONS
+    from img2dataset.writer import FilesSampleWriter, ParquetSampleWriter, WebDatasetSampleWriter
+    from PIL import Image
+
+    writer_class = {"webdataset": WebDatasetSampleWriter, "parquet": ParquetSampleWriter,
+                    "files": FilesSampleWriter}[output_format]
+    schema = pa.schema([("url", pa.string()), ("caption", pa.string()), ("key", pa.string()),
+                        ("status", pa.string()), ("error_message", pa.string()), ("width", pa.int32()),
+                        ("height", pa.int32()), ("original_width", pa.int32()), ("original_height", pa.int32()),
+                        ("exif", pa.string()), ("sha256", pa.string())])
+    folder.mkdir(parents=True)
+    names = sorted(CAPTIONS)
+    for shard in range(2):
+        writer = writer_class(shard, str(folder), True, 5, schema, "jpg")
+        for index, name in enumerate([*names[4 * shard : 4 * shard + 4], "missing.jpg"]):
+            key = f"{shard:05d}{index:04d}"
+            meta = {"url": f"https://example.org/{name}", "caption": CAPTIONS.get(name), "key": key,
+                    "status": "success", "error_message": None, "width": None, "height": None,
+                    "original_width": None, "original_height": None, "exif": None, "sha256": None}
+            if name == "missing.jpg":
+                writer.write(None, key, None, {**meta, "status": "failed_to_download", "error_message": "http 404"})
+                continue
+            image = Image.open(realdata / "images" / name).convert("RGB")
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG", quality=90)  # img2dataset re-encodes to --encode_format
+            data = buffer.getvalue()
+            meta.update(width=image.width, height=image.height, original_width=image.width,
+                        original_height=image.height, sha256=hashlib.sha256(data).hexdigest())
+            writer.write(data, key, CAPTIONS[name], meta)
+        writer.close()
+        (folder / f"{shard:05d}_stats.json").write_text(json.dumps(
+            {"count": 5, "successes": 4, "failed_to_download": 1, "failed_to_resize": 0}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def img2dataset_formats(tmp_path_factory, realdata) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("img2dataset")
+    return {name: img2dataset_output(realdata, root / name, name) for name in ("webdataset", "parquet", "files")}
+
+
+def test_img2dataset_parquet_and_files_formats_encode_as_its_tars_do(tmp_path, img2dataset_formats, tiny_models):
+    """Before: "no tar shards" for both. Now the same latent tars, byte for byte, as from img2dataset's
+    webdataset output of the same samples (the failed download is no sample in any format)."""
+    assert sorted(p.name for p in img2dataset_formats["files"].iterdir()) == [
+        "00000", "00000.parquet", "00000_stats.json", "00001", "00001.parquet", "00001_stats.json"]
+    outputs = {}
+    for name, folder in img2dataset_formats.items():
+        outputs[name] = tmp_path / name
+        run_cli("encode", folder, "--model", tiny_models, "--output", outputs[name], *ENCODE)
+        manifest = json.loads((outputs[name] / "manifest.json").read_text())
+        assert manifest["counts"]["samples_in"] == manifest["counts"]["samples_out"] == 8, name
+        assert manifest["complete"] and sorted(manifest["records"]) == ["00000.tar", "00001.tar"]
+    tars = {name: {p.name: p.read_bytes() for p in sorted(out.glob("*.tar"))} for name, out in outputs.items()}
+    assert tars["parquet"] == tars["webdataset"] and tars["files"] == tars["webdataset"]
+
+
+@pytest.mark.parametrize("output_format", ["parquet", "files"])
+def test_parquet_and_files_units_resume_and_wait_for_their_records(tmp_path, img2dataset_formats, tiny_models,
+                                                                    output_format):
+    """Records, resume and the done-record rule work per parquet file / files folder as per tar."""
+    source = Path(shutil.copytree(img2dataset_formats[output_format], tmp_path / "in"))
+    out = tmp_path / "out"
+    (source / "00001_stats.json").rename(tmp_path / "held.json")  # shard 00001 still being written
+    result = run_cli("encode", source, "--model", tiny_models, "--output", out, *ENCODE[:-1])
+    assert "left out 1 shard(s) without a done record" in " ".join(result.stderr.split())
+    assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar"]
+    first = (out / "00000.stats.json").stat().st_mtime_ns
+    (tmp_path / "held.json").rename(source / "00001_stats.json")
+    run_cli("encode", source, "--model", tiny_models, "--output", out, *ENCODE)
+    assert (out / "00000.stats.json").stat().st_mtime_ns == first  # done once, not redone
+    assert json.loads((out / "00001.stats.json").read_text())["samples_out"] == 4
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+    # a unit that no longer holds what its record says is refused, as a cut tar is
+    (out / "00001.tar").unlink()
+    if output_format == "files":
+        for member in (source / "00001").glob("000010000.*"):  # one sample's image, txt and json
+            member.unlink()
+    else:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(source / "00001.parquet")
+        pq.write_table(table.slice(1), source / "00001.parquet")
+    result = run_cli("encode", source, "--model", tiny_models, "--output", out, *ENCODE, check=False)
+    one_line_error(result, "holds 3 samples but its done record 00001_stats.json says 4")
+
+
+def test_metadata_parquet_is_not_taken_for_image_shards(tmp_path, img2dataset_formats, tiny_models):
+    """img2dataset's metadata parquet beside tars has no image column: a folder left with only those is a
+    one-line error naming the file, not an encode of nothing."""
+    source = Path(shutil.copytree(img2dataset_formats["webdataset"], tmp_path / "in"))
+    for tar in source.glob("*.tar"):
+        tar.unlink()
+    result = run_cli("encode", source, "--model", tiny_models, "--output", tmp_path / "out", *ENCODE, check=False)
+    one_line_error(result, "00000.parquet has no image column", "metadata parquet")

@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, storage
 from laionkit.common.storage import Location
-from laionkit.common.tars import count_samples
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
     DECODE_MODES,
@@ -62,6 +61,7 @@ from laionkit.encode.reader import (
     caption_of,
     center_crop_box,
     check_count,
+    count_unit,
     crop_top_left,
     drafted_box,
     find_shards,
@@ -139,7 +139,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     write_empty_captions(output, encoders)
 
     mine = split(shards, rank)
-    counts = {shard: count_samples(shard) for shard in mine}
+    counts = {shard: count_unit(shard) for shard in mine}
     for shard in mine:
         check_count(shard, inputs[shard], counts[shard])
     todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
