@@ -560,9 +560,11 @@ def train_command(
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
 
     laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
 """)
 def encode(
-    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns.")],
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
     model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux or pixart), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
@@ -578,6 +580,7 @@ def encode(
     compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
+    caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
     storage_options: StorageOption = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
@@ -592,10 +595,12 @@ def encode(
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
+        caption_key=caption_key,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
-        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped) "
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} with an empty caption) "
                           f"from {summary['shards']} shards into {output}", highlight=False)
 
 

@@ -80,6 +80,8 @@ def resolve_source(source: str, component: str) -> ComponentSource:
     if path.is_dir():
         if (path / component).is_dir():
             return ComponentSource(source, str(path.resolve()), component, local=True)
+        if (path / "model_index.json").is_file():
+            raise LaionkitError(_missing_component(path, component))
         if any(path.glob("*.json")):
             return ComponentSource(source, str(path.resolve()), None, local=True)
         raise LaionkitError(
@@ -101,6 +103,25 @@ def resolve_source(source: str, component: str) -> ComponentSource:
     if len(parts) > 2:
         return ComponentSource(source, "/".join(parts[:2]), "/".join(parts[2:]), local=False)
     return ComponentSource(source, repo, component, local=False)
+
+
+def _missing_component(path: Path, component: str) -> str:
+    """Why a pipeline folder (one with model_index.json) cannot give ``component``: its subfolder is missing.
+
+    The folder root is never a component's fallback there: from_pretrained on it found no vocabulary and
+    built an empty tokenizer (every caption the same ids), or failed deep inside transformers.
+    """
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError):
+        index = None
+    index = index if isinstance(index, dict) else {}
+    named = index.get(component)
+    if isinstance(named, list) and any(named):
+        return (f"model folder {path}: model_index.json names {component} ({named[-1]}) but its subfolder "
+                f"{component}/ is missing (copy the whole pipeline folder)")
+    return (f"model folder {path} ({index.get('_class_name', 'a pipeline')}) has no {component}/ subfolder, "
+            f"and its model_index.json names no {component}")
 
 
 def _from_pretrained(cls, source: str, component: str, **kwargs):

@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, storage
 from laionkit.common.storage import Location
-from laionkit.common.tars import count_samples
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
     DECODE_MODES,
@@ -62,6 +61,7 @@ from laionkit.encode.reader import (
     caption_of,
     center_crop_box,
     check_count,
+    count_unit,
     crop_top_left,
     drafted_box,
     find_shards,
@@ -140,7 +140,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     write_empty_captions(output, encoders)
 
     mine = split(shards, rank)
-    counts = {shard: count_samples(shard) for shard in mine}
+    counts = {shard: count_unit(shard) for shard in mine}
     for shard in mine:
         check_count(shard, inputs[shard], counts[shard])
     todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
@@ -148,7 +148,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
             f"device {encoders.device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
             f"config {json.dumps(asdict(config), default=str)}")
-    summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0,
+    summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "empty_captions": 0,
+               "seconds": 0.0,
                "decoded": {}, "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
     if todo:
         progress = tqdm(total=sum(counts[shard] for shard in todo), desc=f"encode rank {rank.rank}", unit="img",
@@ -173,7 +174,8 @@ def _reasons(skips: dict) -> str:
 
 
 def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress) -> dict:
-    batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode)
+    batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode,
+                           config.caption_key)
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(
@@ -202,5 +204,6 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
     except BaseException as error:
         writer.abort(error)
         raise
-    return {"samples_out": writer.samples_out, "skipped": writer.skipped, "decoded": dict(writer.decoded),
+    return {"samples_out": writer.samples_out, "skipped": writer.skipped, "empty_captions": writer.empty_captions,
+            "decoded": dict(writer.decoded),
             "seconds": time.perf_counter() - started if started else 0.0}

@@ -41,6 +41,8 @@ class EncodeConfig:
     # stored: text-encoder outputs per sample; online: token ids, train runs the encoders; None: the family's
     # default (FamilySpec.default_text)
     text: str | None = None
+    # where captions come from: a member (txt, caption, ...) or a json key; None: reader.caption_of's order
+    caption_key: str | None = None
 
     def __post_init__(self) -> None:
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}

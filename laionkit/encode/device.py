@@ -179,7 +179,7 @@ class Encoders:
     def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
         """Refuse image sizes the family cannot encode."""
         patch = self.family.patch_size
-        if patch > 1:  # Flux packs 2x2 latent patches, PixArt embeds them: latent sides are multiples of 2
+        if patch > 1:  # Flux packs 2x2 latent patches, SD3 and PixArt embed them: latent sides are multiples of 2
             multiple = patch * 2 ** (len(self.vae.config.block_out_channels) - 1)
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:

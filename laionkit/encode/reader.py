@@ -1,5 +1,6 @@
 """encode's reader: shard discovery from pack's done records, and the DataLoader side (ShardBatches):
-read tars, decode + resize + crop on CPU (or pass JPEG bytes on), tokenize, batch by size, sample json records."""
+read input units (tars, img2dataset parquet files or files folders), decode + resize + crop on CPU (or pass
+JPEG bytes on), tokenize, batch by size, sample json records."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from PIL import Image
 
 from laionkit.common import LaionkitError
 from laionkit.common.storage import Location
+from laionkit.common.tars import count_samples
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
 
@@ -66,11 +68,25 @@ def center_crop_box(width: int, height: int, out_width: int, out_height: int) ->
 # --- input shards ------------------------------------------------------------------------------
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what webdataset reads (gzip through tarfile's r|*)
+PARQUET_SUFFIX = ".parquet"  # img2dataset --output_format parquet: one row per sample, the image in a binary column
 PACK_RECORD_SUFFIX = "_stats.json"  # pack's and img2dataset's per-shard done record
+# An input unit (shard) is a tar, an img2dataset parquet file, or an img2dataset --output_format files
+# folder (NNNNN/ of <key>.jpg, <key>.txt, <key>.json): each is encoded into one output tar named after it.
+UNIT_KINDS = ("tar", "parquet", "files")
 
 
 def shard_stem(path: Path | Location) -> str:
-    return next(path.name[: -len(suffix)] for suffix in SHARD_SUFFIXES + ("",) if path.name.endswith(suffix))
+    return next(path.name.removesuffix(suffix) for suffix in SHARD_SUFFIXES + (PARQUET_SUFFIX, "")
+                if path.name.endswith(suffix))
+
+
+def unit_kind(path: Location) -> str:
+    """tar, parquet or files: how an input unit is read (by its name; a folder is img2dataset's files format)."""
+    if path.name.endswith(SHARD_SUFFIXES):
+        return "tar"
+    if path.name.endswith(PARQUET_SUFFIX):
+        return "parquet"
+    return "files" if path.is_dir() else "tar"
 
 
 def output_name(path: Path | Location) -> str:
@@ -90,9 +106,11 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
     """Finished input shards from folders, files, globs and brace patterns, sorted, each with the sample
     count its done record gives (None for a plain webdataset folder, which has no records).
 
+    A shard (input unit) is a tar, an img2dataset parquet file or an img2dataset files folder (``_folder_units``).
     pack renames a shard's tar into place before it writes ``<shard>_stats.json`` (img2dataset writes the
-    same record), so in a folder with records a tar without one is unfinished and is left out (said once);
-    a folder with no record at all is plain webdataset, whose tars are taken as complete (said once).
+    same record for every output format), so in a folder with records a shard without one is unfinished and
+    is left out (said once); a folder with no record at all is plain webdataset, whose shards are taken as
+    complete (said once).
     In an object store, only objects with their done record are seen at all (laionkit.common.storage).
     """
     found: list[Location] = []
@@ -100,14 +118,13 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
         path = Location.parse(spec, storage_options)
         if path.is_dir():
             entries = path.list(complete_only=None)
-            tars = [p for p in entries if p.name.endswith(SHARD_SUFFIXES)]
-            if not tars:
-                raise LaionkitError(f"no tar shards ({', '.join('*' + s for s in SHARD_SUFFIXES)}) in {path}")
+            units = _folder_units(path, entries)
             for record in (p for p in entries if p.name.endswith(PACK_RECORD_SUFFIX)):
                 stem = record.name.removesuffix(PACK_RECORD_SUFFIX)
-                if not any(shard_stem(tar) == stem for tar in tars):
-                    raise LaionkitError(f"{record} marks shard {stem} done but its tar is missing from {path}")
-            found += tars
+                if not any(shard_stem(unit) == stem for unit in units):
+                    raise LaionkitError(f"{record} marks shard {stem} done but its {unit_kind(units[0])} shard is "
+                                        f"missing from {path}")
+            found += units
             continue
         if path.local:
             matches = [Location("", name) for pattern in braceexpand(spec) for name in sorted(glob.glob(pattern))]
@@ -144,12 +161,108 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
             f"{PACK_RECORD_SUFFIX} (unfinished pack?): {', '.join(str(p) for p in unfinished[:5])}"
             + (" ..." if len(unfinished) > 5 else ""))
     for folder in sorted(plain, key=str):
-        log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its tars as "
+        log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its shards as "
             "complete (plain webdataset)")
     if not shards:
         raise LaionkitError(f"no finished shards in {', '.join(specs)}: every tar lacks its done record "
                             f"<shard>{PACK_RECORD_SUFFIX}")
     return shards
+
+
+def _folder_units(path: Location, entries: list[Location]) -> list[Location]:
+    """A shard folder's input units, in img2dataset's output formats: webdataset tars, else files folders
+    (NNNNN/), else parquet files. img2dataset writes a metadata parquet beside each tar or folder, so
+    parquet files are units only where there is neither."""
+    tars = [p for p in entries if p.name.endswith(SHARD_SUFFIXES)]
+    if tars:
+        return tars
+    folders = [p for p in entries if not p.name.startswith("_") and "." not in p.name and p.is_dir()]
+    if folders:
+        return folders
+    parquets = [p for p in entries if p.name.endswith(PARQUET_SUFFIX)]
+    if parquets:
+        return parquets
+    if any(p.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS for p in entries if "." in p.name):
+        return [path]  # one files folder given by itself
+    raise LaionkitError(f"no input shards in {path}: no tars ({', '.join('*' + s for s in SHARD_SUFFIXES)}), "
+                        f"no img2dataset files folders (NNNNN/) and no img2dataset parquet files (*{PARQUET_SUFFIX})")
+
+
+def _parquet_image_column(shard: Location, schema) -> str:
+    """The binary image column of an img2dataset parquet shard (named after --encode_format)."""
+    found = next((name for name in IMAGE_EXTENSIONS if name in schema.names), None)
+    if found is None:
+        raise LaionkitError(f"{shard} has no image column ({', '.join(IMAGE_EXTENSIONS)}; columns: "
+                            f"{', '.join(schema.names[:12])}): img2dataset's metadata parquet, not its parquet "
+                            "output format; encode the tars or files folders beside it")
+    return found
+
+
+def _files_members(shard: Location) -> dict[str, list[Location]]:
+    """A files-format folder's samples: key (the name up to its first dot, as webdataset groups) -> files."""
+    samples: dict[str, list[Location]] = {}
+    for entry in shard.list(complete_only=None):
+        if "." in entry.name:
+            samples.setdefault(entry.name.split(".", 1)[0], []).append(entry)
+    return dict(sorted(samples.items()))
+
+
+def count_unit(shard: Location) -> int:
+    """Samples in an input unit without decoding any: a tar's headers (common.tars), a parquet shard's rows
+    that hold an image (img2dataset keeps failed downloads as rows without one; its record counts only the
+    successes), a files folder's keys."""
+    kind = unit_kind(shard)
+    if kind == "tar":
+        return count_samples(shard)
+    try:
+        if kind == "files":
+            return len(_files_members(shard))
+        import pyarrow.parquet as pq
+
+        with shard.open_read() as handle:
+            parquet = pq.ParquetFile(handle)
+            column = _parquet_image_column(shard, parquet.schema_arrow)
+            index = parquet.schema_arrow.names.index(column)
+            groups = [parquet.metadata.row_group(i) for i in range(parquet.metadata.num_row_groups)]
+            stats = [group.column(index).statistics for group in groups]
+            if all(stat is not None and stat.has_null_count for stat in stats):
+                return sum(group.num_rows - stat.null_count for group, stat in zip(groups, stats))
+            return len(parquet.read(columns=[column]).column(0).drop_null())
+    except (OSError, ValueError) as error:
+        raise LaionkitError(f"cannot read shard {shard}: {error}") from None
+
+
+def unit_samples(shard: Location, stream: ExitStack) -> Iterator[dict]:
+    """An input unit's samples as webdataset gives a tar's: ``__key__`` and member name -> bytes (image,
+    txt, json, ...). A parquet row's columns other than the image and txt become its json, as img2dataset
+    writes them beside a tar's image."""
+    kind = unit_kind(shard)
+    if kind == "tar":
+        # One sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding.
+        handle = stream.enter_context(shard.open_read(prefetch=0 if shard.local else 4))
+        files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
+        yield from wds.tariterators.group_by_keys(files)
+    elif kind == "files":
+        for key, members in _files_members(shard).items():
+            yield {"__key__": key, **{member.name.split(".", 1)[1]: member.read_bytes() for member in members}}
+    else:
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(stream.enter_context(shard.open_read()))
+        image = _parquet_image_column(shard, parquet.schema_arrow)
+        row = -1
+        for batch in parquet.iter_batches(batch_size=256):
+            for values in batch.to_pylist():
+                row += 1
+                data = values.pop(image)
+                if data is None:  # a failed download: not a sample (img2dataset's record does not count it)
+                    continue
+                sample = {"__key__": str(values.get("key") or f"{row:09d}"), image: data}
+                caption = values.pop("txt", None)
+                if caption is not None:
+                    sample["txt"] = str(caption).encode()
+                sample["json"] = json.dumps(values, default=str).encode()
+                yield sample
 
 
 def check_count(shard: Location, expected: int | None, found: int) -> None:
@@ -188,10 +301,32 @@ def crop_top_left(box: tuple[int, int, int, int], size: tuple[int, int]) -> list
     return [round(top * size[1] / crop_height), round(left * size[0] / crop_width)]
 
 
-def caption_of(sample: dict, meta: dict | None) -> str:
-    if "txt" in sample:
-        return sample["txt"].decode("utf-8", errors="replace")
-    return str((meta or {}).get("caption") or "")
+# Where a sample's caption is looked for, in this order, the first non-empty one winning: pack and
+# img2dataset write .txt (and json "caption"); other tools write .caption members or keep LAION's
+# parquet column names (json "text" / "TEXT"). `encode --caption-key` names the one place instead.
+CAPTION_MEMBERS = ("txt", "caption")
+CAPTION_JSON_KEYS = ("caption", "text", "TEXT")
+
+
+def _as_text(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def caption_of(sample: dict, meta: dict | None, key: str | None = None) -> str:
+    """A sample's caption: ``key`` (a member, else a json key) when given, else the first non-empty of
+    the .txt and .caption members and json caption / text / TEXT; "" when there is none (counted as an
+    empty caption in the shard's record)."""
+    meta = meta if isinstance(meta, dict) else {}
+    if key is not None:
+        return _as_text(sample[key] if key in sample else meta.get(key))
+    for text in (*(sample.get(member) for member in CAPTION_MEMBERS), *(meta.get(name) for name in CAPTION_JSON_KEYS)):
+        if _as_text(text).strip():
+            return _as_text(text)
+    return ""
 
 
 def drafted_box(box: tuple[int, int, int, int], scale: tuple[float, float]) -> tuple[float, float, float, float]:
@@ -227,8 +362,10 @@ class ShardBatches(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
-                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool) -> None:
+                 buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
+                 caption_key: str | None = None) -> None:
         super().__init__()
+        self.caption_key = caption_key
         self.shards = list(shards)
         self.tokenizer = tokenizer
         self.resolution = resolution
@@ -246,12 +383,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
         shard = Location.parse(shard)
         pending: dict[tuple[int, int], list[dict]] = {}
         done = ShardDone(output_name(shard), 0)
+        stream = ExitStack()
         try:
-            # One sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding.
-            stream = ExitStack()
-            handle = stream.enter_context(shard.open_read(prefetch=0 if shard.local else 4))
-            files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
-            for sample in wds.tariterators.group_by_keys(files):
+            for sample in unit_samples(shard, stream):
                 done.samples_in += 1
                 try:
                     item = self.prepare(sample)
@@ -292,7 +426,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
         item = {
             "key": sample["__key__"], "size": size, "box": box, "image_size": (width, height),
             "original_size": original_size(meta, width, height),
-            "caption": caption_of(sample, meta), "source": meta,
+            "caption": caption_of(sample, meta, self.caption_key), "source": meta,
         }
         if on_gpu:
             item["jpeg"] = data

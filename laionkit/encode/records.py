@@ -56,6 +56,7 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -
         "resolution": config.resolution,
         "buckets": [list(size) for size in buckets] if buckets else None,
         "compute_dtype": str(encoders.dtype).removeprefix("torch."),
+        **({"caption_key": config.caption_key} if config.caption_key else {}),
     }
 
 
@@ -78,7 +79,7 @@ def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], secon
     """A finished shard's record (<shard>.stats.json): what it read, wrote and skipped, and the settings."""
     return {
         "shard": done.shard, "rank": rank, "samples_in": done.samples_in,
-        "samples_out": written.samples, "truncated": written.truncated,
+        "samples_out": written.samples, "truncated": written.truncated, "empty_captions": written.empty_captions,
         "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
         "sizes": dict(written.sizes), "bytes": written.bytes, "seconds": round(seconds, 3), "settings": settings,
         "models": models,
@@ -168,7 +169,10 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
                    "missing": sorted(set(expected or ()) - set(done))},
         "counts": {"samples_in": sum(r["samples_in"] for r in records),
                    "samples_out": sum(r["samples_out"] for r in records),
-                   "skipped": sum(skips.values()), "truncated_captions": sum(r["truncated"] for r in records)},
+                   "skipped": sum(skips.values()), "truncated_captions": sum(r["truncated"] for r in records),
+                   # samples encoded with an empty caption (none found, or blank); None: a record predates the count
+                   "empty_captions": None if any("empty_captions" not in r for r in records)
+                   else sum(r["empty_captions"] for r in records)},
         "skips": dict(sorted(skips.items())),
         "sizes": dict(sorted(sizes.items())),
         "bytes": storage_cost(records),
@@ -207,6 +211,8 @@ def summarize(folder: Path | Location):
     counts = manifest["counts"]
     overview.add_row("samples", f"{counts['samples_out']:,} of {counts['samples_in']:,}")
     overview.add_row("truncated captions", f"{counts['truncated_captions']:,}")
+    if counts.get("empty_captions") is not None:
+        overview.add_row("empty captions", f"{counts['empty_captions']:,}")
     overview.add_row("resolution", str(manifest["resolution"]) + (" (buckets)" if manifest["buckets"] else ""))
     overview.add_row("latent", f"{manifest['vae']['latent_channels']} channels, /{manifest['vae']['downsample_factor']}, "
                                f"scaling {manifest['vae']['scaling_factor']}")

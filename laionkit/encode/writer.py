@@ -107,6 +107,7 @@ class ShardOutput:
         self.sink = TarMembers(str(tmp))
         self.samples = 0
         self.truncated = 0
+        self.empty_captions = 0
         self.sizes: Counter = Counter()
         self.skips: list[dict] = []
         self.started = time.perf_counter()
@@ -123,6 +124,7 @@ class ShardOutput:
             self.sink.add_sample(key, members)
             self.samples += 1
             self.truncated += record["truncated"]
+            self.empty_captions += not record["caption"].strip()
             self.sizes["x".join(map(str, record["size"]))] += 1
 
     def finish(self) -> None:
@@ -147,6 +149,7 @@ class _Writer:
         self.open: dict[str, ShardOutput] = {}
         self.samples_out = 0
         self.skipped = 0
+        self.empty_captions = 0
         self.decoded: Counter = Counter()
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
         self.error: BaseException | None = None
@@ -220,3 +223,4 @@ class _Writer:
         storage.write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples
         self.skipped += len(skips)
+        self.empty_captions += shard.empty_captions

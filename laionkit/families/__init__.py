@@ -130,7 +130,7 @@ class FamilySpec:
     # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
     tokenize: Callable[..., list] | None = None
     encode_tokens: Callable[..., dict[str, Any]] | None = None
-    patch_size: int = 1  # latent sides must be multiples of this (Flux, PixArt: 2x2 patches)
+    patch_size: int = 1  # latent sides must be multiples of this (SD3, Flux, PixArt: 2x2 patches)
     text_mask: str | None = None  # the stored key of the text attention mask the denoiser takes (PixArt)
     # False where cuDNN's SDPA kernels fail on this family's attention: train then runs without them
     # (process-wide, as --tf32), and PyTorch picks flash / memory-efficient attention instead.
@@ -257,8 +257,9 @@ DEFAULT_FAMILY = "sd"  # what a latent manifest without a family field, or a bar
 def detect_family(source: str) -> FamilySpec:
     """The family of a model source: a preset's, else the pipeline class its model_index.json names.
 
-    A folder or hub repo without model_index.json (bare component folders, a standalone VAE) is SD, as
-    it always was; a model_index.json naming a pipeline no family draws is refused rather than guessed.
+    A folder without model_index.json is known by its components (``_family_of_components``); a hub repo
+    without one (a standalone VAE) is SD, as it always was; a model_index.json naming a pipeline no family
+    draws is refused rather than guessed.
     """
     import json
 
@@ -278,7 +279,7 @@ def detect_family(source: str) -> FamilySpec:
         except Exception:  # noqa: BLE001 - no index reachable: loading the components says what is wrong
             index = None
     if index is None:
-        return get_family(DEFAULT_FAMILY)
+        return _family_of_components(path) if path.is_dir() else get_family(DEFAULT_FAMILY)
     try:
         name = json.loads(index.read_text())["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -288,6 +289,51 @@ def detect_family(source: str) -> FamilySpec:
             return spec
     raise LaionkitError(f"{source}: model_index.json names {name}, which no model family draws (known: "
                         + ", ".join(f"{s.name} = {s.pipeline_class}" for s in _FAMILIES.values()) + ")")
+
+
+def _read_class(config: Path, key: str) -> str | None:
+    """The class a component's config names (``_class_name``, or transformers' first ``architectures``)."""
+    import json
+
+    try:
+        found = json.loads(config.read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found[0] if isinstance(found, list) and found else found if isinstance(found, str) else None
+
+
+def _family_of_components(path: Path) -> FamilySpec:
+    """The family of a pipeline folder without model_index.json, from its component subfolders.
+
+    A denoiser in transformer/ is one of the transformer families (its config's ``_class_name``, else its
+    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone); a second text
+    encoder beside a UNet is SDXL; anything else (bare component folders) is SD, as it always was. Taking a
+    transformer folder for SD encoded SD-style text and latents that no transformer trains on.
+    """
+    transformer = path / "transformer"
+    if transformer.is_dir():
+        name = _read_class(transformer / "config.json", "_class_name")
+        by_class = [spec for spec in _FAMILIES.values() if spec.denoiser_subfolder == "transformer"
+                    and spec.denoiser_class == name]
+        if by_class:
+            return by_class[0]
+        if name is None:  # no readable transformer config: the text encoders tell the families apart
+            t5 = [sub for sub in ("text_encoder", "text_encoder_2")
+                  if _read_class(path / sub / "config.json", "architectures") == "T5EncoderModel"]
+            if (path / "text_encoder_3").is_dir():
+                return get_family("sd3")
+            if t5 == ["text_encoder_2"]:
+                return get_family("flux")
+            if t5 == ["text_encoder"]:
+                return get_family("pixart")
+        raise LaionkitError(
+            f"{path} has no model_index.json and its transformer/ ({name or 'no readable config.json'}) is "
+            "none of " + ", ".join(f"{s.name} = {s.denoiser_class}" for s in _FAMILIES.values()
+                                   if s.denoiser_subfolder == "transformer")
+            + ": add the pipeline's model_index.json")
+    if (path / "unet").is_dir() and (path / "text_encoder_2").is_dir():
+        return get_family("sdxl")
+    return get_family(DEFAULT_FAMILY)
 
 
 # Importing the family modules registers them.

@@ -183,4 +183,5 @@ SPEC = register_family(FamilySpec(
     fit_config=fit_config,
     expects=expects,
     sampler=SAMPLER_CONFIG,
+    patch_size=2,  # SD3Transformer2DModel embeds 2x2 latent patches: an odd latent side fails in train's first step
 ))
