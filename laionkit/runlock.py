@@ -5,9 +5,13 @@ over each other, and a ``--resume`` or ``--overwrite`` started while another run
 or deletes what that run is writing. So the main rank takes the folder before it looks at what the
 folder holds, and a second run is refused with one line naming the holder:
 
-* on local disk (or a shared file system with POSIX locks), ``flock`` on ``RUN/.laionkit-train.lock``,
-  which holds the holder's pid, host and start time for the message. The kernel releases it on any
-  exit, kill -9 included, so a killed run never blocks its resume;
+* on local disk (or a shared file system with POSIX locks), a POSIX record lock (``lockf``) on
+  ``RUN/.laionkit-train.lock``, which holds the holder's pid, host and start time for the message. The
+  kernel releases it when the process exits, kill -9 included, so a killed run never blocks its resume.
+  Not ``flock``: a flock belongs to the open file, which the forked DataLoader workers share, so it
+  outlived a run killed with -9 until its orphaned workers noticed and exited; a POSIX lock belongs to
+  the process and is not inherited across fork. (Its one trap: closing *any* descriptor of the file in
+  the holding process releases it, so nothing here opens the file twice.)
 * in an object store (``--output s3://...``), which has no locks, a lease object
   ``RUN/.laionkit-train.lease`` (JSON: ``owner`` id, ``host``, ``pid``, ``since``, ``expires`` in Unix
   seconds) renewed by a thread every third of its term (``$LAIONKIT_LEASE_SECONDS``, default 300) and
@@ -63,7 +67,7 @@ def lease_seconds() -> float:
 
 
 class LocalLock:
-    """flock on RUN/.laionkit-train.lock; the file stays (unlinking it would let a third run lock a new
+    """A POSIX lock on RUN/.laionkit-train.lock; the file stays (unlinking it would let a third run lock a new
     file while the second still holds the old one)."""
 
     def __init__(self, folder: Path) -> None:
@@ -74,7 +78,7 @@ class LocalLock:
 
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             try:
                 holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -89,7 +93,7 @@ class LocalLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor releases the flock
+            os.close(self.fd)  # releases the POSIX lock
             self.fd = None
 
 
