@@ -53,6 +53,10 @@ def test_encode_into_another_folder_of_image_shards_is_refused(image_shards, tin
                      "--workers", "0", "--quiet", check=False)
     refused(result, other, "WebDataset tar shards (00000.tar, 00001.tar)")
     assert digests(other) == before
+    # --overwrite insists: the latent shards are written beside (same names replaced) the image shards
+    run_cli("encode", image_shards, "--model", tiny_models, "--output", other, "--resolution", "64",
+            "--workers", "0", "--quiet", "--overwrite")
+    assert (other / "manifest.json").is_file()
 
 
 def test_filter_into_a_latent_folder_is_refused_and_its_own_rerun_resumes(latents_copy, tmp_path):

@@ -118,7 +118,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
-    storage.claim_output(output, "encode", getattr(config, "overwrite", False))  # no other stage's folder
+    storage.claim_output(output, "encode", config.overwrite)  # no other stage's folder
     if config.quiet:
         import diffusers.utils.logging
         import transformers.utils.logging

@@ -43,6 +43,7 @@ class EncodeConfig:
     text: str | None = None
     # where captions come from: a member (txt, caption, ...) or a json key; None: reader.caption_of's order
     caption_key: str | None = None
+    overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)
 
     def __post_init__(self) -> None:
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
