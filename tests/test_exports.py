@@ -158,3 +158,32 @@ def test_single_files_load_back_through_diffusers_from_single_file(runs, monkeyp
     model = diffusers.FluxTransformer2DModel.from_single_file(str(files["flux"]), config=str(flux),
                                                               subfolder="transformer", local_files_only=True)
     _assert_holds(model, flux / "transformer", "flux transformer")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file()}
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart"])
+def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
+    """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
+    checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
+    from conftest import run_cli
+
+    from laionkit.train import TrainConfig, run
+
+    written = Path(runs[family]["run"])
+    recorded = json.loads(sorted((written / "checkpoints").glob("step-*"))[-1].joinpath("trainer.json").read_text())
+    options = {key: recorded["config"][key] for key in ("latents", "unet", "unet_config", "prediction_type", "ema", "ema_decay")}
+    output = tmp_path / "sdxl-none"
+    run(TrainConfig(output=output, export="none", **FAST, **options))
+    assert not (output / "pipeline").exists()
+    sub = runs[family]["subfolder"]
+    assert _files(output / sub) == _files(written / sub)  # the same training: the test's premise
+
+    printed = run_cli("export", output, "--format", "pipeline").stdout.split()
+    assert printed == [str(output / "pipeline")]
+    rebuilt, want = _files(output / "pipeline"), _files(written / "pipeline")
+    assert sorted(rebuilt) == sorted(want)
+    assert [name for name in want if rebuilt[name] != want[name]] == []
