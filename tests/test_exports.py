@@ -354,3 +354,42 @@ def test_lora_pipeline_is_refused_onto_another_base_and_without_a_saved_one(lora
         TrainConfig(latents=latent_shards, output=tmp_path / "random", unet_config="tiny", lora_random_base=True,
                     export="pipeline", **LORA)
     TrainConfig(latents=latent_shards, output=tmp_path / "random", unet_config="tiny", lora_random_base=True, **LORA)
+
+
+def test_bucket_run_uploads_its_pipeline_and_single_file_whole_before_their_done_records(s3, latent_shards, tmp_path,
+                                                                                          monkeypatch):
+    """--output s3://...: RUN/pipeline and RUN/single_file reach the bucket as the staging folder holds them, file
+    for file, each folder's done record written only once all its objects are there; the downloaded pipeline
+    loads with diffusers."""
+    import diffusers
+
+    from laionkit.common import storage
+    from laionkit.common.storage import Location
+    from laionkit.train import TrainConfig, run
+
+    monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
+    present = {}  # folder -> its objects in the bucket when its done record was written
+    mark_done = storage.mark_done
+
+    def recording(location, record=None):
+        if location.name in ("pipeline", "single_file"):
+            prefix = location.path.rstrip("/") + "/"
+            present[location.name] = sorted(key[len(prefix):] for key in location.fs.find(location.path))
+        mark_done(location, record)
+
+    monkeypatch.setattr(storage, "mark_done", recording)
+    remote = Location.parse(s3.url("runs", "sd"))
+    run(TrainConfig(latents=latent_shards, output=str(remote), unet_config="tiny", export="pipeline,single-file",
+                    **FAST))
+    staging = next((tmp_path / "staging").iterdir())
+    for name in ("pipeline", "single_file"):
+        folder = remote / name
+        assert folder.is_complete(), name
+        downloaded = tmp_path / "downloaded" / name
+        folder.fs.get(folder.path + "/", str(downloaded), recursive=True)
+        want = _files(staging / name)
+        assert want and _files(downloaded) == want, name
+        assert present[name] == sorted(want), f"{name}: its done record came before all its objects"
+        assert json.loads(folder.done_record.read_bytes())["sizes"] == {k: len(v) for k, v in want.items()}
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "downloaded" / "pipeline")
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
