@@ -604,7 +604,8 @@ def sd3_to_mmdit(tensors: dict) -> dict:
 
 def export_run(run: Path, formats: str, files: str = "copy") -> list[Path]:
     """The exports ``formats`` asks for, of a finished run folder: the pipeline rebuilt from the run's own
-    record (its newest checkpoint's trainer.json: latents, base, schedule), single files from RUN/pipeline."""
+    record (its newest checkpoint's trainer.json: latents, base, schedule; a LoRA run's adapters merged into that
+    base), single files from RUN/pipeline."""
     names = [part.strip() for part in formats.split(",") if part.strip()]
     bad = [name for name in names if name not in FORMATS]
     if bad or not names:
@@ -629,7 +630,8 @@ def _rebuild_pipeline(run: Path, files: str) -> Path:
         raise LaionkitError(f"{run}/checkpoints holds no complete checkpoint whose trainer.json records the run")
     recorded = json.loads((found[-1] / "trainer.json").read_text())["config"]
     known = {f.name for f in fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite")})
+    kept = {k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite", "export")}
+    config = TrainConfig(**kept)  # its --export was what train wrote then; this is what is asked for now
     data = open_latents(config.latents)
     schedule = None if data.family.objective.kind == "flow" else load_noise_scheduler(config, data.family)
     base = _base(config, data.family)
