@@ -394,7 +394,8 @@ def stats_command(
     laionkit export runs/old --format pipeline,single-file --export-files hardlink
 
 A run trained with --export none (or before pipelines were exported) gets RUN/pipeline rebuilt from its newest
-checkpoint's record (latents, base model, noise schedule). Single files: SD 1.x/2.x and SDXL as one CompVis/SGM
+checkpoint's record (latents, base model, noise schedule); a LoRA run's (trained with the default --export auto)
+gets RUN/lora merged into a copy of its base at alpha / rank. Single files: SD 1.x/2.x and SDXL as one CompVis/SGM
 checkpoint (models/checkpoints/), SD3 and Flux as the denoiser alone (models/diffusion_models/).
 """)
 def export_command(
@@ -522,7 +523,7 @@ def train_command(
     cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
     fp8: Annotated[bool, typer.Option(help="Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability 8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and loss against bf16.")] = False,
     fp8_recipe: Annotated[str, typer.Option(help="--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")] = "tensorwise",
-    export: Annotated[str, typer.Option(help="What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 checkpoint) or none; e.g. --export pipeline,single-file. LoRA runs export RUN/lora only.")] = "pipeline",
+    export: Annotated[str, typer.Option(help="What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 checkpoint), none, or auto (default: pipeline, except for LoRA runs, which export RUN/lora only); e.g. --export pipeline,single-file. --export pipeline on a LoRA run merges the adapters into a copy of the base (its whole size again).")] = "auto",
     export_files: Annotated[str, typer.Option(help="RUN/pipeline's VAE, text encoders and tokenizers: copy (default) or hardlink (no extra space where the base lies on the same filesystem; an in-place write into the pipeline then changes the base too).")] = "copy",
     storage_options: StorageOption = None,
     rank: RankOption = None,

@@ -21,7 +21,13 @@ single-file``) are converted from RUN/pipeline into the layouts ComfyUI and A111
 diffusers' single_file_utils conversions: SD 1.x/2.x and SDXL as one CompVis/SGM checkpoint (UNet, VAE and
 text encoders), SD3 and Flux as the denoiser alone (ComfyUI's diffusion_models/ file; Flux in BFL's key names).
 
-LoRA runs write no pipeline: the base is unchanged, and RUN/lora loads onto it (laionkit/lora.py).
+LoRA runs (``--lora-rank``) write no pipeline by default (``--export auto``): the base is unchanged, RUN/lora
+loads onto it (laionkit/lora.py), and a merged copy of the base costs its whole size again (a Flux transformer:
+48 GB in fp32). ``--export pipeline`` (or ``laionkit export RUN --format pipeline``) writes one with the adapters
+merged into the denoiser at the trained strength (alpha / rank): the base's denoiser in fp32, RUN/lora (RUN/lora_ema
+under --ema) loaded as users load it (diffusers' ``load_lora_adapter``, what ``pipe.load_lora_weights`` calls, with
+the file's alpha metadata; PixArt: PEFT's ``PeftModel.from_pretrained``), fused (``fuse_lora`` / ``merge_and_unload``)
+and saved as a plain model, so the pipeline generates as the trained model with no LoRA loader at hand.
 """
 
 from __future__ import annotations
@@ -51,14 +57,17 @@ SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule
                  "steps_offset")
 
 
-def parse_formats(value: str | None) -> tuple[str, ...]:
-    """--export: a comma-separated list of FORMATS, or none."""
+def parse_formats(value: str | None, lora: bool = False) -> tuple[str, ...]:
+    """--export: a comma-separated list of FORMATS, none, or auto (the pipeline for a full-parameter run, nothing
+    for a LoRA run: see the module docstring)."""
     names = [part.strip() for part in (value or "").split(",") if part.strip()]
     if names == ["none"]:
         return ()
+    if names == ["auto"]:
+        return () if lora else ("pipeline",)
     bad = [name for name in names if name not in FORMATS]
     if bad or not names:
-        raise LaionkitError(f"--export {value!r}: a comma-separated list of {', '.join(FORMATS)}, or none")
+        raise LaionkitError(f"--export {value!r}: a comma-separated list of {', '.join(FORMATS)}, none or auto")
     if "single-file" in names and "pipeline" not in names:
         raise LaionkitError("--export single-file is converted from the pipeline folder: give --export "
                             "pipeline,single-file")
@@ -67,17 +76,22 @@ def parse_formats(value: str | None) -> tuple[str, ...]:
 
 def check_config(config) -> None:
     """TrainConfig's --export and --export-files, checked before a run starts."""
-    parse_formats(config.export)
+    if parse_formats(config.export, config.lora_rank is not None) and config.lora_rank is not None \
+            and config.unet is None:
+        raise LaionkitError(f"--export {config.export} with --lora-rank merges the adapters into the base, and "
+                            "--lora-random-base's base is random and never saved: give --export none")
     if config.export_files not in FILE_MODES:
         raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
 
 
 def after_training(accelerator, config, data, noise_scheduler) -> None:
     """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for."""
-    formats = parse_formats(config.export)
-    if config.lora_rank is None and formats and accelerator.is_main_process:
-        folder = write_pipeline(Path(config.output), data.family, data.models, base=_base(config, data.family),
-                                noise_scheduler=noise_scheduler, use_ema=config.ema, files=config.export_files)
+    formats = parse_formats(config.export, config.lora_rank is not None)
+    if formats and accelerator.is_main_process:
+        run, base = Path(config.output), _base(config, data.family)
+        merged = merge_lora(run, data.family, base, config.ema) if config.lora_rank is not None else None
+        folder = write_pipeline(run, data.family, data.models, base=base, noise_scheduler=noise_scheduler,
+                                use_ema=config.ema, files=config.export_files, denoiser=merged)
         accelerator.print(f"pipeline: {folder} (DiffusionPipeline.from_pretrained loads it)")
         if "single-file" in formats:
             for path in write_single_files(Path(config.output)):
@@ -92,13 +106,14 @@ def _base(config, spec) -> str | None:
 # --- the pipeline folder ---------------------------------------------------------------------------
 
 def write_pipeline(run: Path, spec, models: dict, base: str | None, noise_scheduler=None, use_ema: bool = False,
-                   files: str = "copy") -> Path:
+                   files: str = "copy", denoiser=None) -> Path:
     """RUN/pipeline: ``spec``'s pipeline with the run's denoiser, the latents' encoders (``models``, the latent
-    manifest's record) or ``base``'s, and a scheduler with the trained schedule; written atomically."""
+    manifest's record) or ``base``'s, and a scheduler with the trained schedule; written atomically.
+    ``denoiser`` writes the denoiser folder it is given (a LoRA run's merge); by default RUN/unet (or its EMA)."""
     import diffusers
 
     trained = run / (f"{spec.denoiser_subfolder}_ema" if use_ema else spec.denoiser_subfolder)
-    if not (trained / "config.json").is_file():
+    if denoiser is None and not (trained / "config.json").is_file():
         raise LaionkitError(f"{trained} holds no exported denoiser (config.json): is {run} a finished run?")
     pipeline_class = getattr(diffusers, spec.pipeline_class)
     components, config_keys = pipeline_class._get_signature_keys(pipeline_class)
@@ -109,7 +124,10 @@ def write_pipeline(run: Path, spec, models: dict, base: str | None, noise_schedu
         tmp.mkdir()
         for name in components:
             if name == spec.denoiser_subfolder:
-                _place(trained, tmp / name, "hardlink")
+                if denoiser is None:
+                    _place(trained, tmp / name, "hardlink")
+                else:
+                    denoiser(tmp / name)
                 index[name] = ["diffusers", spec.denoiser_class]
             elif name == "scheduler":
                 index[name] = _write_scheduler(tmp / name, spec, base, noise_scheduler)
@@ -235,6 +253,61 @@ def _write_scheduler(target: Path, spec, base: str | None, noise_scheduler) -> l
     config = {key: value for key, value in config.items() if not key.startswith("_")}
     getattr(diffusers, name).from_config(config).save_pretrained(target)
     return ["diffusers", name]
+
+
+def merge_lora(run: Path, spec, base: str | None, use_ema: bool = False):
+    """A LoRA run's denoiser writer for write_pipeline: the base's denoiser (fp32) with RUN/lora (RUN/lora_ema)
+    loaded by the family's own loader and fused, saved as a plain model (see the module docstring)."""
+    from laionkit.lora import EXPORT_FILE
+
+    folder = run / ("lora_ema" if use_ema else "lora")
+    peft_folder = (folder / "adapter_config.json").is_file()
+    if not base:
+        raise LaionkitError(f"{run} is a LoRA run without a recorded base (--unet / --transformer): its adapters "
+                            "cannot be merged into a pipeline")
+    if not (peft_folder or (folder / EXPORT_FILE).is_file()):
+        raise LaionkitError(f"{folder} holds no LoRA export ({EXPORT_FILE} or adapter_config.json): is {run} a "
+                            "finished LoRA run?")
+
+    def write(target: Path) -> None:
+        import diffusers
+        import torch
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        from laionkit.common.models import _from_pretrained
+
+        model = _from_pretrained(getattr(diffusers, spec.denoiser_class), base, spec.denoiser_subfolder,
+                                 torch_dtype=torch.float32)
+        if peft_folder:  # PixArt: PEFT's adapter folder (its pipeline loads no LoRA)
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(folder))
+            layers = sum(isinstance(module, BaseTunerLayer) for module in model.modules())
+            model = model.merge_and_unload()
+        else:
+            model.load_lora_adapter(str(folder), prefix=spec.denoiser_subfolder, weight_name=EXPORT_FILE)
+            layers = sum(isinstance(module, BaseTunerLayer) for module in model.modules())
+            model.fuse_lora(lora_scale=1.0)
+            model.unload_lora()
+        _check_all_merged(folder, layers, peft_folder)
+        model.save_pretrained(target, safe_serialization=True)
+
+    return write
+
+
+def _check_all_merged(folder: Path, layers: int, peft_folder: bool) -> None:
+    """Every adapter of the file found its module in the base (a loader skips the ones that do not fit, with a
+    warning at most: the merged model would silently lack them)."""
+    from safetensors import safe_open
+
+    from laionkit.lora import EXPORT_FILE
+
+    path = folder / ("adapter_model.safetensors" if peft_folder else EXPORT_FILE)
+    with safe_open(str(path), "pt") as handle:
+        adapters = sum(key.endswith((".lora_A.weight", ".lora.down.weight")) for key in handle.keys())
+    if layers != adapters:
+        raise LaionkitError(f"{path}: {adapters} adapters, of which {layers} found their module in the base: "
+                            "the base is not the one they were trained on")
 
 
 # --- single-file checkpoints -------------------------------------------------------------------------
@@ -531,7 +604,8 @@ def sd3_to_mmdit(tensors: dict) -> dict:
 
 def export_run(run: Path, formats: str, files: str = "copy") -> list[Path]:
     """The exports ``formats`` asks for, of a finished run folder: the pipeline rebuilt from the run's own
-    record (its newest checkpoint's trainer.json: latents, base, schedule), single files from RUN/pipeline."""
+    record (its newest checkpoint's trainer.json: latents, base, schedule; a LoRA run's adapters merged into that
+    base), single files from RUN/pipeline."""
     names = [part.strip() for part in formats.split(",") if part.strip()]
     bad = [name for name in names if name not in FORMATS]
     if bad or not names:
@@ -556,9 +630,30 @@ def _rebuild_pipeline(run: Path, files: str) -> Path:
         raise LaionkitError(f"{run}/checkpoints holds no complete checkpoint whose trainer.json records the run")
     recorded = json.loads((found[-1] / "trainer.json").read_text())["config"]
     known = {f.name for f in fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite")})
-    if config.lora_rank is not None:
-        raise LaionkitError(f"{run} is a LoRA run: its export is RUN/lora, loaded onto the base with load_lora_weights")
+    kept = {k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite", "export")}
+    config = TrainConfig(**kept)  # its --export was what train wrote then; this is what is asked for now
     data = open_latents(config.latents)
     schedule = None if data.family.objective.kind == "flow" else load_noise_scheduler(config, data.family)
-    return write_pipeline(run, data.family, data.models, _base(config, data.family), schedule, config.ema, files)
+    base = _base(config, data.family)
+    merged = None
+    if config.lora_rank is not None:  # the adapters merged into the base they trained on
+        _check_lora_base(found[-1], config, data.family)
+        merged = merge_lora(run, data.family, base, config.ema)
+    return write_pipeline(run, data.family, data.models, base, schedule, config.ema, files, denoiser=merged)
+
+
+def _check_lora_base(checkpoint: Path, config, spec) -> None:
+    """The base a LoRA run's adapters trained on (its checkpoint's record) is the base now at hand: the sha256
+    of its denoiser's weights files agree (adapters merged into another base give another model)."""
+    from safetensors import safe_open
+
+    from laionkit.lora import ADAPTER_FILE, BASE_KEY, base_identity
+
+    with safe_open(str(checkpoint / ADAPTER_FILE), "pt") as handle:
+        found = json.loads((handle.metadata() or {}).get(BASE_KEY, "null"))
+    have = base_identity(config, spec) if found else None
+    common = set(found["files"]) & set(have["files"]) if found and have else None
+    if common is not None and (not common or any(found["files"][name] != have["files"][name] for name in common)):
+        raise LaionkitError(f"{checkpoint / ADAPTER_FILE}: its adapters were trained on another {found['source']} "
+                            "than the one now there (the sha256 of its weights files differ): merging them into "
+                            "it would give another model")

@@ -27,7 +27,8 @@ export). The invariants:
   ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
   PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
-  PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads.
+  PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
+  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/exports.py).
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class TrainConfig:
     storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
     fp8: bool = False  # the blocks' linear layers in float8 (laionkit/fp8.py)
     fp8_recipe: str = "tensorwise"
-    export: str = "pipeline"  # what finish writes besides RUN/unet: pipeline, single-file (laionkit/exports.py)
+    export: str = "auto"  # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/exports.py)
     export_files: str = "copy"  # the base's files in RUN/pipeline: copy or hardlink
 
     def __post_init__(self) -> None:
@@ -1803,7 +1803,7 @@ def finish(trainer: Trainer) -> None:
     else:
         export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
                torch.bfloat16 if t.config.full_bf16 else torch.float32)
-        exports.after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
+    exports.after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
     if t.remote is not None:
         t.remote.finished(accelerator)
 

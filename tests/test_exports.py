@@ -158,3 +158,238 @@ def test_single_files_load_back_through_diffusers_from_single_file(runs, monkeyp
     model = diffusers.FluxTransformer2DModel.from_single_file(str(files["flux"]), config=str(flux),
                                                               subfolder="transformer", local_files_only=True)
     _assert_holds(model, flux / "transformer", "flux transformer")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file()}
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart"])
+def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
+    """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
+    checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
+    from conftest import run_cli
+
+    from laionkit.train import TrainConfig, run
+
+    written = Path(runs[family]["run"])
+    recorded = json.loads(sorted((written / "checkpoints").glob("step-*"))[-1].joinpath("trainer.json").read_text())
+    options = {key: recorded["config"][key]
+               for key in ("latents", "unet", "unet_config", "prediction_type", "ema", "ema_decay")}
+    output = tmp_path / f"{family}-none"
+    run(TrainConfig(output=output, export="none", **FAST, **options))
+    assert not (output / "pipeline").exists()
+    sub = runs[family]["subfolder"]
+    assert _files(output / sub) == _files(written / sub)  # the same training: the test's premise
+
+    printed = run_cli("export", output, "--format", "pipeline").stdout.split()
+    assert printed == [str(output / "pipeline")]
+    rebuilt, want = _files(output / "pipeline"), _files(written / "pipeline")
+    assert sorted(rebuilt) == sorted(want)
+    assert [name for name in want if rebuilt[name] != want[name]] == []
+
+
+# --- LoRA runs: --export pipeline merges the adapters at the trained strength --------------------------------
+
+RANK, ALPHA = 4, 16.0  # alpha != rank: a merge at scale 1 instead of alpha / rank = 4 is far off
+LORA = dict(lora_rank=RANK, lora_alpha=ALPHA, max_steps=2, batch_size=4, lr=1e-2, log_with="none", quiet=True,
+            workers=0, shuffle_buffer=3, checkpoint_every=2)
+
+# The denoiser's output on fixed inputs, by a plain diffusers call per family: run as is in the test and in the
+# fresh interpreter that loads the pipeline (no laionkit there).
+PREDICT = """
+import torch
+
+def predict(name, model):
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, config.in_channels, 8, 8, generator=generator)
+    with torch.no_grad():
+        if name == "sd":
+            states = torch.randn(2, 7, config.cross_attention_dim, generator=generator)
+            return model(noisy, torch.tensor([10, 500]), encoder_hidden_states=states).sample
+        if name == "sd3":
+            states = torch.randn(2, 7, config.joint_attention_dim, generator=generator)
+            pooled = torch.randn(2, config.pooled_projection_dim, generator=generator)
+            return model(hidden_states=noisy, encoder_hidden_states=states, pooled_projections=pooled,
+                         timestep=torch.tensor([200.0, 700.0])).sample
+        states = torch.randn(2, 7, config.caption_channels, generator=generator)
+        return model(noisy, encoder_hidden_states=states, encoder_attention_mask=torch.ones(2, 7),
+                     timestep=torch.tensor([10, 500]), added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+"""
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, latent_shards, tiny_models, flow_latents) -> dict[str, dict]:
+    """LoRA runs (rank 4, alpha 16) with --export pipeline, for SD, SD3 and PixArt (PEFT's folder), and an SD
+    one with the default --export auto."""
+    from laionkit.train import TrainConfig, run
+
+    root = tmp_path_factory.mktemp("lora-exports")
+    plans = {"sd": (latent_shards, tiny_models), "sd3": (flow_latents("sd3").latents, flow_latents("sd3").model),
+             "pixart": (flow_latents("pixart").latents, flow_latents("pixart").model)}
+    found = {}
+    for name, (latents, model) in plans.items():
+        run(TrainConfig(latents=latents, output=root / name, unet=str(model), export="pipeline", **LORA))
+        found[name] = {"run": str(root / name), "model": str(model), "subfolder": get_family(name).denoiser_subfolder,
+                       "pipeline": get_family(name).pipeline_class}
+    run(TrainConfig(latents=latent_shards, output=root / "sd-auto", unet=str(tiny_models), **LORA))
+    found["sd-auto"] = dict(found["sd"], run=str(root / "sd-auto"))
+    return found
+
+
+def _trained_lora_model(name: str, run: dict):
+    """The trained model as plain weights: the base, each adapter of the last checkpoint merged at alpha / rank."""
+    import diffusers
+    import torch
+    from safetensors.torch import load_file
+
+    spec = get_family(name)
+    model = getattr(diffusers, spec.denoiser_class).from_pretrained(run["model"], subfolder=spec.denoiser_subfolder)
+    adapters = load_file(Path(run["run"]) / "checkpoints" / "step-00000002" / "adapter.safetensors")
+    modules = dict(model.named_modules())
+    names = {key.split(".lora_A.")[0] for key in adapters if ".lora_A." in key}
+    assert names
+    with torch.no_grad():
+        for module in names:
+            down, up = (adapters[f"{module}.lora_{part}.default.weight"] for part in "AB")
+            modules[module].weight += ALPHA / RANK * up @ down
+    return model.eval()
+
+
+LORA_GENERATE = PREDICT + """
+import json, sys
+import numpy as np
+from diffusers import DiffusionPipeline
+
+report = {}
+for name, run in json.loads(sys.argv[1]).items():
+    pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
+    extra = {"use_resolution_binning": False} if name == "pixart" else {}
+    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **extra).images[0]
+    denoiser = getattr(pipe, run["subfolder"])
+    report[name] = {"class": type(pipe).__name__, "finite": bool(np.isfinite(image).all()),
+                    "denoiser": type(denoiser).__name__, "plain": not any("lora" in key for key in denoiser.state_dict()),
+                    "output": predict(name, denoiser.eval()).tolist()}
+assert not any(name.startswith("laionkit") for name in sys.modules), "laionkit was imported"
+print(json.dumps(report))
+"""
+
+
+def test_lora_run_exports_a_pipeline_that_generates_as_the_trained_model(lora_runs, tmp_path):
+    """--export pipeline on a LoRA run: diffusers alone, in a fresh interpreter with no laionkit, loads RUN/pipeline,
+    generates, and its denoiser (a plain model, no LoRA layers) gives the trained model's output: the base with
+    the adapters merged at alpha / rank."""
+    import diffusers
+    import torch
+
+    scope: dict = {}
+    exec(PREDICT, scope)  # noqa: S102 - the same call the fresh interpreter makes
+    chosen = {name: lora_runs[name] for name in ("sd", "sd3", "pixart")}
+    free = subprocess.run([sys.executable, "-c", textwrap.dedent(LORA_GENERATE), json.dumps(chosen)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+                               "OMP_NUM_THREADS": "1"})
+    assert free.returncode == 0, free.stderr[-3000:]
+    report = json.loads(free.stdout.strip().splitlines()[-1])
+    for name, run in chosen.items():
+        spec, got = get_family(name), report[name]
+        assert got["class"] == run["pipeline"] and got["finite"] and got["plain"], name
+        assert got["denoiser"] == spec.denoiser_class, name
+        want = scope["predict"](name, _trained_lora_model(name, run))
+        base = getattr(diffusers, spec.denoiser_class).from_pretrained(run["model"], subfolder=run["subfolder"])
+        assert (want - scope["predict"](name, base.eval())).abs().max() > 1e-3, f"{name}: the adapters did not train"
+        torch.testing.assert_close(torch.tensor(got["output"]), want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_lora_run_exports_no_pipeline_by_default_and_laionkit_export_merges_one(lora_runs):
+    """--export auto (the default) on a LoRA run writes RUN/lora alone; `laionkit export RUN --format pipeline`
+    on the finished run writes the pipeline --export pipeline would have, file for file."""
+    import torch
+    from conftest import run_cli
+    from safetensors.torch import load_file
+
+    from laionkit.lora import EXPORT_FILE
+
+    auto, written = Path(lora_runs["sd-auto"]["run"]), Path(lora_runs["sd"]["run"])
+    assert (auto / "lora").is_dir() and not (auto / "pipeline").exists()
+    same = [torch.equal(a, b) for a, b in zip(*(load_file(run / "lora" / EXPORT_FILE).values() for run in (auto, written)))]
+    assert same and all(same)  # the same training: the test's premise
+    assert run_cli("export", auto, "--format", "pipeline").stdout.split() == [str(auto / "pipeline")]
+    rebuilt, want = _files(auto / "pipeline"), _files(written / "pipeline")
+    assert sorted(rebuilt) == sorted(want)
+    assert [name for name in want if rebuilt[name] != want[name]] == []
+
+
+def test_lora_pipeline_is_refused_onto_another_base_and_without_a_saved_one(lora_runs, tiny_models, latent_shards,
+                                                                           tmp_path):
+    """Adapters merged into another base than the one they trained on give another model: `laionkit export` of a
+    LoRA run whose recorded --unet now holds other weights is refused in one line, as --export pipeline is with
+    --lora-random-base (a random base, never saved)."""
+    import shutil
+
+    from conftest import run_cli
+    from safetensors.torch import load_file, save_file
+
+    from laionkit.common import LaionkitError
+    from laionkit.train import TrainConfig
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_models, base)
+    weights = base / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({key: value + 1 for key, value in load_file(weights).items()}, str(weights))
+    run = tmp_path / "run"
+    shutil.copytree(lora_runs["sd-auto"]["run"], run, ignore=shutil.ignore_patterns("pipeline"))
+    record = run / "checkpoints" / "step-00000002" / "trainer.json"
+    found = json.loads(record.read_text())
+    found["config"]["unet"] = str(base)
+    record.write_text(json.dumps(found))
+    refused = run_cli("export", run, "--format", "pipeline", check=False)
+    assert refused.returncode == 2 and "trained on another" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (run / "pipeline").exists()
+
+    with pytest.raises(LaionkitError, match="--lora-random-base"):
+        TrainConfig(latents=latent_shards, output=tmp_path / "random", unet_config="tiny", lora_random_base=True,
+                    export="pipeline", **LORA)
+    TrainConfig(latents=latent_shards, output=tmp_path / "random", unet_config="tiny", lora_random_base=True, **LORA)
+
+
+def test_bucket_run_uploads_its_pipeline_and_single_file_whole_before_their_done_records(s3, latent_shards, tmp_path,
+                                                                                          monkeypatch):
+    """--output s3://...: RUN/pipeline and RUN/single_file reach the bucket as the staging folder holds them, file
+    for file, each folder's done record written only once all its objects are there; the downloaded pipeline
+    loads with diffusers."""
+    import diffusers
+
+    from laionkit.common import storage
+    from laionkit.common.storage import Location
+    from laionkit.train import TrainConfig, run
+
+    monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
+    present = {}  # folder -> its objects in the bucket when its done record was written
+    mark_done = storage.mark_done
+
+    def recording(location, record=None):
+        if location.name in ("pipeline", "single_file"):
+            prefix = location.path.rstrip("/") + "/"
+            present[location.name] = sorted(key[len(prefix):] for key in location.fs.find(location.path))
+        mark_done(location, record)
+
+    monkeypatch.setattr(storage, "mark_done", recording)
+    remote = Location.parse(s3.url("runs", "sd"))
+    run(TrainConfig(latents=latent_shards, output=str(remote), unet_config="tiny", export="pipeline,single-file",
+                    **FAST))
+    staging = next((tmp_path / "staging").iterdir())
+    for name in ("pipeline", "single_file"):
+        folder = remote / name
+        assert folder.is_complete(), name
+        downloaded = tmp_path / "downloaded" / name
+        folder.fs.get(folder.path + "/", str(downloaded), recursive=True)
+        want = _files(staging / name)
+        assert want and _files(downloaded) == want, name
+        assert present[name] == sorted(want), f"{name}: its done record came before all its objects"
+        assert json.loads(folder.done_record.read_bytes())["sizes"] == {k: len(v) for k, v in want.items()}
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "downloaded" / "pipeline")
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
