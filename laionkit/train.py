@@ -1758,7 +1758,7 @@ def validation_loss(trainer: Trainer, valset) -> dict:
         t.accelerator, lambda noisy, timesteps, cond: t.data.family.predict(t.unet, noisy, timesteps, guidance_input(
             objective, stored_conditioning(cond, t.online, device, dtype), len(noisy), device)),
         valset, t.config.batch_size, dtype, t.noise_scheduler,
-        flow_shift=None if t.noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
+        flow_shift=None if t.noise_scheduler else objective.sigma_shift,  # per bucket (h, w): a dynamic shift
         timestep_scale=objective.timestep_scale)
     t.unet.train()
     return {"val_loss": loss, "val_samples": len(valset.keys)}
