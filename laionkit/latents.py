@@ -29,6 +29,8 @@ import itertools
 import json
 import random
 import signal
+import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -102,7 +104,34 @@ def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
         opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
     files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member)
     samples = wds.tariterators.group_by_keys(files)
-    return itertools.islice(samples, unit.offset, None, unit.stride)
+    return itertools.islice(_named_errors(samples, unit.shard), unit.offset, None, unit.stride)
+
+
+# What a damaged shard or member raises while it is read or decoded (tarfile, gzip/zlib, numpy, a file cut
+# short or gone): a user's data problem, reported as one line naming the shard and sample, not a traceback.
+DATA_ERRORS = (OSError, EOFError, ValueError, tarfile.TarError, zlib.error)
+
+
+def _reason(error: BaseException) -> str:
+    """The error's own words: webdataset appends the stream object (`` @ <_io.BufferedReader ...>``, then
+    the stream and URL as more args) to what it reraises, which made the message a tuple with an address."""
+    text = str(error.args[0]) if error.args else ""
+    text = " ".join(text.split(" @ <")[0].split()) or type(error).__name__
+    return text[:300]
+
+
+def _named_errors(samples: Iterator[dict], shard: str) -> Iterator[dict]:
+    """``samples`` of ``shard``; a read failure becomes a LaionkitError naming the shard and the last
+    sample read whole (the damage lies after it)."""
+    key = None
+    try:
+        for sample in samples:
+            key = sample.get("__key__")
+            yield sample
+    except DATA_ERRORS as error:
+        where = f"after sample {key}" if key is not None else "at its first sample"
+        raise LaionkitError(f"{shard}: latent shard damaged {where} ({type(error).__name__}: {_reason(error)}); "
+                            "it changed after train opened it: re-copy it or rerun encode for it") from None
 
 
 def _wanted_member(name: str) -> bool:
@@ -127,7 +156,7 @@ def moments_shape(sample: dict) -> tuple[int, ...]:
     try:
         version = np.lib.format.read_magic(stream)
         if version not in ((1, 0), (2, 0)):
-            return tuple(np.load(io.BytesIO(sample[MOMENTS])).shape)
+            return tuple(_npy(sample, MOMENTS).shape)
         reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         return tuple(reader(stream)[0])
     except ValueError as error:
@@ -135,20 +164,29 @@ def moments_shape(sample: dict) -> tuple[int, ...]:
                             f"array ({error})") from None
 
 
+def _npy(sample: dict, member: str) -> np.ndarray:
+    """A sample's .npy member; one that fails to load is a LaionkitError naming shard, sample and member."""
+    try:
+        return np.load(io.BytesIO(sample[member]))
+    except DATA_ERRORS as error:
+        raise LaionkitError(f"{sample.get('__url__')}: sample {sample.get('__key__')}: its .{member} cannot be "
+                            f"decoded ({type(error).__name__}: {_reason(error)}); rerun encode for this shard") from None
+
+
 def decode(sample: dict) -> dict:
     _require_members(sample)
     decoded = {
         "key": sample["__key__"],
-        "moments": torch.from_numpy(np.load(io.BytesIO(sample[MOMENTS]))),
+        "moments": torch.from_numpy(_npy(sample, MOMENTS)),
     }
     if TEXT in sample:
-        decoded["text"] = torch.from_numpy(np.load(io.BytesIO(sample[TEXT])))
+        decoded["text"] = torch.from_numpy(_npy(sample, TEXT))
     for name in sample:
         if name.startswith(IDS_PREFIX[1:]) and name.endswith(".npy"):  # ids_<tokenizer>.npy -> ids_<tokenizer>
-            decoded[name[:-4]] = torch.from_numpy(np.load(io.BytesIO(sample[name])).astype(np.int64))
+            decoded[name[:-4]] = torch.from_numpy(_npy(sample, name).astype(np.int64))
     for key in EXTRA_TENSORS:
         if f"{key}.npy" in sample:
-            decoded[key] = torch.from_numpy(np.load(io.BytesIO(sample[f"{key}.npy"])))
+            decoded[key] = torch.from_numpy(_npy(sample, f"{key}.npy"))
     if "json" in sample:
         try:
             record = json.loads(sample["json"])
@@ -359,12 +397,44 @@ def end_workers(batches) -> None:
         shutdown()
 
 
+class LatentLoader(DataLoader):
+    """A DataLoader whose iterator passes a worker's LaionkitError on as the worker raised it: one line.
+
+    torch re-raises an error of a worker in the trainer as the same type with the worker's whole
+    traceback as its message ("Caught LaionkitError in DataLoader worker process 1. Original Traceback
+    ..."), which the CLI printed in full instead of the one line it prints for a user's mistake."""
+
+    def __iter__(self):
+        return _OneLineErrors(super().__iter__())
+
+
+class _OneLineErrors:
+    def __init__(self, batches) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.batches)
+        except LaionkitError as error:
+            text = str(error)
+            if not text.startswith("Caught LaionkitError"):
+                raise
+            raise LaionkitError(text.rsplit("LaionkitError: ", 1)[-1].strip()) from None
+
+    def _shutdown_workers(self) -> None:  # end_workers
+        end_workers(self.batches)
+
+
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,
                   cache: ReadCache | None = None) -> DataLoader:
     """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``, one (h, w)
     per batch (T: the longest caption of the batch where text is trimmed, ``collate``); the workers form
-    the batches (see the module docstring)."""
-    return DataLoader(
+    the batches (see the module docstring). A damaged shard or member is a one-line LaionkitError naming
+    the shard (and sample), with workers or without (LatentLoader)."""
+    return LatentLoader(
         LatentStream(layout, batches_done, cache),
         batch_size=None,
         num_workers=layout.workers,

@@ -1157,16 +1157,37 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
     classifier-free guidance, or the guidance embedding where the family feeds guidance_scale to it.
 
     The pipeline gets no text encoders (the prompts are stored embeddings) and returns latents (Flux's
-    packed, unpacked here): the decode is ours, in the VAE's own dtype, whatever the weights' dtype is."""
+    packed, unpacked here, ``sample_latents``): the decode is ours, in the VAE's own dtype, whatever the
+    weights' dtype is."""
+    latents = sample_latents(unet, vae, noise_scheduler, texts, empty, data, config, device)
+    images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
+    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+def validation_sampler(spec: FamilySpec, noise_scheduler):
+    """The scheduler validation samples with: the flow family's FlowMatchEulerDiscreteScheduler, or DDIM on
+    the model's noise schedule with the settings of sampling in latent space stated, not inherited: no
+    clipping of the predicted x0 to [-1, 1] and no dynamic thresholding (both are for pixel-space models;
+    scaled latents have unit spread). A scheduler config that does not name them (PixArt-Σ's
+    DPMSolverMultistepScheduler; the SDXL config laionkit's tiny models write) took DDIM's default
+    clip_sample=True and sampled every grid with x0 cut to [-1, 1], which its pipeline never does."""
+    import diffusers
+
+    if spec.sampler is not None:
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_config(dict(spec.sampler))
+    return diffusers.DDIMScheduler.from_config(noise_scheduler.config, clip_sample=False, thresholding=False)
+
+
+@torch.no_grad()
+def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentSet, config: TrainConfig,
+                   device: torch.device) -> torch.Tensor:
+    """validate's sampling: the fixed prompts' final latents (unpacked, scaled as the denoiser sees them)."""
     import inspect
 
     import diffusers
 
     spec = data.family
-    if spec.sampler is not None:
-        sampler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(dict(spec.sampler))
-    else:
-        sampler = diffusers.DDIMScheduler.from_config(noise_scheduler.config)
+    sampler = validation_sampler(spec, noise_scheduler)
     pipeline_class = getattr(diffusers, spec.pipeline_class)
     parameters = inspect.signature(pipeline_class.__init__).parameters
     components = {name: None for name, parameter in parameters.items()
@@ -1217,8 +1238,7 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
                    **each_step, **prompts).images
     if spec.unpack_latents is not None:
         latents = spec.unpack_latents(latents, height, width)
-    images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
-    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
+    return latents
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -1783,7 +1803,7 @@ def validation_loss(trainer: Trainer, valset) -> dict:
         t.accelerator, lambda noisy, timesteps, cond: t.data.family.predict(t.unet, noisy, timesteps, guidance_input(
             objective, stored_conditioning(cond, t.online, device, dtype), len(noisy), device)),
         valset, t.config.batch_size, dtype, t.noise_scheduler,
-        flow_shift=None if t.noise_scheduler else objective.sigma_shift(*valset.latents.shape[2:]),
+        flow_shift=None if t.noise_scheduler else objective.sigma_shift,  # per bucket (h, w): a dynamic shift
         timestep_scale=objective.timestep_scale)
     t.unet.train()
     return {"val_loss": loss, "val_samples": len(valset.keys)}

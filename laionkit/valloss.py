@@ -9,7 +9,9 @@ The loss is the plain MSE to the objective's target (no min-SNR or flow weightin
 weightings compare), summed with its count on every rank over every world-th sample and all-reduced.
 The value is therefore the same for any number of ranks or --workers (up to float summation order), and
 changes only when the weights do. Ranks run the same number of forward passes (short ranks pad with
-masked samples), which FSDP needs.
+masked samples), which FSDP needs. Latents of several shapes (``encode --buckets``) are batched within
+their shape: the samples of each shape, in key order, are split over the ranks as above, so a sample's
+loss and its rank do not depend on the other shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +31,8 @@ from laionkit.common import LaionkitError
 @dataclass(frozen=True)
 class ValSet:
     keys: tuple[str, ...]
-    latents: torch.Tensor  # (N, C, h, w) fp32, scaled as the denoiser sees them
-    noise: torch.Tensor  # (N, C, h, w) fp32
+    latents: tuple[torch.Tensor, ...]  # N of (C, h, w) fp32, scaled as the denoiser sees them; (h, w) per bucket
+    noise: tuple[torch.Tensor, ...]  # N of (C, h, w) fp32
     u: torch.Tensor  # (N,) fp64 in [0, 1)
     cond: dict[str, torch.Tensor]  # every stored conditioning member (decode's keys but key and moments)
 
@@ -89,48 +92,69 @@ def load(config, data) -> ValSet:
                 cond.setdefault(name, []).append(value)
     if not keys:
         raise LaionkitError(f"--val-latents {config.val_latents}: no samples")
-    return ValSet(tuple(keys), torch.stack(latents), torch.stack(noise), torch.stack(u),
+    return ValSet(tuple(keys), tuple(latents), tuple(noise), torch.stack(u),
                   {name: pad_stack(values) for name, values in cond.items()})  # trimmed text padded
 
 
 @torch.no_grad()
 def evaluate(accelerator, forward, val: ValSet, batch_size: int, input_dtype: torch.dtype,
-             noise_scheduler=None, flow_shift: float | None = None, timestep_scale: float = 1000.0) -> float:
+             noise_scheduler=None, flow_shift: float | Callable[[int, int], float] | None = None,
+             timestep_scale: float = 1000.0) -> float:
     """Mean loss over ``val`` across all ranks. ``forward(noisy, timesteps, cond)`` is the denoiser's
     prediction, ``cond`` the batch's stored conditioning by member name (floats in ``input_dtype``);
     DDPM uses ``noise_scheduler``, flow matching (``noise_scheduler=None``) ``flow_shift`` and passes
-    sigma x ``timestep_scale`` as the timestep (SD3: 1000, Flux: 1, as their pipelines do)."""
-    from laionkit.families import flow
-
+    sigma x ``timestep_scale`` as the timestep (SD3: 1000, Flux: 1, as their pipelines do). ``flow_shift``
+    is a number or, where it depends on the resolution (Flux's dynamic shift), a function of (h, w)."""
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, len(val.keys), world))
-    slots = math.ceil(len(val.keys) / world)
-    index = torch.tensor(mine + [0] * (slots - len(mine)))  # padding: sample 0, masked out
-    mask = torch.tensor([1.0] * len(mine) + [0.0] * (slots - len(mine)))
     total = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, sample count
-    for start in range(0, slots, batch_size):
-        chosen = index[start:start + batch_size]
-        x0, noise = val.latents[chosen].to(device), val.noise[chosen].to(device)
-        u = val.u[chosen].to(device)
-        cond = {name: v[chosen].to(device, input_dtype if v.is_floating_point() else v.dtype)
-                for name, v in val.cond.items()}
-        if noise_scheduler is not None:
-            steps = noise_scheduler.config.num_train_timesteps
-            timesteps = (u * steps).long().clamp(max=steps - 1)
-            noisy = noise_scheduler.add_noise(x0, noise, timesteps)
-            if noise_scheduler.config.prediction_type == "epsilon":
-                target = noise
-            else:
-                target = noise_scheduler.get_velocity(x0, noise, timesteps)
-        else:
-            sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
-            noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
-            timesteps = sigmas.float() * timestep_scale
-        prediction = forward(noisy.to(input_dtype), timesteps, cond)
-        losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        weights = mask[start:start + batch_size].to(device, torch.float64)
-        total += torch.stack([(losses.double() * weights).sum(), weights.sum()])
+    for group in shape_groups(val):
+        mine = group[rank::world]
+        slots = math.ceil(len(group) / world)
+        index = mine + [group[0]] * (slots - len(mine))  # padding: the shape's first sample, masked out
+        mask = torch.tensor([1.0] * len(mine) + [0.0] * (slots - len(mine)))
+        for start in range(0, slots, batch_size):
+            total += _batch_loss(forward, val, index[start:start + batch_size], mask[start:start + batch_size],
+                                 device, input_dtype, noise_scheduler, flow_shift, timestep_scale)
     total = accelerator.reduce(total, "sum")  # float64: 1 and N ranks differ only in summation order
     loss_sum, count = total.tolist()
     return loss_sum / count
+
+
+def shape_groups(val: ValSet) -> list[list[int]]:
+    """The samples' indices by latent shape, shapes in the order they first occur, indices in key order."""
+    groups: dict[tuple, list[int]] = {}
+    for index, latent in enumerate(val.latents):
+        groups.setdefault(tuple(latent.shape), []).append(index)
+    return list(groups.values())
+
+
+def _batch_loss(forward, val: ValSet, chosen: list[int], mask: torch.Tensor, device, input_dtype,
+                noise_scheduler, flow_shift, timestep_scale) -> torch.Tensor:
+    """(loss sum, sample count) of one single-shape batch, its masked (padding) samples counting zero."""
+    from laionkit.families import flow
+
+    x0 = torch.stack([val.latents[i] for i in chosen]).to(device)
+    noise = torch.stack([val.noise[i] for i in chosen]).to(device)
+    chosen = torch.tensor(chosen)
+    u = val.u[chosen].to(device)
+    cond = {name: v[chosen].to(device, input_dtype if v.is_floating_point() else v.dtype)
+            for name, v in val.cond.items()}
+    if noise_scheduler is not None:
+        steps = noise_scheduler.config.num_train_timesteps
+        timesteps = (u * steps).long().clamp(max=steps - 1)
+        noisy = noise_scheduler.add_noise(x0, noise, timesteps)
+        if noise_scheduler.config.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = noise_scheduler.get_velocity(x0, noise, timesteps)
+    else:
+        if callable(flow_shift):
+            flow_shift = flow_shift(*x0.shape[2:])
+        sigmas = flow.shift_sigmas(u, flow_shift) if flow_shift else u
+        noisy, target = flow.interpolate(x0, noise, sigmas.float()), flow.velocity_target(x0, noise)
+        timesteps = sigmas.float() * timestep_scale
+    prediction = forward(noisy.to(input_dtype), timesteps, cond)
+    losses = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    weights = mask.to(device, torch.float64)
+    return torch.stack([(losses.double() * weights).sum(), weights.sum()])
 

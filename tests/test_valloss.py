@@ -92,3 +92,37 @@ def test_val_loss_goes_to_metrics_and_a_resume_reproduces_it(latent_shards, tmp_
     bad = run_cli("train", latent_shards, "--output", tmp_path / "bad", "--unet-config", "tiny", "--max-steps", "1",
                   "--val-every", "2", check=False)
     assert bad.returncode == 2 and "--val-every and --val-samples need --val-latents" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
+    """`laionkit encode --buckets` of the real photos at 64 px: three latent shapes (tests/test_buckets.py)."""
+    output = tmp_path_factory.mktemp("bucketed")
+    run_cli("encode", image_shards, "--output", output, "--model", tiny_models, "--resolution", "64", "--buckets",
+            "--batch-size", "4", "--workers", "0", "--quiet")
+    return output
+
+
+def test_bucketed_val_latents_batch_within_a_shape_and_give_one_value_for_any_ranks(bucket_latents, tmp_path):
+    """--val-latents on bucketed latents stopped the run (torch.stack of unequal shapes); a batch now holds
+    one shape, and 1 or 2 ranks, batch 4 or 2 or 1, give the same loss."""
+    from laionkit import valloss
+    from laionkit.train import TrainConfig, open_latents
+
+    config = TrainConfig(latents=bucket_latents, output=tmp_path / "unused", unet_config="tiny", max_steps=1,
+                         val_latents=bucket_latents, val_samples=7, seed=3)
+    val = valloss.load(config, open_latents(bucket_latents))
+    assert len(valloss.shape_groups(val)) >= 2, [tuple(x.shape) for x in val.latents]
+
+    script = tmp_path / "evaluate.py"
+    script.write_text(EVALUATE)
+    one = _evaluate(script, bucket_latents, 1, 4)
+    assert one["losses"] == pytest.approx(_evaluate(script, bucket_latents, 1, 1)["losses"], rel=1e-5)
+    assert _evaluate(script, bucket_latents, 2, 2)["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert one["keys"] == list(val.keys)
+
+    run = tmp_path / "run"
+    run_cli("train", bucket_latents, "--output", run, "--unet-config", "tiny", "--batch-size", "2", "--log-with", "none",
+            "--quiet", "--max-steps", "2", "--workers", "0", "--val-latents", bucket_latents, "--val-every", "2")
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["val_samples"] == 8 and record["val_loss"] > 0
