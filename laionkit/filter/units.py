@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import duckdb
 import numpy as np
@@ -27,8 +27,16 @@ from laionkit.filter.rules import alias_names
 from laionkit.filter.sql import ROW_NUMBER, glob_literal, literal, nullable, quote
 from laionkit.scores import Scorer, score_embeddings
 
-if TYPE_CHECKING:
-    from laionkit.filter.dedup import Dedup
+
+class Duplicates(Protocol):
+    """What a unit asks of ``--dedup`` (laionkit.filter.dedup.Dedup) in phase 3. A protocol, not an import:
+    dedup drives UnitFilter in phases 1-2, so importing it back here would close an import circle."""
+
+    column: str
+
+    def bad(self, unit: Unit) -> str | None: ...
+
+    def dropped(self, unit: Unit) -> str: ...
 
 
 class UnitFilter:
@@ -39,7 +47,7 @@ class UnitFilter:
     One UnitFilter (one cursor of the run's DuckDB database) filters one unit at a time; ``run`` keeps
     several busy."""
 
-    def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: Dedup | None,
+    def __init__(self, plan: Plan, scorers: list[Scorer], skip_bad: bool, dedup: Duplicates | None,
                  connection: duckdb.DuckDBPyConnection):
         self.plan = plan
         self.scorers = scorers
