@@ -237,7 +237,7 @@ def bench_writer(batches: int, repeats: int) -> dict:
     shapes (64 samples of moments 8x32x32 and text 77x768 in float16, plus the json), the same bytes out."""
     import webdataset as wds
 
-    from laionkit.encode.writer import TarMembers, npy_rows
+    from laionkit.encode.tars import TarMembers, npy_rows
 
     rng = np.random.default_rng(0)
     moments = rng.standard_normal((64, 8, 32, 32)).astype(np.float16)

@@ -587,7 +587,7 @@ def test_tar_members_writes_the_bytes_webdatasets_tar_writer_writes(tmp_path):
     100 bytes, not ASCII) gets tarfile's PAX header, and tarfile and webdataset read every member back."""
     import tarfile
 
-    from laionkit.encode.writer import TarMembers
+    from laionkit.encode.tars import TarMembers
 
     rng = np.random.default_rng(0)
     sizes = [0, 1, 511, 512, 513, 1024, 118_272, 40_000]

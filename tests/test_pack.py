@@ -406,7 +406,7 @@ def test_redirects_are_followed_only_to_allowed_schemes(hostile, tmp_path):
 
 def test_every_redirect_hop_is_checked_against_private_addresses(hostile, monkeypatch):
     """The first hop's address is treated as public, the hop it redirects to as private."""
-    import laionkit.pack as pack
+    import laionkit.pack.fetch as pack
 
     port = hostile.base_url.rsplit(":", 1)[1]
     monkeypatch.setattr(pack, "non_public_kind", lambda address: "private" if address == "::1" else None)

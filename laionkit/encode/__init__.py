@@ -13,7 +13,8 @@ the shard and the options, never on ranks or workers, so outputs are identical f
 
 This module is the loop (``run``); the stages live beside it: ``config`` (EncodeConfig), ``reader``
 (input shards and the DataLoader side), ``device`` (the encoders and everything on the device),
-``writer`` (the writer thread and output tars) and ``records`` (per-shard records, plan, manifest).
+``tars`` (one output tar and its .npy members), ``writer`` (the writer thread) and ``records`` (per-shard
+records, plan, manifest).
 Every name laionkit.encode had before the split is still importable from here.
 """
 
@@ -92,7 +93,8 @@ from laionkit.encode.records import (
     update_manifest,
     write_plan,
 )
-from laionkit.encode.writer import ShardOutput, _Writer, npy_bytes, npy_rows, write_empty_captions
+from laionkit.encode.tars import ShardOutput, npy_bytes, npy_rows
+from laionkit.encode.writer import _Writer, write_empty_captions
 
 __all__ = [  # the names laionkit.encode had before its split into these modules (_gpu_batch: tests)
     "COMPUTE_DTYPES", "DECODE_MODES", "EMPTY_CAPTION", "FORMAT", "GPU_DECODE_BELOW_WORKERS", "IMAGE_EXTENSIONS",

@@ -17,7 +17,7 @@ from laionkit.families import DEFAULT_FAMILY, FamilySpec, get_family
 
 if TYPE_CHECKING:
     from laionkit.encode.device import Encoders
-    from laionkit.encode.writer import ShardOutput
+    from laionkit.encode.tars import ShardOutput
 
 
 RECORD_SUFFIX = ".stats.json"

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from laionkit.families import FamilySpec, Objective, register_family
+from laionkit.families.spec import FamilySpec, Objective, register_family
 
 PRESETS = {"flux-dev": "black-forest-labs/FLUX.1-dev"}
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from laionkit.families import FamilySpec, Objective, register_family
+from laionkit.families.spec import FamilySpec, Objective, register_family
 
 PRESETS = {"pixart-sigma-xl": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"}
 

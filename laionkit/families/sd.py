@@ -13,7 +13,7 @@ from typing import Any
 
 from laionkit.common.models import PRESETS as MODEL_PRESETS
 from laionkit.common.models import write_tiny_models
-from laionkit.families import FamilySpec, Objective, register_family
+from laionkit.families.spec import FamilySpec, Objective, register_family
 
 PRESETS = {name: MODEL_PRESETS[name].repo for name in ("sd15", "sd2")}
 

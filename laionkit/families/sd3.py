@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from laionkit.families import FamilySpec, Objective, register_family
+from laionkit.families.spec import FamilySpec, Objective, register_family
 
 PRESETS = {"sd3-medium": "stabilityai/stable-diffusion-3-medium-diffusers"}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from laionkit.common.errors import LaionkitError
 from laionkit.common.models import PRESETS as MODEL_PRESETS
-from laionkit.families import FamilySpec, Objective, register_family
+from laionkit.families.spec import FamilySpec, Objective, register_family
 
 PRESETS = {"sdxl": MODEL_PRESETS["sdxl"].repo}
 # The per-sample json fields (docs/FORMATS.md section 3) time_ids are made of.

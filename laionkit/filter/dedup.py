@@ -42,10 +42,12 @@ import duckdb
 
 from laionkit.common import LaionkitError, Rank, split, storage
 from laionkit.common.storage import Location
-from laionkit.filter import literal, quote
+from laionkit.filter.sql import literal, quote
 
 if TYPE_CHECKING:
-    from laionkit.filter import Plan, Unit, UnitFilter
+    from laionkit.filter.inputs import Unit
+    from laionkit.filter.plan import Plan
+    from laionkit.filter.units import UnitFilter
 
 T = TypeVar("T")
 

@@ -1,0 +1,286 @@
+"""The family protocol: ``FamilySpec`` (the contract laionkit/families/__init__.py describes), ``Objective`` and
+the registry that the family modules register into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+from laionkit.common.errors import LaionkitError
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A family's training objective defaults; train flags override them."""
+
+    kind: str  # "ddpm" (noise-prediction schedulers) or "flow" (rectified flow / flow matching)
+    prediction: str = "epsilon"  # ddpm: "epsilon" or "v_prediction"; flow: "velocity" (target noise - x0)
+    sigma_sampling: str = "logit_normal"  # flow: logit_normal | uniform | mode
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float | None = None  # flow: static shift s; None with dynamic_shift means per-resolution
+    dynamic_shift: bool = False  # flow: Flux's rule on the image sequence length, per bucket
+    weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
+    timestep_scale: float = 1000.0  # flow: the denoiser's timestep input is sigma * this (Flux: 1, SD3: 1000)
+    guidance: float | None = None  # flow: the guidance embedding's input in training (Flux-dev: 3.5)
+    # ddpm: the noise schedule of a run from scratch (a pretrained --unet / --transformer brings its
+    # scheduler/): SD's scaled-linear betas unless the family trained on others (PixArt: linear)
+    beta_schedule: str = "scaled_linear"
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+
+    def sigma_shift(self, latent_height: int, latent_width: int, patch_size: int = 2) -> float:
+        """The shift s for a latent of this size: the static one, Flux's per-resolution one, or 1."""
+        from laionkit.families import flow
+
+        if self.dynamic_shift:
+            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size))
+        return self.shift or 1.0
+
+
+def _encode_from_tokens(tokenize, encode_tokens, tokenizers, text_encoders, captions) -> dict[str, Any]:
+    """A tokenizing family's encode_text: its stored tensors from its own token ids."""
+    return encode_tokens(text_encoders, tokenize(tokenizers, captions))
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What encode and train need to know about one model family (see the module docstring)."""
+
+    name: str
+    pipeline_class: str
+    denoiser_class: str
+    denoiser_subfolder: str
+    text_encoders: tuple[tuple[str, str], ...]  # (tokenizer subfolder, text encoder subfolder) pairs
+    stored: tuple[str, ...]
+    conditioning: Callable[[Mapping[str, Any]], dict[str, Any]]
+    objective: Objective
+    block_classes: tuple[str, ...]
+    write_tiny: Callable[[str | Path, int], Path]
+    presets: Mapping[str, str] = field(default_factory=dict)
+    configs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    vae_shift: bool = False  # latents = (z - shift_factor) * scaling_factor (SD3 / Flux VAEs)
+    encode_ids: Callable[..., dict[str, Any]] | None = None
+    text_layer: str | None = None
+    vae_upcast: bool = False
+    denoise: Callable[..., Any] | None = None
+    fit_config: Callable[..., dict[str, Any]] | None = None
+    expects: Callable[[Any], tuple] | None = None
+    sampler: Mapping[str, Any] | None = None
+    pack_latents: Callable[[Any], Any] | None = None
+    unpack_latents: Callable[[Any, int, int], Any] | None = None
+    embedded_guidance: bool = False
+    regional_compile: bool = False  # --compile each block (compile time independent of depth), not the whole denoiser
+    # encode --text online: tokenize(tokenizers, captions) -> ids [B, T_i] per text encoder (stored as
+    # ids_<tokenizer subfolder>.npy), encode_tokens(text_encoders, ids) -> the ``stored`` tensors (train).
+    tokenize: Callable[..., list] | None = None
+    encode_tokens: Callable[..., dict[str, Any]] | None = None
+    patch_size: int = 1  # latent sides must be multiples of this (SD3, Flux, PixArt: 2x2 patches)
+    text_mask: str | None = None  # the stored key of the text attention mask the denoiser takes (PixArt)
+    # False where cuDNN's SDPA kernels fail on this family's attention: train then runs without them
+    # (process-wide, as --tf32), and PyTorch picks flash / memory-efficient attention instead.
+    cudnn_attention: bool = True
+    # encode's --text when none is given, chosen per family from the stored-vs-online benchmark
+    # (docs/BENCHMARKS.md: what online text costs the train step against what stored text costs on disk).
+    default_text: str = "stored"
+    # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
+    # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
+    encode_text: Callable[..., dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.encode_text is None:
+            if self.tokenize is None or self.encode_tokens is None:
+                raise TypeError(f"family {self.name}: give encode_text, or tokenize and encode_tokens")
+            object.__setattr__(self, "encode_text", partial(_encode_from_tokens, self.tokenize, self.encode_tokens))
+
+    @property
+    def trimmed(self) -> tuple[str, ...]:
+        """The stored keys encode trims to each caption's length: the states and the mask (``text_mask``)."""
+        return ("states", self.text_mask) if self.text_mask else ()
+
+    def text_lengths(self, found: Mapping[str, Any]):
+        """Each sample's stored length of the ``trimmed`` tensors of a batch ``found`` (the family's text
+        tensors): up to its last unmasked position, at least 1. None for a family without a text mask."""
+        if self.text_mask is None:
+            return None
+        import torch
+
+        mask = found[self.text_mask].bool()
+        positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+        return (mask * positions).amax(dim=-1).clamp(min=1)
+
+    def ids_member(self, index: int) -> str:
+        """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""
+        return f"ids_{self.text_encoders[index][0]}.npy"
+
+    def predict(self, model, noisy, timestep, cond: Mapping[str, Any]):
+        """The denoiser's output for ``noisy`` [B, C, h, w] in the same layout: the one call train, the
+        validation loss and the FLOP count make, whatever the family."""
+        if self.denoise is not None:
+            return self.denoise(model, noisy, timestep, self.conditioning(cond))
+        return model(noisy, timestep=timestep, **self.conditioning(cond), return_dict=False)[0]
+
+    def member(self, key: str) -> str:
+        """The per-sample tar member of a stored key (``states`` keeps SD's ``text.npy``)."""
+        return "text.npy" if key == "states" else f"{key}.npy"
+
+    def empty_file(self, key: str) -> str:
+        """The folder's empty-caption file of a stored key (``states`` keeps SD's ``empty_caption.npy``)."""
+        return "empty_caption.npy" if key == "states" else f"empty_{key}.npy"
+
+    def blocks(self, denoiser) -> list:
+        """The denoiser's modules of ``block_classes``: FSDP wrap units and checkpointing units, in order."""
+        found = [m for m in denoiser.modules() if type(m).__name__ in self.block_classes]
+        if not found:
+            raise LaionkitError(
+                f"family {self.name}: {type(denoiser).__name__} has no {'/'.join(self.block_classes)} blocks"
+            )
+        return found
+
+    def checkpoint_blocks(self, denoiser, every: int) -> list:
+        """Activation checkpointing per block (``--checkpointing blocks`` is ``every=1``, ``every-N`` is
+        ``every=N``): the N-th, 2N-th, ... block (counted from 1, in ``blocks()`` order, as torchtitan counts)
+        runs its forward under non-reentrant ``torch.utils.checkpoint``, keeping only its inputs and
+        recomputing its activations in backward. Without grad (validation, the validation loss, export) a
+        block runs plainly. The module tree and state dict are unchanged (the forward is replaced on the
+        instance, by a bound method, so a deepcopy stays checkpointed on its own blocks). Returns the
+        checkpointed blocks."""
+        chosen = [block for index, block in enumerate(self.blocks(denoiser), 1) if index % every == 0]
+        for block in chosen:
+            if "_plain_forward" not in vars(block):  # checkpointing twice wraps once
+                block._plain_forward = block.forward
+                block.forward = MethodType(_checkpointed_forward, block)
+        return chosen
+
+    def compile_blocks(self, denoiser, **options) -> list:
+        """Regional compilation: ``torch.compile`` each block in place (``nn.Module.compile``, as diffusers'
+        ``compile_repeated_blocks`` does): blocks of one class share one graph per input shape, so compile
+        time does not grow with depth; the glue between blocks stays eager. Returns the compiled blocks."""
+        found = self.blocks(denoiser)
+        for block in found:
+            block.compile(**options)
+        return found
+
+
+def _checkpointed_forward(block, *args, **kwargs):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():
+        return block._plain_forward(*args, **kwargs)
+    return checkpoint(block._plain_forward, *args, use_reentrant=False, **kwargs)
+
+
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add a family under its name; registering a second one under the same name is a programming error."""
+    if spec.name in _FAMILIES:
+        raise ValueError(f"model family {spec.name!r} is already registered")
+    _FAMILIES[spec.name] = spec
+    return spec
+
+
+def get_family(name: str) -> FamilySpec:
+    """The registered family ``name``; an unknown name (from a flag or a manifest) is a user error."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise LaionkitError(
+            f"unknown model family {name!r} (known: {', '.join(sorted(_FAMILIES)) or 'none'})"
+        ) from None
+
+
+def families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+DEFAULT_FAMILY = "sd"  # what a latent manifest without a family field, or a bare model folder, is
+
+
+def detect_family(source: str) -> FamilySpec:
+    """The family of a model source: a preset's, else the pipeline class its model_index.json names.
+
+    A folder without model_index.json is known by its components (``_family_of_components``); a hub repo
+    without one (a standalone VAE) is SD, as it always was; a model_index.json naming a pipeline no family
+    draws is refused rather than guessed.
+    """
+    import json
+
+    for spec in _FAMILIES.values():
+        if source in spec.presets:
+            return spec
+    path = Path(source).expanduser()
+    index = None
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            index = path / "model_index.json"
+    elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        try:  # a hub pipeline repo: its model_index.json, from the cache or the hub
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(source.partition(":")[0], "model_index.json"))
+        except Exception:  # noqa: BLE001 - no index reachable: loading the components says what is wrong
+            index = None
+    if index is None:
+        return _family_of_components(path) if path.is_dir() else get_family(DEFAULT_FAMILY)
+    try:
+        name = json.loads(index.read_text())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LaionkitError(f"{index}: not a diffusers model_index.json ({error})") from None
+    for spec in _FAMILIES.values():
+        if spec.pipeline_class == name:
+            return spec
+    raise LaionkitError(f"{source}: model_index.json names {name}, which no model family draws (known: "
+                        + ", ".join(f"{s.name} = {s.pipeline_class}" for s in _FAMILIES.values()) + ")")
+
+
+def _read_class(config: Path, key: str) -> str | None:
+    """The class a component's config names (``_class_name``, or transformers' first ``architectures``)."""
+    import json
+
+    try:
+        found = json.loads(config.read_text())[key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found[0] if isinstance(found, list) and found else found if isinstance(found, str) else None
+
+
+def _family_of_components(path: Path) -> FamilySpec:
+    """The family of a pipeline folder without model_index.json, from its component subfolders.
+
+    A denoiser in transformer/ is one of the transformer families (its config's ``_class_name``, else its
+    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone); a second text
+    encoder beside a UNet is SDXL; anything else (bare component folders) is SD, as it always was. Taking a
+    transformer folder for SD encoded SD-style text and latents that no transformer trains on.
+    """
+    transformer = path / "transformer"
+    if transformer.is_dir():
+        name = _read_class(transformer / "config.json", "_class_name")
+        by_class = [spec for spec in _FAMILIES.values() if spec.denoiser_subfolder == "transformer"
+                    and spec.denoiser_class == name]
+        if by_class:
+            return by_class[0]
+        if name is None:  # no readable transformer config: the text encoders tell the families apart
+            t5 = [sub for sub in ("text_encoder", "text_encoder_2")
+                  if _read_class(path / sub / "config.json", "architectures") == "T5EncoderModel"]
+            if (path / "text_encoder_3").is_dir():
+                return get_family("sd3")
+            if t5 == ["text_encoder_2"]:
+                return get_family("flux")
+            if t5 == ["text_encoder"]:
+                return get_family("pixart")
+        raise LaionkitError(
+            f"{path} has no model_index.json and its transformer/ ({name or 'no readable config.json'}) is "
+            "none of " + ", ".join(f"{s.name} = {s.denoiser_class}" for s in _FAMILIES.values()
+                                   if s.denoiser_subfolder == "transformer")
+            + ": add the pipeline's model_index.json")
+    if (path / "unet").is_dir() and (path / "text_encoder_2").is_dir():
+        return get_family("sdxl")
+    return get_family(DEFAULT_FAMILY)
