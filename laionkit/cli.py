@@ -519,7 +519,7 @@ def train_command(
     val_every: Annotated[int, typer.Option(help="Validation loss every N steps and at the end (default: --validate-every, else --checkpoint-every).")] = 0,
     val_samples: Annotated[int, typer.Option(help="The first N samples of --val-latents (shards by name, tar order), each with fixed noise and timestep.")] = 64,
     stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Latents at a URL: keep local copies of their shards here (shared by workers and ranks).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option(help="Latents at a URL: keep local copies of their shards here (shared by workers and ranks); made and checked writable at the start.")] = None,
     cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
     fp8: Annotated[bool, typer.Option(help="Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability 8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and loss against bf16.")] = False,
     fp8_recipe: Annotated[str, typer.Option(help="--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")] = "tensorwise",

@@ -16,6 +16,7 @@ rank's data cursor equals ``N * grad_accum`` batches; its name exists only once 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import itertools
 import json
@@ -23,7 +24,8 @@ import math
 import shutil
 import signal
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -1051,7 +1053,8 @@ def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep
     anything is loaded from it."""
     final = checkpoint_dir(output, step)
     main = accelerator.is_main_process
-    with (atomic_output(final) if main else nullcontext(None)) as tmp:
+    space = disk_full_is_one_line(partial_path(final), step, output)
+    with (atomic_output(final) if main else nullcontext(None)) as tmp, space:
         accelerator.wait_for_everyone()  # rank 0 has cleared any stale temporary
         folder = tmp if main else partial_path(final)
         accelerator.save_state(str(folder))
@@ -1071,6 +1074,36 @@ def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+# How a full disk shows while a checkpoint is written: errno, or only in words (safetensors' Rust I/O error;
+# torch.save's zip writer says "unexpected pos", nothing more, which the free space then tells apart).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_WORDS = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded", "os error 122")
+
+
+@contextmanager
+def disk_full_is_one_line(folder: Path, step: int, output: Path) -> Iterator[None]:
+    """A full disk while the checkpoint is written into ``folder`` (the temporary that atomic_output then
+    removes, so no part of it stays as if complete) becomes one line naming the run folder and what to
+    do; any other failure passes as it is. The free space is read before the temporary is removed."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            usage = shutil.disk_usage(folder if folder.exists() else output)
+        except OSError:
+            usage = None
+        said = getattr(error, "errno", None) in DISK_FULL or any(word in str(error) for word in DISK_FULL_WORDS)
+        write_error = isinstance(error, OSError | RuntimeError) or "Safetensor" in type(error).__name__
+        if not (said or (write_error and usage is not None and usage.free < 64 * 2**20)):
+            raise
+        size = f" ({usage.total / 2**20:.0f} MiB in all)" if usage else ""
+        raise LaionkitError(
+            f"step {step}: the disk of {output}{size} is full: no space for checkpoint step-{step:08d}, "
+            "none of it was kept. Free space there (a URL --output stages in LAIONKIT_STAGING, else the temp "
+            f"folder), lower --keep-checkpoints or give --output on a larger disk, then --resume latest (last "
+            f"good checkpoint: {last_good(output)})") from None
 
 
 def load_tensors(path: Path):
@@ -1296,6 +1329,8 @@ def run(config: TrainConfig) -> TrainResult:
     # Every URL of the run (latents, --val-latents, --output, in this process and its forked DataLoader
     # workers) is parsed with --storage-options.
     with storage.default_options(storage.parse_storage_options(config.storage_options)):
+        if config.cache_dir:  # made and written once now, not first in a DataLoader worker hours in
+            ReadCache(config.cache_dir, config.cache_size)
         config, remote = runfolder.stage(config)  # --output URL: train writes a local staging folder
         cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()  # setup may turn it off (the family's)
         try:

@@ -7,6 +7,7 @@ cannot be written; a disk that fills up at a checkpoint.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from conftest import run_cli
 
 from laionkit.common import LaionkitError
-from laionkit.latents import StreamLayout, latent_loader
+from laionkit.latents import StreamLayout, end_workers, latent_loader
 
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet", "--batch-size", "2")
 
@@ -63,10 +64,65 @@ def test_a_shard_cut_short_after_open_is_one_line_naming_it(latent_shards, tmp_p
         cut = tar.getmembers()[5]
     shard.write_bytes(shard.read_bytes()[:cut.offset_data + 10])
     batches = iter(loader)
-    with pytest.raises(LaionkitError) as error:
-        for _ in range(20):
-            next(batches)
+    try:
+        with pytest.raises(LaionkitError) as error:
+            for _ in range(20):
+                next(batches)
+    finally:
+        end_workers(batches)
     message = str(error.value)
     assert "\n" not in message and "0x" not in message and "BufferedReader" not in message, message
     assert message.startswith(f"{shard}: latent shard damaged after sample 00001000"), message
     assert "unexpected end of data" in message, message
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``mount_tmpfs(folder, options)``: a tmpfs there (root: CI runs as root), unmounted afterwards."""
+    mounted = []
+
+    def mount(folder: Path, options: str) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_an_unusable_cache_dir_is_one_line_at_the_start(latent_shards, tmp_path, mount_tmpfs):
+    """--cache-dir under a regular file (NotADirectoryError) or on a read-only mount: refused before the
+    model is built, naming the flag and the path (was: a traceback, or a failure at the first remote read,
+    inside a DataLoader worker)."""
+    (tmp_path / "file").write_text("")
+    read_only = mount_tmpfs(tmp_path / "ro", "ro,size=1m")
+    for cache in (tmp_path / "file" / "cache", read_only):
+        result = run_cli("train", latent_shards, "--output", tmp_path / "run", *TINY, "--max-steps", "1",
+                         "--workers", "0", "--cache-dir", cache, check=False)
+        assert result.returncode == 2, result.stderr[-3000:]
+        line = _one_error_line(result.stderr)
+        assert line.startswith(f"error: --cache-dir {cache}: cannot create or write a file in it"), line
+        assert not (tmp_path / "run").exists()  # refused at the start: no run folder made
+
+
+@pytest.mark.parametrize("size", ["2m", "6m"])  # full in the safetensors weights; in torch.save's optimizer state
+def test_a_disk_full_at_a_checkpoint_is_one_line_and_leaves_no_checkpoint(latent_shards, tmp_path, mount_tmpfs,
+                                                                          size):
+    """A checkpoint (10 MB here) on a disk that cannot hold it: one line naming the run folder and what to
+    do, and nothing under checkpoints/, neither a complete-looking folder nor a temporary. safetensors
+    says "No space left on device (os error 28)"; torch.save only "unexpected pos ... vs ...", which the
+    free space tells apart."""
+    disk = mount_tmpfs(tmp_path / "disk", f"size={size}")
+    run = disk / "run"
+    result = run_cli("train", latent_shards, "--output", run, *TINY, "--max-steps", "2", "--workers", "0",
+                     "--checkpoint-every", "2", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = _one_error_line(result.stderr)
+    assert line.startswith(f"error: step 2: the disk of {run} ("), line
+    assert "is full: no space for checkpoint step-00000002" in line and "--resume latest" in line, line
+    assert list((run / "checkpoints").iterdir()) == []

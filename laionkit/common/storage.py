@@ -581,7 +581,15 @@ class ReadCache:
         if max_bytes <= 0:
             raise LaionkitError(f"--cache-size must be positive, got {max_bytes}")
         self.folder, self.max_bytes = Path(folder), int(max_bytes)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        # Checked here, at the start of a run: a folder that cannot be made or written (a path under a file,
+        # a read-only mount) failed later inside a DataLoader worker, on its first fill, as a traceback.
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".probe-"):
+                pass
+        except OSError as error:
+            raise LaionkitError(f"--cache-dir {folder}: cannot create or write a file in it "
+                                f"({type(error).__name__}: {_one_line(error)}); give a writable local folder") from None
         self.hits = self.misses = 0
 
     def _entry(self, location: Location) -> tuple[Path, int]:
