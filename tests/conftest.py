@@ -113,7 +113,7 @@ def _reset_accelerate() -> None:
 
 # Session fixtures other stages reuse: tiny_models, image_shards, latent_shards, flow_latents, flux_run
 # (see tests/fixtures.py).
-from fixtures import flow_latents, flux_run, image_shards, latent_shards, tiny_models  # noqa: E402,F401
+from fixtures import bucket_latents, flow_latents, flux_run, image_shards, latent_shards, tiny_models  # noqa: E402,F401
 
 # s3_endpoint (a moto S3 server for the session) and s3 (a fresh bucket per test): tests/s3server.py.
 from s3server import s3, s3_endpoint  # noqa: E402,F401

@@ -100,6 +100,18 @@ def latent_shards(tmp_path_factory, image_shards, tiny_models) -> Path:
     return output
 
 
+@pytest.fixture(scope="session")
+def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
+    """`laionkit encode --buckets` of the real photos with the tiny models at 64 px: three latent shapes,
+    unevenly filled (tests/test_buckets.py, tests/test_valloss.py)."""
+    from conftest import run_cli
+
+    output = tmp_path_factory.mktemp("bucketed")
+    run_cli("encode", image_shards, "--output", output, "--model", tiny_models, "--resolution", "64", "--buckets",
+            "--batch-size", "4", "--workers", "0", "--quiet")
+    return output
+
+
 @dataclass(frozen=True)
 class FlowLatents:
     name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text)

@@ -25,15 +25,6 @@ from laionkit.latents import StreamLayout, latent_loader
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet")
 
 
-@pytest.fixture(scope="module")
-def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
-    """`laionkit encode --buckets` of the real photos with the tiny models at 64 px."""
-    output = tmp_path_factory.mktemp("bucketed")
-    run_cli("encode", image_shards, "--output", output, "--model", tiny_models, "--resolution", "64", "--buckets",
-            "--batch-size", "4", "--workers", "0", "--quiet")
-    return output
-
-
 def bucket_of_key(latents: Path) -> dict[str, str]:
     """Each sample's bucket ("WxH") as encode recorded it in the sample's json."""
     found = {}

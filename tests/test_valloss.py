@@ -94,15 +94,6 @@ def test_val_loss_goes_to_metrics_and_a_resume_reproduces_it(latent_shards, tmp_
     assert bad.returncode == 2 and "--val-every and --val-samples need --val-latents" in bad.stderr
 
 
-@pytest.fixture(scope="module")
-def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
-    """`laionkit encode --buckets` of the real photos at 64 px: three latent shapes (tests/test_buckets.py)."""
-    output = tmp_path_factory.mktemp("bucketed")
-    run_cli("encode", image_shards, "--output", output, "--model", tiny_models, "--resolution", "64", "--buckets",
-            "--batch-size", "4", "--workers", "0", "--quiet")
-    return output
-
-
 def test_bucketed_val_latents_batch_within_a_shape_and_give_one_value_for_any_ranks(bucket_latents, tmp_path):
     """--val-latents on bucketed latents stopped the run (torch.stack of unequal shapes); a batch now holds
     one shape, and 1 or 2 ranks, batch 4 or 2 or 1, give the same loss."""
