@@ -158,6 +158,13 @@ def retrieval(generated: dict, own: dict, assign: dict | None = None) -> dict:
             "other_mse": sum(other_mse) / len(other_mse), "ratios": ratios}
 
 
+def spread(latents: dict) -> float:
+    """The std of all values of {caption: latent}: samples drawn at the data's scale have the data's."""
+    import torch
+
+    return torch.stack([each.float() for each in latents.values()]).std().item()
+
+
 # A fresh interpreter's generation with the family's own diffusers pipeline (no laionkit import):
 # argv = pipeline folder, JSON list of captions, output file, steps, size in px. Writes {index: latent}.
 GENERATE = r'''
