@@ -111,9 +111,17 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-# Session fixtures other stages reuse: tiny_models, image_shards, latent_shards, flow_latents, flux_run
+# Session fixtures other stages reuse: tiny_models, image_shards, latent_shards, flow_latents, flux_run, sharp_models
 # (see tests/fixtures.py).
-from fixtures import bucket_latents, flow_latents, flux_run, image_shards, latent_shards, tiny_models  # noqa: E402,F401
+from fixtures import (  # noqa: E402,F401
+    bucket_latents,
+    flow_latents,
+    flux_run,
+    image_shards,
+    latent_shards,
+    sharp_models,
+    tiny_models,
+)
 
 # s3_endpoint (a moto S3 server for the session) and s3 (a fresh bucket per test): tests/s3server.py.
 from s3server import s3, s3_endpoint  # noqa: E402,F401

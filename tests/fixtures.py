@@ -163,6 +163,40 @@ def flux_run(tmp_path_factory, flow_latents):
     return config
 
 
+@dataclass(frozen=True)
+class SharpModels:
+    name: str  # the family
+    model: Path  # `laionkit models tiny --family NAME` with its VAE sharpened (tests/learning.py: sharpen_vae)
+    latents: Path  # `laionkit encode` of 8 distinct real photos (CAPTIONS) with it at 64 px, text stored
+    vae_stats: dict  # the photos' scaled latents: std and mean pairwise MSE between photos
+
+
+@pytest.fixture(scope="session")
+def sharp_models(tmp_path_factory, realdata):
+    """``sharp_models(family)``: a tiny pipeline folder whose VAE has what a trained one has, a sharp posterior
+    (log-variance -30, so each draw is the mean) and latents of unit spread after its scaling factor that
+    differ between photos, and its encode of the real photos (one mirrored: two of them are one photo);
+    built on first use per family. A random-init VAE's latents are noise around nearly equal means, which
+    no denoiser can learn to tell apart (see sharpen_vae): the proof-of-learning tests need these."""
+    from conftest import run_cli
+    from learning import distinct_photos, sharpen_vae
+
+    built: dict[str, SharpModels] = {}
+
+    def get(name: str) -> SharpModels:
+        if name not in built:
+            root = tmp_path_factory.mktemp(f"sharp-{name}")
+            photos = distinct_photos(realdata / "images", root / "photos")
+            write_image_shards(photos, root / "packed")
+            run_cli("models", "tiny", "--family", name, "--output", root / "model")
+            stats = sharpen_vae(root / "model" / "vae", photos)
+            run_cli("encode", root / "packed", "--model", root / "model", "--output", root / "latents",
+                    "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet")
+            built[name] = SharpModels(name, root / "model", root / "latents", stats)
+        return built[name]
+
+    return get
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants, parents first, found through /proc (Linux)."""
     children = collections.defaultdict(list)

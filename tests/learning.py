@@ -1,0 +1,189 @@
+"""Helpers of the proof-of-learning tests (tests/test_learning.py): a VAE whose latents carry the images,
+the encoded latents read back from the shards, and the retrieval criterion.
+
+Kept free of laionkit imports: what a trained run is judged by must not share code with what trained it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+IMAGE_SUFFIXES = (".jpg", ".png")
+LOGVAR = -30.0  # DiagonalGaussianDistribution's lower clamp: a posterior std of exp(-15), 3e-7
+
+
+DUPLICATE = ("389_535.jpg", "original.png")  # the same photo, pixel for pixel (a JPEG and a PNG of it)
+
+
+def distinct_photos(images: Path, output: Path) -> Path:
+    """A copy of the real photos in which the PNG is mirrored left to right: realdata's 389_535.jpg and
+    original.png are the same photo (img2dataset's resize and blur tests each keep one), so with them as
+    they are, two captions would own one latent and no model could tell which image is which."""
+    from PIL import Image, ImageOps
+
+    output.mkdir(parents=True, exist_ok=True)
+    for path in images.iterdir():
+        if path.suffix in IMAGE_SUFFIXES:
+            (output / path.name).write_bytes(path.read_bytes())
+    with Image.open(images / DUPLICATE[1]) as image:
+        ImageOps.mirror(image).save(output / DUPLICATE[1])
+    return output
+
+
+def photos(images: Path, size: int = 64):
+    """The real photos as a VAE takes them: [N, 3, size, size] in [-1, 1], short side resized and centre-cropped
+    (as encode's square crops, up to the resampler's details)."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    found = []
+    for path in sorted(p for p in images.iterdir() if p.suffix in IMAGE_SUFFIXES):
+        with Image.open(path) as image:
+            array = np.array(ImageOps.fit(image.convert("RGB"), (size, size), Image.Resampling.BICUBIC))
+        found.append(torch.from_numpy(array).permute(2, 0, 1).float() / 127.5 - 1)
+    return torch.stack(found)
+
+
+def sharpen_vae(folder: Path, images: Path) -> dict:
+    """Rewrite ``folder`` (an AutoencoderKL saved by save_pretrained) into one with what a trained VAE has.
+
+    A random-init VAE's posterior log-variance is about 0, so the latent drawn from it each epoch is mostly
+    noise (std ~1 before scaling, against means whose spread is a few hundredths), and its means barely
+    differ between images (8 photos' latents differ by an MSE of ~0.002 after SD's scaling factor): nothing
+    a denoiser could learn to tell apart. Here the layer that outputs the posterior's moments (``quant_conv``
+    where the VAE has one, SD / SDXL / PixArt-Σ; else ``encoder.conv_out``, SD3 / Flux) is changed:
+    - log-variance half: weights 0, bias -30 (diffusers' clamp), so every draw is the mean;
+    - mean half: an affine map per channel, chosen on the real photos so that their latents, after the
+      config's ``(z - shift_factor) * scaling_factor``, have mean 0 and std 1 per channel, as a trained
+      VAE's scaling factor intends. The between-image share of that variance is what the random encoder
+      gives (most of it: the latents of different photos differ by an MSE of ~1.5).
+    Returns the photos' scaled latent statistics (std, mean pairwise MSE between photos)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(folder)
+    config = vae.config
+    shift, scale = config.shift_factor or 0.0, config.scaling_factor
+    layer = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
+    channels = config.latent_channels
+    pixels = photos(images, config.sample_size)
+    with torch.no_grad():
+        mean = vae.encode(pixels).latent_dist.mean  # the layer's mean half, as it is
+        centre, spread = mean.mean((0, 2, 3)), mean.std((0, 2, 3))
+        # new mean = (old - centre) / spread / scale + shift, so that (new - shift) * scale = (old - centre) / spread
+        factor = 1.0 / (spread * scale)
+        layer.weight[:channels] *= factor.view(-1, *[1] * (layer.weight.dim() - 1))
+        layer.bias[:channels] = (layer.bias[:channels] - centre) * factor + shift
+        layer.weight[channels:] = 0.0
+        layer.bias[channels:] = LOGVAR
+        found = vae.encode(pixels).latent_dist
+        latents = (found.mean - shift) * scale
+    assert found.std.max().item() < 1e-5
+    vae.save_pretrained(folder, safe_serialization=True)
+    n = len(latents)
+    pairwise = ((latents[:, None] - latents[None]) ** 2).mean((2, 3, 4)).sum().item() / (n * (n - 1))
+    return {"std": latents.std().item(), "pairwise_mse": pairwise}
+
+
+def shard_samples(latents: Path) -> dict:
+    """{caption: {member kind: array}} of an encode folder's shards (docs/FORMATS.md section 3): ``moments``
+    (posterior mean and log-variance), ``text`` (hidden states), ``mask`` and ``pooled`` where stored."""
+    import numpy as np
+
+    found = {}
+    for shard in sorted(latents.glob("*.tar")):
+        members = {}
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                key, _, kind = member.name.partition(".")
+                members.setdefault(key, {})[kind] = tar.extractfile(member).read()
+        for sample in members.values():
+            arrays = {kind.removesuffix(".npy"): np.load(io.BytesIO(data)) for kind, data in sample.items()
+                      if kind.endswith(".npy")}
+            found[json.loads(sample["json"])["caption"]] = arrays
+    return found
+
+
+def shard_latents(latents: Path, vae: Path) -> dict:
+    """{caption: the model-space latent [C, h, w]} of an encode folder: each sample's posterior mean,
+    shifted and scaled by ``vae``'s config, as train makes it (the log-variance here is -30)."""
+    import torch
+
+    config = json.loads((vae / "config.json").read_text())
+    shift, scale = config.get("shift_factor") or 0.0, config["scaling_factor"]
+    found = {}
+    for caption, arrays in shard_samples(latents).items():
+        moments = torch.from_numpy(arrays["moments"].astype("float32"))
+        found[caption] = (moments[: len(moments) // 2] - shift) * scale
+    return found
+
+
+def stored_texts(latents: Path, captions: list) -> dict:
+    """The captions' stored text tensors as validation takes them: ``states`` [N, T, D] (and ``mask`` [N, T],
+    ``pooled`` [N, P] where stored), sequences trimmed by encode padded back to the longest (mask False)."""
+    import torch
+
+    samples = shard_samples(latents)
+    states = [torch.from_numpy(samples[c]["text"].astype("float32")) for c in captions]
+    length = max(len(each) for each in states)
+    texts = {"states": torch.stack([torch.nn.functional.pad(each, (0, 0, 0, length - len(each))) for each in states])}
+    if "mask" in samples[captions[0]]:
+        masks = [torch.from_numpy(samples[c]["mask"].astype(bool)) for c in captions]
+        texts["mask"] = torch.stack([torch.nn.functional.pad(each, (0, length - len(each))) for each in masks])
+    if "pooled" in samples[captions[0]]:
+        texts["pooled"] = torch.stack([torch.from_numpy(samples[c]["pooled"].astype("float32")) for c in captions])
+    return texts
+
+
+def retrieval(generated: dict, own: dict, assign: dict | None = None) -> dict:
+    """For each caption's generated latent: is its nearest image latent (MSE) the caption's own image
+    (``assign[caption]``'s, the caption itself by default)? Returns the count of those, the mean MSE to
+    the own latent and the mean MSE to the others', and each caption's ratio own / mean other."""
+    captions = list(own)
+    assign = assign or {caption: caption for caption in captions}
+    nearest, own_mse, other_mse, ratios = 0, [], [], {}
+    for caption, latent in generated.items():
+        mse = {other: ((latent.float() - own[other]) ** 2).mean().item() for other in captions}
+        target = assign[caption]
+        others = [value for other, value in mse.items() if other != target]
+        nearest += min(mse, key=mse.get) == target
+        own_mse.append(mse[target])
+        other_mse.append(sum(others) / len(others))
+        ratios[caption] = mse[target] / other_mse[-1]
+    return {"nearest_own": nearest, "own_mse": sum(own_mse) / len(own_mse),
+            "other_mse": sum(other_mse) / len(other_mse), "ratios": ratios}
+
+
+def spread(latents: dict) -> float:
+    """The std of all values of {caption: latent}: samples drawn at the data's scale have the data's."""
+    import torch
+
+    return torch.stack([each.float() for each in latents.values()]).std().item()
+
+
+# A fresh interpreter's generation with the family's own diffusers pipeline (no laionkit import):
+# argv = pipeline folder, JSON list of captions, output file, steps, size in px. Writes {index: latent}.
+GENERATE = r'''
+import json, sys
+import torch, diffusers
+from safetensors.torch import save_file
+folder, captions, output, steps, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+assert "laionkit" not in sys.modules
+pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+pipe.set_progress_bar_config(disable=True)
+name = type(pipe).__name__
+extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith("PixArt") else {}
+found = {}
+for index, caption in enumerate(captions):
+    latents = pipe(prompt=caption, num_inference_steps=steps, guidance_scale=1.0, height=size, width=size,
+                   generator=torch.Generator().manual_seed(index), output_type="latent", **extra).images
+    if name.startswith("Flux"):
+        latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
+    found[str(index)] = latents[0].float().contiguous()
+save_file(found, output)
+print(name, type(pipe.scheduler).__name__, "laionkit" in sys.modules)
+'''
