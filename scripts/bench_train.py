@@ -87,14 +87,11 @@ def _trainer(config, data, diffusers_optimizer: bool = False):
     """The model, optimizer and LR scheduler as laionkit.train builds them (its make_accelerator and build),
     or for the raw trainer with the optimizer diffusers' script builds (torch.optim.AdamW, its defaults);
     and a MetricsWindow that times the steps as train's log windows do."""
-    from laionkit.train import (
-        MetricsWindow,
-        build,
-        make_accelerator,
-        make_optimizer,
-        plan_stages,
-        resolve_objective,
-    )
+    from laionkit.trainer.data import plan_stages
+    from laionkit.trainer.loop import build, make_accelerator
+    from laionkit.trainer.metrics import MetricsWindow
+    from laionkit.trainer.objective import resolve_objective
+    from laionkit.trainer.precision import make_optimizer
 
     def diffusers_adamw(config, params, lr, _device):
         return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
@@ -108,7 +105,7 @@ def _trainer(config, data, diffusers_optimizer: bool = False):
 
 def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
     """laionkit.train.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
-    from laionkit.train import train_step
+    from laionkit.trainer.loop import train_step
 
     for _ in range(warmup):
         train_step(trainer, batches, 0, window)
@@ -164,7 +161,9 @@ def _merged(intervals: list) -> list:
 
 def child_ceiling(args) -> dict:
     """(a): the train step on in-GPU tensors, as fast as the step itself allows."""
-    from laionkit.train import TrainConfig, open_latents, train_step
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.loop import train_step
 
     if args.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -214,7 +213,8 @@ def child_raw(args) -> dict:
     import webdataset as wds
 
     from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
-    from laionkit.train import TrainConfig, open_latents
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
 
     data = open_latents(args.latents)
     config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
@@ -291,7 +291,7 @@ def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int,
     train's metrics.jsonl reports a window (laionkit.train.throughput: samples/s, MFU, peak memory)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from laionkit.train import throughput
+    from laionkit.trainer.metrics import throughput
 
     counter = FlopCounterMode(display=False)
     with counter:

@@ -142,7 +142,8 @@ def flux_run(tmp_path_factory, flow_latents):
     """The TrainConfig of a Flux run (FLUX_RUN on flow_latents("flux")) trained once, in this process, for
     the session: the uninterrupted reference that kill -9 + resume, per-block compile and checkpointing
     must reproduce, and an export (transformer/, transformer_ema/) for diffusers' FluxPipeline."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     flux = flow_latents("flux")
     config = TrainConfig(latents=flux.latents, val_latents=flux.latents,

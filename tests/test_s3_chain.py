@@ -209,7 +209,7 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     run = s3.url("run")
     killing = with_hook(s3, tmp_path, """
         import os, signal
-        import laionkit.train as train
+        import laionkit.trainer.loop as train
         save = train.save_checkpoint
         def die_at_step_4(accelerator, output, step, *args, **kwargs):
             if step == 4 and accelerator.is_main_process:

@@ -27,10 +27,10 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from laionkit import runlock
 from laionkit.common import LaionkitError, storage
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location
+from laionkit.trainer import runlock
 
 EXPORTS = ("unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema", "pipeline", "single_file")
 SHARED = ("metrics.jsonl", "samples", "logs")  # uploaded by rank 0 at the end (metrics.jsonl also per checkpoint)
@@ -118,7 +118,7 @@ class RunFolder:
     def claim(self, config, accelerator, inputs: list):
         """Refuse or delete another run in the bucket folder (as claim_run_folder does on disk), empty the
         staging folder, and for a resume download what it reads. Returns the config to run with."""
-        from laionkit.train import RUN_OUTPUTS
+        from laionkit.trainer.checkpoint import RUN_OUTPUTS
 
         storage.refuse_overlap(inputs, self.remote, "train")
         answer = [None, None]  # error, checkpoint name to resume from

@@ -85,7 +85,7 @@ def attach(unet, config, accelerator) -> None:
     from accelerate.utils import DistributedType
     from peft import LoraConfig
 
-    from laionkit.train import MasterWeights
+    from laionkit.trainer.precision import MasterWeights
 
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_GPU,
                                             DistributedType.MULTI_CPU, DistributedType.FSDP):

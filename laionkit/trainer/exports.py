@@ -258,7 +258,7 @@ def _write_scheduler(target: Path, spec, base: str | None, noise_scheduler) -> l
 def merge_lora(run: Path, spec, base: str | None, use_ema: bool = False):
     """A LoRA run's denoiser writer for write_pipeline: the base's denoiser (fp32) with RUN/lora (RUN/lora_ema)
     loaded by the family's own loader and fused, saved as a plain model (see the module docstring)."""
-    from laionkit.lora import EXPORT_FILE
+    from laionkit.trainer.lora import EXPORT_FILE
 
     folder = run / ("lora_ema" if use_ema else "lora")
     peft_folder = (folder / "adapter_config.json").is_file()
@@ -300,7 +300,7 @@ def _check_all_merged(folder: Path, layers: int, peft_folder: bool) -> None:
     warning at most: the merged model would silently lack them)."""
     from safetensors import safe_open
 
-    from laionkit.lora import EXPORT_FILE
+    from laionkit.trainer.lora import EXPORT_FILE
 
     path = folder / ("adapter_model.safetensors" if peft_folder else EXPORT_FILE)
     with safe_open(str(path), "pt") as handle:
@@ -623,7 +623,10 @@ def export_run(run: Path, formats: str, files: str = "copy") -> list[Path]:
 def _rebuild_pipeline(run: Path, files: str) -> Path:
     from dataclasses import fields
 
-    from laionkit.train import TrainConfig, complete_checkpoints, load_noise_scheduler, open_latents
+    from laionkit.trainer.checkpoint import complete_checkpoints
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import load_noise_scheduler
 
     found = complete_checkpoints(run)
     if not found:
@@ -647,7 +650,7 @@ def _check_lora_base(checkpoint: Path, config, spec) -> None:
     of its denoiser's weights files agree (adapters merged into another base give another model)."""
     from safetensors import safe_open
 
-    from laionkit.lora import ADAPTER_FILE, BASE_KEY, base_identity
+    from laionkit.trainer.lora import ADAPTER_FILE, BASE_KEY, base_identity
 
     with safe_open(str(checkpoint / ADAPTER_FILE), "pt") as handle:
         found = json.loads((handle.metadata() or {}).get(BASE_KEY, "null"))
