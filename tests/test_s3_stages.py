@@ -323,8 +323,7 @@ def test_train_bucket_run_folder_fresh_run_rules_and_resume_choice(s3):
 
     from laionkit.common import LaionkitError
     from laionkit.common.storage import mark_done, write_bytes
-    from laionkit.trainer.checkpoint import RUN_OUTPUTS
-    from laionkit.trainer.runfolder import RunFolder
+    from laionkit.trainer.runfolder import RUN_OUTPUTS, RunFolder
 
     run = Location.parse(s3.url("runs", "x"))
     folder = RunFolder(run, Path("unused"))

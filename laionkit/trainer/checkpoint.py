@@ -28,6 +28,7 @@ from laionkit.common.outputs import partial_path
 from laionkit.trainer import runfolder, runlock
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.precision import MasterWeights
+from laionkit.trainer.runfolder import RUN_OUTPUTS
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -227,10 +228,6 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= after_step]
     with atomic_output(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in kept))
-
-
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
-               "pipeline", "single_file", "samples", "seen", "logs")
 
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:

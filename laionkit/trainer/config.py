@@ -9,7 +9,7 @@ from pathlib import Path
 from laionkit.common import (
     LaionkitError,
 )
-from laionkit.trainer import exports, fp8, lora, valloss
+from laionkit.trainer import trainchecks
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class TrainConfig:
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
-    lora_targets: str = "to_q,to_k,to_v,to_out.0"  # lora.DEFAULT_TARGETS
+    lora_targets: str = "to_q,to_k,to_v,to_out.0"  # trainchecks.DEFAULT_TARGETS
     lora_random_base: bool = False  # --lora-rank on --unet-config (a random base, never saved): benchmarks only
     val_latents: Path | None = None
     val_every: int = 0
@@ -143,10 +143,10 @@ class TrainConfig:
             raise LaionkitError("--compile-dynamic chooses how --compile treats shapes: give it with --compile")
         self.later_stages()
         self.checkpoint_interval()
-        lora.check_config(self)
-        valloss.check_config(self)
-        fp8.check_config(self)
-        exports.check_config(self)
+        trainchecks.check_lora(self)
+        trainchecks.check_val_loss(self)
+        trainchecks.check_fp8(self)
+        trainchecks.check_export(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block

@@ -39,9 +39,8 @@ import shutil
 from pathlib import Path
 
 from laionkit.common import LaionkitError, atomic_output
+from laionkit.trainer.trainchecks import FILE_MODES, FORMATS, parse_formats
 
-FORMATS = ("pipeline", "single-file")
-FILE_MODES = ("copy", "hardlink")
 PIPELINE = "pipeline"
 SINGLE_FILE = "single_file"  # RUN/single_file/<name>.safetensors
 # Files a component folder needs: configs, tokenizer files, safetensors weights (no pickles, no other
@@ -56,32 +55,6 @@ DEFAULT_SAMPLERS = {"sd": "EulerDiscreteScheduler", "sdxl": "EulerDiscreteSchedu
 SCHEDULE_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "trained_betas", "prediction_type",
                  "steps_offset")
 
-
-def parse_formats(value: str | None, lora: bool = False) -> tuple[str, ...]:
-    """--export: a comma-separated list of FORMATS, none, or auto (the pipeline for a full-parameter run, nothing
-    for a LoRA run: see the module docstring)."""
-    names = [part.strip() for part in (value or "").split(",") if part.strip()]
-    if names == ["none"]:
-        return ()
-    if names == ["auto"]:
-        return () if lora else ("pipeline",)
-    bad = [name for name in names if name not in FORMATS]
-    if bad or not names:
-        raise LaionkitError(f"--export {value!r}: a comma-separated list of {', '.join(FORMATS)}, none or auto")
-    if "single-file" in names and "pipeline" not in names:
-        raise LaionkitError("--export single-file is converted from the pipeline folder: give --export "
-                            "pipeline,single-file")
-    return tuple(dict.fromkeys(names))
-
-
-def check_config(config) -> None:
-    """TrainConfig's --export and --export-files, checked before a run starts."""
-    if parse_formats(config.export, config.lora_rank is not None) and config.lora_rank is not None \
-            and config.unet is None:
-        raise LaionkitError(f"--export {config.export} with --lora-rank merges the adapters into the base, and "
-                            "--lora-random-base's base is random and never saved: give --export none")
-    if config.export_files not in FILE_MODES:
-        raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
 
 
 def after_training(accelerator, config, data, noise_scheduler) -> None:

@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 
 from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
+from laionkit.trainer.trainchecks import targets
 
-# diffusers' train_text_to_image_lora.py default; the SD3 / Flux transformers' attention uses the same names.
-DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
 ADAPTER_FILE = "adapter.safetensors"
 EXPORT_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "lora_kohya.safetensors"  # the same adapters in kohya's sd-scripts / ComfyUI naming (kohya_layers)
@@ -56,28 +55,6 @@ def settings(config) -> dict:
 def alpha(config) -> float:
     return float(config.lora_alpha if config.lora_alpha is not None else config.lora_rank)
 
-
-def targets(config) -> list[str]:
-    return [name.strip() for name in config.lora_targets.split(",") if name.strip()]
-
-
-def check_config(config) -> None:
-    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
-    if config.lora_rank is None:
-        return
-    if config.lora_rank < 1:
-        raise LaionkitError(f"--lora-rank {config.lora_rank}: must be >= 1")
-    if not 0 <= config.lora_dropout < 1:
-        raise LaionkitError(f"--lora-dropout {config.lora_dropout}: must be in [0, 1)")
-    if config.lora_alpha is not None and not config.lora_alpha > 0:
-        raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
-    if not targets(config):
-        raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
-    if config.unet_config is not None and not config.lora_random_base:  # the export holds the adapters alone
-        raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
-                            "train on a pretrained base, and a from-scratch base is random and never saved; give "
-                            "--unet / --transformer, or drop --lora-rank to train the whole model "
-                            "(--lora-random-base allows it, for throughput measurements)")
 
 
 def attach(unet, config, accelerator) -> None:

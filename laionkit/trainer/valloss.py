@@ -37,16 +37,6 @@ class ValSet:
     cond: dict[str, torch.Tensor]  # every stored conditioning member (decode's keys but key and moments)
 
 
-def check_config(config) -> None:
-    """Flag checks run by TrainConfig.__post_init__."""
-    if config.val_latents is None:
-        if config.val_every or config.val_samples != 64:
-            raise LaionkitError("--val-every and --val-samples need --val-latents DIR (a latent folder)")
-        return
-    if config.val_every < 0 or config.val_samples < 1:
-        raise LaionkitError(f"--val-every {config.val_every} / --val-samples {config.val_samples}: "
-                            "must be >= 0 and >= 1")
-
 
 def every(config) -> int:
     """--val-every, else --validate-every, else --checkpoint-every."""
