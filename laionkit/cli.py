@@ -404,7 +404,7 @@ def export_command(
     export_files: Annotated[str, typer.Option(help="RUN/pipeline's base files: copy or hardlink.")] = "copy",
 ) -> None:
     """Export a finished run: a diffusers pipeline folder, or single-file checkpoints for ComfyUI / A1111."""
-    from laionkit.trainer.exports import export_run
+    from laionkit.trainer.export import export_run
 
     for path in export_run(run, format, export_files):
         typer.echo(str(path))

@@ -1,8 +1,8 @@
 """Benchmark `laionkit train` against the train-step ceiling and a raw trainer (not a test; docs/BENCHMARKS.md).
 
 Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
-(a) ceiling: the same train step (laionkit.train.train_step on the model, MasterWeights policy, optimizer
-    and LR scheduler that laionkit.train.build makes, through the same Accelerator, timed by train's
+(a) ceiling: the same train step (laionkit.trainer.loop.train_step on the model, MasterWeights policy, optimizer
+    and LR scheduler that laionkit.trainer.loop.build makes, through the same Accelerator, timed by train's
     MetricsWindow) fed by tensors already on the GPU, eager and compiled; `precision`: the same under the
     other precision policy (eager: autocast over fp32 weights, --no-bf16-weights; compiled: bf16 weights
     with fp32 master, --bf16-weights);
@@ -85,7 +85,7 @@ def steady_rate(run: Path) -> dict:
 # --- children: one measurement per process ---------------------------------------------------------
 
 def _trainer(config, data, diffusers_optimizer: bool = False):
-    """The model, optimizer and LR scheduler as laionkit.train builds them (its make_accelerator and build),
+    """The model, optimizer and LR scheduler as laionkit.trainer.loop builds them (its make_accelerator and build),
     or for the raw trainer with the optimizer diffusers' script builds (torch.optim.AdamW, its defaults);
     and a MetricsWindow that times the steps as train's log windows do."""
     from laionkit.trainer.data import plan_stages
@@ -105,7 +105,7 @@ def _trainer(config, data, diffusers_optimizer: bool = False):
 
 
 def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
-    """laionkit.train.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
+    """laionkit.trainer.loop.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
     from laionkit.trainer.loop import train_step
 
     for _ in range(warmup):
@@ -247,7 +247,7 @@ def family_bench_parser(doc: str) -> argparse.ArgumentParser:
 def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int, device: torch.device) -> dict:
     """A bare ceiling's figures: the model FLOPs of ``one_sample()`` (forward + backward of one sample, by
     torch's flop counter), ``warmup`` untimed calls of ``step()``, then ``steps`` timed ones, reported as
-    train's metrics.jsonl reports a window (laionkit.train.throughput: samples/s, MFU, peak memory)."""
+    train's metrics.jsonl reports a window (laionkit.trainer.metrics.throughput: samples/s, MFU, peak memory)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from laionkit.trainer.metrics import throughput

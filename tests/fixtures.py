@@ -129,7 +129,7 @@ def flow_latents(tmp_path_factory, image_shards):
     return get
 
 
-# The Flux run of flux_run, as keyword arguments of laionkit.train.TrainConfig (besides latents, val_latents
+# The Flux run of flux_run, as keyword arguments of laionkit.trainer.TrainConfig (besides latents, val_latents
 # and output): from scratch (--transformer-config tiny, the dynamic shift), checkpoints every 3 steps, EMA,
 # validation images and the validation loss.
 FLUX_RUN = dict(unet_config="tiny", max_steps=6, batch_size=2, lr=1e-3, log_with="none", quiet=True, log_every=1,

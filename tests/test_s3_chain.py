@@ -6,7 +6,7 @@ kill -9 of rank 0 at the worst moment, then a rerun that must give what the kill
 Each stage's bucket output equal to the same stage on local disk is tests/test_s3_stages.py; here the
 stages feed each other from the bucket. Sizes are the smallest that still give each rank several units:
 the test is about the storage contract, not the numbers. Train's latents stream from the bucket and its
-run folder is there too (staged locally, laionkit/runfolder.py): each rank's checkpoint files uploaded.
+run folder is there too (staged locally, laionkit/trainer/runfolder.py): each rank's checkpoint files uploaded.
 """
 
 from __future__ import annotations

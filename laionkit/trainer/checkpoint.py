@@ -232,7 +232,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:
     """A fresh run never mixes into another's outputs: the main rank takes the folder's lock first (one
-    train per folder, laionkit/runlock.py), then a folder that holds a run is refused unless --resume
+    train per folder, laionkit/trainer/runlock.py), then a folder that holds a run is refused unless --resume
     continues it or --overwrite deletes it first (runfolder.start_over: also a --resume latest that has
     no checkpoint to continue from)."""
     answer = [None, False]  # error, start over

@@ -15,7 +15,7 @@ from laionkit.trainer import trainchecks
 @dataclass(frozen=True)
 class TrainConfig:
     latents: Path | str  # a folder or a URL (s3://...), streamed
-    output: Path | str  # a folder or a URL (s3://...), staged locally (laionkit/runfolder.py)
+    output: Path | str  # a folder or a URL (s3://...), staged locally (laionkit/trainer/runfolder.py)
     unet: str | None = None
     unet_config: str | None = None
     noise_scheduler: str | None = None
@@ -78,7 +78,7 @@ class TrainConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
-    # --- LoRA and the validation loss (laionkit/lora.py, laionkit/valloss.py) ---
+    # --- LoRA and the validation loss (laionkit/trainer/lora.py, laionkit/trainer/valloss.py) ---
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
@@ -90,9 +90,9 @@ class TrainConfig:
     cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
     cache_size: int = 100 * 2**30
     storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
-    fp8: bool = False  # the blocks' linear layers in float8 (laionkit/fp8.py)
+    fp8: bool = False  # the blocks' linear layers in float8 (laionkit/trainer/fp8.py)
     fp8_recipe: str = "tensorwise"
-    export: str = "auto"  # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/exports.py)
+    export: str = "auto"  # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/trainer/pipeline.py)
     export_files: str = "copy"  # the base's files in RUN/pipeline: copy or hardlink
 
     def __post_init__(self) -> None:

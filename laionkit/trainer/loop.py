@@ -37,7 +37,7 @@ from laionkit.latents import (
     end_workers,
     latent_loader,
 )
-from laionkit.trainer import exports, fp8, fsdp, lora, runfolder, runlock, trainchecks, valloss
+from laionkit.trainer import fp8, fsdp, lora, runfolder, runlock, trainchecks, valloss
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
     claim_run_folder,
@@ -52,7 +52,7 @@ from laionkit.trainer.checkpoint import (
 from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import save_grid, validate, validation_conditioning
-from laionkit.trainer.export import export
+from laionkit.trainer.export import after_training, export
 from laionkit.trainer.metrics import MetricsWindow
 from laionkit.trainer.model import build_unet, flops_per_sample, fsdp_wrap_units
 from laionkit.trainer.objective import (
@@ -268,7 +268,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         unet = build_unet(config, data)
     trainchecks.check_guidance(config, data.family, unet)
     unet = unet.to(device)
-    if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/lora.py)
+    if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
@@ -282,7 +282,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         checked = data.family.checkpoint_blocks(unet, interval)
         accelerator.print(f"activation checkpointing: {len(checked)} of {len(data.family.blocks(unet))} "
                           f"{'/'.join(data.family.block_classes)} blocks")
-    if config.fp8:  # FP8 hook: the blocks' linear layers train in float8 (laionkit/fp8.py)
+    if config.fp8:  # FP8 hook: the blocks' linear layers train in float8 (laionkit/trainer/fp8.py)
         fp8.check_device(device)
         converted = fp8.convert(unet, data.family.block_classes, config.fp8_recipe)
         accelerator.print(f"fp8 ({config.fp8_recipe}): {len(converted)} linear layers of the "
@@ -488,7 +488,7 @@ def validation_grid(trainer: Trainer, validation: tuple, latents: LatentSet) -> 
 
 
 def validation_loss(trainer: Trainer, valset) -> dict:
-    """The deterministic validation loss (laionkit/valloss.py): on every rank (all-reduced), in eval mode,
+    """The deterministic validation loss (laionkit/trainer/valloss.py): on every rank (all-reduced), in eval mode,
     through the eager module."""
     t, objective, device, dtype = trainer, trainer.objective, trainer.device, trainer.input_dtype
     t.unet.eval()
@@ -516,7 +516,7 @@ def finish(trainer: Trainer) -> None:
     else:
         export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
                torch.bfloat16 if t.config.full_bf16 else torch.float32)
-    exports.after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
+    after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
     if t.remote is not None:
         t.remote.finished(accelerator)
 
@@ -535,7 +535,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     try:  # the workers end here on every exit, an exception's included (latents.end_workers says why)
         metrics_path, keys_path = open_records(t)
         validation = validation_prompts(t)
-        valset = None  # validation-loss hook (laionkit/valloss.py)
+        valset = None  # validation-loss hook (laionkit/trainer/valloss.py)
         if config.val_latents is not None:
             valset = valloss.load(config, t.data)
             accelerator.print(f"validation loss: {len(valset.keys)} samples of {config.val_latents}, "

@@ -1,7 +1,7 @@
 """LoRA for `laionkit train --lora-rank N`: PEFT adapters on a frozen denoiser, checkpointed and exported alone.
 
-Why its own module: train.py stays one loop for full and adapter training; the differences live here and
-train.py calls them at four marked points (after the model is built, checkpoint hooks, resume check,
+Why its own module: the loop (loop.py) stays one loop for full and adapter training; the differences live here and
+it calls them at four marked points (after the model is built, checkpoint hooks, resume check,
 export). The invariants:
 
 - only adapter parameters require grad, so the optimizer, clipping, EMA, the rank fingerprint and
@@ -28,7 +28,7 @@ export). The invariants:
   PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
-  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/exports.py).
+  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline.py).
 """
 
 from __future__ import annotations
