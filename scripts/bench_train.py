@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,24 +85,19 @@ def steady_rate(run: Path) -> dict:
 
 # --- children: one measurement per process ---------------------------------------------------------
 
-def _trainer(config, data, diffusers_optimizer: bool = False):
-    """The model, optimizer and LR scheduler as laionkit.trainer.loop builds them (its make_accelerator and build),
-    or for the raw trainer with the optimizer diffusers' script builds (torch.optim.AdamW, its defaults);
-    and a MetricsWindow that times the steps as train's log windows do."""
-    from laionkit.trainer.data import plan_stages
-    from laionkit.trainer.loop import build, make_accelerator
+def _trainer(config, diffusers_optimizer: bool = False):
+    """The model, optimizer and LR scheduler as `laionkit train` builds them (laionkit.trainer.loop.setup, in a
+    scratch run folder), or for the raw trainer with the optimizer diffusers' script builds
+    (torch.optim.AdamW, its defaults); and a MetricsWindow that times the steps as train's log windows do."""
+    from laionkit.trainer.loop import setup
     from laionkit.trainer.metrics import MetricsWindow
-    from laionkit.trainer.objective import resolve_objective
     from laionkit.trainer.precision import make_optimizer
 
     def diffusers_adamw(config, params, lr, _device):
         return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
 
-    accelerator = make_accelerator(config)
-    schedule = plan_stages(config, data, accelerator.num_processes)
-    trainer = build(config, accelerator, data, schedule, resolve_objective(config, data.family),
-                    diffusers_adamw if diffusers_optimizer else make_optimizer)
-    return trainer, MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops)
+    trainer = setup(config, optimizer_factory=diffusers_adamw if diffusers_optimizer else make_optimizer)
+    return trainer, MetricsWindow(trainer.accelerator, trainer.schedule.global_batch, config.peak_tflops)
 
 
 def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
@@ -130,12 +126,13 @@ def child_ceiling(args) -> dict:
         sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                      "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]).__enter__()
     data = open_latents(args.latents)
-    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
+    config = TrainConfig(latents=args.latents, output=Path(tempfile.mkdtemp(prefix="bench-train-")),
+                         unet_config=args.unet_config, batch_size=args.batch, max_steps=1,
+                         mixed_precision=args.precision, compile=args.compile,
                          compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last,
                          bf16_weights=args.bf16_weights, log_with="none")
     torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
-    trainer, window = _trainer(config, data)
+    trainer, window = _trainer(config)
     device, dtype = trainer.device, trainer.input_dtype
     batch = {"key": [""] * args.batch, "moments": torch.randn(args.batch, *data.moments_shape, device=device).half(),
              "text": torch.randn(args.batch, *data.text_shape, device=device, dtype=dtype)}
@@ -173,13 +170,12 @@ def child_raw(args) -> dict:
 
     from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
     from laionkit.trainer.config import TrainConfig
-    from laionkit.trainer.data import open_latents
 
-    data = open_latents(args.latents)
-    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False,
+    config = TrainConfig(latents=args.latents, output=Path(tempfile.mkdtemp(prefix="bench-train-")),
+                         unet_config=args.unet_config, batch_size=args.batch, max_steps=1,
+                         mixed_precision=args.precision, channels_last=False,
                          bf16_weights=False, log_with="none")  # diffusers' scripts: autocast over fp32 weights
-    trainer, window = _trainer(config, data, diffusers_optimizer=True)
+    trainer, window = _trainer(config, diffusers_optimizer=True)
     device = trainer.device
     dtype = torch.float32 if args.precision == "no" else torch.bfloat16
     vae = load_vae(str(args.models), dtype=dtype).to(device)

@@ -200,9 +200,11 @@ def make_accelerator(config: TrainConfig):
     return accelerator
 
 
-def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None) -> Trainer:
+def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
+          optimizer_factory=make_optimizer) -> Trainer:
     """Everything before the first step: the accelerator and the run folder (claimed, the config logged),
-    the latents and their stage schedule, the model as build makes it, and each stage's stream layout."""
+    the latents and their stage schedule, the model as build makes it, and each stage's stream layout.
+    The bench scripts call it too (``optimizer_factory``: build's)."""
     from accelerate.utils import DistributedType
 
     output = config.output
@@ -239,7 +241,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None) -> Tra
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     schedule = plan_stages(config, data, world)
-    trainer = build(config, accelerator, data, schedule, objective)
+    trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
     trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
                                     config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
                        for _, latents, _ in schedule.stages]
