@@ -103,9 +103,10 @@ def digests(run: Path, work: Path) -> dict[str, str]:
 def golden_runs(work: Path, cli=cli_process, only: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
     """Build the inputs in ``work``, train the runs (all, or ``only``), return {run: {file: sha256}}.
     ``cli(*args, env=...)`` runs `laionkit ARGS` (tests run it in-process); the DDP run is always a launch."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from fixtures import write_image_shards
+    import runpy
 
+    # The image shards the tests build (tests/fixtures.py), loaded by path: tests/ is not a package.
+    write_image_shards = runpy.run_path(str(REPO / "tests" / "fixtures.py"))["write_image_shards"]
     from laionkit.common.models import write_tiny_models
     from laionkit.families import get_family
 
