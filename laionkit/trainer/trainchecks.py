@@ -7,7 +7,9 @@
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
 * a latent folder in a bucket that other tools uploaded (``aws s3 sync``: no done records) counts all its
-  objects (docs/FORMATS.md §5), as the storage listings do.
+  objects (docs/FORMATS.md §5), as the storage listings do;
+* flag combinations of --lora-rank, the validation loss, --fp8 and --export, refused by
+  TrainConfig.__post_init__ before anything loads.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def check_guidance(config, spec, model) -> None:
 
 
 # --- Flag checks of TrainConfig.__post_init__, beside the names they check (config sits below the modules
-# that act on the flags: lora, valloss, fp8, exports import these, not the other way round) ---
+# that act on the flags: lora and pipeline import these, not the other way round) ---
 
 # diffusers' train_text_to_image_lora.py default; the SD3 / Flux transformers' attention uses the same names.
 DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
