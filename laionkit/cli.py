@@ -404,7 +404,7 @@ def export_command(
     export_files: Annotated[str, typer.Option(help="RUN/pipeline's base files: copy or hardlink.")] = "copy",
 ) -> None:
     """Export a finished run: a diffusers pipeline folder, or single-file checkpoints for ComfyUI / A1111."""
-    from laionkit.exports import export_run
+    from laionkit.trainer.export import export_run
 
     for path in export_run(run, format, export_files):
         typer.echo(str(path))
@@ -532,8 +532,9 @@ def train_command(
 ) -> None:
     """Train a latent-diffusion UNet on latent shards with Accelerate (one process, DDP, FSDP or DeepSpeed)."""
     options = dict(locals())
-    from laionkit import trainfile
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer import trainfile
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     options = trainfile.merge(options.pop("ctx"), options, options.pop("config"))
     for name, flag in (("latents", "LATENTS"), ("output", "--output")):

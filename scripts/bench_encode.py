@@ -386,7 +386,7 @@ def main() -> None:
             if args.profile:  # where a run's time goes: laionkit's run() on the first shards, profiled
                 try:
                     sys.path.insert(0, str(Path(__file__).resolve().parent))
-                    from bench_train import profile_steps  # bench_train imports this module: not at the top
+                    from benchlib import profile_steps
 
                     subset = args.work / f"profile-{resolution}"
                     subset.mkdir(exist_ok=True)

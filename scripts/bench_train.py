@@ -1,8 +1,8 @@
 """Benchmark `laionkit train` against the train-step ceiling and a raw trainer (not a test; docs/BENCHMARKS.md).
 
 Per resolution (256 px batch 128, 512 px batch 64), SD-1.5-size UNet (random init), bf16, fused AdamW:
-(a) ceiling: the same train step (laionkit.train.train_step on the model, MasterWeights policy, optimizer
-    and LR scheduler that laionkit.train.build makes, through the same Accelerator, timed by train's
+(a) ceiling: the same train step (laionkit.trainer.loop.train_step on the model, MasterWeights policy, optimizer
+    and LR scheduler that laionkit.trainer.loop.build makes, through the same Accelerator, timed by train's
     MetricsWindow) fed by tensors already on the GPU, eager and compiled; `precision`: the same under the
     other precision policy (eager: autocast over fp32 weights, --no-bf16-weights; compiled: bf16 weights
     with fp32 master, --bf16-weights);
@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards, write_real_size_models  # noqa: E402  (shared photo-like data)
+from benchlib import _sync, profile_steps  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {256: 128, 512: 64}  # resolution -> batch per GPU
@@ -83,32 +85,24 @@ def steady_rate(run: Path) -> dict:
 
 # --- children: one measurement per process ---------------------------------------------------------
 
-def _trainer(config, data, diffusers_optimizer: bool = False):
-    """The model, optimizer and LR scheduler as laionkit.train builds them (its make_accelerator and build),
-    or for the raw trainer with the optimizer diffusers' script builds (torch.optim.AdamW, its defaults);
-    and a MetricsWindow that times the steps as train's log windows do."""
-    from laionkit.train import (
-        MetricsWindow,
-        build,
-        make_accelerator,
-        make_optimizer,
-        plan_stages,
-        resolve_objective,
-    )
+def _trainer(config, diffusers_optimizer: bool = False):
+    """The model, optimizer and LR scheduler as `laionkit train` builds them (laionkit.trainer.loop.setup, in a
+    scratch run folder), or for the raw trainer with the optimizer diffusers' script builds
+    (torch.optim.AdamW, its defaults); and a MetricsWindow that times the steps as train's log windows do."""
+    from laionkit.trainer.loop import setup
+    from laionkit.trainer.metrics import MetricsWindow
+    from laionkit.trainer.precision import make_optimizer
 
     def diffusers_adamw(config, params, lr, _device):
         return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
 
-    accelerator = make_accelerator(config)
-    schedule = plan_stages(config, data, accelerator.num_processes)
-    trainer = build(config, accelerator, data, schedule, resolve_objective(config, data.family),
-                    diffusers_adamw if diffusers_optimizer else make_optimizer)
-    return trainer, MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops)
+    trainer = setup(config, optimizer_factory=diffusers_adamw if diffusers_optimizer else make_optimizer)
+    return trainer, MetricsWindow(trainer.accelerator, trainer.schedule.global_batch, config.peak_tflops)
 
 
 def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
-    """laionkit.train.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
-    from laionkit.train import train_step
+    """laionkit.trainer.loop.train_step on ``batches``: ``warmup`` steps, then the window's figures over ``steps``."""
+    from laionkit.trainer.loop import train_step
 
     for _ in range(warmup):
         train_step(trainer, batches, 0, window)
@@ -120,51 +114,11 @@ def _measure(trainer, window, batches, warmup: int, steps: int) -> dict:
     return window.rates(time.perf_counter() - window.start, window.flops)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def profile_steps(run_step, steps: int, device) -> str:
-    """torch.profiler over a few steps: the ops and kernels that take the time and, on a GPU, how busy it
-    was (the union of kernel intervals over the profiled span; near 100 % means the step is GPU-bound)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(steps):
-            run_step()
-        _sync(device)
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                      row_limit=30, max_name_column_width=70)
-    if not cuda:
-        return table
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
-    merged = _merged(kernels)
-    busy, end = sum(finish - begin for begin, finish in merged), merged[-1][1]
-    span = end - kernels[0][0]
-    # The middle half of the span too: a run() profiled whole starts with set-up and worker start-up and
-    # ends with a drain, which the steady state between them does not have.
-    low, high = kernels[0][0] + span / 4, kernels[0][0] + 3 * span / 4
-    middle = sum(max(0, min(finish, high) - max(begin, low)) for begin, finish in merged)
-    return (f"{table}\nGPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms over {steps} steps ({100 * busy / span:.1f} %; "
-            f"middle half of the span: {100 * middle / (high - low):.1f} %)")
-
-
-def _merged(intervals: list) -> list:
-    """Sorted (start, end) intervals with the overlapping ones merged."""
-    merged: list = []
-    for begin, finish in intervals:
-        if merged and begin <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], finish)
-        else:
-            merged.append([begin, finish])
-    return merged
-
-
 def child_ceiling(args) -> dict:
     """(a): the train step on in-GPU tensors, as fast as the step itself allows."""
-    from laionkit.train import TrainConfig, open_latents, train_step
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.loop import train_step
 
     if args.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -172,12 +126,13 @@ def child_ceiling(args) -> dict:
         sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                      "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]).__enter__()
     data = open_latents(args.latents)
-    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, compile=args.compile,
+    config = TrainConfig(latents=args.latents, output=Path(tempfile.mkdtemp(prefix="bench-train-")),
+                         unet_config=args.unet_config, batch_size=args.batch, max_steps=1,
+                         mixed_precision=args.precision, compile=args.compile,
                          compile_mode=args.compile_mode, channels_last=args.compile or args.channels_last,
                          bf16_weights=args.bf16_weights, log_with="none")
     torch.backends.cudnn.benchmark = bool(args.cudnn_benchmark)
-    trainer, window = _trainer(config, data)
+    trainer, window = _trainer(config)
     device, dtype = trainer.device, trainer.input_dtype
     batch = {"key": [""] * args.batch, "moments": torch.randn(args.batch, *data.moments_shape, device=device).half(),
              "text": torch.randn(args.batch, *data.text_shape, device=device, dtype=dtype)}
@@ -214,13 +169,13 @@ def child_raw(args) -> dict:
     import webdataset as wds
 
     from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae
-    from laionkit.train import TrainConfig, open_latents
+    from laionkit.trainer.config import TrainConfig
 
-    data = open_latents(args.latents)
-    config = TrainConfig(latents=args.latents, output=Path("/dev/null"), unet_config=args.unet_config,
-                         batch_size=args.batch, max_steps=1, mixed_precision=args.precision, channels_last=False,
+    config = TrainConfig(latents=args.latents, output=Path(tempfile.mkdtemp(prefix="bench-train-")),
+                         unet_config=args.unet_config, batch_size=args.batch, max_steps=1,
+                         mixed_precision=args.precision, channels_last=False,
                          bf16_weights=False, log_with="none")  # diffusers' scripts: autocast over fp32 weights
-    trainer, window = _trainer(config, data, diffusers_optimizer=True)
+    trainer, window = _trainer(config, diffusers_optimizer=True)
     device = trainer.device
     dtype = torch.float32 if args.precision == "no" else torch.bfloat16
     vae = load_vae(str(args.models), dtype=dtype).to(device)
@@ -288,10 +243,10 @@ def family_bench_parser(doc: str) -> argparse.ArgumentParser:
 def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int, device: torch.device) -> dict:
     """A bare ceiling's figures: the model FLOPs of ``one_sample()`` (forward + backward of one sample, by
     torch's flop counter), ``warmup`` untimed calls of ``step()``, then ``steps`` timed ones, reported as
-    train's metrics.jsonl reports a window (laionkit.train.throughput: samples/s, MFU, peak memory)."""
+    train's metrics.jsonl reports a window (laionkit.trainer.metrics.throughput: samples/s, MFU, peak memory)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from laionkit.train import throughput
+    from laionkit.trainer.metrics import throughput
 
     counter = FlopCounterMode(display=False)
     with counter:

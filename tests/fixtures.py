@@ -141,7 +141,7 @@ def flow_latents(tmp_path_factory, image_shards):
     return get
 
 
-# The Flux run of flux_run, as keyword arguments of laionkit.train.TrainConfig (besides latents, val_latents
+# The Flux run of flux_run, as keyword arguments of laionkit.trainer.TrainConfig (besides latents, val_latents
 # and output): from scratch (--transformer-config tiny, the dynamic shift), checkpoints every 3 steps, EMA,
 # validation images and the validation loss.
 FLUX_RUN = dict(unet_config="tiny", max_steps=6, batch_size=2, lr=1e-3, log_with="none", quiet=True, log_every=1,
@@ -154,7 +154,8 @@ def flux_run(tmp_path_factory, flow_latents):
     """The TrainConfig of a Flux run (FLUX_RUN on flow_latents("flux")) trained once, in this process, for
     the session: the uninterrupted reference that kill -9 + resume, per-block compile and checkpointing
     must reproduce, and an export (transformer/, transformer_ema/) for diffusers' FluxPipeline."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     flux = flow_latents("flux")
     config = TrainConfig(latents=flux.latents, val_latents=flux.latents,

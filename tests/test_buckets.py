@@ -168,7 +168,7 @@ def test_stages_switch_latent_folders_and_resume_exactly_on_either_side_of_the_s
     """--stage: 4 steps on the square 64 px latents, then 4 on the bucketed ones; resuming from the
     checkpoint before the switch (step 3) and after it (step 6) reproduces the uninterrupted run."""
     from laionkit.common import LaionkitError
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     with pytest.raises(LaionkitError, match="DIR:STEPS"):
         TrainConfig(latents=latent_shards, output=tmp_path / "x", unet_config="tiny", max_steps=1, stage=["no-steps"])

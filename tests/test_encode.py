@@ -482,7 +482,7 @@ def test_shards_without_images_are_an_error_that_says_why(tmp_path, tiny_models)
 
 def test_train_trusts_the_records_not_a_stale_manifest(tmp_path, latent_shards):
     """The end state of the race: all records landed, but the last manifest rename was a stale merge."""
-    from laionkit.train import open_latents
+    from laionkit.trainer.data import open_latents
 
     folder = tmp_path / "latents"
     shutil.copytree(latent_shards, folder)
@@ -505,7 +505,7 @@ def test_ranks_finishing_together_leave_a_complete_folder(tmp_path, latent_shard
     """Four real processes finish their shard at the same moment, twelve times over."""
     import multiprocessing
 
-    from laionkit.train import open_latents
+    from laionkit.trainer.data import open_latents
 
     folder = tmp_path / "latents"
     shutil.copytree(latent_shards, folder)

@@ -23,7 +23,8 @@ def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latent
     the latent manifest), with and without EMA."""
     from laionkit.encode import EncodeConfig
     from laionkit.encode import run as encode
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     root = tmp_path_factory.mktemp("exports")
     sdxl = get_family("sdxl").write_tiny(root / "sdxl-model", 0)
@@ -171,7 +172,8 @@ def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tm
     checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
     from conftest import run_cli
 
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     written = Path(runs[family]["run"])
     recorded = json.loads(sorted((written / "checkpoints").glob("step-*"))[-1].joinpath("trainer.json").read_text())
@@ -224,7 +226,8 @@ def predict(name, model):
 def lora_runs(tmp_path_factory, latent_shards, tiny_models, flow_latents) -> dict[str, dict]:
     """LoRA runs (rank 4, alpha 16) with --export pipeline, for SD, SD3 and PixArt (PEFT's folder), and an SD
     one with the default --export auto."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     root = tmp_path_factory.mktemp("lora-exports")
     plans = {"sd": (latent_shards, tiny_models), "sd3": (flow_latents("sd3").latents, flow_latents("sd3").model),
@@ -311,7 +314,7 @@ def test_lora_run_exports_no_pipeline_by_default_and_laionkit_export_merges_one(
     from conftest import run_cli
     from safetensors.torch import load_file
 
-    from laionkit.lora import EXPORT_FILE
+    from laionkit.trainer.lora import EXPORT_FILE
 
     auto, written = Path(lora_runs["sd-auto"]["run"]), Path(lora_runs["sd"]["run"])
     assert (auto / "lora").is_dir() and not (auto / "pipeline").exists()
@@ -334,7 +337,7 @@ def test_lora_pipeline_is_refused_onto_another_base_and_without_a_saved_one(lora
     from safetensors.torch import load_file, save_file
 
     from laionkit.common import LaionkitError
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     base = tmp_path / "base"
     shutil.copytree(tiny_models, base)
@@ -365,7 +368,8 @@ def test_bucket_run_uploads_its_pipeline_and_single_file_whole_before_their_done
 
     from laionkit.common import storage
     from laionkit.common.storage import Location
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
     present = {}  # folder -> its objects in the bucket when its done record was written

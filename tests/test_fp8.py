@@ -20,8 +20,8 @@ def test_fp8_converts_only_the_blocks_linear_layers():
     from diffusers import SD3Transformer2DModel
     from torchao.float8.float8_linear import Float8Linear
 
-    from laionkit import fp8
     from laionkit.families.sd3 import TINY_TRANSFORMER_CONFIG
+    from laionkit.trainer import fp8
 
     model = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG)
     linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
@@ -40,8 +40,8 @@ def test_fp8_layers_run_plain_when_the_token_rows_are_not_a_multiple_of_16():
     333 text tokens at batch 8 failed on an H200). Such calls run as the plain linear; others in float8."""
     from diffusers import SD3Transformer2DModel
 
-    from laionkit import fp8
     from laionkit.families.sd3 import TINY_TRANSFORMER_CONFIG
+    from laionkit.trainer import fp8
 
     torch.manual_seed(0)
     model = SD3Transformer2DModel.from_config(TINY_TRANSFORMER_CONFIG).to(torch.bfloat16)
@@ -60,7 +60,8 @@ def test_fp8_layers_run_plain_when_the_token_rows_are_not_a_multiple_of_16():
 def test_fp8_trains_resumes_exactly_and_exports_a_plain_transformer(flow_latents, tmp_path):
     from diffusers import SD3Transformer2DModel
 
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     sd3 = flow_latents("sd3")
     base = TrainConfig(latents=sd3.latents, output=tmp_path / "bf16", unet_config="tiny", max_steps=4, batch_size=4,

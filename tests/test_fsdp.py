@@ -1,5 +1,5 @@
 """FSDP2 with 2 real CPU ranks (gloo), launched as on GPUs: `accelerate launch --config_file train/fsdp.yaml
---num_processes 2 -m laionkit.cli train ...`. accelerate alone would run these ranks as DDP (laionkit/fsdp.py
+--num_processes 2 -m laionkit.cli train ...`. accelerate alone would run these ranks as DDP (laionkit/trainer/fsdp.py
 says where and why); train honors the FSDP config on CPU, so what runs here is accelerate's own FSDP2 path:
 fully_shard per wrap unit, sharded distributed checkpoints, gathered exports.
 

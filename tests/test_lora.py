@@ -146,7 +146,7 @@ def test_lora_mistakes_are_one_clear_line(latent_shards, tiny_models, tmp_path):
 ])
 def test_lora_flag_mistakes_are_refused_before_anything_loads(tmp_path, options, message):
     from laionkit.common import LaionkitError
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     with pytest.raises(LaionkitError) as error:
         TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1, **options)

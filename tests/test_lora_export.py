@@ -20,7 +20,8 @@ FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart")
 def trained(request, latent_shards, tiny_models, flow_latents, tmp_path_factory):
     """(family, model folder, run folder): 2 steps of --lora-rank 4 --lora-alpha 16 at a high lr, checkpointed
     at the last step (its adapter.safetensors is the trained model's state)."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     name = request.param
     latents, model = (latent_shards, tiny_models) if name == "sd" else (flow_latents(name).latents,
@@ -112,7 +113,7 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
     widths only (3072 / 12288, not the tiny model's): there the file is checked against kohya's rule itself,
     alpha / rank(lora_down) * up @ down = the trained parts' updates stacked (zeros for the MLP's rows), and
     diffusers loads the rest of the file."""
-    from laionkit.lora import KOHYA_FILE
+    from laionkit.trainer.lora import KOHYA_FILE
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
@@ -164,7 +165,7 @@ def test_flux_kohya_single_blocks_split_back_at_flux1_widths():
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
     from peft import LoraConfig
 
-    from laionkit.lora import kohya_layers
+    from laionkit.trainer.lora import kohya_layers
 
     with torch.device("meta"):
         model = diffusers.FluxTransformer2DModel(num_layers=1, num_single_layers=1)

@@ -35,7 +35,8 @@ def pixart(flow_latents) -> FlowLatents:
 
 @pytest.fixture(scope="module")
 def reference(pixart, tmp_path_factory) -> Path:
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     output = tmp_path_factory.mktemp("pixart-run") / "reference"
     run(TrainConfig(latents=pixart.latents, val_latents=pixart.latents, output=output, unet=str(pixart.model), **RUN))
@@ -50,7 +51,7 @@ def load_pipeline(pixart: FlowLatents):
 
 def first_rows(latents: Path, count: int) -> list[dict]:
     from laionkit.latents import Unit, decode, read_unit
-    from laionkit.train import open_latents
+    from laionkit.trainer.data import open_latents
 
     data = open_latents(latents)
     return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
@@ -114,13 +115,9 @@ def test_ddpm_loss_is_the_epsilon_half_of_the_learned_variance_output(pixart):
     import torch.nn.functional as F
 
     from laionkit.latents import collate
-    from laionkit.train import (
-        TrainConfig,
-        batch_conditioning,
-        diffusion_loss,
-        load_noise_scheduler,
-        open_latents,
-    )
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import batch_conditioning, diffusion_loss, load_noise_scheduler
 
     data = open_latents(pixart.latents)
     batch = collate(first_rows(pixart.latents, 3))
@@ -152,7 +149,10 @@ def test_ddpm_loss_is_the_epsilon_half_of_the_learned_variance_output(pixart):
 def test_presets_and_the_real_size_config(pixart, tmp_path):
     from diffusers import PixArtTransformer2DModel
 
-    from laionkit.train import TrainConfig, build_unet, open_latents, resolve_objective
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.model import build_unet
+    from laionkit.trainer.objective import resolve_objective
 
     spec = get_family("pixart")
     assert detect_family("pixart-sigma-xl") is spec and detect_family(str(pixart.model)) is spec
@@ -220,8 +220,8 @@ def test_online_text_trains_as_stored_text_does(pixart, reference, image_shards,
     import webdataset as wds
 
     from laionkit.encode import EncodeConfig, run
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     online = tmp_path / "online"
     run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(pixart.model), resolution=64,
@@ -247,8 +247,8 @@ def test_buckets_from_scratch(pixart, image_shards, tmp_path):
     """Aspect-ratio buckets train from scratch (--transformer-config tiny: each bucket's latent shape,
     captions padded per batch)."""
     from laionkit.encode import EncodeConfig, run
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     latents = tmp_path / "latents"
     run(EncodeConfig(shards=(str(image_shards),), output=latents, model=str(pixart.model), resolution=128,
@@ -290,8 +290,8 @@ def test_lora_trains_adapters_only_resumes_exactly_and_exports_a_peft_adapter(pi
     transformer's output, and the merged transformer generates in PixArtSigmaPipeline."""
     from safetensors.torch import load_file
 
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     options = dict(latents=pixart.latents, unet=str(pixart.model), lora_rank=4, max_steps=4, batch_size=4,
                    lr=1e-2, log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3,
@@ -324,13 +324,10 @@ def test_validation_grid_with_bf16_weights_and_fp32_outputs(pixart):
     type (c10::BFloat16) should be the same')."""
     from accelerate.utils import convert_outputs_to_fp32
 
-    from laionkit.train import (
-        TrainConfig,
-        load_noise_scheduler,
-        open_latents,
-        validate,
-        validation_conditioning,
-    )
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.evaluation import validate, validation_conditioning
+    from laionkit.trainer.objective import load_noise_scheduler
 
     data = open_latents(pixart.latents)
     pipe = load_pipeline(pixart)

@@ -154,7 +154,8 @@ def test_ranks_agree_to_stop_within_steps_not_at_the_next_log_step(latent_shards
 
 def test_in_process_train_gives_the_signal_handlers_back(latent_shards, tmp_path):
     """Under `laionkit run` / `laionkit demo` the trainer runs in-process: after it, Ctrl-C is the caller's."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     result = run(TrainConfig(latents=latent_shards, output=tmp_path / "run", unet_config="tiny", max_steps=1,

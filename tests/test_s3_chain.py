@@ -6,7 +6,7 @@ kill -9 of rank 0 at the worst moment, then a rerun that must give what the kill
 Each stage's bucket output equal to the same stage on local disk is tests/test_s3_stages.py; here the
 stages feed each other from the bucket. Sizes are the smallest that still give each rank several units:
 the test is about the storage contract, not the numbers. Train's latents stream from the bucket and its
-run folder is there too (staged locally, laionkit/runfolder.py): each rank's checkpoint files uploaded.
+run folder is there too (staged locally, laionkit/trainer/runfolder.py): each rank's checkpoint files uploaded.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     run = s3.url("run")
     killing = with_hook(s3, tmp_path, """
         import os, signal
-        import laionkit.train as train
+        import laionkit.trainer.loop as train
         save = train.save_checkpoint
         def die_at_step_4(accelerator, output, step, *args, **kwargs):
             if step == 4 and accelerator.is_main_process:

@@ -272,8 +272,8 @@ def test_train_run_folder_in_the_bucket_resumes_after_kill_9_mid_upload_with_the
     kill -9 between them (checkpoint 2 recorded, 4 not) resumes from 2 on --resume latest (4 passed over) to
     the losses of an uninterrupted local run, and the exported unet/ in the bucket loads with diffusers."""
     from laionkit.common import LaionkitError
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     monkeypatch.setenv("LAIONKIT_STAGING", str(tmp_path / "staging"))
     args = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
@@ -323,8 +323,7 @@ def test_train_bucket_run_folder_fresh_run_rules_and_resume_choice(s3):
 
     from laionkit.common import LaionkitError
     from laionkit.common.storage import mark_done, write_bytes
-    from laionkit.runfolder import RunFolder
-    from laionkit.train import RUN_OUTPUTS
+    from laionkit.trainer.runfolder import RUN_OUTPUTS, RunFolder
 
     run = Location.parse(s3.url("runs", "x"))
     folder = RunFolder(run, Path("unused"))

@@ -109,7 +109,7 @@ def test_checkpointing_recomputes_the_chosen_blocks_and_changes_no_gradient(name
 
 
 def test_checkpointing_flag_values_and_the_deprecated_alias(tmp_path):
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     def interval(**flags):
         return TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1,
@@ -194,7 +194,7 @@ def test_regional_compile_with_checkpointing_matches_eager():
 
 def without_validation(flux_run, **changes):
     """flux_run's training (the same batches and losses) without EMA, validation images or validation loss."""
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     off = {name: defaults[name] for name in ("ema", "validate_every", "val_latents", "val_every", "val_samples")}
@@ -206,7 +206,7 @@ def test_train_compile_per_block_with_checkpointing_matches_eager(flux_run, tmp_
     """`train --compile --checkpointing blocks` on Flux compiles each transformer block (never the whole
     model) and trains to the eager run's (flux_run's) losses. The backend is AOTAutograd without inductor's
     codegen (inductor takes minutes per graph on this shared CPU)."""
-    from laionkit.train import run
+    from laionkit.trainer.loop import run
 
     calls = compile_on_cpu(monkeypatch, "aot_eager")
     torch._dynamo.reset()
@@ -252,7 +252,7 @@ def test_unet_compiles_whole_with_checkpointed_blocks():
 def test_cli_checkpointing_flags(flux_run, tmp_path, capsys, monkeypatch):
     """A wrong --checkpointing is one line and exit 2; --gradient-checkpointing still trains, as blocks (to
     flux_run's step-1 loss), and says it is deprecated; --help shows the flags with examples."""
-    from laionkit.train import run
+    from laionkit.trainer.loop import run
 
     bad = run_cli("train", flux_run.latents, "--output", tmp_path / "bad", "--transformer-config", "tiny",
                   "--max-steps", "1", "--checkpointing", "every-0", check=False)
@@ -274,15 +274,10 @@ def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, l
     allocates nothing (a real one-sample fp32 step of Flux-12B at 1024 px, before the precision policy,
     ran an H200 out of memory); the count equals the real step's, LoRA adapters included, and leaves the
     model without gradients."""
-    from laionkit.train import (
-        TrainConfig,
-        _weightless,
-        build_unet,
-        count_flops,
-        flops_per_sample,
-        open_latents,
-        resolve_objective,
-    )
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.model import _weightless, build_unet, count_flops, flops_per_sample
+    from laionkit.trainer.objective import resolve_objective
 
     latents = latent_shards if name == "sd" else flow_latents(name).latents
     data = open_latents(latents)

@@ -41,7 +41,7 @@ def load_pipeline(flow: FlowLatents):
 
 def first_rows(latents: Path, count: int) -> list[dict]:
     from laionkit.latents import Unit, decode, read_unit
-    from laionkit.train import open_latents
+    from laionkit.trainer.data import open_latents
 
     data = open_latents(latents)
     return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
@@ -97,7 +97,9 @@ def test_flow_loss_is_diffusers_training_step(flow):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    from laionkit.train import TrainConfig, batch_conditioning, flow_loss, open_latents, resolve_objective
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(flow.latents)
     batch = torch.utils.data.default_collate(first_rows(flow.latents, 3))
@@ -147,7 +149,10 @@ def test_flow_loss_is_diffusers_training_step(flow):
 
 
 def test_real_size_configs_build_and_flags_are_checked(flow, tmp_path):
-    from laionkit.train import TrainConfig, build_unet, open_latents, resolve_objective
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.model import build_unet
+    from laionkit.trainer.objective import resolve_objective
 
     data = open_latents(flow.latents)
     preset = {"sd3": "sd3-medium", "flux": "flux-dev"}[flow.name]
@@ -208,7 +213,8 @@ def sd3_run(flow_latents, tmp_path_factory) -> tuple[Path, Path]:
     """4 steps fine-tuning the tiny SD3 transformer with cosmap weighting, EMA, validation images and the
     validation loss (reference/); the run cut back to its step-2 checkpoint (as a stop leaves it) and resumed
     (stopped/)."""
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     sd3 = flow_latents("sd3")
     root = tmp_path_factory.mktemp("sd3-run")
@@ -280,7 +286,8 @@ def test_lora_on_the_transformer_exports_what_the_pipeline_loads(flow, tmp_path)
     them) give the same losses, val_loss and adapters as without."""
     from safetensors.torch import load_file
 
-    from laionkit.train import TrainConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
 
     base = dict(latents=flow.latents, unet=str(flow.model), lora_rank=2, max_steps=2, batch_size=4, lr=1e-2,
                 log_with="none", quiet=True, log_every=1, workers=0, shuffle_buffer=3, ema=True, ema_decay=0.5,
@@ -321,8 +328,8 @@ def test_flux_trains_on_buckets_with_a_shift_per_resolution(tmp_path, image_shar
     Flux's default text (online), train runs the text encoders per bucket."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.families import flow as flow_math
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     model = flow_latents("flux").model
     latents = tmp_path / "latents"
@@ -360,7 +367,7 @@ def test_fsdp_wraps_each_transformer_block():
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from laionkit.families import sd3
-    from laionkit.train import fsdp_wrap_units
+    from laionkit.trainer.model import fsdp_wrap_units
 
     unet_units = "CrossAttnDownBlock2D,DownBlock2D,UNetMidBlock2DCrossAttn,CrossAttnUpBlock2D,UpBlock2D"
     for name in FAMILIES:
@@ -390,8 +397,8 @@ def test_online_text_stores_token_ids_and_trains_as_stored_text_does(flow, tmp_p
     from rich.console import Console
 
     from laionkit.encode import EncodeConfig, run, summarize
-    from laionkit.train import TrainConfig
-    from laionkit.train import run as train
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
 
     online = tmp_path / "online"
     run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(flow.model), resolution=64,

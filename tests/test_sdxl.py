@@ -113,13 +113,9 @@ def test_caption_dropout_drops_the_pooled_text_with_the_states(sdxl_latents, tin
     """With dropout 1 the loss is the loss of the empty caption's states AND pooled vector."""
     from laionkit.common.models import load_unet
     from laionkit.latents import Unit, decode, read_unit
-    from laionkit.train import (
-        TrainConfig,
-        batch_conditioning,
-        diffusion_loss,
-        load_noise_scheduler,
-        open_latents,
-    )
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import batch_conditioning, diffusion_loss, load_noise_scheduler
 
     data = open_latents(sdxl_latents)
     assert data.family.name == "sdxl" and set(data.empty) == {"states", "pooled"}
@@ -145,7 +141,9 @@ def test_caption_dropout_drops_the_pooled_text_with_the_states(sdxl_latents, tin
 
 def test_family_comes_from_the_manifest_and_mismatches_are_one_line(sdxl_latents, latent_shards, tiny_models,
                                                                      tiny_sdxl, tmp_path):
-    from laionkit.train import TrainConfig, build_unet, open_latents
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.model import build_unet
 
     # An SD folder written before families existed: its manifest names none, it is SD.
     old = tmp_path / "old"

@@ -506,7 +506,7 @@ def _truncated_tar(latents: Path) -> None:
 def test_bad_options_are_refused_before_anything_runs(tmp_path, options, message):
     """The checks the CLI case above prints as one line, for every option (in process: no launch needed)."""
     from laionkit.common import LaionkitError
-    from laionkit.train import TrainConfig
+    from laionkit.trainer.config import TrainConfig
 
     with pytest.raises(LaionkitError) as error:
         TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", **{"max_steps": 1, **options})
@@ -540,7 +540,7 @@ def test_bad_input_is_one_clear_line(latent_shards, tmp_path, damage, args, mess
 
 FAILED_DEVICE = """
 import sys, threading, time
-from laionkit import train
+from laionkit.trainer import loop as train
 def failed(*args, **kwargs):  # what cuBLAS raised on an H200 inside train's first backward
     raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( handle, ...)`")
 train.flops_per_sample = failed
@@ -573,7 +573,7 @@ def test_a_failed_device_exits_at_once_instead_of_hanging_in_teardown(latent_sha
 
 FAILING_STEP = """
 import sys, torch
-from laionkit import train
+from laionkit.trainer import loop as train
 step, calls = train.train_step, []
 def failing(*args, **kwargs):
     calls.append(1)
@@ -609,7 +609,7 @@ def test_an_error_in_the_loop_ends_the_workers_and_the_process(error, latent_sha
     assert result.returncode == 1, result.stderr[-2000:]
     if error == "out_of_memory":
         line = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(line) == 1 and line[0].startswith("error: out of device memory in _train (train.py:")
+        assert len(line) == 1 and line[0].startswith("error: out of device memory in _train (loop.py:")
         assert "Tried to allocate 480.00 MiB. Lower --batch-size" in line[0] and "Traceback" not in result.stderr
     else:
         assert "Traceback" in result.stderr and "divisible by 16" in result.stderr.splitlines()[-1]

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from laionkit.families import get_family
-from laionkit.train import TrainConfig, load_noise_scheduler, sample_latents
+from laionkit.trainer.config import TrainConfig
+from laionkit.trainer.evaluation import sample_latents
+from laionkit.trainer.objective import load_noise_scheduler
 
 COUNT, SHAPE = 2, (4, 8, 8)  # prompts, latent (C, h, w)
 

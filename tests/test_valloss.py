@@ -17,8 +17,11 @@ EVALUATE = """
 import json, sys, torch
 from pathlib import Path
 from accelerate import Accelerator
-from laionkit import valloss
-from laionkit.train import TrainConfig, build_unet, load_noise_scheduler, open_latents
+from laionkit.trainer import valloss
+from laionkit.trainer.config import TrainConfig
+from laionkit.trainer.data import open_latents
+from laionkit.trainer.model import build_unet
+from laionkit.trainer.objective import load_noise_scheduler
 
 latents, batch = Path(sys.argv[1]), int(sys.argv[2])
 config = TrainConfig(latents=latents, output=Path("unused"), unet_config="tiny", max_steps=1,
@@ -97,8 +100,9 @@ def test_val_loss_goes_to_metrics_and_a_resume_reproduces_it(latent_shards, tmp_
 def test_bucketed_val_latents_batch_within_a_shape_and_give_one_value_for_any_ranks(bucket_latents, tmp_path):
     """--val-latents on bucketed latents stopped the run (torch.stack of unequal shapes); a batch now holds
     one shape, and 1 or 2 ranks, batch 4 or 2 or 1, give the same loss."""
-    from laionkit import valloss
-    from laionkit.train import TrainConfig, open_latents
+    from laionkit.trainer import valloss
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
 
     config = TrainConfig(latents=bucket_latents, output=tmp_path / "unused", unet_config="tiny", max_steps=1,
                          val_latents=bucket_latents, val_samples=7, seed=3)

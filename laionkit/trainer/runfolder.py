@@ -27,10 +27,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from laionkit import runlock
 from laionkit.common import LaionkitError, storage
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location
+from laionkit.trainer import runlock
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
+               "pipeline", "single_file", "samples", "seen", "logs")
+
 
 EXPORTS = ("unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema", "pipeline", "single_file")
 SHARED = ("metrics.jsonl", "samples", "logs")  # uploaded by rank 0 at the end (metrics.jsonl also per checkpoint)
@@ -118,7 +122,6 @@ class RunFolder:
     def claim(self, config, accelerator, inputs: list):
         """Refuse or delete another run in the bucket folder (as claim_run_folder does on disk), empty the
         staging folder, and for a resume download what it reads. Returns the config to run with."""
-        from laionkit.train import RUN_OUTPUTS
 
         storage.refuse_overlap(inputs, self.remote, "train")
         answer = [None, None]  # error, checkpoint name to resume from

@@ -37,16 +37,6 @@ class ValSet:
     cond: dict[str, torch.Tensor]  # every stored conditioning member (decode's keys but key and moments)
 
 
-def check_config(config) -> None:
-    """Flag checks run by TrainConfig.__post_init__."""
-    if config.val_latents is None:
-        if config.val_every or config.val_samples != 64:
-            raise LaionkitError("--val-every and --val-samples need --val-latents DIR (a latent folder)")
-        return
-    if config.val_every < 0 or config.val_samples < 1:
-        raise LaionkitError(f"--val-every {config.val_every} / --val-samples {config.val_samples}: "
-                            "must be >= 0 and >= 1")
-
 
 def every(config) -> int:
     """--val-every, else --validate-every, else --checkpoint-every."""
@@ -62,7 +52,7 @@ def load(config, data) -> ValSet:
     """The fixed samples and their fixed draws, on the CPU; DIR must come from the training data's VAE
     and text encoder (same latent and text shapes, scaling and shift)."""
     from laionkit.latents import Unit, decode, pad_stack, read_unit
-    from laionkit.train import open_latents
+    from laionkit.trainer.data import open_latents
 
     val = open_latents(config.val_latents)
     ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)

@@ -1,7 +1,7 @@
 """LoRA for `laionkit train --lora-rank N`: PEFT adapters on a frozen denoiser, checkpointed and exported alone.
 
-Why its own module: train.py stays one loop for full and adapter training; the differences live here and
-train.py calls them at four marked points (after the model is built, checkpoint hooks, resume check,
+Why its own module: the loop (loop.py) stays one loop for full and adapter training; the differences live here and
+it calls them at four marked points (after the model is built, checkpoint hooks, resume check,
 export). The invariants:
 
 - only adapter parameters require grad, so the optimizer, clipping, EMA, the rank fingerprint and
@@ -28,7 +28,7 @@ export). The invariants:
   PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
-  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/exports.py).
+  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline.py).
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 
 from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
+from laionkit.trainer.trainchecks import targets
 
-# diffusers' train_text_to_image_lora.py default; the SD3 / Flux transformers' attention uses the same names.
-DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
 ADAPTER_FILE = "adapter.safetensors"
 EXPORT_FILE = "pytorch_lora_weights.safetensors"
 KOHYA_FILE = "lora_kohya.safetensors"  # the same adapters in kohya's sd-scripts / ComfyUI naming (kohya_layers)
@@ -57,35 +56,13 @@ def alpha(config) -> float:
     return float(config.lora_alpha if config.lora_alpha is not None else config.lora_rank)
 
 
-def targets(config) -> list[str]:
-    return [name.strip() for name in config.lora_targets.split(",") if name.strip()]
-
-
-def check_config(config) -> None:
-    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
-    if config.lora_rank is None:
-        return
-    if config.lora_rank < 1:
-        raise LaionkitError(f"--lora-rank {config.lora_rank}: must be >= 1")
-    if not 0 <= config.lora_dropout < 1:
-        raise LaionkitError(f"--lora-dropout {config.lora_dropout}: must be in [0, 1)")
-    if config.lora_alpha is not None and not config.lora_alpha > 0:
-        raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
-    if not targets(config):
-        raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
-    if config.unet_config is not None and not config.lora_random_base:  # the export holds the adapters alone
-        raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
-                            "train on a pretrained base, and a from-scratch base is random and never saved; give "
-                            "--unet / --transformer, or drop --lora-rank to train the whole model "
-                            "(--lora-random-base allows it, for throughput measurements)")
-
 
 def attach(unet, config, accelerator) -> None:
     """Freeze ``unet`` and add the adapters (in place), with the dtype policy of the module docstring."""
     from accelerate.utils import DistributedType
     from peft import LoraConfig
 
-    from laionkit.train import MasterWeights
+    from laionkit.trainer.precision import MasterWeights
 
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_GPU,
                                             DistributedType.MULTI_CPU, DistributedType.FSDP):

@@ -28,23 +28,6 @@ import torch
 
 from laionkit.common import LaionkitError
 
-RECIPES = ("tensorwise", "rowwise")
-
-
-def check_config(config) -> None:
-    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
-    if not config.fp8:
-        return
-    if config.fp8_recipe not in RECIPES:
-        raise LaionkitError(f"--fp8-recipe {config.fp8_recipe!r}: one of {', '.join(RECIPES)}")
-    if config.lora_rank is not None:
-        raise LaionkitError("--fp8 with --lora-rank: the frozen base would stay bf16 and only the small adapter "
-                            "matmuls could run in float8; train LoRA in bf16 (drop --fp8)")
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        raise LaionkitError("--fp8 needs torchao: pip install 'laionkit[fp8]'") from None
-
 
 def check_device(device: torch.device) -> None:
     """Float8 GEMMs need compute capability 8.9+ on CUDA; on CPU they run (slowly: for tests and checks)."""

@@ -1,0 +1,14 @@
+"""`laionkit train`: the trainer as small parts around one loop (``from laionkit.trainer import TrainConfig, run``).
+
+Modules, each importing only ones listed before it (tests/test_imports.py): config (TrainConfig; the flag
+checks in trainchecks, --config files in trainfile) → data (latent sets, stages) → objective (losses,
+noise, conditioning) → precision (master weights, optimizer; fp8) → model (builders, FLOPs, FSDP units;
+fsdp, lora) → checkpoint (save, verify, resume; runlock, runfolder) → evaluation (validation images;
+valloss) → metrics → export (the denoiser, after_training, `laionkit export`; pipeline, singlefile) →
+loop (setup, train_step, the run), which wires them.
+"""
+
+from laionkit.trainer.config import TrainConfig, TrainResult
+from laionkit.trainer.loop import run
+
+__all__ = ["TrainConfig", "TrainResult", "run"]

@@ -1,0 +1,149 @@
+"""Validation images: fixed prompts (validation_conditioning), DDIM / the family's sampler over the
+latents (sample_latents, validate), and the grid written to RUN/samples (save_grid)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from laionkit.common import (
+    atomic_output,
+)
+from laionkit.common.storage import Location
+from laionkit.families import FamilySpec
+from laionkit.latents import (
+    collate,
+)
+from laionkit.trainer.config import TrainConfig
+from laionkit.trainer.data import LatentSet
+from laionkit.trainer.objective import OnlineText, drop_captions
+
+
+def validation_conditioning(data: LatentSet, count: int, online: OnlineText | None = None
+                            ) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Fixed prompts: the captions and stored text tensors (by stored key) of the first samples of the
+    first shard, and their size fields."""
+    import webdataset as wds
+
+    from laionkit.latents import decode
+
+    opened = [{"url": data.shards[0], "stream": Location.parse(data.shards[0]).open_read()}]  # path or URL
+    samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))
+    captions, rows = [], []
+    for sample in samples:
+        captions.append(json.loads(sample["json"]).get("caption", "") if "json" in sample else sample["__key__"])
+        rows.append(decode(sample))
+        if len(rows) == count:
+            break
+    batch = collate(rows)  # trimmed text padded to the longest prompt
+    if online is not None:  # token ids, encoded by the run's own text encoders
+        return captions, {key: value.cpu() for key, value in online(batch, online.device, online.dtype).items()}
+    return captions, {key: batch["text" if key == "states" else key] for key in data.family.stored}
+
+
+# Pipeline keyword of each stored key (the negative_ version takes the empty caption's).
+PIPELINE_KEYWORDS = {"states": "prompt_embeds", "pooled": "pooled_prompt_embeds", "mask": "prompt_attention_mask"}
+
+
+@torch.no_grad()
+def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentSet, config: TrainConfig,
+             device: torch.device) -> torch.Tensor:
+    """Samples for the fixed prompts through the family's diffusers pipeline (the one an export loads
+    into), from the stored text tensors, decoded by the manifest's VAE, in [0, 1]: DDIM with
+    classifier-free guidance for the UNet families; for flow families the family's
+    FlowMatchEulerDiscreteScheduler (Flux: the pipeline computes its resolution-dependent mu itself) with
+    classifier-free guidance, or the guidance embedding where the family feeds guidance_scale to it.
+
+    The pipeline gets no text encoders (the prompts are stored embeddings) and returns latents (Flux's
+    packed, unpacked here, ``sample_latents``): the decode is ours, in the VAE's own dtype, whatever the
+    weights' dtype is."""
+    latents = sample_latents(unet, vae, noise_scheduler, texts, empty, data, config, device)
+    images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
+    return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
+
+
+def validation_sampler(spec: FamilySpec, noise_scheduler):
+    """The scheduler validation samples with: the flow family's FlowMatchEulerDiscreteScheduler, or DDIM on
+    the model's noise schedule with the settings of sampling in latent space stated, not inherited: no
+    clipping of the predicted x0 to [-1, 1] and no dynamic thresholding (both are for pixel-space models;
+    scaled latents have unit spread). A scheduler config that does not name them (PixArt-Σ's
+    DPMSolverMultistepScheduler; the SDXL config laionkit's tiny models write) took DDIM's default
+    clip_sample=True and sampled every grid with x0 cut to [-1, 1], which its pipeline never does."""
+    import diffusers
+
+    if spec.sampler is not None:
+        return diffusers.FlowMatchEulerDiscreteScheduler.from_config(dict(spec.sampler))
+    return diffusers.DDIMScheduler.from_config(noise_scheduler.config, clip_sample=False, thresholding=False)
+
+
+@torch.no_grad()
+def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentSet, config: TrainConfig,
+                   device: torch.device) -> torch.Tensor:
+    """validate's sampling: the fixed prompts' final latents (unpacked, scaled as the denoiser sees them)."""
+    import inspect
+
+    import diffusers
+
+    spec = data.family
+    sampler = validation_sampler(spec, noise_scheduler)
+    pipeline_class = getattr(diffusers, spec.pipeline_class)
+    parameters = inspect.signature(pipeline_class.__init__).parameters
+    components = {name: None for name, parameter in parameters.items()
+                  if name != "self" and parameter.default is inspect.Parameter.empty}
+    components.update({spec.denoiser_subfolder: unet, "vae": vae, "scheduler": sampler})
+    if "requires_safety_checker" in parameters:
+        components["requires_safety_checker"] = False
+    pipe = pipeline_class(**components)
+    pipe.set_progress_bar_config(disable=True)
+    dtype = next(unet.parameters()).dtype
+    guided_by_embedding = spec.embedded_guidance and getattr(unet.config, "guidance_embeds", False)
+    # The empty caption's tensors for every prompt, and the prompts', padded alike (trimmed text).
+    texts = {key: value.to(device, dtype) for key, value in texts.items()}
+    every = torch.ones(len(texts["states"]), dtype=torch.bool, device=device)
+    negatives, texts = drop_captions(texts, empty, every), drop_captions(texts, empty, ~every)
+    prompts = {}
+    for key, keyword in PIPELINE_KEYWORDS.items():
+        if key in texts:
+            prompts[keyword] = texts[key]
+            if not guided_by_embedding:
+                prompts[f"negative_{keyword}"] = negatives[key].to(device, dtype)
+    if spec.embedded_guidance and not guided_by_embedding:
+        prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's classifier-free guidance
+    channels, height, width = data.moments_shape
+    scale = pipe.vae_scale_factor
+    generator = torch.Generator().manual_seed(config.seed)
+    latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
+    if spec.pack_latents is not None:
+        latents = spec.pack_latents(latents)
+    call = inspect.signature(pipeline_class.__call__).parameters
+    if "use_resolution_binning" in call:  # PixArt: draw at the data's size, not at the nearest of its bins
+        prompts["use_resolution_binning"] = False
+    if "negative_prompt_embeds" in prompts and "negative_prompt" in call:
+        prompts["negative_prompt"] = None  # PixArt defaults it to "", which it refuses beside the embeddings
+    # Accelerate's prepared forward returns fp32 outputs, so a scheduler step promotes the latents to fp32;
+    # they go back to the weights' dtype before the next step (bf16 master weights have no autocast): as
+    # callback_on_step_end returns them, or in place where the pipeline has only the per-step `callback`.
+    if "callback_on_step_end" in call:
+        each_step = {"callback_on_step_end": lambda _pipe, _i, _t, found: {"latents": found["latents"].to(dtype)},
+                     "callback_on_step_end_tensor_inputs": ["latents"]}
+    else:
+        def cast(_step, _t, found):
+            found.data = found.data.to(dtype)
+
+        each_step = {"callback": cast, "callback_steps": 1}
+    latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
+                   guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
+                   **each_step, **prompts).images
+    if spec.unpack_latents is not None:
+        latents = spec.unpack_latents(latents, height, width)
+    return latents
+
+
+def save_grid(images: torch.Tensor, path: Path) -> None:
+    from torchvision.utils import save_image
+
+    with atomic_output(path) as tmp:
+        save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")

@@ -1,0 +1,171 @@
+"""Checks train makes before it trusts an input it did not write: one line naming what does not fit.
+
+* online-text latents: the text encoders (and tokenizers) train loads must be the ones encode hashed into
+  the manifest's ``models``, else the stored token ids are encoded by another model without a word;
+* a pretrained ``--unet`` / ``--transformer`` (or a config file) must be the latents' family's denoiser
+  class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
+  in from_pretrained otherwise);
+* ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
+* a latent folder in a bucket that other tools uploaded (``aws s3 sync``: no done records) counts all its
+  objects (docs/FORMATS.md §5), as the storage listings do;
+* flag combinations of --lora-rank, the validation loss, --fp8 and --export, refused by
+  TrainConfig.__post_init__ before anything loads.
+"""
+
+from __future__ import annotations
+
+from laionkit.common import LaionkitError
+from laionkit.common.storage import DONE_SUFFIX, Location, _errors
+
+
+def uploaded_without_records(folder: Location) -> bool:
+    """A folder in an object store that holds no done record: uploaded by other tools, every object counts."""
+    if folder.local:
+        return False
+    with _errors("cannot list", folder):
+        try:
+            names = folder.fs.ls(folder.path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return False
+    names = [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
+    return bool(names) and not any(n.startswith(".") and n.endswith(DONE_SUFFIX) for n in names)
+
+
+def check_text_encoders(family, models: dict, allow: bool, say=print) -> None:
+    """Each text encoder and tokenizer of online-text latents is the one encode used: the sha256 of its
+    files as now found equals the manifest's (a component encode could not hash is not compared)."""
+    from laionkit.common.models import fingerprint
+
+    for pair in family.text_encoders:
+        for component in reversed(pair):  # the encoder first: the one that turns ids into states
+            recorded = (models.get(component) or {}).get("files")
+            if not recorded:
+                continue
+            source = models[component]["source"]
+            found = fingerprint(source, component).get("files") or {}
+            changed = sorted(name for name in set(recorded) | set(found) if recorded.get(name) != found.get(name))
+            if not changed:
+                continue
+            message = (f"online-text latents: {component} from {source} is not the one encode used (its "
+                       f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} differ from the manifest's "
+                       "sha256), so the stored token ids would be encoded by another model")
+            if not allow:
+                raise LaionkitError(f"{message}: restore it or re-encode, or give --allow-changed-text-encoder "
+                                    "to train with it anyway")
+            say(f"warning: {message} (--allow-changed-text-encoder)")
+
+
+def check_denoiser_class(found: str | None, spec, flag: str, source: str) -> None:
+    """A model config's ``_class_name`` against the class the latents' family trains."""
+    from laionkit.families import families, get_family
+
+    if not found or found == spec.denoiser_class:
+        return
+    owners = [name for name in families() if get_family(name).denoiser_class == found]
+    whose = f" (a {'/'.join(owners)} model)" if owners else ""
+    raise LaionkitError(f"{flag} {source}: its config names {found}{whose}; these {spec.name} latents train "
+                        f"a {spec.denoiser_class}")
+
+
+def check_denoiser_folder(source: str, spec, flag: str) -> None:
+    """check_denoiser_class on a pretrained model's config (read alone, before any weights)."""
+    import diffusers
+
+    from laionkit.common.models import _load_config
+
+    config = _load_config(getattr(diffusers, spec.denoiser_class), spec.presets.get(source, source),
+                          spec.denoiser_subfolder)
+    check_denoiser_class(config.get("_class_name"), spec, flag, source)
+
+
+def check_guidance(config, spec, model) -> None:
+    """--train-guidance feeds a guidance embedding: refused where the denoiser has none."""
+    if config.train_guidance is not None and not getattr(model.config, "guidance_embeds", False):
+        raise LaionkitError(f"--train-guidance {config.train_guidance}: this {spec.name} {spec.denoiser_class} has "
+                            "no guidance embedding (its config's guidance_embeds is not true); leave the flag out")
+
+
+# --- Flag checks of TrainConfig.__post_init__, beside the names they check (config sits below the modules
+# that act on the flags: lora and pipeline import these, not the other way round) ---
+
+# diffusers' train_text_to_image_lora.py default; the SD3 / Flux transformers' attention uses the same names.
+DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"
+FORMATS = ("pipeline", "single-file")
+FILE_MODES = ("copy", "hardlink")
+RECIPES = ("tensorwise", "rowwise")
+
+
+def targets(config) -> list[str]:
+    return [name.strip() for name in config.lora_targets.split(",") if name.strip()]
+
+
+def check_lora(config) -> None:
+    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
+    if config.lora_rank is None:
+        return
+    if config.lora_rank < 1:
+        raise LaionkitError(f"--lora-rank {config.lora_rank}: must be >= 1")
+    if not 0 <= config.lora_dropout < 1:
+        raise LaionkitError(f"--lora-dropout {config.lora_dropout}: must be in [0, 1)")
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        raise LaionkitError(f"--lora-alpha {config.lora_alpha}: must be > 0")
+    if not targets(config):
+        raise LaionkitError("--lora-targets is empty: give module names, e.g. " + DEFAULT_TARGETS)
+    if config.unet_config is not None and not config.lora_random_base:  # the export holds the adapters alone
+        raise LaionkitError(f"--lora-rank with --unet-config / --transformer-config {config.unet_config}: adapters "
+                            "train on a pretrained base, and a from-scratch base is random and never saved; give "
+                            "--unet / --transformer, or drop --lora-rank to train the whole model "
+                            "(--lora-random-base allows it, for throughput measurements)")
+
+
+def check_val_loss(config) -> None:
+    """Flag checks run by TrainConfig.__post_init__."""
+    if config.val_latents is None:
+        if config.val_every or config.val_samples != 64:
+            raise LaionkitError("--val-every and --val-samples need --val-latents DIR (a latent folder)")
+        return
+    if config.val_every < 0 or config.val_samples < 1:
+        raise LaionkitError(f"--val-every {config.val_every} / --val-samples {config.val_samples}: "
+                            "must be >= 0 and >= 1")
+
+
+def check_fp8(config) -> None:
+    """Flag combinations refused before anything loads (called from TrainConfig.__post_init__)."""
+    if not config.fp8:
+        return
+    if config.fp8_recipe not in RECIPES:
+        raise LaionkitError(f"--fp8-recipe {config.fp8_recipe!r}: one of {', '.join(RECIPES)}")
+    if config.lora_rank is not None:
+        raise LaionkitError("--fp8 with --lora-rank: the frozen base would stay bf16 and only the small adapter "
+                            "matmuls could run in float8; train LoRA in bf16 (drop --fp8)")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise LaionkitError("--fp8 needs torchao: pip install 'laionkit[fp8]'") from None
+
+
+def parse_formats(value: str | None, lora: bool = False) -> tuple[str, ...]:
+    """--export: a comma-separated list of FORMATS, none, or auto (the pipeline for a full-parameter run, nothing
+    for a LoRA run: see the module docstring)."""
+    names = [part.strip() for part in (value or "").split(",") if part.strip()]
+    if names == ["none"]:
+        return ()
+    if names == ["auto"]:
+        return () if lora else ("pipeline",)
+    bad = [name for name in names if name not in FORMATS]
+    if bad or not names:
+        raise LaionkitError(f"--export {value!r}: a comma-separated list of {', '.join(FORMATS)}, none or auto")
+    if "single-file" in names and "pipeline" not in names:
+        raise LaionkitError("--export single-file is converted from the pipeline folder: give --export "
+                            "pipeline,single-file")
+    return tuple(dict.fromkeys(names))
+
+
+def check_export(config) -> None:
+    """TrainConfig's --export and --export-files, checked before a run starts."""
+    if parse_formats(config.export, config.lora_rank is not None) and config.lora_rank is not None \
+            and config.unet is None:
+        raise LaionkitError(f"--export {config.export} with --lora-rank merges the adapters into the base, and "
+                            "--lora-random-base's base is random and never saved: give --export none")
+    if config.export_files not in FILE_MODES:
+        raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
