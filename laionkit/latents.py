@@ -81,9 +81,10 @@ def partition(units: Sequence[Unit], consumer: int, consumers: int) -> list[Unit
     return [shared.narrow(consumer // len(units), sharers)]
 
 
-def shard_paths(latents: Path | Location) -> list[Location]:
-    """The folder's complete latent tars (in an object store: those with their done record)."""
-    shards = Location.parse(latents).list("*.tar")
+def shard_paths(latents: Path | Location, complete_only: bool | None = True) -> list[Location]:
+    """The folder's complete latent tars (in an object store: those with their done record; with
+    ``complete_only=None``, every tar of a folder that holds no done record: Location.list)."""
+    shards = Location.parse(latents).list("*.tar", complete_only=complete_only)
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards

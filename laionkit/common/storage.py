@@ -277,6 +277,22 @@ class Location:
             except OSError as error:
                 raise LaionkitError(f"cannot list {self}: {_one_line(error)}") from None
             return [self.join(n) for n in names if not n.startswith(".") and fnmatch.fnmatchcase(n, pattern)]
+        names, done = self._listing()
+        if complete_only is None:
+            complete_only = bool(done)
+        return [self.join(n) for n in names if not n.startswith(".") and fnmatch.fnmatchcase(n, pattern)
+                and (not complete_only or n in done)]
+
+    def uploaded_by_other_tools(self) -> bool:
+        """An object-store folder with objects but no done record: uploaded by other tools (aws s3 sync), so
+        every object counts (docs/FORMATS.md §5). A local folder never is: there a name means complete."""
+        if self.local:
+            return False
+        names, done = self._listing()
+        return bool(names) and not done
+
+    def _listing(self) -> tuple[list[str], set[str]]:
+        """An object-store folder's names (sorted) and the names its done records mark complete."""
         with _errors("cannot list", self):
             try:
                 entries = self.fs.ls(self.path, detail=False, refresh=True)
@@ -284,13 +300,9 @@ class Location:
                 if self.protocol in ("s3", "gs", "gcs") and not self.fs.exists(self.path.split("/", 1)[0]):
                     raise LaionkitError(f"cannot list {self}: bucket {self.path.split('/', 1)[0]} "
                                         "does not exist (or is not visible with these credentials)") from None
-                return []
+                return [], set()
         names = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries})
-        done = {n[1:-len(DONE_SUFFIX)] for n in names if n.startswith(".") and n.endswith(DONE_SUFFIX)}
-        if complete_only is None:
-            complete_only = bool(done)
-        return [self.join(n) for n in names if not n.startswith(".") and fnmatch.fnmatchcase(n, pattern)
-                and (not complete_only or n in done)]
+        return names, {n[1:-len(DONE_SUFFIX)] for n in names if n.startswith(".") and n.endswith(DONE_SUFFIX)}
 
     def glob(self, pattern: str) -> list[Location]:
         """Explicit glob expansion of ``pattern`` below this location, for the options that ask for it."""

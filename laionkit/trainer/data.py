@@ -24,7 +24,6 @@ from laionkit.latents import (
     read_unit,
     shard_paths,
 )
-from laionkit.trainer import trainchecks
 from laionkit.trainer.config import TrainConfig
 
 
@@ -74,7 +73,7 @@ def open_latents(latents: Path | str) -> LatentSet:
     latents = Location.parse(latents)
     manifest_path = latents / "manifest.json"
     # A bucket folder other tools uploaded (aws s3 sync) has no done records: all its objects count.
-    plain = trainchecks.uploaded_without_records(latents)
+    plain = latents.uploaded_by_other_tools()
     present = Location.exists if plain else Location.is_complete
     if not present(manifest_path) or manifest_path.is_dir():
         raise LaionkitError(f"{manifest_path} not found: is {latents} an encode output folder?")
@@ -96,7 +95,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         missing = manifest.get("shards", {}).get("missing")
         raise LaionkitError(f"{manifest_path}: encode is not complete (missing shards: {missing}); rerun it")
     shards, counts, empty_shards = [], [], []
-    for path in latents.list("*.tar", complete_only=False) or shard_paths(latents) if plain else shard_paths(latents):
+    for path in shard_paths(latents, complete_only=None):  # every object where other tools uploaded them
         found = count_samples(path)  # reads every header: a damaged shard is found now, not hours in
         record_file = latents / str(records.get(path.name, ""))
         if path.name in records and present(record_file) and not record_file.is_dir():

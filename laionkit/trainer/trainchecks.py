@@ -6,8 +6,6 @@
   class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
-* a latent folder in a bucket that other tools uploaded (``aws s3 sync``: no done records) counts all its
-  objects (docs/FORMATS.md §5), as the storage listings do;
 * flag combinations of --lora-rank, the validation loss, --fp8 and --export, refused by
   TrainConfig.__post_init__ before anything loads.
 """
@@ -15,20 +13,6 @@
 from __future__ import annotations
 
 from laionkit.common import LaionkitError
-from laionkit.common.storage import DONE_SUFFIX, Location, _errors
-
-
-def uploaded_without_records(folder: Location) -> bool:
-    """A folder in an object store that holds no done record: uploaded by other tools, every object counts."""
-    if folder.local:
-        return False
-    with _errors("cannot list", folder):
-        try:
-            names = folder.fs.ls(folder.path, detail=False, refresh=True)
-        except FileNotFoundError:
-            return False
-    names = [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
-    return bool(names) and not any(n.startswith(".") and n.endswith(DONE_SUFFIX) for n in names)
 
 
 def check_text_encoders(family, models: dict, allow: bool, say=print) -> None:
