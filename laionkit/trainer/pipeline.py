@@ -84,7 +84,7 @@ def write_pipeline(run: Path, spec, models: dict, base: str | None, noise_schedu
                     denoiser(tmp / name)
                 index[name] = ["diffusers", spec.denoiser_class]
             elif name == "scheduler":
-                index[name] = _write_scheduler(tmp / name, spec, base, noise_scheduler)
+                index[name] = _write_scheduler(tmp / name, spec, base, base_index, noise_scheduler)
             else:
                 found = _component(name, models, base, base_index)
                 if found is None:
@@ -188,12 +188,13 @@ def _entry(folder: Path) -> list:
     raise LaionkitError(f"{folder}: no config names the component's class (config.json / tokenizer_config.json)")
 
 
-def _write_scheduler(target: Path, spec, base: str | None, noise_scheduler) -> list:
-    """The base's scheduler (or the family's sampler) with the trained noise schedule."""
+def _write_scheduler(target: Path, spec, base: str | None, base_index: dict, noise_scheduler) -> list:
+    """The base's scheduler (``base_index``: its model_index.json) or the family's sampler, with the trained
+    noise schedule."""
     import diffusers
 
     config, name = {}, None
-    if base and (_read_index(base).get("scheduler") or [None])[0] is not None:
+    if base and (base_index.get("scheduler") or [None])[0] is not None:
         folder = _fetch(base, "scheduler")
         config = json.loads((folder / "scheduler_config.json").read_text())
         name = config.get("_class_name")
