@@ -485,7 +485,7 @@ def train_command(
     full_bf16: Annotated[bool, typer.Option(help="With bf16 on one GPU or DDP: weights, gradients and AdamW state all in bf16, no fp32 master weights (kohya's --full_bf16): 8 bytes per trained parameter instead of 20 (full-parameter Flux-12B on one H200) and the fastest step; updates under ~0.2 % of a weight are lost, so keep it for memory or large learning rates.")] = False,
     ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
     ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
-    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks; PixArt: BasicTransformerBlock): blocks (every block), every-N (every N-th block: less recompute, more memory) or none. Same losses and gradients, less activation memory, ~1/3 more compute per checkpointed block.")] = "none",
+    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks; PixArt: BasicTransformerBlock): blocks (every block), every-N (every N-th block: less recompute, more memory), auto (the fewest blocks that let the batch fit, chosen from measured steps before training on one GPU or DDP; RUN/checkpointing.json records it) or none. Same losses and gradients, less activation memory, ~1/3 more compute per checkpointed block.")] = "none",
     gradient_checkpointing: Annotated[bool, typer.Option(help="Deprecated: the same as --checkpointing blocks.")] = False,
     compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket; see --compile-dynamic). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")] = False,
     compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
@@ -610,6 +610,55 @@ def encode(
 # A failed CUDA context ("sticky" errors: every later CUDA call fails too). Seen on an H200: after a cuBLAS
 # failure the traceback was printed, then the process never exited (interpreter teardown frees CUDA memory
 # and joins loader threads) until its launcher killed it minutes later.
+@app.command("plan", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog="""Examples:
+
+    laionkit plan latents-flux/ --output plans/flux -- --transformer flux-dev --lora-rank 64 --mixed-precision bf16
+
+    laionkit plan latents/ --output plans/sd15 --batch-sizes 16,32,64 --checkpointing none,every-2,auto -- --unet sd15 --mixed-precision bf16
+
+Everything after -- is passed to every candidate's `laionkit train` as given (model, precision, LoRA,
+objective...). Each candidate runs in its own process: --steps steps to warm up, --steps measured.
+""")
+def plan_command(
+    ctx: typer.Context,
+    latents: Annotated[str, typer.Argument(help="An encode output folder, as train takes it.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for plan.json, each candidate's log and its throwaway run.")],
+    batch_sizes: Annotated[str, typer.Option(help="Per-GPU batch sizes to try, comma-separated.")] = "1,2,4",
+    checkpointing: Annotated[str, typer.Option(help="--checkpointing values to try, comma-separated (none, every-N, blocks, auto).")] = "none,blocks",
+    compile: Annotated[str, typer.Option(help="off, on or both: --compile for each candidate.")] = "both",
+    steps: Annotated[int, typer.Option(help="Steps per window: one window warms up, the next is measured.")] = 5,
+    timeout: Annotated[float, typer.Option(help="Seconds a candidate may take (compile included).")] = 1800.0,
+    quiet: QuietOption = False,
+) -> None:
+    """Measure candidate train configurations (batch, checkpointing, compile) and print the fastest that fits."""
+    from laionkit import plan
+
+    def numbers(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise LaionkitError(f"--batch-sizes {text!r}: comma-separated positive integers, e.g. 1,2,4")
+        return values
+
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}
+    if compile not in modes:
+        raise LaionkitError(f"--compile {compile!r}: off, on or both")
+    config = plan.PlanConfig(latents=latents, output=output, batch_sizes=numbers(batch_sizes),
+                             checkpointing=tuple(v.strip() for v in checkpointing.split(",") if v.strip()),
+                             compile=modes[compile], steps=steps, timeout=timeout, train_args=tuple(ctx.args),
+                             quiet=quiet)
+    found = plan.run(config)
+    for candidate in found:
+        typer.echo(f"{candidate.name:32s} {plan.describe(candidate)}")
+    best = plan.fastest(found)
+    if best is None:
+        raise LaionkitError(f"plan: no candidate fits (see {output / 'plan.json'})")
+    typer.echo(f"fastest that fits: {json.loads((output / 'plan.json').read_text())['command']}")
+
+
 DEVICE_FAILURES = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "illegal memory access", "NCCL error")
 
 

@@ -306,3 +306,21 @@ def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, l
         with math():
             lora_real = count_flops(model, data, torch.device("cpu"), shape, objective)
         assert count_flops(_weightless(model), data, torch.device("meta"), shape, objective) == lora_real < real
+
+
+def test_checkpointing_moves_between_intervals_and_back_to_none():
+    """--checkpointing auto tries several intervals on one model: each checkpoint_blocks call leaves exactly
+    its blocks checkpointed (the others run plainly again), and every=0 restores the class's own forward."""
+    spec, model = tiny_denoiser("flux")
+    loss = loss_fn("flux", spec, model)
+    blocks = spec.blocks(model)
+    plain_loss, plain, plain_saved = loss_and_grads(model, loss)
+    for every in (1, 3, 2, 0):
+        chosen = spec.checkpoint_blocks(model, every)
+        assert chosen == [b for i, b in enumerate(blocks, 1) if every and i % every == 0]
+        assert [("_plain_forward" in vars(b)) for b in blocks] == [b in chosen for b in blocks]
+        got_loss, got, saved = loss_and_grads(model, loss)
+        assert got_loss == plain_loss and (saved < plain_saved) == bool(chosen)
+        for a, b in zip(plain, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert all("forward" not in vars(b) for b in blocks)  # the class's forward, as before any checkpointing

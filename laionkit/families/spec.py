@@ -148,13 +148,23 @@ class FamilySpec:
         runs its forward under non-reentrant ``torch.utils.checkpoint``, keeping only its inputs and
         recomputing its activations in backward. Without grad (validation, the validation loss, export) a
         block runs plainly. The module tree and state dict are unchanged (the forward is replaced on the
-        instance, by a bound method, so a deepcopy stays checkpointed on its own blocks). Returns the
+        instance, by a bound method, so a deepcopy stays checkpointed on its own blocks). The other blocks
+        run plainly again (``every=0``: none; ``--checkpointing auto`` tries several). Returns the
         checkpointed blocks."""
-        chosen = [block for index, block in enumerate(self.blocks(denoiser), 1) if index % every == 0]
-        for block in chosen:
-            if "_plain_forward" not in vars(block):  # checkpointing twice wraps once
-                block._plain_forward = block.forward
-                block.forward = MethodType(_checkpointed_forward, block)
+        chosen = []
+        for index, block in enumerate(self.blocks(denoiser), 1):
+            wrapped = "_plain_forward" in vars(block)
+            if every and index % every == 0:
+                chosen.append(block)
+                if not wrapped:  # checkpointing twice wraps once
+                    block._plain_forward = block.forward
+                    block.forward = MethodType(_checkpointed_forward, block)
+            elif wrapped:
+                plain = vars(block).pop("_plain_forward")
+                if getattr(plain, "__func__", None) is type(block).forward:
+                    del block.forward  # the class's own forward again
+                else:
+                    block.forward = plain
         return chosen
 
     def compile_blocks(self, denoiser, **options) -> list:

@@ -49,7 +49,7 @@ class TrainConfig:
     full_bf16: bool = False  # weights, gradients and optimizer state all in bf16, no fp32 master (full_bf16_policy)
     ema: bool = False
     ema_decay: float = 0.9999
-    checkpointing: str = "none"  # activation checkpointing per family block: blocks, every-N or none
+    checkpointing: str = "none"  # activation checkpointing per family block: blocks, every-N, auto or none
     gradient_checkpointing: bool = False  # deprecated alias of checkpointing="blocks"
     compile: bool = False
     compile_mode: str = "default"
@@ -157,14 +157,14 @@ class TrainConfig:
                 raise LaionkitError(f"--gradient-checkpointing (deprecated) is --checkpointing blocks; it "
                                     f"contradicts --checkpointing {self.checkpointing}: give only --checkpointing")
             return 1
-        if value == "none":
+        if value in ("none", "auto"):  # auto: none until memory.auto_checkpointing measures (after build)
             return 0
         if value == "blocks":
             return 1
         prefix, _, count = value.partition("every-")
         if prefix or not count.isdigit() or int(count) < 1:
             raise LaionkitError(f"--checkpointing {self.checkpointing!r}: blocks (every block), every-N (every "
-                                "N-th block, N >= 1) or none")
+                                "N-th block, N >= 1), auto (the fewest that fit, measured) or none")
         return int(count)
 
     def later_stages(self) -> list[tuple[Path, int]]:

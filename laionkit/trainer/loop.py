@@ -37,7 +37,7 @@ from laionkit.latents import (
     end_workers,
     latent_loader,
 )
-from laionkit.trainer import fp8, fsdp, lora, runfolder, runlock, trainchecks, valloss
+from laionkit.trainer import fp8, fsdp, lora, memory, runfolder, runlock, trainchecks, valloss
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
     claim_run_folder,
@@ -244,6 +244,8 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     schedule = plan_stages(config, data, world)
     trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
+    if config.checkpointing.strip().lower() == "auto":  # measured on the built model, before the first step
+        memory.auto_checkpointing(trainer)
     trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
                                     config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
                        for _, latents, _ in schedule.stages]
