@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import traceback
@@ -14,6 +15,8 @@ from rich.text import Text
 
 from laionkit import __version__
 from laionkit.common import LaionkitError, available_cpus
+from laionkit.common.options import QUIET_HELP, RANK_HELP, STORAGE_HELP, WORLD_SIZE_HELP, typer_parameters
+from laionkit.trainer.config import TrainConfig
 
 app = typer.Typer(
     name="laionkit",
@@ -28,21 +31,12 @@ app = typer.Typer(
 err_console = Console(stderr=True, markup=False, emoji=False, highlight=False)
 
 # Options every rank-sharded command shares; resolved by laionkit.common.ranks.resolve_rank.
-RankOption = Annotated[
-    Optional[int],
-    typer.Option("--rank", help="This process's rank (default: RANK, the Slurm array task's, SLURM_PROCID, else 0)."),
-]
-WorldSizeOption = Annotated[
-    Optional[int],
-    typer.Option("--world-size", help="Number of processes (default: WORLD_SIZE, the Slurm array's size, "
-                 "SLURM_NTASKS, else 1). Alone in a Slurm array task: the task id is the rank."),
-]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+RankOption = Annotated[Optional[int], typer.Option("--rank", help=RANK_HELP)]
+WorldSizeOption = Annotated[Optional[int], typer.Option("--world-size", help=WORLD_SIZE_HELP)]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
 # Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
 # AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
-StorageOption = Annotated[Optional[str], typer.Option(
-    "--storage-options", help='JSON options for URL paths, e.g. \'{"endpoint_url": "http://minio:9000"}\' '
-    'or \'{"s3": {...}, "hf": {...}}\'; credentials otherwise come from AWS_* / fsspec config.')]
+StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP)]
 
 
 def _show_version(value: bool) -> None:
@@ -448,95 +442,12 @@ Every rank runs exactly --max-steps optimizer steps (or --epochs converted to st
 sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
-def train_command(
-    ctx: typer.Context,
-    latents: Annotated[Optional[str], typer.Argument(help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).")] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="A YAML or TOML file of train flags (keys: flag or TrainConfig field names, e.g. max-steps: 1000, latents: data/latents); flags given here override it.")] = None,
-    unet: Annotated[Optional[str], typer.Option("--unet", "--transformer", help="Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl) or folder with the family's unet/ or transformer/ weights.")] = None,
-    unet_config: Annotated[Optional[str], typer.Option("--unet-config", "--transformer-config", help="From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny; pixart: pixart-sigma-xl, tiny) or a config folder/file.")] = None,
-    noise_scheduler: Annotated[Optional[str], typer.Option(help="DDPM schedule source (default: --unet's, else SD's scaled_linear).")] = None,
-    prediction_type: Annotated[Optional[str], typer.Option(help="epsilon or v_prediction (default: the scheduler's).")] = None,
-    timestep_sampling: Annotated[str, typer.Option(help="DDPM timesteps: uniform or logit-normal.")] = "uniform",
-    logit_mean: Annotated[float, typer.Option(help="Mean of the logit-normal timestep density.")] = 0.0,
-    logit_std: Annotated[float, typer.Option(help="Std of the logit-normal timestep density.")] = 1.0,
-    sigma_sampling: Annotated[Optional[str], typer.Option(help="Flow matching (sd3, flux): logit_normal, uniform or mode (default: the family's, logit_normal).")] = None,
-    mode_scale: Annotated[float, typer.Option(help="Flow matching: scale of the mode sigma density.")] = 1.29,
-    shift: Annotated[Optional[str], typer.Option(help="Flow matching: sigma shift s (a number), dynamic (Flux's rule per resolution) or none (default: sd3 3, flux dynamic).")] = None,
-    weighting: Annotated[Optional[str], typer.Option(help="Flow matching loss weighting: none, sigma_sqrt or cosmap (default: none).")] = None,
-    train_guidance: Annotated[Optional[float], typer.Option(help="Flow matching: the guidance embedding's input while training a transformer with guidance_embeds (default: flux 3.5).")] = None,
-    snr_gamma: Annotated[Optional[float], typer.Option(help="Min-SNR loss weighting gamma (5 is common).")] = None,
-    noise_offset: Annotated[float, typer.Option(help="Offset noise strength (0.05-0.1 typical).")] = 0.0,
-    input_perturbation: Annotated[float, typer.Option(help="Input perturbation strength (0.1 typical).")] = 0.0,
-    caption_dropout: Annotated[float, typer.Option(help="Probability of the stored empty-caption embedding.")] = 0.0,
-    batch_size: Annotated[int, typer.Option(help="Samples per GPU per micro-step.")] = 32,
-    grad_accum: Annotated[int, typer.Option(help="Micro-steps per optimizer step (no gradient sync between).")] = 1,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps to train.")] = None,
-    epochs: Annotated[Optional[float], typer.Option(help="Or: passes over the manifest's samples, as steps.")] = None,
-    lr: Annotated[float, typer.Option(help="Learning rate (per sample under --scale-lr linear/sqrt).")] = 1e-4,
-    scale_lr: Annotated[str, typer.Option(help="none, linear or sqrt: lr x global batch (or its sqrt).")] = "none",
-    lr_schedule: Annotated[str, typer.Option(help="constant or cosine, after --warmup-steps.")] = "constant",
-    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps.")] = 0,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = 1e-2,
-    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm (0: no clipping).")] = 1.0,
-    optimizer: Annotated[str, typer.Option(help="adamw (fused on GPU) or adamw8bit (bitsandbytes).")] = "adamw",
-    mixed_precision: Annotated[Optional[str], typer.Option(help="no, fp16 or bf16 (default: the accelerate config's, else no).")] = None,
-    bf16_weights: Annotated[Optional[bool], typer.Option("--bf16-weights/--no-bf16-weights", help="With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the optimizer, EMA and checkpoints (+11% samples/s eager). --no-bf16-weights: autocast over fp32 weights, as diffusers' scripts do. Default: on, off with --compile (autocast measured faster compiled).")] = None,
-    full_bf16: Annotated[bool, typer.Option(help="With bf16 on one GPU or DDP: weights, gradients and AdamW state all in bf16, no fp32 master weights (kohya's --full_bf16): 8 bytes per trained parameter instead of 20 (full-parameter Flux-12B on one H200) and the fastest step; updates under ~0.2 % of a weight are lost, so keep it for memory or large learning rates.")] = False,
-    ema: Annotated[bool, typer.Option(help="Keep an EMA of the weights, exported to unet_ema/.")] = False,
-    ema_decay: Annotated[float, typer.Option(help="EMA decay.")] = 0.9999,
-    checkpointing: Annotated[str, typer.Option(help="Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks; PixArt: BasicTransformerBlock): blocks (every block), every-N (every N-th block: less recompute, more memory), auto (the fewest blocks that let the batch fit, chosen from measured steps before training on one GPU or DDP; RUN/checkpointing.json records it) or none. Same losses and gradients, less activation memory, ~1/3 more compute per checkpointed block.")] = "none",
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Deprecated: the same as --checkpointing blocks.")] = False,
-    compile: Annotated[bool, typer.Option(help="torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket; see --compile-dynamic). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")] = False,
-    compile_mode: Annotated[str, typer.Option(help="torch.compile mode: default, reduce-overhead, max-autotune.")] = "default",
-    compile_dynamic: Annotated[bool, typer.Option(help="With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")] = False,
-    channels_last: Annotated[bool, typer.Option(help="channels_last memory format for the UNet.")] = False,
-    tf32: Annotated[bool, typer.Option(help="TF32 matmuls and convolutions in float32.")] = True,
-    seed: Annotated[int, typer.Option(help="Seed: model init (same on every rank), data order and noise.")] = 0,
-    workers: Annotated[int, typer.Option(help="DataLoader workers per rank.")] = 2,
-    shuffle_buffer: Annotated[int, typer.Option(help="Samples in each worker's shuffle buffer.")] = 1000,
-    checkpoint_every: Annotated[int, typer.Option(help="Checkpoint every N steps.")] = 1000,
-    keep_checkpoints: Annotated[int, typer.Option(help="Keep the last K checkpoints.")] = 3,
-    resume: Annotated[Optional[str], typer.Option(help="latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL --output: one of its checkpoints/step-N URLs).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Delete the run already in --output (metrics, checkpoints, unet/...) and start over.")] = False,
-    allow_changed_text_encoder: Annotated[bool, typer.Option(help="Online-text latents: train although a text encoder or tokenizer's files differ from the sha256 encode recorded in the manifest (refused by default: the stored token ids would be encoded by another model).")] = False,
-    max_nonfinite: Annotated[int, typer.Option(help="Stop with an error after this many consecutive steps with a non-finite loss.")] = 3,
-    log_every: Annotated[int, typer.Option(help="Log (and check for SIGTERM) every N steps.")] = 10,
-    log_with: Annotated[str, typer.Option(help="tensorboard, wandb or none (metrics.jsonl is always written).")] = "tensorboard",
-    validate_every: Annotated[int, typer.Option(help="Sample images every N steps (0: never).")] = 0,
-    validation_count: Annotated[int, typer.Option(help="Fixed prompts: the first N captions of the first shard.")] = 4,
-    validation_steps: Annotated[int, typer.Option(help="DDIM steps per validation image.")] = 25,
-    guidance_scale: Annotated[float, typer.Option(help="Classifier-free guidance scale for validation.")] = 5.0,
-    peak_tflops: Annotated[float, typer.Option(help="Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")] = 989.0,
-    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on this port (rank 0).")] = None,
-    record_keys: Annotated[bool, typer.Option(help="Write the sample keys of every step to RUN/seen/rank-N.jsonl.")] = False,
-    lora_rank: Annotated[Optional[int], typer.Option(help="Train LoRA adapters of this rank on a frozen pretrained --unet / --transformer (PEFT); checkpoints hold the adapters, RUN/lora/ is what diffusers' pipe.load_lora_weights loads (lora_kohya.safetensors beside it for kohya / ComfyUI: SD, SDXL, Flux).")] = None,
-    lora_alpha: Annotated[Optional[float], typer.Option(help="LoRA alpha (scale alpha/rank; default: the rank).")] = None,
-    lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA branch while training.")] = 0.0,
-    lora_targets: Annotated[str, typer.Option(help="Comma-separated module names that get adapters.")] = "to_q,to_k,to_v,to_out.0",
-    lora_random_base: Annotated[bool, typer.Option(help="Allow --lora-rank with --unet-config / --transformer-config: adapters on a random base that is never saved, useless outside the run; for throughput measurements.")] = False,
-    val_latents: Annotated[Optional[Path], typer.Option(help="A latent folder (encode output) for a deterministic validation loss, written to metrics.jsonl as val_loss.")] = None,
-    val_every: Annotated[int, typer.Option(help="Validation loss every N steps and at the end (default: --validate-every, else --checkpoint-every).")] = 0,
-    val_samples: Annotated[int, typer.Option(help="The first N samples of --val-latents (shards by name, tar order), each with fixed noise and timestep.")] = 64,
-    stage: Annotated[Optional[list[str]], typer.Option(help="DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in order: a multi-resolution schedule; resumes across the switch).")] = None,
-    cache_dir: Annotated[Optional[Path], typer.Option(help="Latents at a URL: keep local copies of their shards here (shared by workers and ranks); made and checked writable at the start.")] = None,
-    cache_size: Annotated[int, typer.Option(help="--cache-dir: at most this many bytes, least recently used evicted.")] = 100 * 2**30,
-    fp8: Annotated[bool, typer.Option(help="Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability 8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and loss against bf16.")] = False,
-    fp8_recipe: Annotated[str, typer.Option(help="--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")] = "tensorwise",
-    export: Annotated[str, typer.Option(help="What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 checkpoint), none, or auto (default: pipeline, except for LoRA runs, which export RUN/lora only); e.g. --export pipeline,single-file. --export pipeline on a LoRA run merges the adapters into a copy of the base (its whole size again).")] = "auto",
-    export_files: Annotated[str, typer.Option(help="RUN/pipeline's VAE, text encoders and tokenizers: copy (default) or hardlink (no extra space where the base lies on the same filesystem; an in-place write into the pipeline then changes the base too).")] = "copy",
-    storage_options: StorageOption = None,
-    rank: RankOption = None,
-    world_size: WorldSizeOption = None,
-    quiet: QuietOption = False,
-) -> None:
+def train_command(ctx: typer.Context, **options) -> None:
     """Train a latent-diffusion UNet on latent shards with Accelerate (one process, DDP, FSDP or DeepSpeed)."""
-    options = dict(locals())
     from laionkit.trainer import trainfile
-    from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.loop import run
 
-    options = trainfile.merge(options.pop("ctx"), options, options.pop("config"))
+    options = trainfile.merge(ctx, options, options.pop("config"))
     for name, flag in (("latents", "LATENTS"), ("output", "--output")):
         if options[name] is None:
             raise LaionkitError(f"give {flag} (or {name}: in the --config file)")
@@ -545,6 +456,17 @@ def train_command(
         typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "
                    "rerun with --resume latest")
         raise typer.Exit(128 + result.stopped_by)
+
+
+# train's options are TrainConfig's fields (their help, flags and defaults: laionkit/common/options.py), with
+# --config after LATENTS and --output.
+_train_options = typer_parameters(TrainConfig)
+_train_options.insert([option.name for option in _train_options].index("output") + 1, inspect.Parameter(
+    "config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[Path], typer.Option(
+        "--config", help="A YAML or TOML file of train flags (keys: flag or TrainConfig field names, e.g. max-steps: "
+        "1000, latents: data/latents); flags given here override it.")]))
+train_command.__signature__ = inspect.Signature(
+    [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context), *_train_options])
 
 
 @app.command(epilog="""Examples:

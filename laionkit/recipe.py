@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from laionkit.common import LaionkitError, storage
+from laionkit.common.options import command_keys
 from laionkit.common.storage import Location
 
 STAGES = ("filter", "pack", "encode", "train")
@@ -45,23 +46,21 @@ def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _to_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[str]:
-    """Stage options as the command line a user would type; unknown keys are refused by name."""
-    params = {opt: param for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    """Stage options as the command line a user would type; unknown keys are refused by name. A key is a
+    long flag without its dashes, `-` or `_` alike (options.command_keys, as `train --config` reads them)."""
+    keys = command_keys(command)
     argv = [stage]
     argv += [str(path) for path in _as_list(spec[INPUT_KEY])]
     for key, value in spec.items():
         if key in (INPUT_KEY, LAUNCH_KEY):
             continue
-        flag = _to_flag(key)
-        if flag not in params:
-            known = sorted(opt[2:] for opt in params if opt.startswith("--") and not opt.startswith("--no-"))
+        found = keys.get(str(key).replace("_", "-"))
+        if found is None or not found.flag.startswith("--"):
+            known = sorted({k.flag[2:] for k in keys.values()
+                            if k.flag.startswith("--") and not k.flag.startswith("--no-")})
             raise LaionkitError(f"{where}: `{key}` is not an option of `laionkit {stage}`; known: {', '.join(known)}")
-        param = params[flag]
+        param, flag = found.param, found.flag
         if getattr(param, "is_flag", False):
             if not isinstance(value, bool):
                 raise LaionkitError(f"{where}: `{key}` is a switch; give true or false, not {value!r}")

@@ -9,6 +9,14 @@ loop (setup, train_step, the run), which wires them.
 """
 
 from laionkit.trainer.config import TrainConfig, TrainResult
-from laionkit.trainer.loop import run
 
 __all__ = ["TrainConfig", "TrainResult", "run"]
+
+
+def __getattr__(name: str):
+    """``run`` on first use: the loop imports torch, and the CLI builds `laionkit train` from TrainConfig alone."""
+    if name == "run":
+        from laionkit.trainer.loop import run
+
+        return run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

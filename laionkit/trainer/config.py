@@ -1,113 +1,205 @@
-"""`laionkit train`'s options: TrainConfig (one frozen dataclass, checked once in __post_init__) and TrainResult."""
+"""`laionkit train`'s options: TrainConfig (one frozen dataclass, checked once in __post_init__) and TrainResult.
+
+Each field is the single definition of its flag: help, flags and choices (``Literal``) live here, and the
+command (laionkit/cli.py), `train --config` files and recipes are built from them (laionkit/common/options.py);
+a new train flag is a new field here, nothing more. Fields are in the order `laionkit train --help` lists them.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from laionkit.common import (
     LaionkitError,
+)
+from laionkit.common.options import (
+    QUIET_HELP,
+    RANK_HELP,
+    STORAGE_HELP,
+    WORLD_SIZE_HELP,
+    check_choices,
+    option,
 )
 from laionkit.trainer import trainchecks
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    latents: Path | str  # a folder or a URL (s3://...), streamed
-    output: Path | str  # a folder or a URL (s3://...), staged locally (laionkit/trainer/runfolder.py)
-    unet: str | None = None
-    unet_config: str | None = None
-    noise_scheduler: str | None = None
-    prediction_type: str | None = None
-    timestep_sampling: str = "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
+    latents: Path | str = option(
+        help="An encode output folder (latent shards + manifest.json); a path or URL (streamed).",
+        type=str, argument=True)
+    # a folder or a URL (s3://...), staged locally (laionkit/trainer/runfolder.py)
+    output: Path | str = option(
+        help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.",
+        flags=("--output", "-o"), type=str)
+    unet: str | None = option(
+        None, "Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl) or "
+        "folder with the family's unet/ or transformer/ weights.", flags=("--unet", "--transformer"))
+    unet_config: str | None = option(
+        None, "From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, "
+        "tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny; pixart: pixart-sigma-xl, tiny) or a config "
+        "folder/file.", flags=("--unet-config", "--transformer-config"))
+    noise_scheduler: str | None = option(
+        None, "DDPM schedule source (default: --unet's, else SD's scaled_linear).")
+    prediction_type: Literal["epsilon", "v_prediction"] | None = option(
+        None, "epsilon or v_prediction (default: the scheduler's).")
+    timestep_sampling: Literal["uniform", "logit-normal"] = option(
+        "uniform", "DDPM timesteps: uniform or logit-normal.")
+    logit_mean: float = option(0.0, "Mean of the logit-normal timestep density.")
+    logit_std: float = option(1.0, "Std of the logit-normal timestep density.")
     # --- flow matching (SD3, Flux): None takes the family's default (laionkit/families, Objective) ---
-    sigma_sampling: str | None = None  # logit_normal | uniform | mode
-    mode_scale: float = 1.29
-    shift: str | None = None  # a number (static shift), "dynamic" (Flux's per-resolution rule) or "none"
-    weighting: str | None = None  # none | sigma_sqrt | cosmap
-    train_guidance: float | None = None  # the guidance embedding's input (transformers with guidance_embeds)
-    snr_gamma: float | None = None
-    noise_offset: float = 0.0
-    input_perturbation: float = 0.0
-    caption_dropout: float = 0.0
-    batch_size: int = 32
-    grad_accum: int = 1
-    max_steps: int | None = None
-    epochs: float | None = None
-    lr: float = 1e-4
-    scale_lr: str = "none"
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 1e-2
-    max_grad_norm: float = 1.0
-    optimizer: str = "adamw"
-    mixed_precision: str | None = None
-    bf16_weights: bool | None = None  # None: on in eager mode, off with --compile (measured, see MasterWeights)
-    full_bf16: bool = False  # weights, gradients and optimizer state all in bf16, no fp32 master (full_bf16_policy)
-    ema: bool = False
-    ema_decay: float = 0.9999
-    checkpointing: str = "none"  # activation checkpointing per family block: blocks, every-N, auto or none
-    gradient_checkpointing: bool = False  # deprecated alias of checkpointing="blocks"
-    compile: bool = False
-    compile_mode: str = "default"
-    compile_dynamic: bool = False  # dynamic=True: one graph with symbolic shapes for every bucket (measured: BENCHMARKS)
-    channels_last: bool = False
-    tf32: bool = True
-    seed: int = 0
-    workers: int = 2
-    shuffle_buffer: int = 1000
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 3
-    resume: str | None = None
-    overwrite: bool = False
-    allow_changed_text_encoder: bool = False  # online text: train with encoders whose files differ from encode's
-    max_nonfinite: int = 3
-    log_every: int = 10
-    log_with: str = "tensorboard"
-    validate_every: int = 0
-    validation_count: int = 4
-    validation_steps: int = 25
-    guidance_scale: float = 5.0
-    peak_tflops: float = 989.0
-    record_keys: bool = False
-    metrics_port: int | None = None
-    stage: tuple[str, ...] | None = None  # DIR:STEPS, trained after --latents in this order
-    rank: int | None = None
-    world_size: int | None = None
-    quiet: bool = False
+    sigma_sampling: Literal["logit_normal", "logit-normal", "uniform", "mode"] | None = option(
+        None, "Flow matching (sd3, flux): logit_normal, uniform or mode (default: the family's, "
+        "logit_normal).")
+    mode_scale: float = option(1.29, "Flow matching: scale of the mode sigma density.")
+    # a number (static shift), "dynamic" (Flux's per-resolution rule) or "none"
+    shift: str | None = option(
+        None, "Flow matching: sigma shift s (a number), dynamic (Flux's rule per resolution) or none "
+        "(default: sd3 3, flux dynamic).")
+    weighting: Literal["none", "sigma_sqrt", "cosmap"] | None = option(
+        None, "Flow matching loss weighting: none, sigma_sqrt or cosmap (default: none).")
+    train_guidance: float | None = option(
+        None, "Flow matching: the guidance embedding's input while training a transformer with "
+        "guidance_embeds (default: flux 3.5).")
+    snr_gamma: float | None = option(None, "Min-SNR loss weighting gamma (5 is common).")
+    noise_offset: float = option(0.0, "Offset noise strength (0.05-0.1 typical).")
+    input_perturbation: float = option(0.0, "Input perturbation strength (0.1 typical).")
+    caption_dropout: float = option(0.0, "Probability of the stored empty-caption embedding.")
+    batch_size: int = option(32, "Samples per GPU per micro-step.")
+    grad_accum: int = option(1, "Micro-steps per optimizer step (no gradient sync between).")
+    max_steps: int | None = option(None, "Optimizer steps to train.")
+    epochs: float | None = option(None, "Or: passes over the manifest's samples, as steps.")
+    lr: float = option(1e-4, "Learning rate (per sample under --scale-lr linear/sqrt).")
+    scale_lr: Literal["none", "linear", "sqrt"] = option(
+        "none", "none, linear or sqrt: lr x global batch (or its sqrt).")
+    lr_schedule: Literal["constant", "cosine"] = option(
+        "constant", "constant or cosine, after --warmup-steps.")
+    warmup_steps: int = option(0, "Linear warmup steps.")
+    weight_decay: float = option(1e-2, "AdamW weight decay.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm (0: no clipping).")
+    optimizer: Literal["adamw", "adamw8bit"] = option(
+        "adamw", "adamw (fused on GPU) or adamw8bit (bitsandbytes).")
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = option(
+        None, "no, fp16 or bf16 (default: the accelerate config's, else no).")
+    # None: on in eager mode, off with --compile (measured, see MasterWeights)
+    bf16_weights: bool | None = option(
+        None, "With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the "
+        "optimizer, EMA and checkpoints (+11% samples/s eager). --no-bf16-weights: autocast over fp32 "
+        "weights, as diffusers' scripts do. Default: on, off with --compile (autocast measured faster "
+        "compiled).", flags=("--bf16-weights/--no-bf16-weights",))
+    # weights, gradients and optimizer state all in bf16, no fp32 master (full_bf16_policy)
+    full_bf16: bool = option(
+        False, "With bf16 on one GPU or DDP: weights, gradients and AdamW state all in bf16, no fp32 master "
+        "weights (kohya's --full_bf16): 8 bytes per trained parameter instead of 20 (full-parameter Flux-12B "
+        "on one H200) and the fastest step; updates under ~0.2 % of a weight are lost, so keep it for memory "
+        "or large learning rates.")
+    ema: bool = option(False, "Keep an EMA of the weights, exported to unet_ema/.")
+    ema_decay: float = option(0.9999, "EMA decay.")
+    checkpointing: str = option(
+        "none", "Activation checkpointing per block of the family's denoiser (UNet: ResnetBlock2D, "
+        "BasicTransformerBlock; SD3: JointTransformerBlock; Flux: double- and single-stream blocks; PixArt: "
+        "BasicTransformerBlock): blocks (every block), every-N (every N-th block: less recompute, more "
+        "memory), auto (the fewest blocks that let the batch fit, chosen from measured steps before training "
+        "on one GPU or DDP; RUN/checkpointing.json records it) or none. Same losses and gradients, less activation memory, ~1/3 more compute per "
+        "checkpointed block.")
+    gradient_checkpointing: bool = option(False, "Deprecated: the same as --checkpointing blocks.")
+    compile: bool = option(
+        False, "torch.compile (dynamic=False: one graph per latent shape, i.e. per bucket; see "
+        "--compile-dynamic). SD3 / Flux / PixArt / SDXL: each block on its own (regional: compile time "
+        "independent of depth); SD 1.x/2.x: the whole UNet. Combines with --checkpointing.")
+    compile_mode: str = option("default", "torch.compile mode: default, reduce-overhead, max-autotune.")
+    # dynamic=True: one graph with symbolic shapes for every bucket (measured: BENCHMARKS)
+    compile_dynamic: bool = option(
+        False, "With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, "
+        "instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")
+    channels_last: bool = option(False, "channels_last memory format for the UNet.")
+    tf32: bool = option(True, "TF32 matmuls and convolutions in float32.")
+    seed: int = option(0, "Seed: model init (same on every rank), data order and noise.")
+    workers: int = option(2, "DataLoader workers per rank.")
+    shuffle_buffer: int = option(1000, "Samples in each worker's shuffle buffer.")
+    checkpoint_every: int = option(1000, "Checkpoint every N steps.")
+    keep_checkpoints: int = option(3, "Keep the last K checkpoints.")
+    resume: str | None = option(
+        None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
+        "--output: one of its checkpoints/step-N URLs).")
+    overwrite: bool = option(
+        False, "Delete the run already in --output (metrics, checkpoints, unet/...) and start over.")
+    allow_changed_text_encoder: bool = option(
+        False, "Online-text latents: train although a text encoder or tokenizer's files differ from the "
+        "sha256 encode recorded in the manifest (refused by default: the stored token ids would be encoded "
+        "by another model).")
+    max_nonfinite: int = option(
+        3, "Stop with an error after this many consecutive steps with a non-finite loss.")
+    log_every: int = option(10, "Log (and check for SIGTERM) every N steps.")
+    log_with: Literal["tensorboard", "wandb", "none"] = option(
+        "tensorboard", "tensorboard, wandb or none (metrics.jsonl is always written).")
+    validate_every: int = option(0, "Sample images every N steps (0: never).")
+    validation_count: int = option(4, "Fixed prompts: the first N captions of the first shard.")
+    validation_steps: int = option(25, "DDIM steps per validation image.")
+    guidance_scale: float = option(5.0, "Classifier-free guidance scale for validation.")
+    peak_tflops: float = option(989.0, "Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")
+    metrics_port: int | None = option(None, "Serve Prometheus metrics on this port (rank 0).")
+    record_keys: bool = option(False, "Write the sample keys of every step to RUN/seen/rank-N.jsonl.")
     # --- LoRA and the validation loss (laionkit/trainer/lora.py, laionkit/trainer/valloss.py) ---
-    lora_rank: int | None = None
-    lora_alpha: float | None = None
-    lora_dropout: float = 0.0
-    lora_targets: str = "to_q,to_k,to_v,to_out.0"  # trainchecks.DEFAULT_TARGETS
-    lora_random_base: bool = False  # --lora-rank on --unet-config (a random base, never saved): benchmarks only
-    val_latents: Path | None = None
-    val_every: int = 0
-    val_samples: int = 64
-    cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
-    cache_size: int = 100 * 2**30
-    storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
-    fp8: bool = False  # the blocks' linear layers in float8 (laionkit/trainer/fp8.py)
-    fp8_recipe: str = "tensorwise"
-    export: str = "auto"  # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/trainer/pipeline.py)
-    export_files: str = "copy"  # the base's files in RUN/pipeline: copy or hardlink
+    lora_rank: int | None = option(
+        None, "Train LoRA adapters of this rank on a frozen pretrained --unet / --transformer (PEFT); "
+        "checkpoints hold the adapters, RUN/lora/ is what diffusers' pipe.load_lora_weights loads "
+        "(lora_kohya.safetensors beside it for kohya / ComfyUI: SD, SDXL, Flux).")
+    lora_alpha: float | None = option(None, "LoRA alpha (scale alpha/rank; default: the rank).")
+    lora_dropout: float = option(0.0, "Dropout on the LoRA branch while training.")
+    # trainchecks.DEFAULT_TARGETS
+    lora_targets: str = option("to_q,to_k,to_v,to_out.0", "Comma-separated module names that get adapters.")
+    # --lora-rank on --unet-config (a random base, never saved): benchmarks only
+    lora_random_base: bool = option(
+        False, "Allow --lora-rank with --unet-config / --transformer-config: adapters on a random base that "
+        "is never saved, useless outside the run; for throughput measurements.")
+    val_latents: Path | None = option(
+        None, "A latent folder (encode output) for a deterministic validation loss, written to metrics.jsonl "
+        "as val_loss.")
+    val_every: int = option(
+        0, "Validation loss every N steps and at the end (default: --validate-every, else "
+        "--checkpoint-every).")
+    val_samples: int = option(
+        64, "The first N samples of --val-latents (shards by name, tar order), each with fixed noise and "
+        "timestep.")
+    stage: tuple[str, ...] | None = option(
+        None, "DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in "
+        "order: a multi-resolution schedule; resumes across the switch).")
+    # local copies of latent shards read from a URL, at most cache_size bytes
+    cache_dir: Path | None = option(
+        None, "Latents at a URL: keep local copies of their shards here (shared by workers and ranks); made "
+        "and checked writable at the start.")
+    cache_size: int = option(
+        100 * 2**30, "--cache-dir: at most this many bytes, least recently used evicted.")
+    # the blocks' linear layers in float8 (laionkit/trainer/fp8.py)
+    fp8: bool = option(
+        False, "Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability "
+        "8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and "
+        "loss against bf16.")
+    fp8_recipe: str = option(
+        "tensorwise", "--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")
+    # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/trainer/pipeline.py)
+    export: str = option(
+        "auto", "What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole "
+        "diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 "
+        "checkpoint), none, or auto (default: pipeline, except for LoRA runs, which export RUN/lora only); "
+        "e.g. --export pipeline,single-file. --export pipeline on a LoRA run merges the adapters into a copy "
+        "of the base (its whole size again).")
+    export_files: str = option(
+        "copy", "RUN/pipeline's VAE, text encoders and tokenizers: copy (default) or hardlink (no extra "
+        "space where the base lies on the same filesystem; an in-place write into the pipeline then changes "
+        "the base too).")
+    # --storage-options JSON for the latents, --val-latents and --output URLs
+    storage_options: str | None = option(None, STORAGE_HELP)
+    rank: int | None = option(None, RANK_HELP)
+    world_size: int | None = option(None, WORLD_SIZE_HELP)
+    quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"))
 
     def __post_init__(self) -> None:
-        choices = {
-            "timestep_sampling": ("uniform", "logit-normal"), "scale_lr": ("none", "linear", "sqrt"),
-            "lr_schedule": ("constant", "cosine"), "optimizer": ("adamw", "adamw8bit"),
-            "mixed_precision": (None, "no", "fp16", "bf16"), "log_with": ("tensorboard", "wandb", "none"),
-            "prediction_type": (None, "epsilon", "v_prediction"),
-            "sigma_sampling": (None, "logit_normal", "logit-normal", "uniform", "mode"),
-            "weighting": (None, "none", "sigma_sqrt", "cosmap"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise LaionkitError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose from "
-                                    f"{', '.join(a for a in allowed if a)}")
+        check_choices(self)
         if (self.unet is None) == (self.unet_config is None):
             raise LaionkitError("give exactly one of --unet / --transformer (fine-tune) or --unet-config / "
                                 "--transformer-config (from scratch)")

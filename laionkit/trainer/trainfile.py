@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from laionkit.common import LaionkitError
+from laionkit.common.options import command_keys
 
 
 def read(path: Path) -> dict:
@@ -51,20 +52,16 @@ def merge(ctx, options: dict, path: Path | None) -> dict:
     the command line did not give; each value converted as the flag's own would be."""
     if path is None:
         return options
-    params = {p.name: p for p in ctx.command.params if p.name in options}
-    names = {}
-    for param in params.values():
-        for name in (param.name, *(opt.lstrip("-") for opt in param.opts)):
-            names[name] = names[name.replace("-", "_")] = names[name.replace("_", "-")] = param.name
+    keys = command_keys(ctx.command)
     merged = dict(options)
     for key, value in read(path).items():
-        name = names.get(str(key).lstrip("-"))
-        if name is None or name == "config":
+        found = keys.get(str(key).lstrip("-"))
+        if found is None or found.negates or found.param.name not in options:  # --no-x, --config itself
             raise LaionkitError(f"--config {path}: unknown key {key!r} (not a train flag; see laionkit train --help)")
+        param, name = found.param, found.param.name
         source = ctx.get_parameter_source(name)
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
             continue
-        param = params[name]
         if param.multiple and not isinstance(value, list):
             value = [value]
         try:
