@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from laionkit.common import (
@@ -87,6 +87,10 @@ class TrainConfig:
     val_latents: Path | None = None
     val_every: int = 0
     val_samples: int = 64
+    val_strata: int = field(default=8, metadata={"help": (  # laionkit/trainer/valloss.py
+        "Validation noise levels: every --val-samples sample at each of N fixed timesteps / sigmas u = (k + 0.5) / N "
+        "(N forwards per sample), written as val_loss (their mean) and val_loss_strata; 1: the midpoint; 0: one "
+        "fixed random level per sample, no strata. E.g. --val-strata 4.")})
     cache_dir: Path | None = None  # local copies of latent shards read from a URL, at most cache_size bytes
     cache_size: int = 100 * 2**30
     storage_options: str | None = None  # --storage-options JSON for the latents, --val-latents and --output URLs
