@@ -56,7 +56,8 @@ def write_metadata(path: Path, base_url: str, seed: int = 0) -> int:
 
 
 def plot_metrics(metrics: Path, output: Path) -> None:
-    """Loss and samples/s against step, from the run's metrics.jsonl."""
+    """Loss and samples/s against step, from the run's metrics.jsonl (with the validation loss and its
+    strata where the run has them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +71,14 @@ def plot_metrics(metrics: Path, output: Path) -> None:
     validated = [record for record in records if record.get("val_loss") is not None]  # train --val-latents
     if validated:
         loss_axis.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], "o-", label="validation")
-        loss_axis.legend()
+        stratified = [r for r in validated if r.get("val_loss_strata")]  # --val-strata N: one thin line per level
+        strata = min((len(r["val_loss_strata"]) for r in stratified), default=0)
+        strata = strata if strata > 1 else 0  # one stratum is val_loss itself
+        for k in range(strata):
+            loss_axis.plot([r["step"] for r in stratified], [r["val_loss_strata"][k] for r in stratified], "-",
+                           linewidth=0.8, color=plt.cm.viridis(k / max(strata - 1, 1)),
+                           label={0: "validation, least noise", strata - 1: "validation, most noise"}.get(k))
+        loss_axis.legend(fontsize="small")
     loss_axis.set(xlabel="step", ylabel="loss", title="loss")
     speed_axis.plot(steps, [record.get("samples_per_s", float("nan")) for record in records])
     speed_axis.set(xlabel="step", ylabel="samples/s", title="throughput")

@@ -164,7 +164,11 @@ class TrainConfig:
         "--checkpoint-every).")
     val_samples: int = option(
         64, "The first N samples of --val-latents (shards by name, tar order), each with fixed noise and "
-        "timestep.")
+        "timesteps (--val-strata of them: N x strata forwards per validation).")
+    val_strata: int = option(  # laionkit/trainer/valloss.py
+        8, "Validation noise levels: every --val-samples sample at each of N fixed timesteps / sigmas u = "
+        "(k + 0.5) / N (N forwards per sample), written as val_loss (their mean) and val_loss_strata; 1: the "
+        "midpoint; 0: one fixed random level per sample, no strata. E.g. --val-strata 4.")
     stage: tuple[str, ...] | None = option(
         None, "DIR:STEPS: after LATENTS' steps, train STEPS more on the encode folder DIR (repeatable, in "
         "order: a multi-resolution schedule; resumes across the switch).")

@@ -498,14 +498,14 @@ def validation_loss(trainer: Trainer, valset) -> dict:
     through the eager module."""
     t, objective, device, dtype = trainer, trainer.objective, trainer.device, trainer.input_dtype
     t.unet.eval()
-    loss = valloss.evaluate(
+    losses = valloss.evaluate(  # val_loss, and val_loss_strata under --val-strata N
         t.accelerator, lambda noisy, timesteps, cond: t.data.family.predict(t.unet, noisy, timesteps, guidance_input(
             objective, stored_conditioning(cond, t.online, device, dtype), len(noisy), device)),
         valset, t.config.batch_size, dtype, t.noise_scheduler,
         flow_shift=None if t.noise_scheduler else objective.sigma_shift,  # per bucket (h, w): a dynamic shift
         timestep_scale=objective.timestep_scale)
     t.unet.train()
-    return {"val_loss": loss, "val_samples": len(valset.keys)}
+    return {**losses, "val_samples": len(valset.keys)}
 
 
 def finish(trainer: Trainer) -> None:

@@ -105,12 +105,14 @@ def check_lora(config) -> None:
 def check_val_loss(config) -> None:
     """Flag checks run by TrainConfig.__post_init__."""
     if config.val_latents is None:
-        if config.val_every or config.val_samples != 64:
-            raise LaionkitError("--val-every and --val-samples need --val-latents DIR (a latent folder)")
+        if config.val_every or config.val_samples != 64 or config.val_strata != 8:
+            raise LaionkitError("--val-every, --val-samples and --val-strata need --val-latents DIR (a latent folder)")
         return
     if config.val_every < 0 or config.val_samples < 1:
         raise LaionkitError(f"--val-every {config.val_every} / --val-samples {config.val_samples}: "
                             "must be >= 0 and >= 1")
+    if config.val_strata < 0:
+        raise LaionkitError(f"--val-strata {config.val_strata}: must be >= 0 (0: one random level per sample)")
 
 
 def check_fp8(config) -> None:
