@@ -179,3 +179,14 @@ def test_eval_errors_are_one_line(trained_run, scorers, realdata, latent_shards,
     assert str(code) in error(("--inception", code)) and not (tmp_path / "out").exists()
     assert "--clip-pretrained" in error(("--clip-model", "ViT-B-32"))
     assert "outputs never go into inputs" in error(("--output", trained_run / "pipeline"))
+
+
+def test_reference_from_pack_tars_reads_every_photo(image_shards, realdata):
+    """pack's webdataset tars give the same photos as the folder (one of them re-encoded as WebP there)."""
+    from laionkit.evaluate.prompts import reference_images
+
+    tars, skipped = reference_images(image_shards, 32)
+    folder, _ = reference_images(realdata / "images", 32)
+    assert skipped == 0 and tars.shape == folder.shape == (8, 32, 32, 3)
+    distance = np.abs(tars.astype(float)[:, None] - folder.astype(float)[None]).mean(axis=(2, 3, 4))
+    assert (distance.min(axis=1) < 3).all()  # each tar image has its photo in the folder
