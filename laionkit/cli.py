@@ -450,7 +450,7 @@ def eval_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for eval.json and eval-grid.png; a run folder (with metrics.jsonl) also gets a metrics record and eval.png.")],
     prompts: Annotated[Optional[Path], typer.Option(help="A text file of prompts, one per line.")] = None,
     val_latents: Annotated[Optional[Path], typer.Option(help="Or: an encode output folder whose captions are the prompts (shards by name, tar order).")] = None,
-    count: Annotated[int, typer.Option(help="Images to generate: the first N prompts, cycled if fewer (papers: 10k-30k for FID; KID is less biased at small N).")] = 1000,
+    count: Annotated[int, typer.Option(help="Images to generate: the first N prompts, cycled if fewer (FID is biased upward at small N; KID is unbiased, so compare runs at one N).")] = 1000,
     seed: Annotated[int, typer.Option(help="Image i is generated from seed + i.")] = 0,
     steps: Annotated[int, typer.Option(help="Sampling steps per image.")] = 25,
     guidance_scale: Annotated[Optional[float], typer.Option(help="Classifier-free guidance scale (default: the pipeline's).")] = None,
