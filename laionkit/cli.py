@@ -124,6 +124,25 @@ def models_tiny(
     typer.echo(f"wrote tiny {spec.name} models to {output}")
 
 
+@models_app.command("tiny-eval", epilog="""Examples:
+
+    laionkit models tiny-eval --output models/eval   # inception.pth, tiny-clip.json, tiny-clip.safetensors
+""")
+def models_tiny_eval(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the two models into.")],
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+) -> None:
+    """Random-init scorers for `laionkit eval` offline: the FID Inception-v3 in the real weights file's layout
+    (inception.pth, the same keys and shapes) and a tiny open_clip model in open_clip's config + weights
+    layout. Their scores mean nothing; the code path is the one real weights take."""
+    from laionkit.evaluate.clipscore import write_tiny_clip
+    from laionkit.evaluate.inception import write_random_inception
+
+    write_random_inception(output / "inception.pth", seed)
+    write_tiny_clip(output, seed)
+    typer.echo(f"wrote inception.pth, tiny-clip.json and tiny-clip.safetensors to {output}")
+
+
 configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
                           no_args_is_help=True)
 app.add_typer(configs_app, name="configs")
@@ -402,6 +421,55 @@ def export_command(
 
     for path in export_run(run, format, export_files):
         typer.echo(str(path))
+
+
+@app.command("eval", epilog="""Examples:
+
+    laionkit eval runs/sd15/pipeline --reference data/shards --val-latents data/val-latents --count 1000
+    --output runs/sd15    # appends fid, kid, clip_score to runs/sd15/metrics.jsonl, plots runs/sd15/eval.png
+
+    laionkit eval runs/a/pipeline --reference coco-val/ --prompts coco-captions.txt --count 5000
+    --output evals/a --inception weights-inception-2015-12-05-6726825d.pth --clip-pretrained laion2b_s32b_b82k
+
+    laionkit models tiny-eval --output models/eval && laionkit eval runs/tiny/pipeline --reference photos/
+    --prompts prompts.txt --count 16 --output evals/tiny --inception models/eval/inception.pth
+    --clip-model models/eval/tiny-clip.json --clip-pretrained models/eval/tiny-clip.safetensors
+
+Writes OUTPUT/eval.json and OUTPUT/eval-grid.png. Image i uses seed + i, so two pipelines evaluated with the same
+prompts, seed and reference are compared on the same noise (compare runs of different settings or data filters).
+""")
+def eval_command(
+    pipeline: Annotated[Path, typer.Argument(help="An exported diffusers pipeline folder (RUN/pipeline; any family).")],
+    reference: Annotated[Path, typer.Option(help="Reference images: a folder of image files, or pack's webdataset tars (a folder of *.tar or one tar).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for eval.json and eval-grid.png; a run folder (with metrics.jsonl) also gets a metrics record and eval.png.")],
+    prompts: Annotated[Optional[Path], typer.Option(help="A text file of prompts, one per line.")] = None,
+    val_latents: Annotated[Optional[Path], typer.Option(help="Or: an encode output folder whose captions are the prompts (shards by name, tar order).")] = None,
+    count: Annotated[int, typer.Option(help="Images to generate: the first N prompts, cycled if fewer (FID is biased upward at small N; KID is unbiased, so compare runs at one N).")] = 1000,
+    seed: Annotated[int, typer.Option(help="Image i is generated from seed + i.")] = 0,
+    steps: Annotated[int, typer.Option(help="Sampling steps per image.")] = 25,
+    guidance_scale: Annotated[Optional[float], typer.Option(help="Classifier-free guidance scale (default: the pipeline's).")] = None,
+    resolution: Annotated[Optional[int], typer.Option(help="Square side of the generated images (default: the pipeline's); references are centre-cropped and resized to it.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Images per generation / feature batch.")] = 8,
+    reference_count: Annotated[int, typer.Option(help="Use at most this many reference images (0: all).")] = 0,
+    inception: Annotated[Optional[str], typer.Option(help="FID Inception-v3 weights (torch-fidelity's / pytorch-fid's state dict): a .pth or .safetensors file, a URL, or a hub id owner/name[/FILE] (default: torch-fidelity's release URL, cached by torch.hub).")] = None,
+    clip_model: Annotated[str, typer.Option(help="open_clip model: a name (ViT-L-14), hf-hub:ORG/REPO, or a model config .json file.")] = "ViT-L-14",
+    clip_pretrained: Annotated[Optional[str], typer.Option(help="open_clip weights: a tag (openai, laion2b_s32b_b82k) or a .safetensors / state-dict file.")] = "openai",
+    kid_subsets: Annotated[int, typer.Option(help="KID: random subsets averaged (torchmetrics: 100).")] = 100,
+    kid_subset_size: Annotated[int, typer.Option(help="KID: images per subset (torchmetrics: 1000; cut to the smaller set).")] = 1000,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda if available, else cpu).")] = None,
+    dtype: Annotated[str, typer.Option(help="Pipeline dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    quiet: QuietOption = False,
+) -> None:
+    """Score an exported pipeline: FID and KID against reference images, CLIP score against the prompts."""
+    from laionkit import evaluate
+
+    config = evaluate.EvalConfig(
+        pipeline=pipeline, reference=reference, output=output, prompts=prompts, val_latents=val_latents,
+        count=count, seed=seed, steps=steps, guidance_scale=guidance_scale, resolution=resolution,
+        batch_size=batch_size, reference_count=reference_count, inception=inception or "", clip_model=clip_model,
+        clip_pretrained=clip_pretrained, kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device,
+        dtype=dtype, quiet=quiet)
+    evaluate.run(config, log=typer.echo)
 
 
 @app.command("train", epilog="""Examples:
