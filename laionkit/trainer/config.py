@@ -1,7 +1,7 @@
 """`laionkit train`'s options: TrainConfig (one frozen dataclass, checked once in __post_init__) and TrainResult.
 
 Each field is the single definition of its flag: help, flags and choices (``Literal``) live here, and the
-command (laionkit/cli.py), `train --config` files and recipes are built from them (laionkit/common/options.py);
+command (laionkit/cli/training.py), `train --config` files and recipes are built from them (laionkit/common/options.py);
 a new train flag is a new field here, nothing more. Fields are in the order `laionkit train --help` lists them.
 """
 

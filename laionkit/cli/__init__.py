@@ -1,0 +1,47 @@
+"""The `laionkit` command: thin typer wrappers that build each stage's config and call its run().
+
+``app`` (laionkit/cli/app.py) holds the shared options; the commands register on it from ``stages`` (filter,
+pack, encode, stats), ``training`` (train, plan, export, eval) and ``tools`` (doctor, models, configs, run,
+demo), imported here in the order `laionkit --help` lists them; ``main`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from rich.text import Text
+
+from laionkit.cli import stages, tools, training  # noqa: F401 - registers the commands on app
+from laionkit.cli.app import app, err_console
+from laionkit.cli.errors import device_failed, memory_advice, out_of_memory
+from laionkit.common import LaionkitError
+
+__all__ = ["app", "device_failed", "main", "memory_advice", "out_of_memory"]
+
+
+def main() -> None:
+    """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback; so
+    does an out-of-memory (exit code 1), with the settings that lower memory. A failed device prints its
+    traceback and exits 1 at once, skipping the teardown that can hang on a failed CUDA context (a launcher
+    or a Slurm step then sees the failure instead of a silent hang)."""
+    try:
+        app()
+    except LaionkitError as error:
+        err_console.print(Text.assemble(("error:", "bold red"), f" {error}"), soft_wrap=True)
+        sys.exit(2)
+    except Exception as error:
+        if out_of_memory(error):  # a batch too large for the device: a setting to change, not a bug to trace
+            err_console.print(Text.assemble(("error:", "bold red"), f" {memory_advice(error)}"), soft_wrap=True)
+            sys.exit(1)
+        if not device_failed(error):
+            raise
+        traceback.print_exc()
+        err_console.print(Text.assemble(("error:", "bold red"), " the accelerator failed (above); exiting "
+                                        "without interpreter teardown, which can hang on a failed device"),
+                          soft_wrap=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+

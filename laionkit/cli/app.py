@@ -1,0 +1,47 @@
+"""The `laionkit` typer app and the options that several commands share; the commands register on it
+(laionkit/cli/stages.py, training.py, tools.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from laionkit import __version__
+from laionkit.common.options import QUIET_HELP, RANK_HELP, STORAGE_HELP, WORLD_SIZE_HELP
+
+app = typer.Typer(
+    name="laionkit",
+    help="From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> encode -> train.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    pretty_exceptions_enable=False,
+)
+# User text (paths, model names, SQL, error messages) is printed as data: with markup on, `owner/name[/sub]`
+# raises MarkupError, `[red]` in a path vanishes and `:x:` turns into an emoji. Styled parts use rich.text.Text.
+err_console = Console(stderr=True, markup=False, emoji=False, highlight=False)
+
+# Options every rank-sharded command shares; resolved by laionkit.common.ranks.resolve_rank.
+RankOption = Annotated[Optional[int], typer.Option("--rank", help=RANK_HELP)]
+WorldSizeOption = Annotated[Optional[int], typer.Option("--world-size", help=WORLD_SIZE_HELP)]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+# Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
+# AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
+StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP)]
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"laionkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    """From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> encode -> train."""

@@ -1,0 +1,35 @@
+"""How the command ends on an error: a user mistake or an out-of-memory as one line, a failed device at once."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+DEVICE_FAILURES = ("CUDA error", "CUBLAS_STATUS_", "CUDNN_STATUS_", "illegal memory access", "NCCL error")
+
+
+def device_failed(error: BaseException) -> bool:
+    """Whether ``error`` says the accelerator itself failed (not a user mistake, not an out-of-memory)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, getattr(torch, "AcceleratorError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(mark in str(error) for mark in DEVICE_FAILURES)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the accelerator running out of memory (torch.OutOfMemoryError; the CUDA context
+    stays usable, so the normal exit runs)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, getattr(torch, "OutOfMemoryError", ()))
+
+
+def memory_advice(error: BaseException) -> str:
+    """One line for an out-of-memory: where in laionkit it happened, what the allocator said first, and the
+    settings that lower memory."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "laionkit" in Path(frame.filename).parts]
+    where = f" in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    said = ". ".join(str(error).split(". ")[:2]).strip() or type(error).__name__
+    return (f"out of device memory{where}: {said.rstrip('.')}. Lower --batch-size (--grad-accum keeps the global "
+            "batch), or add --checkpointing auto, --full-bf16 or --lora-rank, or shard with FSDP (train/fsdp.yaml); "
+            "`laionkit plan` measures which settings fit")

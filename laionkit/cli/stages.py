@@ -1,0 +1,240 @@
+"""The data stages: `laionkit filter`, `pack`, `encode` and `stats`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from laionkit.cli.app import QuietOption, RankOption, StorageOption, WorldSizeOption, app, err_console
+from laionkit.common import available_cpus
+
+
+@app.command("filter", epilog="""Examples:
+
+    laionkit filter laionkit/data/laion-sample.parquet --preset laion-safe --output out/filtered
+
+    laionkit filter laion2B-en-aesthetic/ --preset sd1 --where "WIDTH / HEIGHT <= 2" --output out/sd1
+
+    laionkit filter metadata/ --embeddings img_emb/ --score aes=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --where "aes >= 6" --output out/aes6
+
+    laionkit filter metadata/ --embeddings img_emb/ --score anime="prompt:an anime drawing|a manga page" --where "anime > 0.3" --output out/anime
+
+    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --preset sd2 --output out/sd2   # 8 ranks, no coordinator
+
+    torchrun --nproc-per-node 8 -m laionkit.cli filter laion/ --dedup URL --output out/unique   # exact, ranks meet via files
+
+    laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit filter datacomp/metadata/ --preset datacomp-basic --top 0.3:clip_l14_similarity_score --output out/dc
+""")
+def filter_command(
+    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders (searched for *.parquet).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder.")],
+    where: Annotated[Optional[list[str]], typer.Option(
+        "--where", help="One DuckDB SQL true/false expression over the input's columns, e.g. 'punsafe < 0.5' or "
+        "'length(caption) >= 5' (no subqueries or file access); repeatable, AND-ed.")] = None,
+    preset: Annotated[Optional[list[str]], typer.Option(
+        "--preset", help="Rule set: laion-safe, sd1, sd2 (LAION; sd1/sd2 also on COYO-700M's columns), coyo-safe, "
+        "datacomp-basic, datacomp-clip-l14-30, datacomp-clip-b32-30; combines with --where.")] = None,
+    top: Annotated[Optional[list[str]], typer.Option(
+        "--top", help="FRACTION:COLUMN: keep the rows whose COLUMN is in the top FRACTION of all inputs' rows with a "
+        "value, exactly over all ranks (ties: earlier input row first), e.g. 0.3:clip_l14_similarity_score; "
+        "repeatable, AND-ed with the other rules.")] = None,
+    rename: Annotated[Optional[list[str]], typer.Option(
+        "--rename", help="OLD=NEW: rename an input column (in rules and in the output).")] = None,
+    dedup: Annotated[Optional[str], typer.Option(
+        help="Drop rows whose COLUMN value was already kept (global first occurrence, exact with any number of ranks).")] = None,
+    dedup_wait: Annotated[float, typer.Option(
+        help="--dedup: seconds a rank waits for the other ranks' partition / resolve outputs before it stops.")] = 3600.0,
+    dedup_bucket_rows: Annotated[int, typer.Option(
+        help="--dedup: input rows per hash bucket; one bucket is what a rank holds in memory to resolve it.")] = 4_000_000,
+    embeddings: Annotated[Optional[list[str]], typer.Option(
+        "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder, a path or URL.")] = None,
+    score: Annotated[Optional[list[str]], typer.Option(
+        "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
+    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
+    clip_pretrained: Annotated[str, typer.Option(
+        help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
+    unit_rows: Annotated[int, typer.Option(
+        help="Merge row groups into work units of at least this many rows.")] = 1_000_000,
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads for this rank (default: the CPUs it may use); units run in parallel, one thread each.")] = None,
+    skip_bad: Annotated[bool, typer.Option(
+        "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming; also write into a folder that holds another stage's outputs.")] = False,
+    storage_options: StorageOption = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Keep the LAION rows that pass SQL rules, presets and custom CLIP scores; parquet parts + per-rule stats."""
+    from laionkit import filter as filter_stage
+
+    config = filter_stage.FilterConfig(
+        inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()), top=tuple(top or ()),
+        rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
+        clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
+        world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
+        skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
+    )
+    stats = filter_stage.run(config)
+    if not quiet:
+        err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
+
+
+@app.command(epilog="""Examples:
+
+    laionkit pack filtered/ --output shards/
+
+    laionkit pack laion2B-en-part-00000.parquet --output shards/ --image-size 256 --resize-mode keep_ratio
+
+    srun --ntasks 4 laionkit pack filtered/ --output shards/   # 4 ranks (SLURM_PROCID / SLURM_NTASKS)
+
+    laionkit pack local-urls.parquet --output shards/ --allow-private-hosts   # URLs on 127.0.0.1 / 10.x
+
+    laionkit pack s3://bucket/filtered/ --output s3://bucket/shards/   # AWS_* credentials / AWS_ENDPOINT_URL
+
+Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
+""")
+def pack(
+    inputs: Annotated[list[str], typer.Argument(help="Parquet files or folders of them (filter's output); paths or URLs.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Folder for the WebDataset tar shards (a path or URL).")],
+    image_size: Annotated[int, typer.Option(help="Output image side in pixels.")] = 512,
+    resize_mode: Annotated[str, typer.Option(help="center_crop, keep_ratio, border or no.")] = "center_crop",
+    min_image_size: Annotated[int, typer.Option(help="Drop images whose shorter side is smaller.")] = 0,
+    max_aspect_ratio: Annotated[
+        Optional[float], typer.Option(help="Drop images with a longer/shorter side ratio above this.")
+    ] = None,
+    max_image_area: Annotated[
+        int, typer.Option(help="Refuse images with more pixels, from their header (decompression bombs); 0: off.")
+    ] = 89_478_485,
+    encode_format: Annotated[str, typer.Option(help="jpg or webp.")] = "jpg",
+    encode_quality: Annotated[int, typer.Option(help="Encoder quality, 0-100.")] = 95,
+    processes: Annotated[Optional[int], typer.Option(help="Download processes (default: CPU count).")] = None,
+    threads: Annotated[int, typer.Option(help="Download threads per process.")] = 64,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds one download may take in all (connect, redirects, body).")
+    ] = 10.0,
+    max_bytes: Annotated[int, typer.Option(help="Refuse a response body larger than this many bytes.")] = 64 * 2**20,
+    allow_private_hosts: Annotated[bool, typer.Option(
+        "--allow-private-hosts",
+        help="Also fetch URLs that resolve to loopback, private or link-local addresses (off: refused).")] = False,
+    retries: Annotated[int, typer.Option(help="Extra attempts per failed download.")] = 0,
+    shard_size: Annotated[int, typer.Option(help="Input rows per tar shard.")] = 10_000,
+    url_column: Annotated[Optional[str], typer.Option(help="URL column (default: URL or url).")] = None,
+    caption_column: Annotated[
+        Optional[str], typer.Option(help="Caption column (default: TEXT, caption or text).")
+    ] = None,
+    respect_optout: Annotated[
+        bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
+    ] = True,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
+        "files of the same name are replaced.")] = False,
+    storage_options: StorageOption = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Download the URLs of parquet rows with img2dataset into WebDataset shards (`key.jpg/.txt/.json`),
+    keeping every input column in each sample's json; writes DIR/manifest.json."""
+
+    from laionkit.pack import PackConfig, run
+
+    config = PackConfig(
+        inputs=tuple(inputs), output=output, image_size=image_size, resize_mode=resize_mode,
+        min_image_size=min_image_size, max_aspect_ratio=max_aspect_ratio, max_image_area=max_image_area,
+        encode_format=encode_format, encode_quality=encode_quality, processes=processes or available_cpus(),
+        threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
+        retries=retries, shard_size=shard_size, url_column=url_column,
+        caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite,
+    )
+    manifest = run(config)
+    if not quiet:
+        typer.echo(
+            f"{output}: {len(manifest['shards'])}/{manifest['planned_shards']} shards, "
+            f"{manifest['samples']:,} samples of {manifest['rows']:,} rows ({manifest['success_rate']:.1%})"
+        )
+
+
+@app.command(epilog="""Examples:
+
+    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
+
+    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
+
+    laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
+
+    laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
+
+    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
+
+    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
+
+    laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
+""")
+def encode(
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux or pixart), recorded in the manifest.")] = "sd15",
+    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
+    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
+    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
+    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
+    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
+    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
+    caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
+    storage_options: StorageOption = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
+    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
+    from laionkit import encode as encode_stage
+
+    config = encode_stage.EncodeConfig(
+        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
+        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
+        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
+        caption_key=caption_key, overwrite=overwrite,
+    )
+    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
+    if not quiet:
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} with an empty caption) "
+                          f"from {summary['shards']} shards into {output}", highlight=False)
+
+
+# A failed CUDA context ("sticky" errors: every later CUDA call fails too). Seen on an H200: after a cuBLAS
+# failure the traceback was printed, then the process never exited (interpreter teardown frees CUDA memory
+# and joins loader threads) until its launcher killed it minutes later.
+
+
+@app.command("stats", epilog="""Examples:
+
+    laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
+    laionkit stats out/shards          # pack or plain img2dataset output; plain WebDataset tars too (read-only)
+    laionkit stats s3://bucket/shards  # any fsspec URL; credentials from AWS_* / --storage-options
+""")
+def stats_command(
+    folder: Annotated[str, typer.Argument(help="An output folder of a laionkit stage (a path or URL).")],
+    storage_options: StorageOption = None,
+) -> None:
+    """Print a readable summary of a stage's output folder, merged across ranks."""
+    from laionkit import stats as stats_stage
+
+    stats_stage.run(stats_stage.StatsConfig(folder=folder, storage_options=storage_options))

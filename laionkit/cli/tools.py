@@ -1,0 +1,196 @@
+"""`laionkit doctor`, `models`, `configs`, `run` (recipes) and `demo`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from laionkit.cli.app import app
+from laionkit.cli.stages import stats_command
+from laionkit.common import LaionkitError
+
+
+@app.command(epilog="""Examples:
+
+    laionkit doctor
+
+    laionkit doctor --allreduce                 # NCCL bus bandwidth across all visible GPUs
+
+    laionkit doctor --shards data/latents --json
+""")
+def doctor(
+    allreduce: Annotated[bool, typer.Option(help="Time an all-reduce across GPUs (NCCL bus bandwidth).")] = False,
+    processes: Annotated[Optional[int], typer.Option(help="Processes for --allreduce (default: GPUs).")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="nccl or gloo (default: nccl when GPUs).")] = None,
+    megabytes: Annotated[int, typer.Option(help="All-reduce message size in MB.")] = 256,
+    shards: Annotated[Optional[Path], typer.Option(help="Time reading the tar shards in this folder.")] = None,
+    min_busbw: Annotated[float, typer.Option(help="GB/s under which the link verdict is 'slow'.")] = 40.0,
+    min_read: Annotated[float, typer.Option(help="MB/s under which the shard-read verdict is 'slow'.")] = 200.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Versions, GPUs, and optional NCCL all-reduce and shard-read checks, each with a plain verdict."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from laionkit import doctor as doctor_stage
+
+    rows = doctor_stage.run(allreduce, processes, backend, megabytes, shards, min_busbw, min_read)
+    if as_json:
+        typer.echo(json.dumps([asdict(row) for row in rows], indent=2))
+        return
+    table = Table("check", "value", "verdict", title="laionkit doctor")
+    for row in rows:
+        style = "green" if row.verdict.startswith("ok") else "yellow"
+        table.add_row(Text(row.name), Text(row.value), Text(row.verdict, style=style))
+    Console().print(table)
+
+
+models_app = typer.Typer(help="Model folders: tiny random-init models for offline tests and demos.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("tiny", epilog="""Examples:
+
+    laionkit models tiny --output models/tiny
+
+    laionkit encode shards/ --model models/tiny --output latents/ --resolution 64
+
+    laionkit models tiny --family sdxl --output models/tiny-sdxl
+""")
+def models_tiny(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+    family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3, flux or pixart (PixArt-Σ).")] = "sd",
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace --output if it is not empty (refused otherwise: it is replaced whole).")] = False,
+) -> None:
+    """Write a tiny random-init pipeline of a model family (SD: vae/, unet/, text_encoder/, tokenizer/,
+    scheduler/; SDXL adds text_encoder_2/ and tokenizer_2/) in the real diffusers / transformers formats,
+    with the real CLIP BPE vocabulary, so everything runs offline."""
+    from laionkit.common import atomic_output, storage
+    from laionkit.families import get_family
+
+    spec = get_family(family)
+    if not overwrite:
+        storage.refuse_nonempty(output, "models tiny")
+    with atomic_output(output) as tmp:
+        spec.write_tiny(tmp, seed)
+    typer.echo(f"wrote tiny {spec.name} models to {output}")
+
+
+@models_app.command("tiny-eval", epilog="""Examples:
+
+    laionkit models tiny-eval --output models/eval   # inception.pth, tiny-clip.json, tiny-clip.safetensors
+""")
+def models_tiny_eval(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the two models into.")],
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+) -> None:
+    """Random-init scorers for `laionkit eval` offline: the FID Inception-v3 in the real weights file's layout
+    (inception.pth, the same keys and shapes) and a tiny open_clip model in open_clip's config + weights
+    layout. Their scores mean nothing; the code path is the one real weights take."""
+    from laionkit.evaluate.clipscore import write_tiny_clip
+    from laionkit.evaluate.inception import write_random_inception
+
+    write_random_inception(output / "inception.pth", seed)
+    write_tiny_clip(output, seed)
+    typer.echo(f"wrote inception.pth, tiny-clip.json and tiny-clip.safetensors to {output}")
+
+
+configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
+                          no_args_is_help=True)
+app.add_typer(configs_app, name="configs")
+
+
+@configs_app.command("copy", epilog="""Examples:
+
+    laionkit configs copy my-configs      # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
+
+    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ --output runs/a
+""")
+def configs_copy(
+    output: Annotated[Path, typer.Argument(help="Folder to copy train/ and pipelines/ into.")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace files that already exist there.")] = False,
+) -> None:
+    """Copy the accelerate / DeepSpeed configs (train/) and the Slurm, Kubernetes, torchrun and Docker files
+    (pipelines/) out of the installed package, to edit for a cluster."""
+    from laionkit import configs
+
+    names = configs.copy(output, overwrite)
+    typer.echo(f"copied {len(names)} files to {output} (train/, pipelines/)")
+
+
+@app.command("run", epilog="""Examples:
+
+    laionkit run pipelines/demo.yaml
+
+    laionkit run pipelines/sd15-finetune-512.yaml --var workdir=/data/sd15 --dry-run
+""")
+def run_recipe(
+    recipe: Annotated[Path, typer.Argument(help="A recipe YAML (see pipelines/).")],
+    var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Validate and print the commands; run nothing.")] = False,
+) -> None:
+    """Run filter -> pack -> encode -> train from one recipe, skipping stages already complete."""
+    variables = {}
+    for item in var or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise LaionkitError(f"--var {item!r}: expected KEY=VALUE")
+        variables[key] = value
+    _run_recipe_file(recipe, variables, dry_run)
+
+
+def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = False) -> None:
+    """Validate then run a recipe, each stage through this CLI in-process (or `accelerate launch`)."""
+    import shlex
+
+    from laionkit import recipe as recipes
+
+    cli_group = typer.main.get_command(app)
+    workdir, steps = recipes.load(recipe, cli_group.commands, variables)
+
+    def invoke(argv: list[str]) -> None:
+        try:
+            code = cli_group.main(argv, prog_name="laionkit", standalone_mode=False)
+        except typer.TyperException as error:  # a usage error: typer vendors click, so not click's class
+            raise LaionkitError(error.format_message()) from None
+        if isinstance(code, int) and code != 0:
+            raise LaionkitError(f"exited with {code}")
+
+    if dry_run:
+        for step in steps:
+            typer.echo(shlex.join(recipes.command_line(step)))
+        return
+    recipes.execute(steps, workdir, invoke, typer.echo)
+
+
+@app.command(epilog="""Examples:
+
+    laionkit demo
+
+    laionkit demo --workdir /tmp/laionkit-demo
+
+Offline and on 2 CPU cores in a few minutes: real photos from a loopback web server, tiny models.
+""")
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where every stage's output goes.")] = Path("laionkit-demo"),
+) -> None:
+    """The whole chain on embedded real photos: filter -> pack -> encode -> train, then a validation grid
+    and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`."""
+    from laionkit import demo as demo_stage
+
+    result = demo_stage.run(workdir, _run_recipe_file, typer.echo)
+    for stage in ("filtered", "shards", "latents"):
+        typer.echo(f"\n== laionkit stats {workdir / stage}")
+        stats_command(workdir / stage)
+    typer.echo(f"\ntrained UNet (diffusers folder): {result['unet']}")
+    typer.echo(f"loss / throughput plot:        {result['plot']}")
+    typer.echo(f"validation grid:               {result['grid']}")
