@@ -168,7 +168,8 @@ def fastest(found: list[Candidate]) -> Candidate | None:
 
 
 def run(config: PlanConfig) -> list[Candidate]:
-    """Measure every candidate (skipping those an out-of-memory one rules out); write OUTPUT/plan.json."""
+    """Measure every candidate (skipping those an out-of-memory one rules out); OUTPUT/plan.json is
+    rewritten after each, so a plan cut short keeps what it measured."""
     if config.steps < 1:
         raise LaionkitError(f"--steps {config.steps}: measure at least one step")
     found = candidates(config)
@@ -176,22 +177,27 @@ def run(config: PlanConfig) -> list[Candidate]:
     for candidate in found:
         failed = [c for c in found if c.status == "out of memory"]
         blocker = next((c for c in failed if needs_more_memory(candidate, c)), None)
-        if blocker is not None:
-            candidate.status, candidate.detail = "skipped", f"{blocker.name} ran out of memory"
-            continue
         plain = next((c for c in found if c.status == "fits" and c.checkpointing == "none"
                       and (c.batch_size, c.compile) == (candidate.batch_size, candidate.compile)), None)
-        if candidate.checkpointing == "auto" and plain is not None:  # auto takes none where none fits
+        if blocker is not None:
+            candidate.status, candidate.detail = "skipped", f"{blocker.name} ran out of memory"
+        elif candidate.checkpointing == "auto" and plain is not None:  # auto takes none where none fits
             candidate.status, candidate.detail = "skipped", f"{plain.name} fits: auto is none there"
-            continue
-        if not config.quiet:
-            print(f"plan: {candidate.name} ...", flush=True)
-        measure(config, candidate)
-        if not config.quiet:
-            print(f"plan: {candidate.name}: {describe(candidate)}", flush=True)
+        else:
+            if not config.quiet:
+                print(f"plan: {candidate.name} ...", flush=True)
+            measure(config, candidate)
+            if not config.quiet:
+                print(f"plan: {candidate.name}: {describe(candidate)}", flush=True)
+        write_plan(config, found)
         if candidate.status == "failed":
             raise LaionkitError(f"plan: {candidate.name} failed: {candidate.detail} "
                                 f"(log: {config.output / 'logs' / (candidate.name + '.log')})")
+    return found
+
+
+def write_plan(config: PlanConfig, found: list[Candidate]) -> None:
+    """OUTPUT/plan.json: every candidate so far, the fastest that fits and its command line."""
     best = fastest(found)
     command = None
     if best is not None:
@@ -200,7 +206,6 @@ def run(config: PlanConfig) -> list[Candidate]:
     write_json(str(config.output / "plan.json"), {
         "latents": config.latents, "train_args": list(config.train_args), "steps": config.steps,
         "candidates": [asdict(c) for c in found], "fastest": best and best.name, "command": command})
-    return found
 
 
 def describe(candidate: Candidate) -> str:
