@@ -68,7 +68,7 @@ def test_killed_before_done_record_leaves_nothing_complete_and_rerun_overwrites(
     result = run_killed(s3, f"""
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        storage.mark_done = die   # the data object is uploaded, then the process is killed
+        storage.writes.mark_done = die   # atomic_write uploads the data object, then the process is killed
         with atomic_write({url!r}) as tmp:
             tmp.write_bytes(b"half" * 1000)
     """)
