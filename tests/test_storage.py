@@ -222,7 +222,7 @@ def test_missing_credentials_is_a_one_line_error(s3, monkeypatch, tmp_path):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    storage._FILESYSTEMS.clear()
+    storage.options._FILESYSTEMS.clear()
     with pytest.raises(LaionkitError, match="s3:// needs credentials: set AWS_ACCESS_KEY_ID") as caught:
         Location.parse(s3.url("x.json")).read_bytes()
     assert "\n" not in str(caught.value)

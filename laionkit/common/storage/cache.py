@@ -1,4 +1,4 @@
-"""A bounded local cache of remote objects, shared by DataLoader workers and ranks."""
+"""A bounded local cache of remote objects (train --cache-dir), shared by DataLoader workers and ranks."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from typing import BinaryIO
 
 from laionkit.common.errors import LaionkitError
 from laionkit.common.outputs import atomic_output
-from laionkit.common.storage.errors import _errors, _one_line
+from laionkit.common.storage.errors import one_line, one_line_errors
 from laionkit.common.storage.location import Location
 from laionkit.common.storage.readers import DEFAULT_BLOCK
 
 
-# ---- a bounded local cache for streamed reads -----------------------------------------------------------
 class ReadCache:
     """Remote objects copied to a local folder of at most ``max_bytes``, least recently used evicted.
 
@@ -37,11 +36,11 @@ class ReadCache:
                 pass
         except OSError as error:
             raise LaionkitError(f"--cache-dir {folder}: cannot create or write a file in it "
-                                f"({type(error).__name__}: {_one_line(error)}); give a writable local folder") from None
+                                f"({type(error).__name__}: {one_line(error)}); give a writable local folder") from None
         self.hits = self.misses = 0
 
     def _entry(self, location: Location) -> tuple[Path, int]:
-        with _errors("cannot read", location):
+        with one_line_errors("cannot read", location):
             info = location.fs.info(location.path)
         size = int(info.get("size") or 0)
         tag = str(info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or "")
@@ -69,7 +68,7 @@ class ReadCache:
         if size > self.max_bytes:
             return location.open_read()
         self._evict(self.max_bytes - size)
-        with atomic_output(entry, shared=True) as tmp, _errors("cannot read", location):
+        with atomic_output(entry, shared=True) as tmp, one_line_errors("cannot read", location):
             location.fs.get_file(location.path, str(tmp))
         handle = open(entry, "rb")  # noqa: SIM115
         self._evict(self.max_bytes)  # concurrent fills may have pushed the total over

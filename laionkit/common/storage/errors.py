@@ -8,23 +8,24 @@ from contextlib import contextmanager
 from laionkit.common.errors import LaionkitError
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """An exception's message folded onto one line and cut at 400 characters, for one-line errors."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text[:400]
 
 
 @contextmanager
-def _errors(what: str, location: object) -> Iterator[None]:
+def one_line_errors(what: str, location: object) -> Iterator[None]:
     """Storage failures as one-line LaionkitErrors naming the URL (missing bucket, credentials, object)."""
     try:
         yield
     except LaionkitError:
         raise
     except FileNotFoundError as error:
-        raise LaionkitError(f"{what} {location}: not found ({_one_line(error)})") from None
+        raise LaionkitError(f"{what} {location}: not found ({one_line(error)})") from None
     except PermissionError as error:
         raise LaionkitError(f"{what} {location}: permission denied; check credentials "
-                            f"(AWS_* variables, ~/.aws, --storage-options) ({_one_line(error)})") from None
+                            f"(AWS_* variables, ~/.aws, --storage-options) ({one_line(error)})") from None
     except Exception as error:  # botocore/aiohttp/gcsfs each have their own exception trees
         name = type(error).__name__
         if "Credential" in name or "credential" in str(error).lower():
@@ -32,5 +33,5 @@ def _errors(what: str, location: object) -> Iterator[None]:
                                 f"AWS_SECRET_ACCESS_KEY, a profile, or --storage-options ({name})") from None
         if isinstance(error, OSError | ValueError) or "botocore" in type(error).__module__ \
                 or "aiohttp" in type(error).__module__:
-            raise LaionkitError(f"{what} {location}: {name}: {_one_line(error)}") from None
+            raise LaionkitError(f"{what} {location}: {name}: {one_line(error)}") from None
         raise

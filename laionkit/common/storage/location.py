@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from laionkit.common.errors import LaionkitError
-from laionkit.common.storage import options as _options
-from laionkit.common.storage.errors import _errors, _one_line
-from laionkit.common.storage.options import _filesystem, _options_for
-from laionkit.common.storage.readers import DEFAULT_BLOCK, PrefetchReader, _Guarded
+from laionkit.common.storage.errors import one_line, one_line_errors
+from laionkit.common.storage.options import filesystem, options_for
+from laionkit.common.storage.readers import DEFAULT_BLOCK, GuardedReader, PrefetchReader
 
 DONE_SUFFIX = ".done"
 READ_ONLY = {"http", "https"}
@@ -52,7 +51,7 @@ class Location:
             raise LaionkitError(f"not a URL or path: {text!r}")
         if protocol in ("s3", "s3a", "gs", "gcs") and not rest.split("/", 1)[0]:
             raise LaionkitError(f"{text}: no bucket name after {protocol}://")
-        options = _options_for(protocol, _options._DEFAULT_OPTIONS if storage_options is None else storage_options)
+        options = options_for(protocol, storage_options)
         if protocol == "s3a":
             protocol = "s3"
         # http(s) keeps its scheme in the path: that is what fsspec's HTTPFileSystem expects.
@@ -68,7 +67,7 @@ class Location:
     def fs(self):
         if self.local:
             raise AssertionError("local locations use pathlib, not fsspec")
-        return _filesystem(self.protocol, self.options)
+        return filesystem(self.protocol, self.options)
 
     @property
     def name(self) -> str:
@@ -100,7 +99,8 @@ class Location:
             raise TypeError(f"{self} is not a local path; use laionkit.common.storage to read or write it")
         return self.path
 
-    def _writable(self) -> None:
+    def check_writable(self) -> None:
+        """Refuse a read-only store (http(s)://) before anything is written to it."""
         if self.protocol in READ_ONLY:
             raise LaionkitError(f"{self}: {self.protocol}:// URLs are read-only; write to a folder or s3://…")
 
@@ -108,20 +108,20 @@ class Location:
     def exists(self) -> bool:
         if self.local:
             return os.path.exists(self.path)
-        with _errors("cannot check", self):
+        with one_line_errors("cannot check", self):
             return self.fs.exists(self.path)
 
     def is_dir(self) -> bool:
         if self.local:
             return os.path.isdir(self.path)
-        with _errors("cannot check", self):
+        with one_line_errors("cannot check", self):
             return self.fs.isdir(self.path)
 
     def size(self) -> int:
         if self.local:
-            with _errors("cannot read", self):
+            with one_line_errors("cannot read", self):
                 return os.path.getsize(self.path)
-        with _errors("cannot read", self):
+        with one_line_errors("cannot read", self):
             return int(self.fs.size(self.path))
 
     def list(self, pattern: str = "*", complete_only: bool | None = True) -> list[Location]:
@@ -139,7 +139,7 @@ class Location:
             except FileNotFoundError:
                 return []
             except OSError as error:
-                raise LaionkitError(f"cannot list {self}: {_one_line(error)}") from None
+                raise LaionkitError(f"cannot list {self}: {one_line(error)}") from None
             return [self.join(n) for n in names if not n.startswith(".") and fnmatch.fnmatchcase(n, pattern)]
         names, done = self._listing()
         if complete_only is None:
@@ -157,7 +157,7 @@ class Location:
 
     def _listing(self) -> tuple[list[str], set[str]]:
         """An object-store folder's names (sorted) and the names its done records mark complete."""
-        with _errors("cannot list", self):
+        with one_line_errors("cannot list", self):
             try:
                 entries = self.fs.ls(self.path, detail=False, refresh=True)
             except FileNotFoundError:
@@ -172,7 +172,7 @@ class Location:
         """Explicit glob expansion of ``pattern`` below this location, for the options that ask for it."""
         if self.local:
             return [Location("", str(p)) for p in sorted(Path(self.path).glob(pattern))]
-        with _errors("cannot list", self):
+        with one_line_errors("cannot list", self):
             found = self.fs.glob(f"{self.path.rstrip('/')}/{pattern}")
         return [Location(self.protocol, str(p), self.options) for p in sorted(found)]
 
@@ -182,17 +182,17 @@ class Location:
         one sequential pass (a tar streamed into a DataLoader): the network then overlaps the decoding.
         Without it the file is seekable (``tarfile.open(fileobj=..., mode="r:")``)."""
         if self.local:
-            with _errors("cannot read", self):
+            with one_line_errors("cannot read", self):
                 return open(self.path, "rb")  # noqa: SIM115 -- the caller owns it
-        with _errors("cannot read", self):
+        with one_line_errors("cannot read", self):
             raw = self.fs.open(self.path, "rb", block_size=block_size, cache_type="readahead")
-        return PrefetchReader(raw, block_size, prefetch, str(self)) if prefetch > 0 else _Guarded(raw, self)
+        return PrefetchReader(raw, block_size, prefetch, str(self)) if prefetch > 0 else GuardedReader(raw, self)
 
     def read_bytes(self) -> bytes:
         if self.local:
-            with _errors("cannot read", self):
+            with one_line_errors("cannot read", self):
                 return Path(self.path).read_bytes()
-        with _errors("cannot read", self):
+        with one_line_errors("cannot read", self):
             return self.fs.cat_file(self.path)
 
     def read_json(self) -> Any:
@@ -225,8 +225,8 @@ class Location:
             else:
                 path.unlink(missing_ok=True)
             return
-        self._writable()
-        with _errors("cannot remove", self):
+        self.check_writable()
+        with one_line_errors("cannot remove", self):
             if self.fs.exists(self.done_record.path):
                 self.fs.rm(self.done_record.path)
             if self.fs.exists(self.path):

@@ -1,4 +1,5 @@
-"""``.npy`` arrays read by row range: one ranged read per range in an object store."""
+"""``.npy`` arrays read by row range (filter --embeddings): memory-mapped on local disk, one ranged read
+per range in an object store."""
 
 from __future__ import annotations
 
@@ -6,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from laionkit.common.errors import LaionkitError
-from laionkit.common.storage.errors import _errors, _one_line
+from laionkit.common.storage.errors import one_line, one_line_errors
 from laionkit.common.storage.location import Location
 
 
-# ---- .npy arrays read by row range (filter --embeddings) -------------------------------------------------
 @dataclass(frozen=True)
 class NpyLayout:
     """Where a C-order ``.npy`` array's rows lie in its file: read a row range with one ranged GET."""
@@ -27,7 +27,7 @@ class NpyLayout:
         if self.location.local:
             return np.load(self.location.path, mmap_mode="r")[start:stop]
         row_bytes = self.dtype.itemsize * (int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1)
-        with _errors("cannot read", self.location):
+        with one_line_errors("cannot read", self.location):
             data = self.location.fs.cat_file(self.location.path, start=self.offset + start * row_bytes,
                                              end=self.offset + stop * row_bytes)
         if len(data) != (stop - start) * row_bytes:
@@ -51,7 +51,7 @@ def npy_layout(location: Location | str) -> NpyLayout:
                 shape, fortran, dtype = np.lib.format._read_array_header(handle, version)
             offset = handle.tell()
     except (ValueError, OSError, EOFError) as error:
-        raise LaionkitError(f"{location}: not a readable .npy file ({_one_line(error)})") from None
+        raise LaionkitError(f"{location}: not a readable .npy file ({one_line(error)})") from None
     if fortran or dtype.hasobject:
         raise LaionkitError(f"{location}: a Fortran-order or object .npy array cannot be read by rows")
     return NpyLayout(location, tuple(shape), dtype, offset)

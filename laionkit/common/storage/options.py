@@ -49,9 +49,13 @@ def default_options(options: dict[str, Any]) -> Iterator[None]:
         _DEFAULT_OPTIONS = previous
 
 
-def _options_for(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+def options_for(protocol: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The options of ``protocol`` in ``--storage-options`` (flat, or keyed by protocol); ``None``: those
+    ``default_options`` set."""
     from fsspec.registry import known_implementations
 
+    if options is None:
+        options = _DEFAULT_OPTIONS
     known = set(known_implementations) | {"s3", "gs", "hf"}
     if options and all(key in known and isinstance(value, dict) for key, value in options.items()):
         return dict(options.get(protocol, {}))
@@ -79,7 +83,9 @@ _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 _FS_LOCK = threading.Lock()
 
 
-def _filesystem(protocol: str, options: dict[str, Any]):
+def filesystem(protocol: str, options: dict[str, Any]):
+    """The fsspec filesystem of ``protocol`` with ``options``, one per process; a missing implementation or
+    options it does not take are one-line LaionkitErrors."""
     if protocol == "s3":
         options = _s3_environment(options)
     # Per process: a forked DataLoader worker must not reuse its parent's instance, whose event loop

@@ -8,12 +8,12 @@ import queue
 import threading
 
 from laionkit.common.errors import LaionkitError
-from laionkit.common.storage.errors import _errors, _one_line
+from laionkit.common.storage.errors import one_line, one_line_errors
 
 DEFAULT_BLOCK = 8 * 2**20
 
 
-class _Guarded(io.RawIOBase):
+class GuardedReader(io.RawIOBase):
     """An fsspec file whose storage errors surface as one-line LaionkitErrors naming the URL."""
 
     def __init__(self, raw, location: object):
@@ -32,7 +32,7 @@ class _Guarded(io.RawIOBase):
         return self.raw.tell()
 
     def read(self, size: int = -1) -> bytes:
-        with _errors("cannot read", self.location):
+        with one_line_errors("cannot read", self.location):
             return self.raw.read(size)
 
     def readinto(self, buffer) -> int:
@@ -84,7 +84,7 @@ class PrefetchReader(io.RawIOBase):
             if self._offset >= len(self._buffer):
                 block = self._blocks.get()
                 if isinstance(block, BaseException):
-                    raise LaionkitError(f"cannot read {self.name}: {_one_line(block)}")
+                    raise LaionkitError(f"cannot read {self.name}: {one_line(block)}")
                 if not block:
                     self._blocks.put(block)  # end of file stays visible to the next read
                     break

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from laionkit.common.outputs import atomic_output
-from laionkit.common.storage.errors import _errors
+from laionkit.common.storage.errors import one_line_errors
 from laionkit.common.storage.location import Location
 
 
-# ---- writing ---------------------------------------------------------------------------------------
-def _staging(staging: str | os.PathLike[str] | None) -> str:
+def staging_dir(staging: str | os.PathLike[str] | None = None) -> str:
+    """The local folder temporaries of remote outputs are written in: ``staging``, else
+    ``$LAIONKIT_STAGING``, else the system temp folder (created if missing)."""
     folder = staging or os.environ.get("LAIONKIT_STAGING") or tempfile.gettempdir()
     os.makedirs(folder, exist_ok=True)
     return os.fspath(folder)
@@ -40,17 +41,17 @@ def atomic_write(location: Location | str, folder: bool = False, shared: bool = 
         with atomic_output(location.path, shared=shared) as tmp:
             yield tmp
         return
-    location._writable()
+    location.check_writable()
     fs = location.fs
-    with _errors("cannot write", location):
+    with one_line_errors("cannot write", location):
         fs.rm_file(location.done_record.path) if fs.exists(location.done_record.path) else None
-    with tempfile.TemporaryDirectory(prefix=".laionkit-", dir=_staging(staging)) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".laionkit-", dir=staging_dir(staging)) as scratch:
         tmp = Path(scratch, location.name)
         if folder:
             tmp.mkdir()
         yield tmp
         if folder:
-            with _errors("cannot write", location):
+            with one_line_errors("cannot write", location):
                 if fs.exists(location.path):  # a rerun replaces the folder whole: no stale objects stay
                     fs.rm(location.path, recursive=True)
         mark_done(location, {"sizes": upload(tmp, location), **(record or {})})
@@ -61,7 +62,7 @@ def upload(local: Path, location: Location) -> dict[str, int]:
     callers write it after); returns the sizes uploaded by name (a folder's by relative path)."""
     fs = location.fs
     sizes = {}
-    with _errors("cannot write", location):
+    with one_line_errors("cannot write", location):
         if local.is_dir():
             for file in sorted(p for p in local.rglob("*") if p.is_file()):
                 rel = file.relative_to(local).as_posix()
@@ -77,7 +78,7 @@ def mark_done(location: Location, record: dict | None = None) -> None:
     """Write the done record of ``location``: call it only after every data object is written."""
     body = json.dumps({"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(record or {})},
                       sort_keys=True, default=str).encode()
-    with _errors("cannot write", location):
+    with one_line_errors("cannot write", location):
         location.fs.pipe_file(location.done_record.path, body)
 
 
