@@ -76,5 +76,5 @@ def s3(s3_endpoint, monkeypatch) -> S3Server:
             monkeypatch.setenv(key, value)
     from laionkit.common import storage
 
-    storage._FILESYSTEMS.clear()  # a cached filesystem may hold another test's credentials
+    storage.options._FILESYSTEMS.clear()  # a cached filesystem may hold another test's credentials
     return server

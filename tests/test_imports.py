@@ -1,6 +1,7 @@
 """No import circles among laionkit's modules: every import (top-level, inside functions, under
 TYPE_CHECKING) of every module under laionkit/ is an edge, and the graph has no strongly connected
-component of more than one module (nor a module importing itself)."""
+component of more than one module (nor a module importing itself). And no module outside the
+storage package uses an underscored name of it."""
 
 from __future__ import annotations
 
@@ -69,6 +70,54 @@ def circles() -> list[list[str]]:
 def test_no_import_circles_among_laionkit_modules():
     found = circles()
     assert not found, "import circles among laionkit modules:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+STORAGE = "laionkit.common.storage"
+
+
+def private_storage_uses() -> list[str]:
+    """Where a module outside laionkit.common.storage imports an underscored name of it, reads one off the
+    package or a module of it (``storage._staging``, ``storage.writes._x``), or calls a private method of its
+    classes on anything but ``self`` (``location._listing()``)."""
+    known = modules()
+    inside = {name for name in known if name == STORAGE or name.startswith(STORAGE + ".")}
+    methods = set()
+    for name in inside:
+        for node in ast.walk(ast.parse(known[name].read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods.update(item.name for item in node.body if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                               and item.name.startswith("_") and not item.name.startswith("__"))
+    found = []
+    for name, path in sorted(known.items()):
+        if name in inside:
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = set()  # local names bound to the storage package or one of its modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in inside:
+                        aliases.add(alias.asname or alias.name)
+                    elif node.module in inside and alias.name.startswith("_"):
+                        found.append(f"{name}:{node.lineno}: imports {node.module}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                aliases.update(alias.asname for alias in node.names if alias.name in inside and alias.asname)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            elif node.attr in methods and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)} (a private method of a storage class)")
+    return found
+
+
+def test_no_module_outside_storage_uses_its_private_names():
+    found = private_storage_uses()
+    assert not found, "private storage names used outside laionkit.common.storage:\n" + "\n".join(found)
 
 
 if __name__ == "__main__":

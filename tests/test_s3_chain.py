@@ -62,7 +62,7 @@ def kill_before_record(s3, tmp_path: Path, name: str) -> dict[str, str]:
             if location.name == {name!r}:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             mark_done(location, record)
-        storage.mark_done = die_before_record
+        storage.mark_done = storage.writes.mark_done = die_before_record  # callers and atomic_write
     """)
 
 

@@ -72,7 +72,7 @@ def killed_run(s3, tmp_path: Path, code: str, kill_when: str) -> subprocess.Comp
             if {kill_when}:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             mark_done(location, record)
-        storage.mark_done = die_before_record
+        storage.mark_done = storage.writes.mark_done = die_before_record  # callers and atomic_write
     """))
     path = os.pathsep.join([str(hooks), str(REPO), os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**s3.env, "PYTHONPATH": path},

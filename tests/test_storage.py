@@ -68,7 +68,7 @@ def test_killed_before_done_record_leaves_nothing_complete_and_rerun_overwrites(
     result = run_killed(s3, f"""
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
-        storage.mark_done = die   # the data object is uploaded, then the process is killed
+        storage.writes.mark_done = die   # atomic_write uploads the data object, then the process is killed
         with atomic_write({url!r}) as tmp:
             tmp.write_bytes(b"half" * 1000)
     """)
@@ -222,7 +222,7 @@ def test_missing_credentials_is_a_one_line_error(s3, monkeypatch, tmp_path):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    storage._FILESYSTEMS.clear()
+    storage.options._FILESYSTEMS.clear()
     with pytest.raises(LaionkitError, match="s3:// needs credentials: set AWS_ACCESS_KEY_ID") as caught:
         Location.parse(s3.url("x.json")).read_bytes()
     assert "\n" not in str(caught.value)

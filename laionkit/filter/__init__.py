@@ -126,7 +126,7 @@ def run(config: FilterConfig) -> dict:
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file; filter writes a folder of parquet parts")
     storage.claim_output(output, "filter", config.overwrite)
-    with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=storage._staging(None)) \
+    with tempfile.TemporaryDirectory(prefix="laionkit-filter-", dir=storage.staging_dir()) \
             if not output.local else nullcontext() as staging:
         return run_in(config, rank, output, staging, started)
 

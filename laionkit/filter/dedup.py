@@ -118,7 +118,7 @@ class Dedup:
                 return set()
         # Done records, not data objects: a unit with no key leaves an empty folder, which an object
         # store does not list at all (its record is all there is of it).
-        with storage._errors("cannot list", self.folder):
+        with storage.one_line_errors("cannot list", self.folder):
             try:
                 names = [str(n).rstrip("/").rsplit("/", 1)[-1]
                          for n in self.folder.fs.ls(self.folder.path, detail=False, refresh=True)]

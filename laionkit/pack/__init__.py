@@ -143,7 +143,7 @@ def run(config: PackConfig) -> dict:
     console.print(f"options: {options}", highlight=False)
     # One staging folder per output and rank, so a rerun after kill -9 clears what the killed run left.
     tag = hashlib.sha256(str(output).encode()).hexdigest()[:12]
-    staging = None if output.local else os.path.join(storage._staging(None), f"laionkit-pack-{tag}-{rank.rank}")
+    staging = None if output.local else os.path.join(storage.staging_dir(), f"laionkit-pack-{tag}-{rank.rank}")
     packer = ShardPacker(config, output, options, len(tasks), versions(),
                          Fetcher(config.max_bytes, config.allow_private_hosts),
                          storage.parse_storage_options(config.storage_options), staging)

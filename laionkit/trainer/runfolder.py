@@ -46,9 +46,9 @@ def stage(config):
     location = Location.parse(str(given), storage.parse_storage_options(getattr(config, "storage_options", None)))
     if location.local:
         return replace(config, output=Path(given)), None
-    location._writable()
+    location.check_writable()
     digest = hashlib.sha256(str(location).encode()).hexdigest()[:16]
-    local = Path(storage._staging(None), f"laionkit-run-{location.name}-{digest}")
+    local = Path(storage.staging_dir(), f"laionkit-run-{location.name}-{digest}")
     return replace(config, output=local), RunFolder(location, local)
 
 
@@ -200,7 +200,7 @@ class RunFolder:
             target.remove()
         accelerator.wait_for_everyone()
         sizes = {}
-        with storage._errors("cannot write", target):
+        with storage.one_line_errors("cannot write", target):
             for name, rank in owner.items():
                 if rank == accelerator.process_index and name != "trainer.json":
                     target.fs.put_file(str(folder / name), target.join(name).path)
@@ -208,7 +208,7 @@ class RunFolder:
         sizes = {k: v for part in _gather(accelerator, sizes) for k, v in part.items()}
         self._upload_own_records(accelerator)
         if accelerator.is_main_process:
-            with storage._errors("cannot write", target):
+            with storage.one_line_errors("cannot write", target):
                 target.fs.put_file(str(folder / "trainer.json"), target.join("trainer.json").path)
             sizes["trainer.json"] = (folder / "trainer.json").stat().st_size
             storage.mark_done(target, {"sizes": sizes})

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from laionkit.common import LaionkitError
-from laionkit.common.storage import Location
+from laionkit.common.storage import Location, one_line_errors
 
 LOCK_NAME = ".laionkit-train.lock"
 LEASE_NAME = ".laionkit-train.lease"
@@ -133,10 +133,8 @@ class BucketLease:
                             "it, or give another --output")
 
     def acquire(self) -> None:
-        from laionkit.common.storage import _errors
-
-        self.location._writable()
-        with _errors("cannot take the lease", self.location):
+        self.location.check_writable()
+        with one_line_errors("cannot take the lease", self.location):
             self._refuse_other(self.read())
             self._write()
             time.sleep(SETTLE_SECONDS)
