@@ -34,11 +34,10 @@ CAPTIONS = {
 SHARD_SIZE = 4  # 8 photos -> shards 00000.tar and 00001.tar
 
 
-def _pack_sample(key: str, name: str, data: bytes, extension: str, index: int) -> dict:
+def _pack_sample(key: str, name: str, data: bytes, extension: str, index: int, caption: str) -> dict:
     from PIL import Image
 
     width, height = Image.open(io.BytesIO(data)).size
-    caption = CAPTIONS[name]
     meta = {
         "url": f"https://example.org/realdata/{name}", "caption": caption, "key": key, "status": "success",
         "error_message": None, "width": width, "height": height, "original_width": width,
@@ -49,13 +48,15 @@ def _pack_sample(key: str, name: str, data: bytes, extension: str, index: int) -
     return {"__key__": key, extension: data, "txt": caption, "json": json.dumps(meta)}
 
 
-def write_image_shards(images: Path, output: Path) -> list[Path]:
-    """WebDataset tars in pack's layout: <key>.jpg|png|webp, <key>.txt, <key>.json; keys like img2dataset's."""
+def write_image_shards(images: Path, output: Path, captions: dict[str, str] | None = None) -> list[Path]:
+    """WebDataset tars in pack's layout: <key>.jpg|png|webp, <key>.txt, <key>.json; keys like img2dataset's.
+    ``captions``: {file name: caption} in place of CAPTIONS."""
     import webdataset as wds
     from PIL import Image
 
     output.mkdir(parents=True, exist_ok=True)
-    names = sorted(CAPTIONS)
+    captions = captions or CAPTIONS
+    names = sorted(captions)
     shards = []
     for shard in range(0, len(names), SHARD_SIZE):
         path = output / f"{shard // SHARD_SIZE:05d}.tar"
@@ -68,7 +69,7 @@ def write_image_shards(images: Path, output: Path) -> list[Path]:
                     Image.open(io.BytesIO(data)).save(buffer, format="WEBP", quality=90)
                     data, extension = buffer.getvalue(), "webp"
                 key = f"{shard // SHARD_SIZE:05d}{index % SHARD_SIZE:04d}"
-                sink.write(_pack_sample(key, name, data, extension, index))
+                sink.write(_pack_sample(key, name, data, extension, index, captions[name]))
         shards.append(path)
     return shards
 
@@ -169,6 +170,7 @@ class SharpModels:
     name: str  # the family
     model: Path  # `laionkit models tiny --family NAME` with its VAE sharpened (tests/learning.py: sharpen_vae)
     latents: Path  # `laionkit encode` of 8 distinct real photos (CAPTIONS) with it at 64 px, text stored
+    # (SDXL: the photos cut to 64 x 64 px first, so that its size time ids do not tell them apart)
     vae_stats: dict  # the photos' scaled latents: std and mean pairwise MSE between photos
 
 
@@ -187,7 +189,7 @@ def sharp_models(tmp_path_factory, realdata):
     def get(name: str) -> SharpModels:
         if name not in built:
             root = tmp_path_factory.mktemp(f"sharp-{name}")
-            photos = distinct_photos(realdata / "images", root / "photos")
+            photos = distinct_photos(realdata / "images", root / "photos", square=64 if name == "sdxl" else None)
             write_image_shards(photos, root / "packed")
             run_cli("models", "tiny", "--family", name, "--output", root / "model")
             stats = sharpen_vae(root / "model" / "vae", photos)

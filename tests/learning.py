@@ -18,10 +18,15 @@ LOGVAR = -30.0  # DiagonalGaussianDistribution's lower clamp: a posterior std of
 DUPLICATE = ("389_535.jpg", "original.png")  # the same photo, pixel for pixel (a JPEG and a PNG of it)
 
 
-def distinct_photos(images: Path, output: Path) -> Path:
+def distinct_photos(images: Path, output: Path, square: int | None = None) -> Path:
     """A copy of the real photos in which the PNG is mirrored left to right: realdata's 389_535.jpg and
     original.png are the same photo (img2dataset's resize and blur tests each keep one), so with them as
-    they are, two captions would own one latent and no model could tell which image is which."""
+    they are, two captions would own one latent and no model could tell which image is which.
+
+    ``square``: each photo cut to ``square`` x ``square`` px first (short side resized, centre crop), so
+    that every photo's original size is the same and its crop corner (0, 0). SDXL conditions on both (its
+    time ids): the photos' own sizes would tell the images apart without their captions, and a pipeline
+    given no sizes draws with (size, size) and (0, 0), which the model then has seen."""
     from PIL import Image, ImageOps
 
     output.mkdir(parents=True, exist_ok=True)
@@ -30,6 +35,11 @@ def distinct_photos(images: Path, output: Path) -> Path:
             (output / path.name).write_bytes(path.read_bytes())
     with Image.open(images / DUPLICATE[1]) as image:
         ImageOps.mirror(image).save(output / DUPLICATE[1])
+    if square:
+        for path in output.iterdir():
+            with Image.open(path) as image:
+                cut = ImageOps.fit(image.convert("RGB"), (square, square), Image.Resampling.BICUBIC)
+            cut.save(path)
     return output
 
 
@@ -166,24 +176,28 @@ def spread(latents: dict) -> float:
 
 
 # A fresh interpreter's generation with the family's own diffusers pipeline (no laionkit import):
-# argv = pipeline folder, JSON list of captions, output file, steps, size in px. Writes {index: latent}.
-GENERATE = r'''
+# argv = pipeline folder, JSON list of captions, output file, steps, size in px, guidance_scale and, where
+# given, a LoRA folder (RUN/lora) loaded with pipe.load_lora_weights. Writes {index: latent}, seed = index.
+GENERATE = r"""
 import json, sys
 import torch, diffusers
 from safetensors.torch import save_file
 folder, captions, output, steps, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+guidance, lora = float(sys.argv[6]), sys.argv[7] if len(sys.argv) > 7 else None
 assert "laionkit" not in sys.modules
 pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+if lora:
+    pipe.load_lora_weights(lora)
 pipe.set_progress_bar_config(disable=True)
 name = type(pipe).__name__
 extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith("PixArt") else {}
 found = {}
 for index, caption in enumerate(captions):
-    latents = pipe(prompt=caption, num_inference_steps=steps, guidance_scale=1.0, height=size, width=size,
+    latents = pipe(prompt=caption, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
                    generator=torch.Generator().manual_seed(index), output_type="latent", **extra).images
     if name.startswith("Flux"):
         latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
     found[str(index)] = latents[0].float().contiguous()
 save_file(found, output)
 print(name, type(pipe.scheduler).__name__, "laionkit" in sys.modules)
-'''
+"""
