@@ -141,9 +141,33 @@ def test_eval_flags_are_checked_before_training(latent_shards, scorers, realdata
     assert f"--eval-reference {missing}: no such folder" in error("--eval-every", 1, "--eval-reference", missing)
     assert f"--eval-prompts {missing}: no such file" in error("--eval-every", 1, *flags, "--eval-prompts", missing)
     assert "--eval-count 1: must be >= 2" in error("--eval-every", 1, *flags[:2], "--eval-count", 1)
-    # a wrong weights file stops the run before its first step (the scorers load at setup)
+    assert "--eval-resolution 36: a multiple of 8" in error("--eval-every", 1, *flags, "--eval-resolution", 36)
+    # found at setup, before the first step: a reference without images, a wrong weights file
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"--eval-reference {empty}: 0 readable images" in error("--eval-every", 1, *flags[2:],
+                                                                   "--eval-reference", empty)
     weights = scorers / "tiny-clip.safetensors"
     at = flags.index("--eval-inception") + 1
     line = error("--eval-every", 1, *flags[:at], weights, *flags[at + 1:])
     assert "--eval-inception" in line and str(weights) in line
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_a_failure_while_scoring_is_recorded_and_the_run_goes_on(latent_shards, scorers, realdata, tmp_path,
+                                                                 monkeypatch):
+    """Out of memory while generating (raised here in its place): a warning and `eval_error` in the record,
+    and the run still checkpoints and exports."""
+    import laionkit.evaluate
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(laionkit.evaluate, "generate", out_of_memory)
+    run = tmp_path / "run"
+    result = run_cli(*train_args(latent_shards, run, "--eval-every", 2, *eval_flags(scorers, realdata)))
+    assert "warning: --eval-every, step 2: no scores (RuntimeError: CUDA out of memory." in result.stdout
+    found = records(run)
+    assert found[4]["eval_error"].startswith("RuntimeError: CUDA out of memory") and "fid" not in found[4]
+    assert (run / "checkpoints" / "step-00000004").is_dir() and (run / "pipeline" / "model_index.json").is_file()
+    assert not list(run.glob(".eval-step-*"))

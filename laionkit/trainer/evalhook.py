@@ -10,13 +10,17 @@ Why it works this way:
   pipeline there (base components hard-linked where the filesystem allows), generates and scores while the
   other ranks wait, and removes the folder. A record therefore equals `laionkit eval` of the pipeline exported
   at that step, whatever the number of ranks: image i is drawn from a CPU generator seeded i.
+- The other ranks wait in a gloo group of their own with a long timeout, not in an NCCL barrier, whose
+  10 minutes scoring a large model can outlast.
 - The prompts, the Inception and the CLIP model are read and loaded once, at setup, on rank 0 (a wrong weights
-  file stops the run before its first step, on every rank); the reference images' features are computed at
-  the first evaluation and kept. Between evaluations the scorers wait in host memory.
+  file or a reference without images stops the run before its first step, on every rank); the reference
+  images' features are computed at the first evaluation and kept. Between evaluations the scorers wait in
+  host memory.
 - Scoring draws no random number from the run's state (CPU and CUDA generators, numpy's and Python's are
   restored after it), so a run with --eval-every trains, checkpoints and resumes byte for byte as one without.
-- A failure while scoring stops the run on every rank with one line (the last checkpoint stays; --eval-*
-  flags are not part of what an exact resume compares, so it resumes with them changed or dropped).
+- A failure while scoring (out of memory, say) does not stop the run: a warning, ``eval_error`` in the record
+  instead of scores, and training goes on to its checkpoints and export, which are what it is for. The
+  --eval-* flags are not part of what an exact resume compares: a run resumes with them changed or dropped.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import random
 import re
 import shutil
 import time
+import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +44,9 @@ from laionkit.trainer.export import export
 from laionkit.trainer.pipeline import _base, merge_lora, write_pipeline
 from laionkit.trainer.runfolder import _broadcast
 
+# How long the other ranks wait for rank 0's scoring: NCCL's barrier gives up after 10 minutes, which
+# 1,000 images of a large model can take.
+WAIT = timedelta(hours=24)
 FOLDER_PREFIX = ".eval-step-"  # RUN/.eval-step-N: the weights and pipeline of one evaluation, removed after it
 SCORES = ("fid", "kid", "kid_std", "clip_score")
 # `laionkit eval`'s flags in messages of laionkit.evaluate, as train spells them.
@@ -46,12 +55,13 @@ FLAGS = re.compile(r"--(reference|prompts|count|steps|resolution|inception|clip-
 
 @dataclass
 class Scoring:
-    """What every evaluation of a run shares (rank 0's): the settings, the prompts, and the loaded scorers and
-    reference features (laionkit.evaluate's cache)."""
+    """What every evaluation of a run shares: on rank 0 the settings, the prompts, and the loaded scorers and
+    reference features (laionkit.evaluate's cache); on every rank of several, the group they wait in."""
 
-    settings: object  # laionkit.evaluate.EvalConfig
-    prompts: list[str]
-    cache: dict
+    settings: object = None  # laionkit.evaluate.EvalConfig
+    prompts: list[str] = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+    waiting: object = None  # a gloo group with a long timeout (wait_for_ranks)
 
 
 def due(config, step: int, max_steps: int) -> bool:
@@ -102,43 +112,50 @@ def _named(error: Exception) -> str:
 
 
 def prepare(trainer) -> Scoring | None:
-    """--eval-every: rank 0 reads the prompts and loads the scorers (weights as data, to host memory) and
-    removes folders a killed run's evaluation left; every rank learns whether that worked. None without it."""
+    """--eval-every: rank 0 reads the prompts, checks that the reference holds images, loads the scorers
+    (weights as data, to host memory) and removes folders a killed run's evaluation left; every rank learns
+    whether that worked, so a bad file stops the run here. None without --eval-every."""
     config, accelerator = trainer.config, trainer.accelerator
     if not config.eval_every:
         return None
     from laionkit.evaluate import load_scorers
+    from laionkit.evaluate.prompts import reference_images
 
-    scoring, error = None, None
+    scoring, error = Scoring(), None
+    if accelerator.num_processes > 1:  # every rank creates it (a collective), before any rank may fail
+        import torch.distributed as dist
+
+        scoring.waiting = dist.new_group(backend="gloo", timeout=WAIT)
     if accelerator.is_main_process:
         for stale in Path(config.output).glob(FOLDER_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)
         try:
             with random_state_kept(trainer.device):  # open_clip draws the random init its weights replace
-                scoring = Scoring(settings(config), read_prompts(config), {})
+                scoring.settings, scoring.prompts = settings(config), read_prompts(config)
+                reference_images(scoring.settings.reference, 8, limit=2)  # at least 2 readable, or one line
                 load_scorers(scoring.settings, torch.device("cpu"), scoring.cache)
         except LaionkitError as found:
             error = _named(found)
     _agreed(accelerator, error)
-    if scoring is not None:
-        accelerator.print(f"scoring every {config.eval_every} steps and at the end: {config.eval_count} images of "
-                          f"{len(set(scoring.prompts))} prompts against {config.eval_reference}")
+    accelerator.print(f"scoring every {config.eval_every} steps and at the end: {config.eval_count} images "
+                      f"against {config.eval_reference}")
     return scoring
 
 
-def evaluate(trainer, scoring: Scoring | None) -> dict:
-    """The scores of the weights at this step (a collective: every rank calls it); rank 0 returns the metrics
-    record's fields, the other ranks {}."""
+def evaluate(trainer, scoring: Scoring) -> dict:
+    """The scores of the weights at this step (every rank calls it): rank 0 returns the metrics record's
+    fields, the other ranks {}. A failure while scoring is a warning and ``eval_error`` in the record; the
+    run goes on (the checkpoints and the export are what it is for)."""
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     main = accelerator.is_main_process
     started = time.perf_counter()
     folder = Path(config.output) / f"{FOLDER_PREFIX}{t.step:08d}"
-    result, error, failure = {}, None, None
+    result = {}
     try:
         if main:
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-        # the run's own export, into the folder: rank 0 writes, every rank joins the gather and waits
+        # the run's own export, into the folder: rank 0 writes, every rank joins the gather
         if config.lora_rank is not None:
             lora.export(accelerator, t.unet, t.ema, t.master, folder)
         else:
@@ -148,18 +165,20 @@ def evaluate(trainer, scoring: Scoring | None) -> dict:
             try:
                 with random_state_kept(t.device):
                     result = score(t, scoring, folder)
-            except Exception as found:  # noqa: BLE001 - the other ranks stop too, rather than wait for ever
-                failure = found
-                error = f"--eval-every, step {t.step}: " + (
-                    _named(found) if isinstance(found, LaionkitError)
-                    else f"{type(found).__name__}: {(str(found).splitlines() or [''])[0][:300]}")
+            except Exception as found:  # noqa: BLE001 - scoring is not worth the run: said, recorded, skipped
+                message = _named(found) if isinstance(found, LaionkitError) else \
+                    f"{type(found).__name__}: {(str(found).splitlines() or [''])[0][:300]}"
+                if not isinstance(found, LaionkitError):
+                    traceback.print_exc()
+                accelerator.print(f"warning: --eval-every, step {t.step}: no scores ({message}); training goes on")
+                result = {"eval_error": message}
     finally:
         if main:
             shutil.rmtree(folder, ignore_errors=True)
-    if failure is not None and not isinstance(failure, LaionkitError):
-        _broadcast(accelerator, [error])
-        raise failure  # a bug, or out of memory: its traceback, on rank 0
-    _agreed(accelerator, error)
+    if scoring.waiting is not None:  # the other ranks wait here, in gloo, for as long as scoring takes
+        import torch.distributed as dist
+
+        dist.barrier(group=scoring.waiting)
     if main:
         result["eval_seconds"] = round(time.perf_counter() - started, 2)
     return result

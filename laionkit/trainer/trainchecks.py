@@ -141,11 +141,13 @@ def check_eval(config) -> None:
         raise LaionkitError(f"--eval-reference {config.eval_reference}: no such folder or tar file")
     if config.eval_prompts is not None and not Path(config.eval_prompts).expanduser().is_file():
         raise LaionkitError(f"--eval-prompts {config.eval_prompts}: no such file")
-    for name, low in (("eval_count", 2), ("eval_steps", 1), ("eval_resolution", 8)):
-        value = getattr(config, name)
-        if value is not None and value < low:
-            raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}"
+    for name, low in (("eval_count", 2), ("eval_steps", 1)):
+        if getattr(config, name) < low:
+            raise LaionkitError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be >= {low}"
                                 + (" (FID and KID need 2 images)" if name == "eval_count" else ""))
+    if config.eval_resolution is not None and (config.eval_resolution < 8 or config.eval_resolution % 8):
+        raise LaionkitError(f"--eval-resolution {config.eval_resolution}: a multiple of 8 (the pipelines' VAEs "
+                            "downsample by 8), e.g. 512")
     if "://" not in str(config.output):  # eval.png would become a reference image
         output, source = Path(config.output).expanduser().resolve(), reference.resolve()
         if output == source or source in output.parents:
