@@ -171,3 +171,21 @@ def test_a_failure_while_scoring_is_recorded_and_the_run_goes_on(latent_shards, 
     assert found[4]["eval_error"].startswith("RuntimeError: CUDA out of memory") and "fid" not in found[4]
     assert (run / "checkpoints" / "step-00000004").is_dir() and (run / "pipeline" / "model_index.json").is_file()
     assert not list(run.glob(".eval-step-*"))
+
+
+def test_a_lora_run_scores_its_adapters_merged_into_the_base(latent_shards, tiny_models, scorers, realdata,
+                                                             tmp_path):
+    """A LoRA run exports no pipeline by default; its evaluation scores the base with the adapters merged, as
+    `laionkit export RUN --format pipeline` then `laionkit eval` score it."""
+    run = tmp_path / "run"
+    run_cli("train", latent_shards, "--output", run, "--unet", tiny_models, "--lora-rank", 2, "--max-steps", 2,
+            "--batch-size", 2, "--lr", "1e-2", "--workers", 0, "--log-with", "none", "--checkpoint-every", 2,
+            "--quiet", "--eval-every", 2, *eval_flags(scorers, realdata))
+    assert not (run / "pipeline").exists()
+    run_cli("export", run, "--format", "pipeline")
+    run_cli("eval", run / "pipeline", "--reference", realdata / "images", "--val-latents", latent_shards,
+            "--count", COUNT, "--steps", STEPS, "--output", tmp_path / "eval", "--inception", scorers / "inception.pth",
+            "--clip-model", scorers / "tiny-clip.json", "--clip-pretrained", scorers / "tiny-clip.safetensors",
+            "--quiet")
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert {key: records(run)[2][key] for key in SCORES} == {key: evaluated[key] for key in SCORES}
