@@ -47,6 +47,9 @@ from laionkit.trainer.config import TrainConfig
 
     laionkit train latents-sdxl/ --output runs/sdxl --unet sdxl --checkpointing every-2 --batch-size 16
 
+    laionkit train latents/ --output runs/sd15 --unet-config sd15 --max-steps 100000 --val-latents val-latents/
+    --eval-every 10000 --eval-reference coco-val/ --eval-count 1000   # FID, KID, CLIP score in metrics.jsonl
+
     laionkit train --config runs/sd15.yaml --resume latest   # the file's flags; the command line overrides them
 
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's

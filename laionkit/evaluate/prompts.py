@@ -35,20 +35,20 @@ def read_prompts(prompt_file: Path | None, val_latents: Path | None, count: int)
         prompts = [line.strip() for line in Path(prompt_file).read_text().splitlines() if line.strip()]
         source = f"--prompts {prompt_file}"
     else:
-        prompts = latent_captions(Path(val_latents), count)
+        prompts = latent_captions(val_latents if "://" in str(val_latents) else Path(val_latents), count)
         source = f"--val-latents {val_latents}"
     if not prompts:
         raise LaionkitError(f"{source}: no prompts in it")
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def latent_captions(folder: Path, count: int) -> list[str]:
-    """The first ``count`` captions of an encode output folder."""
+def latent_captions(folder: Path | str, count: int) -> list[str]:
+    """The first ``count`` captions of an encode output folder (a path, or a URL train streams from)."""
     import webdataset as wds
 
     from laionkit.latents import shard_paths
 
-    if not folder.is_dir():
+    if "://" not in str(folder) and not Path(folder).is_dir():
         raise LaionkitError(f"--val-latents {folder}: no such folder")
     captions = []
     for shard in shard_paths(folder):

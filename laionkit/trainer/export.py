@@ -53,7 +53,9 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
         # parameters are created empty and take the fp32 tensors (master weights where there are) as theirs.
         with init_empty_weights(include_buffers=False):
             plain = type(model).from_config(model.config)
-        weights = {name: fp32.get(name, tensor).detach().to("cpu") for name, tensor in state_dict.items()}
+        # copies (a no-op for a GPU's tensors): on the CPU, get_state_dict and the master weights hand out the
+        # training tensors themselves, which assign=True would make the parameters that the EMA is copied into
+        weights = {name: fp32.get(name, tensor).detach().to("cpu", copy=True) for name, tensor in state_dict.items()}
         plain.load_state_dict({name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()},
                               assign=True)
         with atomic_output(output / subfolder) as tmp:
@@ -116,7 +118,9 @@ def _rebuild_pipeline(run: Path, files: str) -> Path:
         raise LaionkitError(f"{run}/checkpoints holds no complete checkpoint whose trainer.json records the run")
     recorded = json.loads((found[-1] / "trainer.json").read_text())["config"]
     known = {f.name for f in fields(TrainConfig)}
-    kept = {k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite", "export")}
+    # --eval-* name files the export does not need (and that may be gone since)
+    kept = {k: v for k, v in recorded.items() if k in known and k not in ("resume", "overwrite", "export")
+            and not k.startswith("eval_")}
     config = TrainConfig(**kept)  # its --export was what train wrote then; this is what is asked for now
     data = open_latents(config.latents)
     schedule = None if data.family.objective.kind == "flow" else load_noise_scheduler(config, data.family)

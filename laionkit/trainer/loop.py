@@ -2,7 +2,7 @@
 
 Reads top to bottom: ``setup`` (make_accelerator, the run folder, plan_stages, ``build``: model, optimizer,
 EMA, LR schedule) → ``resume`` → per step ``train_step`` (micro_step: loss, backward, apply_gradients),
-``MetricsWindow`` (metrics.jsonl), ``checkpoint``, ``validation_loss`` / ``validation_grid`` → ``finish``
+``MetricsWindow`` (metrics.jsonl), ``checkpoint``, ``validation_loss`` / ``validation_grid`` / evalhook → ``finish``
 (export); ``_train`` wires them, and the bench scripts time the same setup and train_step. What it calls
 lives in the modules beside it (config, data, model, objective, precision, checkpoint, evaluation,
 metrics, export). Runs as one process, or under `accelerate launch` / `torchrun` with the configs in
@@ -37,7 +37,7 @@ from laionkit.latents import (
     end_workers,
     latent_loader,
 )
-from laionkit.trainer import fp8, fsdp, lora, memory, runfolder, runlock, trainchecks, valloss
+from laionkit.trainer import evalhook, fp8, fsdp, lora, memory, runfolder, runlock, trainchecks, valloss
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
     claim_run_folder,
@@ -541,6 +541,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     try:  # the workers end here on every exit, an exception's included (latents.end_workers says why)
         metrics_path, keys_path = open_records(t)
         validation = validation_prompts(t)
+        scoring = evalhook.prepare(t)  # --eval-every: prompts and scorers loaded now, not at the first evaluation
         valset = None  # validation-loss hook (laionkit/trainer/valloss.py)
         if config.val_latents is not None:
             valset = valloss.load(config, t.data)
@@ -569,11 +570,16 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                     handle.write(json.dumps({"step": t.step, "keys": step_keys}) + "\n")
 
             val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
-            if t.step % config.log_every == 0 or t.step == max_steps or val_due:
+            eval_due = evalhook.due(config, t.step, max_steps)
+            if t.step % config.log_every == 0 or t.step == max_steps or val_due or eval_due:
                 record = window.record(t)
                 if val_due:  # validation-loss hook
                     record.update(validation_loss(t, valset))
+                if eval_due:  # --eval-every hook (laionkit/trainer/evalhook.py): every rank exports, rank 0 scores
+                    record.update(evalhook.evaluate(t, scoring))
                 window.write(record)
+                if eval_due and main:
+                    evalhook.plot(config)
                 if main:
                     progress.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.1f}")
                 window.reset()

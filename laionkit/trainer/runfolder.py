@@ -33,11 +33,11 @@ from laionkit.common.storage import Location
 from laionkit.trainer import runlock
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
-               "pipeline", "single_file", "samples", "seen", "logs")
+               "pipeline", "single_file", "samples", "seen", "logs", "eval.png")
 
 
 EXPORTS = ("unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema", "pipeline", "single_file")
-SHARED = ("metrics.jsonl", "samples", "logs")  # uploaded by rank 0 at the end (metrics.jsonl also per checkpoint)
+SHARED = ("metrics.jsonl", "samples", "logs", "eval.png")  # uploaded by rank 0 at the end (metrics.jsonl also per checkpoint)
 
 
 def stage(config):

@@ -6,7 +6,7 @@
   class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
-* flag combinations of --lora-rank, the validation loss, --fp8 and --export, refused by
+* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8 and --export, refused by
   TrainConfig.__post_init__ before anything loads.
 """
 
@@ -113,6 +113,46 @@ def check_val_loss(config) -> None:
                             "must be >= 0 and >= 1")
     if config.val_strata < 0:
         raise LaionkitError(f"--val-strata {config.val_strata}: must be >= 0 (0: one random level per sample)")
+
+
+EVAL_DEFAULTS = {"eval_reference": None, "eval_prompts": None, "eval_count": 1000, "eval_steps": 25,
+                 "eval_resolution": None, "eval_inception": None, "eval_clip_model": "ViT-L-14",
+                 "eval_clip_pretrained": "openai"}
+
+
+def check_eval(config) -> None:
+    """--eval-every and its settings (TrainConfig.__post_init__): the files it names exist, so a run does not
+    stop at its first evaluation; the scorers' weights are loaded at setup (laionkit/trainer/evalhook.py)."""
+    from pathlib import Path
+
+    if config.eval_every < 0:
+        raise LaionkitError(f"--eval-every {config.eval_every}: must be >= 0 (0: never)")
+    if not config.eval_every:
+        given = [name for name, default in EVAL_DEFAULTS.items() if getattr(config, name) != default]
+        if given:
+            raise LaionkitError(f"--{given[0].replace('_', '-')} sets up scoring during training: give --eval-every N "
+                                "too (or drop it)")
+        return
+    if config.eval_reference is None:
+        raise LaionkitError("--eval-every needs --eval-reference IMAGES (a folder of images or pack's tars) to "
+                            "compute FID and KID against")
+    reference = Path(config.eval_reference).expanduser()
+    if not reference.exists():
+        raise LaionkitError(f"--eval-reference {config.eval_reference}: no such folder or tar file")
+    if config.eval_prompts is not None and not Path(config.eval_prompts).expanduser().is_file():
+        raise LaionkitError(f"--eval-prompts {config.eval_prompts}: no such file")
+    for name, low in (("eval_count", 2), ("eval_steps", 1)):
+        if getattr(config, name) < low:
+            raise LaionkitError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be >= {low}"
+                                + (" (FID and KID need 2 images)" if name == "eval_count" else ""))
+    if config.eval_resolution is not None and (config.eval_resolution < 8 or config.eval_resolution % 8):
+        raise LaionkitError(f"--eval-resolution {config.eval_resolution}: a multiple of 8 (the pipelines' VAEs "
+                            "downsample by 8), e.g. 512")
+    if "://" not in str(config.output):  # eval.png would become a reference image
+        output, source = Path(config.output).expanduser().resolve(), reference.resolve()
+        if output == source or source in output.parents:
+            raise LaionkitError(f"--output {config.output} {'is' if output == source else 'lies inside'} "
+                                f"--eval-reference {config.eval_reference}; outputs never go into inputs")
 
 
 def check_fp8(config) -> None:
