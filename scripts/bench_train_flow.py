@@ -54,9 +54,11 @@ LORA_BATCH = {1024: 4, 512: 16}  # Flux-12B LoRA with --checkpointing blocks
 FRACTIONS = ((8, 16),)  # Flux depth fractions (double, single blocks) trained full-parameter, default policy
 
 
-def real_text_encoders(family: str, folder: Path) -> None:
+def real_text_encoders(family: str, folder: Path, layers: int | None = None) -> None:
     """Replace the tiny writer's text encoders by real-size ones (random init, bf16): CLIP-L (768, 12
-    layers), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff)."""
+    layers; SD 1.x alone), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff). ``layers``:
+    that many layers each instead (the real widths, so the stored text has the real shapes, at a fraction
+    of the build time; bench_learning.py)."""
     from transformers import (
         CLIPTextConfig,
         CLIPTextModel,
@@ -67,19 +69,21 @@ def real_text_encoders(family: str, folder: Path) -> None:
 
     from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW
 
-    def clip(cls, hidden, layers, act):
+    def clip(cls, hidden, real_layers, act):
         return cls(CLIPTextConfig(vocab_size=CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
-                                  num_hidden_layers=layers, num_attention_heads=hidden // 64, projection_dim=hidden,
+                                  num_hidden_layers=layers or real_layers, num_attention_heads=hidden // 64, projection_dim=hidden,
                                   max_position_embeddings=CLIP_WINDOW, hidden_act=act, bos_token_id=49406,
                                   eos_token_id=49407, pad_token_id=1))
 
     t5 = lambda: T5EncoderModel(T5Config(  # noqa: E731 - google/t5-v1_1-xxl's encoder
-        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=layers or 24, num_heads=64,
         feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, is_encoder_decoder=False))
     if family == "sd3":
         parts = {"text_encoder": lambda: clip(CLIPTextModelWithProjection, 768, 12, "quick_gelu"),
                  "text_encoder_2": lambda: clip(CLIPTextModelWithProjection, 1280, 32, "gelu"),
                  "text_encoder_3": t5}
+    elif family == "sd":  # SD 1.x: CLIP-L's last hidden state
+        parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu")}
     elif family == "flux":
         parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu"), "text_encoder_2": t5}
     else:  # pixart: T5-XXL alone

@@ -58,8 +58,10 @@ def photos(images: Path, size: int = 64):
     return torch.stack(found)
 
 
-def sharpen_vae(folder: Path, images: Path) -> dict:
-    """Rewrite ``folder`` (an AutoencoderKL saved by save_pretrained) into one with what a trained VAE has.
+def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
+    """Rewrite ``folder`` (an AutoencoderKL saved by save_pretrained) into one with what a trained VAE has,
+    its statistics taken on the images of the folder ``images`` at ``size`` px (default: the VAE's
+    sample_size; scripts/bench_learning.py passes its training resolution).
 
     A random-init VAE's posterior log-variance is about 0, so the latent drawn from it each epoch is mostly
     noise (std ~1 before scaling, against means whose spread is a few hundredths), and its means barely
@@ -80,7 +82,7 @@ def sharpen_vae(folder: Path, images: Path) -> dict:
     shift, scale = config.shift_factor or 0.0, config.scaling_factor
     layer = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
     channels = config.latent_channels
-    pixels = photos(images, config.sample_size)
+    pixels = photos(images, size or config.sample_size)
     with torch.no_grad():
         mean = vae.encode(pixels).latent_dist.mean  # the layer's mean half, as it is
         centre, spread = mean.mean((0, 2, 3)), mean.std((0, 2, 3))
