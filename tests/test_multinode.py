@@ -20,6 +20,7 @@ import pytest
 import yaml
 from fixtures import process_tree, signal_all
 from test_preemption import free_port
+from torch.distributed.checkpoint import FileSystemReader
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
@@ -295,3 +296,36 @@ def test_pg_timeout_minutes_ends_a_run_whose_peer_stopped_responding(latent_shar
     assert launcher.returncode != 0
     assert "timed out" in err.lower() or "timeout" in err.lower(), err[-3000:]
     assert waited < 100, waited
+
+
+def test_hsdp_shards_inside_a_node_and_replicates_across_nodes(latent_shards, tmp_path):
+    """train/hsdp.yaml on 2 "nodes" (accelerate launch each, 2 CPU ranks per node, gloo): the UNet is sharded
+    over the 2 ranks of a node and replicated across the nodes, so every tensor of the sharded checkpoint is
+    in 2 shards, not in 4 as 4-way FSDP would cut it; it trains the same losses and gradient
+    norms as DDP on the same 4 ranks (fp32)."""
+    args = ["--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--max-steps", "2", "--checkpoint-every", "2",
+            "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1", "--max-grad-norm", "0.05"]
+    hsdp, ddp, port = tmp_path / "hsdp", tmp_path / "ddp", free_port()
+    nodes = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "train/hsdp.yaml"),
+              "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "4",
+              "--parallelism_config_dp_shard_size", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(port), "--mixed_precision", "no",
+              "-m", "laionkit.cli", "train", str(latent_shards), "--output", str(hsdp), *args] for rank in (0, 1)]
+    first, second = run_nodes(nodes, timeout=400)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
+    assert "HSDP on CPU ranks (gloo): 2 replicas x 2 shards" in first.stdout
+    reference = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                                "--master_port", str(free_port()), "-m", "laionkit.cli", "train", str(latent_shards),
+                                "--output", str(ddp), *args], capture_output=True, text=True, env=ENV, cwd=REPO,
+                               timeout=400)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, expected = records(hsdp), records(ddp)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2]
+    for mine, theirs in zip(got, expected):
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4), (mine["step"], key)
+    # torch's own reader of the sharded checkpoint: every tensor in 2 shards (one node's ranks), not 4
+    chunks = {name: len(meta.chunks) for name, meta in FileSystemReader(
+        str(hsdp / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata.items()
+        if hasattr(meta, "chunks")}
+    assert chunks and set(chunks.values()) == {2}, chunks

@@ -192,6 +192,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     timeout = config.pg_timeout_minutes
+    fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
     accelerator = Accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))] if timeout else None,
         gradient_accumulation_steps=config.grad_accum,
