@@ -329,3 +329,18 @@ def test_hsdp_shards_inside_a_node_and_replicates_across_nodes(latent_shards, tm
         str(hsdp / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata.items()
         if hasattr(meta, "chunks")}
     assert chunks and set(chunks.values()) == {2}, chunks
+
+
+def test_slurm_scripts_say_to_make_their_log_folder_and_use_the_current_nccl_variable():
+    """Slurm opens --output before the script runs and does not create its folder (the job fails with no log):
+    each script that writes into logs/ says `mkdir -p logs` in its usage line. The recipes set
+    TORCH_NCCL_ASYNC_ERROR_HANDLING, never the deprecated NCCL_ASYNC_ERROR_HANDLING."""
+    for script in sorted((REPO / "pipelines").rglob("*")):
+        if not script.is_file():
+            continue
+        text = script.read_text()
+        if "#SBATCH --output=logs/" in text:
+            assert "mkdir -p logs && sbatch" in text, script.name
+        assert "NCCL_ASYNC_ERROR_HANDLING=" not in text.replace("TORCH_NCCL_ASYNC_ERROR_HANDLING=", ""), script.name
+    for recipe in ("slurm/train.sbatch", "torchrun/train-multinode.sh", "k8s/train-job.yaml"):
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in (REPO / "pipelines" / recipe).read_text(), recipe
