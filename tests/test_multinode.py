@@ -18,6 +18,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import run_cli
 from fixtures import process_tree, signal_all
 from test_preemption import free_port
 from torch.distributed.checkpoint import FileSystemReader
@@ -344,3 +345,10 @@ def test_slurm_scripts_say_to_make_their_log_folder_and_use_the_current_nccl_var
         assert "NCCL_ASYNC_ERROR_HANDLING=" not in text.replace("TORCH_NCCL_ASYNC_ERROR_HANDLING=", ""), script.name
     for recipe in ("slurm/train.sbatch", "torchrun/train-multinode.sh", "k8s/train-job.yaml"):
         assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in (REPO / "pipelines" / recipe).read_text(), recipe
+
+
+def test_pg_timeout_minutes_must_be_positive(latent_shards, tmp_path):
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps", "1",
+                     "--pg-timeout-minutes", "0", check=False)
+    assert result.returncode == 2 and "--pg-timeout-minutes 0.0: must be a finite number > 0" in result.stderr
+    assert "Traceback" not in result.stderr
