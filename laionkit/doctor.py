@@ -2,6 +2,9 @@
 
 Each check returns rows of (check, value, verdict) so the CLI prints one table and a script can read
 the same facts as JSON. Verdicts are plain: "ok", "slow: <why and what to check>", or "missing".
+Under a launcher (torchrun on every node, a Kubernetes pod's torchrun, srun + torchrun) the all-reduce runs
+between the launcher's ranks through its rendezvous, so it measures the links between nodes, and rank 0
+reports, with the NCCL variables that decide those links.
 """
 
 from __future__ import annotations
@@ -62,7 +65,15 @@ def _free_port() -> int:
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, numel: int, iters: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    seconds = _time_allreduce(rank, backend, numel, iters)
+    if rank == 0:
+        queue.put(seconds)
+    dist.destroy_process_group()
+
+
+def _time_allreduce(local_rank: int, backend: str, numel: int, iters: int) -> float:
+    """Seconds per all-reduce of ``numel`` floats in the initialised process group, the slowest rank's."""
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tensor = torch.ones(numel, dtype=torch.float32, device=device)
@@ -76,10 +87,75 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, numel: int
         dist.all_reduce(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / iters
-    if rank == 0:
-        queue.put(seconds)
-    dist.destroy_process_group()
+    seconds = torch.tensor([(time.perf_counter() - start) / iters], device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def launched() -> tuple[int, int, int] | None:
+    """(rank, world size, nodes) when a launcher started this process as one rank of several (torchrun,
+    `accelerate launch`, a Kubernetes pod's torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), so the
+    all-reduce runs between the launcher's ranks, on every node it spans; else None (a local check)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return int(os.environ.get("RANK", "0")), world, max(1, world // per_node)
+
+
+def reporting() -> bool:
+    """Whether this process prints the report: rank 0 of a launched check, or the only process."""
+    where = launched()
+    return where is None or where[0] == 0
+
+
+def launched_busbw(backend: str, megabytes: int, iters: int = 20) -> float:
+    """The all-reduce between the launcher's ranks (every node of the job), through its rendezvous."""
+    numel = megabytes * 2**20 // 4
+    world = int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group(backend)  # env://: the launcher's MASTER_ADDR / MASTER_PORT, RANK, WORLD_SIZE
+    except Exception as error:  # an unreachable MASTER_ADDR, a closed port: say which
+        raise LaionkitError(f"--allreduce: cannot join the process group at {os.environ['MASTER_ADDR']}:"
+                            f"{os.environ.get('MASTER_PORT')} ({error})") from None
+    try:
+        seconds = _time_allreduce(int(os.environ.get("LOCAL_RANK", "0")), backend, numel, iters)
+    finally:
+        dist.destroy_process_group()
+    return numel * 4 / seconds * 2 * (world - 1) / world / 1e9
+
+
+# What each NCCL variable does between nodes, for the verdicts: (name, why it matters, what to do when unset).
+NCCL_VARIABLES = (
+    ("NCCL_SOCKET_IFNAME", "the interface NCCL's bootstrap and socket transport use",
+     "NCCL picks one itself and may take docker0 or a management port; name the node-to-node one "
+     "(e.g. NCCL_SOCKET_IFNAME=eth0, or ^docker,lo to exclude)"),
+    ("NCCL_IB_HCA", "the InfiniBand / RoCE adapters NCCL uses",
+     "NCCL uses every adapter it finds; list the ones on the GPU fabric (e.g. NCCL_IB_HCA=mlx5_0,mlx5_1) "
+     "when some serve storage"),
+    ("NCCL_DEBUG", "NCCL's log level",
+     "set NCCL_DEBUG=INFO once: each rank logs its transport (NET/IB is InfiniBand; NET/Socket between "
+     "nodes means TCP, tens of times slower) and the interface it chose"),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "what torch does when a collective fails or times out",
+     "torchrun sets 1 for its ranks (a failed or timed-out collective aborts NCCL and ends the process, so a "
+     "dead node ends the job instead of hanging it); pipelines/ set 1 for any launcher"),
+)
+
+
+def nccl_environment(nodes: int) -> list[Check]:
+    """The NCCL variables that decide how ranks on several nodes talk, each with what it does."""
+    rows = []
+    for name, what, unset in NCCL_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            rows.append(Check(name, value, f"ok: {what}"))
+        else:
+            rows.append(Check(name, "-", f"unset ({what}): {unset}" if nodes > 1 or name == "NCCL_DEBUG"
+                              else f"unset ({what}); matters between nodes"))
+    if "NCCL_ASYNC_ERROR_HANDLING" in os.environ:
+        rows.append(Check("NCCL_ASYNC_ERROR_HANDLING", os.environ["NCCL_ASYNC_ERROR_HANDLING"],
+                          "renamed: torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING now (the old name is deprecated)"))
+    return rows
 
 
 def allreduce_busbw(processes: int, backend: str, megabytes: int, iters: int = 20) -> float:
@@ -121,16 +197,29 @@ def run(allreduce: bool, processes: int | None, backend: str | None, megabytes: 
     rows = environment()
     if allreduce:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        processes = processes or max(torch.cuda.device_count(), 2)
-        busbw = allreduce_busbw(processes, backend, megabytes)
+        where = launched()
+        if where is not None:  # one rank of a launched job: between all its ranks and nodes
+            if processes is not None and processes != where[1]:
+                raise LaionkitError(f"--processes {processes}: the launcher started {where[1]} ranks; leave "
+                                    "--processes out under torchrun / accelerate launch")
+            _, processes, nodes = where
+            busbw = launched_busbw(backend, megabytes)
+        else:
+            processes, nodes = processes or max(torch.cuda.device_count(), 2), 1
+            busbw = allreduce_busbw(processes, backend, megabytes)
         if backend != "nccl":
             verdict = f"ok ({backend}: CPU transport, not a GPU link)"
         elif busbw >= min_busbw:
             verdict = "ok"
+        elif nodes > 1:
+            verdict = (f"slow: below {min_busbw:g} GB/s between {nodes} nodes; run with NCCL_DEBUG=INFO: NET/Socket "
+                       "means no InfiniBand (check NCCL_IB_HCA, the RDMA devices in the container), and "
+                       "NCCL_SOCKET_IFNAME names the interface")
         else:
             verdict = f"slow: below {min_busbw:g} GB/s; check `nvidia-smi topo -m`, NCCL_P2P_DISABLE, NCCL_IB_*"
-        rows.append(Check(f"all-reduce busbw ({backend}, {processes} proc, {megabytes} MB)",
-                          f"{busbw:.2f} GB/s", verdict))
+        spread = f"{processes} proc on {nodes} nodes" if nodes > 1 else f"{processes} proc"
+        rows.append(Check(f"all-reduce busbw ({backend}, {spread}, {megabytes} MB)", f"{busbw:.2f} GB/s", verdict))
+        rows += nccl_environment(nodes)
     if shards is not None:
         mbps, per_second = shard_read_throughput(shards)
         verdict = "ok" if mbps >= min_read else f"slow: below {min_read:g} MB/s; stage shards on local NVMe"

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "data" / "golden_runs.json"
 REALDATA = REPO.parent / "shared" / "realdata"
 # metrics.jsonl fields that measure the machine, not the training (they differ between two identical runs).
-TIMING = ("samples_per_s", "samples_per_s_per_gpu", "mfu", "data_wait_pct", "gpu_mem_gib")
+TIMING = ("samples_per_s", "samples_per_s_per_gpu", "mfu", "data_wait_pct", "gpu_mem_gib",
+          "rank_forward_s", "rank_data_wait_s", "straggler_rank", "straggler_ratio")
 # Files that hold a process id and a time by design (the run folder's lock).
 UNSTABLE = (".laionkit-train.lock",)
 FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1",

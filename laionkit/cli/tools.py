@@ -22,9 +22,14 @@ from laionkit.common import LaionkitError
     laionkit doctor --allreduce                 # NCCL bus bandwidth across all visible GPUs
 
     laionkit doctor --shards data/latents --json
+
+    # between nodes: on each node, through torchrun's rendezvous (rank 0 prints)
+    torchrun --nnodes 2 --node-rank $NODE --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $MAIN_HOST:29500 -m laionkit.cli doctor --allreduce
 """)
 def doctor(
-    allreduce: Annotated[bool, typer.Option(help="Time an all-reduce across GPUs (NCCL bus bandwidth).")] = False,
+    allreduce: Annotated[bool, typer.Option(help="Time an all-reduce across GPUs (NCCL bus bandwidth); under "
+                                                 "torchrun across all its ranks and nodes.")] = False,
     processes: Annotated[Optional[int], typer.Option(help="Processes for --allreduce (default: GPUs).")] = None,
     backend: Annotated[Optional[str], typer.Option(help="nccl or gloo (default: nccl when GPUs).")] = None,
     megabytes: Annotated[int, typer.Option(help="All-reduce message size in MB.")] = 256,
@@ -41,6 +46,8 @@ def doctor(
     from laionkit import doctor as doctor_stage
 
     rows = doctor_stage.run(allreduce, processes, backend, megabytes, shards, min_busbw, min_read)
+    if not doctor_stage.reporting():  # a launched check: rank 0 reports for all
+        return
     if as_json:
         typer.echo(json.dumps([asdict(row) for row in rows], indent=2))
         return

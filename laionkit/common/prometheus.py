@@ -1,7 +1,7 @@
 """A Prometheus endpoint for long runs: the numbers a dashboard or an alert needs, scraped over HTTP.
 
-Only rank 0 serves (one scrape target per job); it publishes what it already logs to metrics.jsonl,
-plus GPU utilisation read through NVML (nvidia-ml-py) when that is installed and a GPU is present.
+Only rank 0 serves (one scrape target per job); it publishes what it already logs to metrics.jsonl
+(the per-rank timings as one series per ``rank`` label, so a dashboard shows a slow node), plus GPU utilisation read through NVML (nvidia-ml-py) when that is installed and a GPU is present.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ GAUGES = {
     "mfu": ("laionkit_train_mfu", "Model FLOPs utilisation (0-1)."),
     "data_wait_pct": ("laionkit_train_data_wait_percent", "Share of time blocked on the data loader."),
     "gpu_mem_gib": ("laionkit_train_gpu_memory_gib", "Peak GPU memory allocated on rank 0."),
+    "straggler_rank": ("laionkit_train_straggler_rank", "The rank with the most forward + data-wait time per step."),
+    "straggler_ratio": ("laionkit_train_straggler_ratio",
+                        "The straggler's forward + data-wait time over the ranks' median (1: all alike)."),
+}
+# metrics.jsonl per-rank lists -> (Prometheus name with a `rank` label, help)
+RANK_GAUGES = {
+    "rank_forward_s": ("laionkit_train_rank_forward_seconds", "Forward-pass seconds per step, per rank."),
+    "rank_data_wait_s": ("laionkit_train_rank_data_wait_seconds", "Data-loader wait seconds per step, per rank."),
 }
 
 
@@ -34,6 +42,8 @@ class MetricsServer:
         self.registry = prometheus_client.CollectorRegistry()
         self.gauges = {key: prometheus_client.Gauge(name, text, registry=self.registry)
                        for key, (name, text) in GAUGES.items()}
+        self.rank_gauges = {key: prometheus_client.Gauge(name, text, ["rank"], registry=self.registry)
+                            for key, (name, text) in RANK_GAUGES.items()}
         self.gpu = self._nvml_handle(gpu_index)
         if self.gpu is not None:
             self.utilisation = prometheus_client.Gauge(
@@ -59,6 +69,9 @@ class MetricsServer:
         for key, gauge in self.gauges.items():
             if key in record:
                 gauge.set(record[key])
+        for key, gauge in self.rank_gauges.items():
+            for rank, value in enumerate(record.get(key, ())):
+                gauge.labels(rank=str(rank)).set(value)
         if self.gpu is not None:
             import pynvml
 

@@ -228,6 +228,12 @@ class TrainConfig:
     storage_options: str | None = option(None, STORAGE_HELP)
     rank: int | None = option(None, RANK_HELP)
     world_size: int | None = option(None, WORLD_SIZE_HELP)
+    # the process group's collective timeout (accelerate's InitProcessGroupKwargs; docs/CLUSTER.md)
+    pg_timeout_minutes: float | None = option(
+        None, "Minutes a collective (all-reduce, barrier) may wait for the other ranks before the run fails "
+        "with a timeout instead of hanging (default: torch's, 10 for NCCL, 30 for gloo). Raise it when one "
+        "rank may pause long (a slow checkpoint upload on rank 0), lower it to fail fast on a dead node; "
+        "e.g. --pg-timeout-minutes 60.")
     quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"))
 
     def __post_init__(self) -> None:
@@ -244,10 +250,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
-        for name in ("lr", "epochs"):
+        for name in ("lr", "epochs", "pg_timeout_minutes"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise LaionkitError(f"--{name} {value}: must be a finite number > 0")
+                raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
         if self.resume not in (None, "latest") and self.overwrite:
             raise LaionkitError("--overwrite goes with --resume latest only (resume if a checkpoint exists, else "
                                 "delete the run and start over); --resume FOLDER continues that checkpoint")

@@ -13,13 +13,32 @@ same environment), so everything after it is accelerate's own FSDP2 path: ``prep
 ``save_state`` / ``load_state`` (sharded distributed checkpoints), ``get_state_dict`` and gradient clipping.
 It exists so that the FSDP code paths of `laionkit train` run and are tested with real ranks on CPU; on
 GPUs it does nothing.
+
+HSDP (train/hsdp.yaml: FSDP2 plus accelerate's ParallelismConfig, ``dp_shard_size`` ranks of a node sharding,
+``dp_replicate_size`` nodes replicating) meets the same gap one step earlier: ``Accelerator.__init__`` validates
+the parallelism config against the state it has just made (``ParallelismConfig._validate_accelerator``), and a
+``MULTI_CPU`` state is neither FSDP2 nor a "multi device" one, so it raises. ``hold_parallelism_on_cpu`` holds
+the config back while the Accelerator is built on CPU ranks; ``honor_fsdp_on_cpu`` then sets it, its device mesh
+(on "cpu", over gloo) and validates it once the state is FSDP, as the Accelerator does on GPUs.
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from laionkit.common import LaionkitError
+
+_PARALLELISM, _HELD = "ACCELERATE_USE_PARALLELISM_CONFIG", "LAIONKIT_HELD_PARALLELISM_CONFIG"
+
+
+def hold_parallelism_on_cpu() -> None:
+    """Before ``Accelerator(...)``: on a machine without GPUs, hide an FSDP launch's parallelism config (HSDP)
+    from the constructor, which would refuse it on CPU ranks; honor_fsdp_on_cpu sets it afterwards."""
+    if (not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+            and os.environ.get(_PARALLELISM, "false").lower() == "true"):
+        os.environ.update({_PARALLELISM: "false", _HELD: "true"})
 
 
 def honor_fsdp_on_cpu(accelerator) -> bool:
@@ -44,5 +63,18 @@ def honor_fsdp_on_cpu(accelerator) -> bool:
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ ends
-    accelerator.print("FSDP2 on CPU ranks (gloo)")
+    if os.environ.pop(_HELD, None) == "true":  # HSDP: held back by hold_parallelism_on_cpu
+        os.environ[_PARALLELISM] = "true"
+        from accelerate.utils import ParallelismConfig
+
+        config = ParallelismConfig()  # from the launcher's PARALLELISM_CONFIG_* environment
+        state.parallelism_config = config
+        state.device_mesh = config.get_device_mesh("cpu")
+        try:
+            config._validate_accelerator(accelerator)
+        except ValueError as error:
+            raise LaionkitError(f"the accelerate config's parallelism_config: {error}") from None
+        accelerator.print(f"HSDP on CPU ranks (gloo): {config.dp_replicate_size} replicas x {config.dp_shard_size} shards")
+    else:
+        accelerator.print("FSDP2 on CPU ranks (gloo)")
     return True

@@ -186,10 +186,15 @@ class Trainer:
 
 
 def make_accelerator(config: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from datetime import timedelta
 
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    timeout = config.pg_timeout_minutes
+    fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
     accelerator = Accelerator(
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))] if timeout else None,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         log_with=None if config.log_with == "none" else config.log_with,
@@ -379,15 +384,19 @@ def resume(trainer: Trainer) -> Path | None:
     return folder
 
 
-def micro_step(trainer: Trainer, moments: torch.Tensor, cond: dict) -> torch.Tensor:
+def micro_step(trainer: Trainer, moments: torch.Tensor, cond: dict, times=None) -> torch.Tensor:
     """One micro-batch inside accelerate's accumulate(): the loss of the family's objective, backward, and
-    apply_gradients (clip and optimizer step on the sync micro-batch only). Returns the loss."""
+    apply_gradients (clip and optimizer step on the sync micro-batch only). Returns the loss. ``times``
+    (a ranktimes.RankTimes) times the forward pass."""
     t = trainer
     with t.accelerator.accumulate(t.unet):
+        began = times.begin() if times is not None else None
         if t.noise_scheduler is None:
             loss = flow_loss(t.model, moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
         else:
             loss = diffusion_loss(t.model, moments, cond, t.empty, t.noise_scheduler, t.config, t.data, t.generator)
+        if times is not None:
+            times.end(began)
         t.accelerator.backward(loss)
         norm = apply_gradients(t.accelerator, t.unet, t.optimizer, t.master, t.config.max_grad_norm)
         if t.accelerator.sync_gradients:
@@ -411,7 +420,7 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
         window.flops += t.model_flops[bucket] * len(batch["key"])
         moments = batch["moments"].to(t.device, non_blocking=True)
         cond = batch_conditioning(batch, t.data, t.device, t.input_dtype, t.online)
-        loss = micro_step(t, moments, cond)
+        loss = micro_step(t, moments, cond, window.times)
         step_loss += loss.detach().float() / config.grad_accum
     t.nonfinite = torch.where(torch.isfinite(step_loss), torch.zeros_like(t.nonfinite), t.nonfinite + 1)
     window.add(step_loss, t.nonfinite)

@@ -13,6 +13,7 @@ import torch
 from laionkit.common import (
     LaionkitError,
 )
+from laionkit.trainer import ranktimes
 from laionkit.trainer.checkpoint import last_good
 
 
@@ -44,11 +45,13 @@ class MetricsWindow:
         self.path, self.exporter = path, exporter
         self.loss = torch.zeros((), device=accelerator.device)
         self.worst_nonfinite = torch.zeros((), device=accelerator.device)
+        self.times = ranktimes.RankTimes(accelerator.device)  # this rank's forward passes (ranktimes.py)
         self.reset()
 
     def reset(self) -> None:
         """A new window from now (the non-finite run is reset by check_finite)."""
         self.loss.zero_()
+        self.times.reset()
         self.start, self.steps, self.data_wait, self.flops = time.perf_counter(), 0, 0.0, 0.0
 
     def add(self, step_loss: torch.Tensor, nonfinite: torch.Tensor) -> None:
@@ -74,6 +77,8 @@ class MetricsWindow:
             **self.rates(elapsed, totals[0]),
             # all ranks, since the run began: sums to step x global batch
             "samples_per_bucket": {key: int(n) for key, n in zip(t.schedule.buckets, totals[1:])},
+            # per rank, so that a slow node shows (laionkit/trainer/ranktimes.py)
+            **ranktimes.gather(accelerator, self.times.forward_seconds(), self.data_wait, self.steps),
         }
 
     def write(self, record: dict) -> None:
@@ -84,7 +89,9 @@ class MetricsWindow:
         with open(self.path, "a") as handle:
             handle.write(strict_json(record) + "\n")
         if accelerator.log_with:
-            scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")}
+            scalars = {k: v for k, v in record.items() if k not in ("step", "samples_per_bucket")
+                       and not isinstance(v, list)}
+            scalars.update(ranktimes.tracker_scalars(record))
             scalars.update({f"samples_per_bucket/{k}": v for k, v in record["samples_per_bucket"].items()})
             accelerator.log(scalars, step=record["step"])
         if self.exporter is not None:
