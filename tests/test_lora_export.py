@@ -187,3 +187,22 @@ def test_flux_kohya_single_blocks_split_back_at_flux1_widths():
         torch.testing.assert_close(up @ down, want, rtol=1e-5, atol=1e-4, msg=module)
     mlp = "transformer.single_transformer_blocks.0.proj_mlp"
     assert back[f"{mlp}.lora_B.weight"].shape == (12288, RANK) and not back[f"{mlp}.lora_B.weight"].any()
+
+
+def test_lora_beyond_attention_loads_whole(latent_shards, tiny_models, tmp_path):
+    """--lora-targets naming layers besides attention's to_q / to_k / to_v / to_out.0: diffusers' converter to
+    its older key names renames only those, and its loader takes the naming of the first key and silently
+    drops the layers named the other way. The export loads whole: the pipeline's denoiser is the trained one."""
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
+
+    name, targets, latents, model = "sd", "to_q,to_k,to_v,to_out.0,time_emb_proj", latent_shards, tiny_models
+    output_dir = tmp_path / "run"
+    run(TrainConfig(latents=latents, output=output_dir, unet=str(model), lora_rank=RANK, lora_alpha=ALPHA,
+                    lora_targets=targets, max_steps=2, batch_size=4, lr=1e-2, log_with="none", quiet=True, workers=0,
+                    shuffle_buffer=3, checkpoint_every=2))
+    adapters = load_file(output_dir / "checkpoints" / "step-00000002" / "adapter.safetensors")
+    assert any(".to_q." in key for key in adapters) and any(key.split(".lora_A.")[0].endswith(
+        targets.rsplit(",", 1)[1]) for key in adapters)  # both kinds of layer were trained
+    want = output(name, merged(name, model, output_dir))
+    torch.testing.assert_close(output(name, loaded(name, model, output_dir / "lora")), want, rtol=1e-4, atol=1e-5)

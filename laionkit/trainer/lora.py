@@ -271,8 +271,14 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
         _save_peft_adapter(model, peft_layers, folder)
         return
     kohya, skipped = kohya_layers(model, peft_layers)
+    layers = convert_state_dict_to_diffusers(peft_layers)
+    if any(".lora_A." in key or ".lora_B." in key for key in layers):
+        # --lora-targets beyond attention (time_emb_proj, add_k_proj, ...): diffusers' converter renames only
+        # attention layers, and its loader picks one naming from the first key and drops the other's layers
+        # without an error, so the whole file keeps PEFT's names, which the loader reads as they are.
+        layers = peft_layers
     with atomic_output(folder) as tmp:
-        pipeline.save_lora_weights(str(tmp), **{keyword: convert_state_dict_to_diffusers(peft_layers)},
+        pipeline.save_lora_weights(str(tmp), **{keyword: layers},
                                    **{keyword.replace("_layers", "_adapter_metadata"): adapter_metadata(model)},
                                    weight_name=EXPORT_FILE)
         if kohya:
