@@ -5,7 +5,7 @@ checks in trainchecks, --config files in trainfile) → data (latent sets, stage
 noise, conditioning) → precision (master weights, optimizer; fp8) → model (builders, FLOPs, FSDP units;
 fsdp, lora) → checkpoint (save, verify, resume; runlock, runfolder) → evaluation (validation images;
 valloss) → metrics → export (the denoiser, after_training, `laionkit export`; pipeline, singlefile) →
-memory (--checkpointing auto: measured on the built trainer) → evalhook (--eval-every: the exported weights
+signals (stop signals) → memory (--checkpointing auto: measured on the built trainer) → evalhook (--eval-every: the exported weights
 scored as `laionkit eval` scores them) → loop (setup, train_step, the run), which wires them.
 """
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -32,7 +31,6 @@ from laionkit.common import (
 from laionkit.common.storage import ReadCache
 from laionkit.families import Objective
 from laionkit.latents import (
-    STOP_SIGNALS,
     StreamLayout,
     end_workers,
     latent_loader,
@@ -72,55 +70,7 @@ from laionkit.trainer.precision import (
     make_optimizer,
     scaled_lr,
 )
-
-
-class StopFlag:
-    """The stop signals (SIGTERM, SIGINT, SIGHUP) turned into a checkpoint at a step boundary that every
-    rank agrees on; a second SIGINT stops at once.
-
-    A context manager: handlers are installed by ``install()`` when the loop starts (before it a signal
-    keeps its default effect: there is nothing new to save) and the previous ones are restored on exit,
-    so a caller training in-process (``laionkit run``, ``laionkit demo``) gets its Ctrl-C back.
-    """
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, object] = {}
-        self._pending: torch.Tensor | None = None
-
-    def __enter__(self) -> StopFlag:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def agreed(self, accelerator) -> int | None:
-        """Called once per optimizer step on every rank: the signal to stop on now, the same on all ranks.
-
-        Ranks get a signal at different moments, so they stop on the max of their flags, all-reduced as
-        one element per step. Reading the reduced value at once would make the CPU wait for the GPU
-        every step (the loop has no other per-step sync), so the value all-reduced at step N is read at
-        step N + 1, after that step's work is queued: by then it is long done, and the stop lands one
-        step later than it could. The flag lives on the accelerator's device, as NCCL needs, and is
-        filled there by a kernel, not copied from the host (a copy would sync too).
-        """
-        if accelerator.num_processes == 1:
-            return self.signal
-        previous = self._pending
-        flag = torch.full((1,), float(self.signal or 0), device=accelerator.device)
-        self._pending = accelerator.reduce(flag, "max")
-        return (int(previous.item()) or None) if previous is not None else None
+from laionkit.trainer.signals import StopFlag
 
 
 def run(config: TrainConfig) -> TrainResult:
