@@ -38,11 +38,13 @@ Time. One call of under 10 minutes per family: `laionkit train --max-steps` far 
 checkpoints and exits 143) at ``--minutes`` of training or when only ``--reserve`` seconds of ``--budget``
 are left, whichever comes first; `laionkit export` rebuilds RUN/pipeline from a run's denoiser export only, so
 the run is resumed from that checkpoint with ``--max-steps`` at its step, which exports without training on.
-Every stage runs in its own process (encode, train, export, generation, eval).
+Training, the export, generation and eval each run in a process of their own; encode runs in this one, through
+its Python API, before any of them.
 
     python scripts/bench_learning.py --family sd --out /tmp/bl-sd --report $OUT     # GPU machine, call 1
     python scripts/bench_learning.py --family sd3 --out /tmp/bl-sd3 --report $OUT   # GPU machine, call 2
     python scripts/bench_learning.py --smoke --out /tmp/bl                          # CPU plumbing check
+    python scripts/bench_learning.py --smoke --family sd3 --text-layers 1 --out /tmp/bl3  # CPU, SD3's real widths
 """
 
 from __future__ import annotations
