@@ -54,11 +54,12 @@ LORA_BATCH = {1024: 4, 512: 16}  # Flux-12B LoRA with --checkpointing blocks
 FRACTIONS = ((8, 16),)  # Flux depth fractions (double, single blocks) trained full-parameter, default policy
 
 
-def real_text_encoders(family: str, folder: Path, layers: int | None = None) -> None:
-    """Replace the tiny writer's text encoders by real-size ones (random init, bf16): CLIP-L (768, 12
-    layers; SD 1.x alone), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff). ``layers``:
-    that many layers each instead (the real widths, so the stored text has the real shapes, at a fraction
-    of the build time; bench_learning.py)."""
+def real_text_encoders(family: str, folder: Path, layers: int | None = None, dtype=torch.bfloat16) -> None:
+    """Replace the tiny writer's text encoders by real-size ones (random init, saved in ``dtype``): CLIP-L
+    (768, 12 layers; SD 1.x alone), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff).
+    ``layers``: that many layers each instead (the real widths, so the stored text has the real shapes, at a
+    fraction of the build time; bench_learning.py, which saves them in float32 as the rest of the pipeline
+    is: a pipeline loaded without a torch_dtype runs each part in its saved dtype)."""
     from transformers import (
         CLIPTextConfig,
         CLIPTextModel,
@@ -92,7 +93,7 @@ def real_text_encoders(family: str, folder: Path, layers: int | None = None) -> 
     for sub, build in parts.items():
         torch.manual_seed(0)
         with torch.device(device):
-            model = build().to(torch.bfloat16)
+            model = build().to(dtype)
         shutil.rmtree(folder / sub)
         model.save_pretrained(folder / sub)
         del model
