@@ -119,7 +119,8 @@ def measure(config: PlanConfig, candidate: Candidate) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log, "w") as handle:
-        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=die_with_parent)
         record = None
         while record is None and process.poll() is None:
             if time.perf_counter() - started > config.timeout:
@@ -146,6 +147,17 @@ def measure(config: PlanConfig, candidate: Candidate) -> None:
     lines = [line for line in text.splitlines() if line.strip()]
     candidate.detail = lines[-1][:300] if lines else f"exit {process.returncode}"
     candidate.status = "out of memory" if any(mark in text for mark in OUT_OF_MEMORY) else "failed"
+
+
+def die_with_parent() -> None:
+    """In the candidate's process before it starts (Linux): SIGKILL when plan dies. The candidate runs in
+    a session of its own (so that plan can stop it with its DataLoader workers), which a signal to plan's
+    own process group, or a SIGKILL of plan, would not reach: without this an interrupted plan leaves a
+    training process running towards a --max-steps it never reaches."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def window(metrics: Path, step: int) -> dict | None:

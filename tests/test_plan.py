@@ -50,3 +50,34 @@ def test_plan_refuses_bad_values_in_one_line(latent_shards, tmp_path):
                            (("--compile", "maybe"), "--compile 'maybe'")):
         result = run_cli("plan", latent_shards, "--output", tmp_path / "p", *flags, check=False)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_killed_plan_takes_its_candidate_with_it(latent_shards, tmp_path):
+    """plan's candidate runs in a session of its own; a SIGKILL of plan must still end it (else it trains
+    on towards a --max-steps it never reaches)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output = tmp_path / "plan"
+    plan = subprocess.Popen([sys.executable, "-m", "laionkit.cli", "plan", str(latent_shards), "--output", str(output),
+                             "--batch-sizes", "1", "--checkpointing", "none", "--compile", "off", "--steps", "1000",
+                             "--quiet", "--", "--unet-config", "tiny", "--workers", "0"])
+    deadline, children = time.monotonic() + 120, []
+    while not children and time.monotonic() < deadline:  # the candidate's train process has started
+        time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-f", str(output / "runs")], capture_output=True, text=True).stdout.split()
+    assert children, "the candidate never started"
+    os.kill(plan.pid, signal.SIGKILL)
+    plan.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and
+                                              "Z" not in open(f"/proc/{pid}/stat").read().split()[2] for pid in children):
+        time.sleep(0.2)
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}")
+             and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]]
+    for pid in alive:  # not left running on failure
+        os.kill(int(pid), signal.SIGKILL)
+    assert not alive, f"candidate processes outlived the killed plan: {alive}"
