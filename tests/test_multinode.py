@@ -24,7 +24,10 @@ from test_preemption import free_port
 from torch.distributed.checkpoint import FileSystemReader
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+# The recipes call `torchrun` / `accelerate` by name, as on a cluster node where the environment is
+# activated: this interpreter's bin folder comes first on PATH (CI runs .venv/bin/python without activating).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+       "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
 
 def node(rank: int, port: int, *command: str, nproc: int = 1) -> list[str]:
