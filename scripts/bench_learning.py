@@ -333,8 +333,10 @@ def evaluate(args, made: dict, pipeline: Path, train_s: float, steps_per_s: floa
     extrapolated from the two: generation is linear in the count."""
     scorers = args.out / "eval-models"
     began = time.perf_counter()
-    if not (scorers / "inception.pth").exists():
-        cli(args.out, "tiny-eval", ["models", "tiny-eval", "--output", str(scorers)], env, timeout=120)
+    if not args.inception and not (scorers / "inception.pth").exists():
+        wrote = cli(args.out, "tiny-eval", ["models", "tiny-eval", "--output", str(scorers)], env, timeout=300)
+        if wrote["rc"] != 0 or not (scorers / "inception.pth").exists():
+            return {"error": f"laionkit models tiny-eval exit {wrote['rc']}: {wrote['tail']}"}
     flags = ["--inception", args.inception or str(scorers / "inception.pth")]
     if args.clip_model:
         flags += ["--clip-model", args.clip_model, "--clip-pretrained", args.clip_pretrained]
