@@ -76,8 +76,8 @@ PARTS = ("photo", "shape", "colour", "position")
 # checkpoint, the export, generation and eval (2.0B's checkpoint and export write ~30 GB) and the images eval
 # generates (SD3-size: 1,000 with classifier-free guidance are ~120 PFLOP, minutes of an H200: extrapolated).
 FAMILIES = {
-    "sd": dict(flag="--unet-config", config="sd15", batch=128, lr=1e-4, val_every=100, reserve=170, eval_count=1000),
-    "sd3": dict(flag="--transformer-config", config="sd3-medium", batch=64, lr=1e-4, val_every=50, reserve=300,
+    "sd": dict(flag="--unet-config", config="sd15", batch=128, lr=1e-4, val_every=100, reserve=240, eval_count=1000),
+    "sd3": dict(flag="--transformer-config", config="sd3-medium", batch=64, lr=1e-4, val_every=50, reserve=340,
                 eval_count=128),
 }
 # A fresh interpreter running tests/learning.py's GENERATE with the pipeline on the GPU where there is one,
