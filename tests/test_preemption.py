@@ -131,6 +131,12 @@ def test_sigterm_to_the_process_group_of_one_trainer_checkpoints_and_exits_143(l
     code, out, _ = interrupt(single(latent_shards, run, "--max-steps", 1000), run,
                           lambda pid: os.killpg(pid, signal.SIGTERM))
     assert code == 128 + signal.SIGTERM, out[-3000:]
+    # its weights are only in the checkpoint: export says, in one line, how to get them out
+    [checkpoint] = checkpoints(run)
+    exported = run_cli("export", run, "--format", "pipeline", check=False)
+    assert exported.returncode != 0 and "Traceback" not in exported.stderr, exported.stderr[-3000:]
+    assert (f"stopped at step {int(checkpoint.name.split('-')[1])} before its end" in exported.stderr
+            and "--resume latest --max-steps" in exported.stderr), exported.stderr[-3000:]
     stopped_at = assert_resumes_like_uninterrupted(launch_single, latent_shards, run, tmp_path)
     assert f"stopped by signal 15 at step {stopped_at}" in out
 

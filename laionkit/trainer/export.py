@@ -125,6 +125,14 @@ def _rebuild_pipeline(run: Path, files: str) -> Path:
     data = open_latents(config.latents)
     schedule = None if data.family.objective.kind == "flow" else load_noise_scheduler(config, data.family)
     base = _base(config, data.family)
+    step = json.loads((found[-1] / "trainer.json").read_text())["step"]
+    trained = run / ("lora" if config.lora_rank is not None else data.family.denoiser_subfolder)
+    if not trained.is_dir():
+        # stopped before its end (SIGTERM, a preemption): its weights are only in the checkpoint, which train
+        # exports when resumed at that step (it trains no further step)
+        raise LaionkitError(f"{trained} is missing: {run} stopped at step {step} before its end. "
+                            f"Export it by resuming at that step (it trains nothing more): laionkit train "
+                            f"{config.latents} --output {run} --resume latest --max-steps {step} <the run's flags>")
     merged = None
     if config.lora_rank is not None:  # the adapters merged into the base they trained on
         _check_lora_base(found[-1], config, data.family)
