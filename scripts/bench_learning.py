@@ -39,10 +39,15 @@ checkpoints and exits 143) at ``--minutes`` of training or when only ``--reserve
 are left, whichever comes first; `laionkit export` rebuilds RUN/pipeline from a run's denoiser export only, so
 the run is resumed from that checkpoint with ``--max-steps`` at its step, which exports without training on.
 Training, the export, generation and eval each run in a process of their own; encode runs in this one, through
-its Python API, before any of them.
+its Python API, before any of them. Ten minutes of training with the checkpoint, export, generation and eval after
+it do not fit one call (SD-1.5's took 14.5 min in all, SD3-medium's over 16 on an H200): ``--train-only`` stops
+after the checkpoint, and a second call with ``--resume`` (on the same warm machine: the run is in ``--out``)
+trains on from it, then exports and scores.
 
     python scripts/bench_learning.py --family sd --out /tmp/bl-sd --report $OUT     # GPU machine, call 1
     python scripts/bench_learning.py --family sd3 --out /tmp/bl-sd3 --report $OUT   # GPU machine, call 2
+    python scripts/bench_learning.py --family sd3 --minutes 8 --train-only --out /tmp/bl-sd3   # 10 minutes of
+    python scripts/bench_learning.py --family sd3 --minutes 2 --resume --out /tmp/bl-sd3 --report $OUT  # training
     python scripts/bench_learning.py --smoke --out /tmp/bl                          # CPU plumbing check
     python scripts/bench_learning.py --smoke --family sd3 --text-layers 1 --out /tmp/bl3  # CPU, SD3's real widths
 """
@@ -216,7 +221,9 @@ def train(args, spec: dict, made: dict, env: dict, started: float) -> dict:
     """`laionkit train` from scratch until its time is up (SIGTERM: a checkpoint, exit 143), then the same
     command resumed at that step, which exports RUN/unet or RUN/transformer and RUN/pipeline and stops."""
     run = args.out / "run"
-    shutil.rmtree(run, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(run, ignore_errors=True)
+    before = len(read_metrics(run))  # records of an earlier call's part of the run (--resume)
     argv = ["train", str(made["latents_train"]), "--output", str(run), spec["flag"],
             "tiny" if args.smoke else spec["config"], "--batch-size", str(args.batch or spec["batch"]),
             "--lr", str(args.lr or spec["lr"]), "--warmup-steps", str(args.warmup), "--caption-dropout", "0.1",
@@ -227,15 +234,16 @@ def train(args, spec: dict, made: dict, env: dict, started: float) -> dict:
     result: dict = {"argv": argv}
     begun = time.perf_counter()
     with open(args.out / "train.log", "w") as handle:
-        process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *argv, "--max-steps", str(10**8)],
+        process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *argv, "--max-steps", str(10**8),
+                                    *(["--resume", "latest"] if args.resume else [])],
                                    stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         deadline = min(begun + args.minutes * 60, started + args.budget - (args.reserve or spec["reserve"]))
         first = None  # when the first log record appeared: the loop runs and SIGTERM now checkpoints
         while process.poll() is None:
             now = time.perf_counter()
-            if first is None and read_metrics(run):
+            if first is None and len(read_metrics(run)) > before:
                 first = now
-                result["startup_s"], result["first_step"] = round(now - begun, 1), read_metrics(run)[0]["step"]
+                result["startup_s"], result["first_step"] = round(now - begun, 1), read_metrics(run)[before]["step"]
                 if args.smoke:  # a CPU's start-up can take the whole --minutes: train that long after it
                     deadline = max(deadline, first + args.minutes * 60)
             if first is not None and now >= deadline:
@@ -262,7 +270,7 @@ def train(args, spec: dict, made: dict, env: dict, started: float) -> dict:
         result["error"] = f"no checkpoint (train exit {result['rc']}): {(args.out / 'train.log').read_text()[-1500:]}"
         return result
     step = max(steps)
-    rates = [r["samples_per_s"] for r in records if "samples_per_s" in r]
+    rates = [r["samples_per_s"] for r in records[before:] if "samples_per_s" in r]
     rates = rates[1:] or rates  # the windows after the first (start-up)
     result.update(step=step, samples=step * (args.batch or spec["batch"]), images=len(made["train"]),
                   samples_per_s=statistics.median(rates) if rates else None,
@@ -270,6 +278,8 @@ def train(args, spec: dict, made: dict, env: dict, started: float) -> dict:
                   val=[{"step": r["step"], "val_loss": r["val_loss"], "val_loss_strata": r.get("val_loss_strata")}
                        for r in records if "val_loss" in r],
                   gpu_mem_gib=max((r.get("gpu_mem_gib") or 0 for r in records), default=None))
+    if args.train_only:  # a later call goes on with --resume
+        return result
     if not (run / "pipeline" / "model_index.json").exists():  # stopped, not finished: export through resume
         result["export"] = cli(args.out, "export", [*argv, "--max-steps", str(step), "--resume", "latest"], env,
                                timeout=args.budget - (time.perf_counter() - started))
@@ -372,6 +382,9 @@ def evaluate(args, made: dict, pipeline: Path, train_s: float, steps_per_s: floa
         if "error" in result["fixed"]:
             return result
         per_image = (wall - result["fixed"]["wall_s"]) / (count - small)
+        if per_image <= 0:  # the smaller eval took as long: noise (a busy CPU), no line through the two
+            result["fixed"]["error"] = "not extrapolated: the smaller eval was not faster"
+            return result
         wall = result["fixed"]["wall_s"] + per_image * (1000 - small)
         result["per_image_s"] = per_image
     result["wall_1000_s"] = wall  # measured, or extrapolated from the two
@@ -393,6 +406,10 @@ def main() -> None:
     parser.add_argument("--val-images", type=int, default=144, help="held-out scenes: the validation loss's")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time at most (process start to stop)")
     parser.add_argument("--budget", type=float, default=555, help="seconds for the whole call (a device call: 600)")
+    parser.add_argument("--train-only", action="store_true",
+                        help="stop after training (a checkpoint); a second call with --resume goes on and scores")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on training the run an earlier --train-only call in the same --out left")
     parser.add_argument("--reserve", type=float, help="seconds kept after training (default: the family's)")
     parser.add_argument("--batch", type=int, help="default: the family's (sd 128, sd3 64)")
     parser.add_argument("--lr", type=float, help="default: the family's (1e-4)")
@@ -439,11 +456,16 @@ def main() -> None:
     summary["prepare_s"] = round(time.perf_counter() - started, 1)
     print(f"models and latents ready after {summary['prepare_s']} s; training until {args.minutes} min or "
           f"{args.reserve or spec['reserve']} s before the {args.budget} s budget", flush=True)
+    earlier = args.out / f"results-{args.family}.json"
+    if args.resume and earlier.exists():  # the first call's part of the run
+        summary["earlier_train"] = json.loads(earlier.read_text()).get("train")
     summary["train"] = trained = train(args, spec, made, env, started)
     save()
     print(f"train: {json.dumps({k: v for k, v in trained.items() if k not in ('loss', 'val', 'argv')})[:800]}",
           flush=True)
     pipeline = Path(trained["pipeline"]) if trained.get("pipeline") else None
+    if args.train_only:
+        pipeline = None
     if pipeline is not None:
         summary["retrieval"] = judge(args, made, pipeline, env, timeout=left() - 20)
         save()
