@@ -91,7 +91,7 @@ def child(args) -> dict:
     config = TrainConfig(latents=str(args.latents), output=output, unet_config="tiny" if args.smoke else name,
                          batch_size=1 if args.smoke else batch, max_steps=10**6, checkpoint_every=10**9,
                          keep_checkpoints=1, checkpoint_writer=args.writer, log_with="none", quiet=True, workers=2,
-                         overwrite=True, resume="latest", **extra)
+                         overwrite=True, **extra)  # a fresh run: an old run in the folder is deleted
     with storage.default_options(storage.parse_storage_options(None)):
         config, remote = runfolder.stage(config)
         t = setup(config, remote)
@@ -171,10 +171,10 @@ def main() -> None:
     try:
         for model in args.models.split(","):
             latents = latents_for(model, args.out, args.smoke)
-            places = [None] + ([bucket.url("runs", model)] if args.s3 else [])
-            for url in places:
+            for remote in (False, True) if args.s3 else (False,):
                 for writer in args.writers.split(","):
-                    name = f"{model}-{writer}{'-s3' if url else ''}"
+                    name = f"{model}-{writer}{'-s3' if remote else ''}"
+                    url = bucket.url("runs", name) if remote else None
                     argv = [sys.executable, __file__, "--child", "--out", str(args.out), "--model", model,
                             "--writer", writer, "--name", name, "--latents", str(latents),
                             *(["--smoke"] if args.smoke else []), *(["--run-url", url] if url else []),

@@ -226,3 +226,45 @@ def test_a_bucket_run_folder_gets_async_checkpoints_with_done_records_and_resume
     losses = [json.loads(line)["loss"] for line in (Location.parse(run) / "metrics.jsonl").read_bytes().decode()
               .splitlines()]
     assert losses == [record["loss"] for _, record in sorted(metrics(local).items())]
+
+
+def test_a_failed_background_write_stops_the_run_in_one_line_keeping_the_last_good_checkpoint(
+        latent_shards, tmp_path, monkeypatch):
+    """A write error in the background thread (here: the storage raises at step 4's save) is no silently
+    missing checkpoint: the run stops at its next step with one line naming the step and the error, the
+    temporary folder is not taken for a checkpoint, and step 2 stays the one --resume latest takes."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if "step-00000004" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", failing)
+    run = tmp_path / "run"
+    result = run_cli("train", latent_shards, "--output", run, *TINY, "--max-steps", "8", "--checkpoint-every", "2",
+                     "--checkpoint-writer", "async", check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if "step-00000004 was not written" in line]
+    assert "No space left on device" in line and "last good one stays" in line and "step-00000002" in line
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
+    assert max(metrics(run)) <= 6  # stopped at the step after the failed save, not at the end
+
+
+def test_ranks_whose_weights_drift_stop_naming_the_rank_under_the_async_writer(latent_shards, tmp_path):
+    """The ranks' weight fingerprints are compared in the background, on the staged copy: a drifting rank
+    stops the run with train's one line, and no checkpoint of that step is written."""
+    from test_train import DRIFT
+
+    script = tmp_path / "drift.py"
+    script.write_text(DRIFT)
+    run = tmp_path / "run"
+    result = subprocess.run(torchrun("train", latent_shards, "--output", run, *TINY, "--max-steps", "4",
+                                     "--checkpoint-every", "2", "--checkpoint-writer", "async", script=script),
+                            capture_output=True, text=True, timeout=400, env=ENV, cwd=REPO)
+    assert result.returncode != 0
+    assert "step 2: the weights of rank(s) 1 differ from rank 0's" in result.stderr, result.stderr[-3000:]
+    assert not list((run / "checkpoints").glob("step-*"))

@@ -213,7 +213,7 @@ def _fingerprint(trained: list[str], model: dict) -> tuple[str, bool]:
         values = model[name].float()
         finite = finite and bool(torch.isfinite(values).all())
         digest.update(name.encode())
-        digest.update(values.contiguous().numpy().tobytes())
+        digest.update(values.contiguous().numpy())  # the same bytes as tobytes(), without a copy of them
     return digest.hexdigest(), finite
 
 
@@ -256,9 +256,11 @@ class CheckpointWriter:
         self.lora_base: dict | None = None  # a LoRA run's lora.base_identity, recorded in adapter.safetensors
 
     # -- the main thread --
-    def save(self, trainer, wait: bool = False) -> Path | None:
-        """Stage the state into host memory and write it (in the background unless ``wait`` or the writer
-        is synchronous). Returns the folder the checkpoint will have; None where a sync save skipped it."""
+    def save(self, trainer, rank_state: dict, wait: bool = False) -> Path | None:
+        """Stage the state into host memory and write it with this rank's ``rank_state`` (the record
+        read_rank_record reads back; its ``fingerprint`` is set here) in the background unless ``wait`` or
+        the writer is synchronous. Returns the folder the checkpoint will have; None where a sync save
+        skipped it."""
         self.wait()
         t = trainer
         began = time.monotonic()
@@ -267,9 +269,6 @@ class CheckpointWriter:
         if t.config.lora_rank is not None:  # gathered on every rank (FSDP shards); written by rank 0
             adapters = {n: p.contiguous().cpu() for n, p in lora.adapters(self.accelerator.unwrap_model(t.unet)).items()}
         staged = self._stage(state.tensors)
-        rank_state = {"step": t.step, "layout": t.data_key,
-                      "bucket_samples": dict(zip(t.schedule.buckets, t.bucket_samples)),
-                      "generator": base64.b64encode(t.generator.get_state().numpy().tobytes()).decode()}
         job = Job(t.step, checkpoint_dir(t.config.output, t.step), staged, state.host, state.trained, rank_state,
                   random_states(), bool(t.nonfinite.item() == 0), adapters, self._records())
         if _is_fsdp(self.accelerator):
@@ -328,19 +327,26 @@ class CheckpointWriter:
             self._thread.join()
         self.check()
 
-    def close(self, timeout: float | None = None) -> None:
-        """The end of the run: wait for the save in flight (at most ``timeout`` s on an error path)."""
+    def close(self, timeout: float | None = None, quiet: bool = False) -> None:
+        """The end of the run: wait for the save in flight, then raise its error. On an error's exit
+        (``quiet``): at most ``timeout`` s (a rank that is gone never finishes its part), and its error only
+        said, not raised over the one the run stops with."""
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 return
+        if quiet and self._error is not None:
+            self.accelerator.print(f"error: {self._error}")
+            self._error = None
         self.check()
 
     # -- the writing thread: every rank runs it for the same step; rank 0 finishes --
     def _run(self, job: Job, began: float) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             outcome = self._write(job)
-        except Exception as error:  # a collective broke: a rank is gone; this rank says so
+        except (Exception, CheckpointException) as error:  # a collective broke: a rank is gone; this rank says so
             outcome = f"step {job.step}: checkpoint not written: {_one_line(error)}"
         if outcome is None:
             self.last = job.final
@@ -379,6 +385,7 @@ class CheckpointWriter:
         """Returns None (written), a warning (skipped) or the error; the same on every rank."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
 
         folder = partial_path(job.final)
         local_main = self.accelerator.is_local_main_process
@@ -413,7 +420,7 @@ class CheckpointWriter:
                 for name in mine:
                     target.fs.put_file(str(folder / name), target.join(name).path)
                 self._put_records(job.records)
-        except Exception as caught:  # noqa: BLE001 - said by every rank below, in one line
+        except (Exception, CheckpointException) as caught:  # DCP's is a BaseException; said by every rank below
             error = f"rank {self.rank}: {_one_line(caught)}"
         found = self._all((error, mine))
         outcome = None

@@ -420,11 +420,10 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     """A checkpoint of this step when every rank's weights agree (else an error) and the loss and weights
     are finite on all ranks, uploaded where the run folder is remote; None (a warning) when not finite.
     ``writer`` (--checkpoint-writer async / sync) saves DCP checkpoints, in the background unless ``wait``."""
-    if writer is not None:
-        return writer.save(trainer, wait)
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     step, output = t.step, config.output
-    fingerprint = weights_fingerprint(accelerator, t.unet, t.master)
+    # the writer compares the ranks' weights in the background, on its staged copy
+    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None else None
     check_ranks_agree(accelerator, fingerprint, step)
     healthy = t.nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
     if not accelerator.reduce(torch.tensor(float(healthy), device=t.device), "min").item():
@@ -434,6 +433,8 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     rank_state = {"step": step, "layout": t.data_key, "fingerprint": fingerprint and fingerprint[0],
                   "bucket_samples": dict(zip(t.schedule.buckets, t.bucket_samples)),
                   "generator": base64.b64encode(t.generator.get_state().numpy().tobytes()).decode()}
+    if writer is not None:
+        return writer.save(t, rank_state, wait)
     folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                              config, {name: obj.state_dict() for name, obj in t.extra_states.items()})
     if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
@@ -585,5 +586,5 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     finally:
         end_workers(batches)
         if writer is not None:  # an error's exit: the save in flight, if the ranks can still finish it
-            writer.close(timeout=config.pg_timeout_minutes * 60 if config.pg_timeout_minutes else 600)
+            writer.close(timeout=config.pg_timeout_minutes * 60 if config.pg_timeout_minutes else 600, quiet=True)
     return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
