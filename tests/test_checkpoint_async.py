@@ -268,3 +268,30 @@ def test_ranks_whose_weights_drift_stop_naming_the_rank_under_the_async_writer(l
     assert result.returncode != 0
     assert "step 2: the weights of rank(s) 1 differ from rank 0's" in result.stderr, result.stderr[-3000:]
     assert not list((run / "checkpoints").glob("step-*"))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/laionkit-pwned",))
+
+
+def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tmp_path):
+    """DCP's .metadata is a pickle: laionkit's reader builds DCP's metadata classes (sizes, dtypes, chunks) and
+    refuses any other global, in one line, before anything is called."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from laionkit.common import LaionkitError
+    from laionkit.trainer.checkpoint_async import _reader
+
+    state = {"model": {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}, "step": torch.tensor(7.0)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "state"), no_dist=True)
+    loaded = {"model": {"w": torch.empty(3, 4), "b": torch.empty(4, dtype=torch.bfloat16)}, "step": torch.tensor(0.0)}
+    dcp.load(loaded, storage_reader=_reader(tmp_path / "state"), no_dist=True)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"].item() == 7.0
+
+    (tmp_path / "state" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(LaionkitError, match=r"not plain checkpoint metadata, refused to load it .*(posix|os)\.system"):
+        _reader(tmp_path / "state").read_metadata()
+    assert not Path("/tmp/laionkit-pwned").exists()
