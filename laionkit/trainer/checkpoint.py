@@ -144,13 +144,19 @@ def check_ranks_agree(accelerator, fingerprint: tuple[str, bool] | None, step: i
     if fingerprint is None:
         return
     found = gather_object([fingerprint[0]]) if accelerator.num_processes > 1 else [fingerprint[0]]
-    differ = [rank for rank, digest in enumerate(found) if digest != found[0]]
+    differ = ranks_differ(found, step)
     if differ:
-        raise LaionkitError(
-            f"step {step}: the weights of rank(s) {', '.join(map(str, differ))} differ from rank 0's "
+        raise LaionkitError(differ)
+
+
+def ranks_differ(found: list[str], step: int) -> str | None:
+    """The error when the ranks' weight fingerprints ``found`` (by rank) are not all rank 0's, else None."""
+    differ = [rank for rank, digest in enumerate(found) if digest != found[0]]
+    if not differ:
+        return None
+    return (f"step {step}: the weights of rank(s) {', '.join(map(str, differ))} differ from rank 0's "
             f"(sha256 {', '.join(f'rank {r}: {d[:12]}' for r, d in enumerate(found))}); the ranks no "
-            "longer train one model, so no checkpoint was written. Please report this with the command line"
-        )
+            "longer train one model, so no checkpoint was written. Please report this with the command line")
 
 
 def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep: int,

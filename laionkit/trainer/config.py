@@ -121,6 +121,14 @@ class TrainConfig:
     workers: int = option(2, "DataLoader workers per rank.")
     shuffle_buffer: int = option(1000, "Samples in each worker's shuffle buffer.")
     checkpoint_every: int = option(1000, "Checkpoint every N steps.")
+    checkpoint_minutes: float | None = option(
+        None, "Also checkpoint when M minutes have passed since the last checkpoint (rank 0's clock; every rank "
+        "saves at the same step).")
+    checkpoint_writer: Literal["accelerate", "async", "sync"] = option(
+        "accelerate", "accelerate: accelerate's save_state layout, rank 0 writes while every rank waits (DeepSpeed "
+        "needs it); async: sharded DCP checkpoints, the GPUs wait only for a copy into host memory and a thread "
+        "writes (and uploads) them; sync: the same DCP checkpoints written before training goes on. --resume "
+        "reads either layout (docs/FORMATS.md).")
     keep_checkpoints: int = option(3, "Keep the last K checkpoints.")
     resume: str | None = option(
         None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
@@ -250,7 +258,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
-        for name in ("lr", "epochs", "pg_timeout_minutes"):
+        for name in ("lr", "epochs", "pg_timeout_minutes", "checkpoint_minutes"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")

@@ -35,7 +35,18 @@ from laionkit.latents import (
     end_workers,
     latent_loader,
 )
-from laionkit.trainer import evalhook, fp8, fsdp, lora, memory, runfolder, runlock, trainchecks, valloss
+from laionkit.trainer import (
+    checkpoint_async,
+    evalhook,
+    fp8,
+    fsdp,
+    lora,
+    memory,
+    runfolder,
+    runlock,
+    trainchecks,
+    valloss,
+)
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
     claim_run_folder,
@@ -323,7 +334,10 @@ def resume(trainer: Trainer) -> Path | None:
     refuse_other_settings(folder, state.get("layout", {}), t.data_key, "written",
                           "exact resume needs the same latent shards (names, sample counts, sizes), number "
                           "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
-    load_checkpoint_state(accelerator, folder, t.extra_states)
+    if checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
+        checkpoint_async.load(t, folder)
+    else:
+        load_checkpoint_state(accelerator, folder, t.extra_states)
     t.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
     t.step = state["step"]
     # A checkpoint from before per-bucket counts had one bucket, which took every sample.
@@ -401,12 +415,15 @@ def open_records(trainer: Trainer) -> tuple[Path, Path]:
     return metrics_path, keys_path
 
 
-def checkpoint(trainer: Trainer) -> Path | None:
+def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | None = None,
+               wait: bool = False) -> Path | None:
     """A checkpoint of this step when every rank's weights agree (else an error) and the loss and weights
-    are finite on all ranks, uploaded where the run folder is remote; None (a warning) when not finite."""
+    are finite on all ranks, uploaded where the run folder is remote; None (a warning) when not finite.
+    ``writer`` (--checkpoint-writer async / sync) saves DCP checkpoints, in the background unless ``wait``."""
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     step, output = t.step, config.output
-    fingerprint = weights_fingerprint(accelerator, t.unet, t.master)
+    # the writer compares the ranks' weights in the background, on its staged copy
+    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None else None
     check_ranks_agree(accelerator, fingerprint, step)
     healthy = t.nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
     if not accelerator.reduce(torch.tensor(float(healthy), device=t.device), "min").item():
@@ -416,6 +433,8 @@ def checkpoint(trainer: Trainer) -> Path | None:
     rank_state = {"step": step, "layout": t.data_key, "fingerprint": fingerprint and fingerprint[0],
                   "bucket_samples": dict(zip(t.schedule.buckets, t.bucket_samples)),
                   "generator": base64.b64encode(t.generator.get_state().numpy().tobytes()).decode()}
+    if writer is not None:
+        return writer.save(t, rank_state, wait)
     folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
                              config, {name: obj.state_dict() for name, obj in t.extra_states.items()})
     if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
@@ -492,6 +511,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     t = setup(config, remote)
     config, accelerator, schedule = t.config, t.accelerator, t.schedule
     device, main, max_steps = t.device, accelerator.is_main_process, schedule.max_steps
+    writer = checkpoint_async.writer(t)  # None: accelerate's layout; made on every rank (a gloo group)
     resume(t)
     cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
     stage = schedule.stage_at(t.step)
@@ -514,7 +534,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         stop.install()
         progress = tqdm(total=max_steps, initial=t.step, disable=config.quiet or not main, desc="train", unit="step")
         window = MetricsWindow(accelerator, schedule.global_batch, config.peak_tflops, metrics_path, exporter)
-        last_checkpoint, stopped_by = None, None
+        last_checkpoint, stopped_by, clock = None, None, checkpoint_async.Clock(config.checkpoint_minutes)
         while t.step < max_steps:
             lora.seed_dropout(config, accelerator.process_index, t.step)  # LoRA hook: dropout masks as exact as the rest
             if t.step == schedule.ends[stage]:  # the next stage's stream starts at its first batch
@@ -523,6 +543,8 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 batches = iter(latent_loader(t.layouts[stage], pin_memory=device.type == "cuda", cache=cache))
                 accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
             step_keys = train_step(t, batches, stage, window)
+            if writer is not None:
+                writer.check()  # a background save that failed stops the run here, in one line
             progress.update()
             if config.record_keys:
                 with open(keys_path, "a") as handle:
@@ -544,9 +566,12 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 window.reset()
                 window.check_finite(t.step, config.max_nonfinite, config.output)
 
-            stopped_by = stop.agreed(accelerator)  # decided together, so every rank checkpoints and stops
-            if t.step % config.checkpoint_every == 0 or stopped_by or t.step == max_steps:  # always the last
-                last_checkpoint = checkpoint(t) or last_checkpoint
+            # decided together, so every rank checkpoints and stops (--checkpoint-minutes: rank 0's clock)
+            stopped_by = stop.agreed(accelerator, main and clock.due())
+            if t.step % config.checkpoint_every == 0 or stopped_by or t.step == max_steps or stop.checkpoint_due:
+                # the last one, and one on a stop signal, are written before the run goes on to exit
+                last_checkpoint = checkpoint(t, writer, wait=bool(stopped_by) or t.step == max_steps) or last_checkpoint
+                clock.saved()
             if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
                 validation_grid(t, validation, schedule.stages[stage][1])
             if stopped_by:
@@ -555,7 +580,11 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         window.close()
         if not stopped_by:
             finish(t)
+        if writer is not None:
+            writer.close()
         accelerator.end_training()
     finally:
         end_workers(batches)
+        if writer is not None:  # an error's exit: the save in flight, if the ranks can still finish it
+            writer.close(timeout=config.pg_timeout_minutes * 60 if config.pg_timeout_minutes else 600, quiet=True)
     return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
