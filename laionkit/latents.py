@@ -1,11 +1,14 @@
 """Stream latent shards (docs/FORMATS.md §3) into training batches: split, shuffled per epoch, resumable.
 
-Every consumer (one DataLoader worker of one rank) owns a fixed set of *units* and reads them as an
-infinite stream, one pass per epoch, each epoch in its own seeded order. Training length is counted
-in steps, so every rank runs the same number of steps whatever its share of the data: a rank whose
-shards are smaller simply starts its next epoch sooner, and no rank ever waits for data that isn't
-there. The stream is a pure function of (seed, rank, worker, epoch), so the data cursor is one number
-per rank (batches consumed) and resuming means skipping that many batches without decoding them.
+Every consumer (one DataLoader worker of one rank) reads its part of each epoch as one infinite stream,
+one pass per epoch. Which samples that part holds, in which order, and what a resume leaves out is
+laionkit.latents_order: one canonical order of all samples per epoch, cut into near-equal contiguous
+chunks for whatever consumers exist, each chunk mixed through its consumer's shuffle buffer; the samples
+the run has already trained (its ``DataProgress`` bitmaps) are dropped after the shuffle. Training
+length is counted in steps and chunks are equal to one sample, so every rank runs the same number of
+steps and no rank waits for data that isn't there. Every sample carries its epoch and id into its batch,
+so the trainer records what it trained, step by step; that record, not a count of batches, is the data
+cursor of a checkpoint, which lets a resume change the number of ranks, workers or the batch size.
 
 Batches. A batch holds samples of one latent shape: with aspect-ratio buckets (``encode --buckets``) each
 consumer puts its samples, in stream order after the shuffle buffer, into one buffer per shape and emits
@@ -13,16 +16,11 @@ a buffer as a batch when it holds ``batch_size`` samples; shapes are never mixed
 Samples left in a bucket's buffer at the end of an epoch are carried into the next epoch, not dropped,
 so every sample is trained on and a bucket smaller than a batch still fills up over epochs. Without
 buckets there is one shape and a batch is simply the next ``batch_size`` samples of the endless stream.
-
-Units. With at least as many shards as consumers, shard *i* goes to consumer *i mod n*
-(``laionkit.common.split``). With fewer shards than consumers, consumer *c* reads shard *c mod S* and
-keeps every *m*-th sample of it, where *m* is the number of consumers sharing that shard, so consumers
-still see disjoint samples. The same rule splits a rank's units over its workers. Invariant: for any
-number of consumers, the slices of each shard partition its samples exactly.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import itertools
@@ -32,7 +30,7 @@ import signal
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +38,10 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from laionkit.common import LaionkitError, Rank, split, storage
+from laionkit.common import LaionkitError, storage
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
+from laionkit.latents_order import DataProgress, chunk, shuffle_seed
 
 # The members a training sample needs; others are skipped unread. Extra text tensors of a model family
 # (SDXL's pooled.npy, PixArt's mask.npy) and the json's size fields (SDXL's time_ids) travel in the batch
@@ -64,22 +63,6 @@ class Unit:
     offset: int = 0
     stride: int = 1
 
-    def narrow(self, part: int, parts: int) -> Unit:
-        """Part ``part`` of ``parts`` disjoint interleaved slices of this unit."""
-        return replace(self, offset=self.offset + self.stride * part, stride=self.stride * parts)
-
-
-def partition(units: Sequence[Unit], consumer: int, consumers: int) -> list[Unit]:
-    """The units consumer ``consumer`` of ``consumers`` reads (see the module docstring for the rule).
-    Every consumer gets samples as long as every unit holds some: train leaves empty shards out."""
-    if len(units) >= consumers:
-        return split(units, Rank(consumer, consumers, "partition"))
-    if not units:
-        return []
-    shared = units[consumer % len(units)]
-    sharers = len(range(consumer % len(units), consumers, len(units)))
-    return [shared.narrow(consumer // len(units), sharers)]
-
 
 def shard_paths(latents: Path | Location, complete_only: bool | None = True) -> list[Location]:
     """The folder's complete latent tars (in an object store: those with their done record; with
@@ -88,10 +71,6 @@ def shard_paths(latents: Path | Location, complete_only: bool | None = True) -> 
     if not shards:
         raise LaionkitError(f"no latent shards (*.tar) in {latents}")
     return shards
-
-
-def unit_length(unit: Unit, shard_sizes: dict[str, int]) -> int:
-    return len(range(unit.offset, shard_sizes[unit.shard], unit.stride))
 
 
 def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
@@ -180,6 +159,8 @@ def decode(sample: dict) -> dict:
         "key": sample["__key__"],
         "moments": torch.from_numpy(_npy(sample, MOMENTS)),
     }
+    if "__id__" in sample:  # from a LatentStream: what the trainer marks as trained
+        decoded.update(epoch=sample["__epoch__"], id=sample["__id__"])
     if TEXT in sample:
         decoded["text"] = torch.from_numpy(_npy(sample, TEXT))
     for name in sample:
@@ -222,37 +203,44 @@ def collate(samples: Sequence[dict]) -> dict:
     return batch
 
 
-def epoch_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch, rank, worker]).generate_state(1)[0])
+def read_part(shard: str, indices: np.ndarray, offset: int, epoch: int,
+              read: Callable[[Unit], Iterable] = read_unit) -> Iterator[dict]:
+    """Samples ``indices`` (ascending) of ``shard``, in tar order, each tagged with its epoch and its id
+    (``offset`` + index): what the trainer marks as trained (laionkit.latents_order)."""
+    if not len(indices):
+        return
+    wanted = iter(indices.tolist())
+    target = next(wanted)
+    for index, sample in enumerate(itertools.islice(read(Unit(shard)), int(indices[-1]) + 1)):
+        if index == target:
+            sample["__epoch__"], sample["__id__"] = epoch, offset + index
+            yield sample
+            target = next(wanted, None)
 
 
-def epoch_samples(units: Sequence[Unit], rng: random.Random, shuffle_buffer: int,
-                  read: Callable[[Unit], Iterable] = read_unit) -> Iterator:
-    """One pass over ``units``: unit order permuted, then samples mixed through a shuffle buffer.
-
-    The random draws depend only on the number of samples per unit, never on their content, so ``read``
-    may yield stand-ins (resume replays an epoch's bucketing on shapes alone)."""
-    order = list(units)
-    rng.shuffle(order)
-    samples = itertools.chain.from_iterable(read(unit) for unit in order)
+def mixed(samples: Iterable, rng: random.Random, shuffle_buffer: int) -> Iterator:
+    """``samples`` through a shuffle buffer. Its draws depend on the number of samples only, never on
+    their content or on which of them are later dropped as trained."""
     if shuffle_buffer <= 1:
-        return samples
+        return iter(samples)
     return wds.filters.shuffle(bufsize=shuffle_buffer, initial=shuffle_buffer, rng=rng)(samples)
 
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """Everything the order of samples depends on; exact resume needs the same layout."""
+    """Everything the order of samples depends on, with what the run has trained (``DataProgress``):
+    exact resume needs the same layout; another layout continues the epoch with the untrained rest."""
 
-    shards: tuple[str, ...]
+    shards: tuple[str, ...]  # in id order (laionkit.latents_order)
     rank: int
     world_size: int
     workers: int
     batch_size: int
     seed: int
     shuffle_buffer: int
-    # Several latent shapes (encode --buckets): resume replays the bucketing instead of counting samples.
+    # Several latent shapes (encode --buckets): batches are grouped per shape.
     bucketed: bool = False
+    samples: tuple[int, ...] = ()  # per shard: counted when not given
 
     @property
     def consumers(self) -> int:
@@ -260,39 +248,46 @@ class StreamLayout:
 
 
 class LatentStream(IterableDataset):
-    """One rank's infinite stream of single-shape batches, starting after ``batches_done`` batches."""
+    """One rank's infinite stream of single-shape batches: ``progress`` (what is trained of each epoch)
+    continued, after ``batches_done`` batches of this layout (which worker is next, see ``__iter__``)."""
 
-    def __init__(self, layout: StreamLayout, batches_done: int = 0, cache: ReadCache | None = None) -> None:
+    def __init__(self, layout: StreamLayout, batches_done: int = 0, cache: ReadCache | None = None,
+                 progress: DataProgress | None = None) -> None:
         self.layout = layout
         self.batches_done = batches_done
         # where shards are read from does not change the stream: the cache is not in the layout
         self.read = functools.partial(read_unit, cache=cache)
-        units = [Unit(shard) for shard in layout.shards]
-        self.rank_units = partition(units, layout.rank, layout.world_size)
+        counts = layout.samples or tuple(count_samples(shard) for shard in layout.shards)
+        # a copy: the trainer goes on marking its own as it trains
+        self.progress = copy.deepcopy(progress) if progress is not None else DataProgress.fresh(counts)
+        if len(self.progress.counts) != len(layout.shards):
+            raise ValueError(f"progress over {len(self.progress.counts)} shards, layout of {len(layout.shards)}")
 
     def __iter__(self) -> Iterator[dict]:
-        layout = self.layout
+        layout, progress = self.layout, self.progress
         info = get_worker_info()
         # The DataLoader takes batches from its K workers strictly in turn, starting with worker 0, so
         # batch i comes from stream i mod K. A loader restarted after B batches must therefore give its
-        # worker w the stream (w + B) mod K, which has delivered ceil((B - stream) / K) batches so far.
+        # worker w the stream (w + B) mod K.
         worker = ((info.id if info is not None else 0) + self.batches_done) % layout.consumers
-        units = partition(self.rank_units, worker, layout.consumers)
-        batches = max(0, -(-(self.batches_done - worker) // layout.consumers))
-        first_epoch, skip, pending, skip_batches = 0, 0, {}, 0
-        if batches and layout.bucketed:
-            first_epoch, pending, skip_batches = self._resume_point(units, worker, batches)
-        elif batches:  # one shape: a batch is the next batch_size samples, so skip whole epochs by count
-            sizes = {unit.shard: count_samples(unit.shard) for unit in units}
-            length = sum(unit_length(unit, sizes) for unit in units)
-            if length == 0:
-                raise self._starved(worker)
-            first_epoch, skip = divmod(batches * layout.batch_size, length)
-        for epoch in itertools.count(first_epoch):
-            rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
-            produced = 0
-            for sample in itertools.islice(epoch_samples(units, rng, layout.shuffle_buffer, self.read), skip, None):
-                produced += 1
+        consumer = layout.rank * layout.consumers + worker
+        offsets, pending = progress.offsets, {}
+        for epoch in itertools.count(progress.first):
+            parts = chunk(progress, layout.seed, epoch, consumer, layout.world_size * layout.consumers)
+            bits = progress.epochs.get(epoch)
+            if not parts:
+                if bits is None or not bits.base.any():
+                    raise self._starved(worker)
+                continue  # the epoch's untrained rest went to other consumers
+            trained = bits.trained if bits is not None else None
+            if trained is not None and all(trained[offsets[shard] + part].all() for shard, part in parts):
+                continue  # all of this consumer's part is trained: not even read
+            rng = random.Random(shuffle_seed(layout.seed, epoch, consumer))
+            samples = itertools.chain.from_iterable(
+                read_part(layout.shards[shard], part, int(offsets[shard]), epoch, self.read) for shard, part in parts)
+            for sample in mixed(samples, rng, layout.shuffle_buffer):
+                if trained is not None and trained[sample["__id__"]]:
+                    continue  # dropped after the shuffle: the others keep their order
                 shape = moments_shape(sample)
                 if not layout.bucketed and pending and shape not in pending:
                     raise LaionkitError(
@@ -303,47 +298,7 @@ class LatentStream(IterableDataset):
                 bucket.append(sample)
                 if len(bucket) == layout.batch_size:
                     pending[shape] = []
-                    if skip_batches:
-                        skip_batches -= 1
-                    else:
-                        yield collate([decode(raw) for raw in bucket])
-            if produced == 0 and skip == 0:
-                raise self._starved(worker)
-            skip = 0
-
-    def _resume_point(self, units: list[Unit], worker: int, batches: int) -> tuple[int, dict, int]:
-        """Where a bucketed stream that has delivered ``batches`` batches stands: the epoch to restart,
-        the buckets' buffers at its start (raw samples) and the batches of it already delivered.
-
-        Leftovers carried over make an epoch's batches depend on every epoch before it, so the
-        bucketing is replayed from epoch 0 on stand-ins (unit, index, shape), which consume the same
-        random draws as the samples; reading the shapes costs one pass over this consumer's units,
-        and only the carried-over samples are read again."""
-        layout = self.layout
-        shapes = {unit: [moments_shape(sample) for sample in self.read(unit)] for unit in units}
-        if not any(shapes.values()):
-            raise self._starved(worker)
-
-        def stand_ins(unit: Unit) -> Iterator[tuple]:
-            return ((unit, index, shape) for index, shape in enumerate(shapes[unit]))
-
-        pending: dict[tuple, list] = {}
-        done = 0
-        for epoch in itertools.count():
-            at_start = {shape: list(items) for shape, items in pending.items()}
-            rng = random.Random(epoch_seed(layout.seed, epoch, layout.rank, worker))
-            emitted = 0
-            for unit, index, shape in epoch_samples(units, rng, layout.shuffle_buffer, stand_ins):
-                bucket = pending.setdefault(shape, [])
-                bucket.append((unit, index))
-                if len(bucket) == layout.batch_size:
-                    pending[shape] = []
-                    emitted += 1
-            if done + emitted > batches:
-                return epoch, _fetch(at_start, self.read), batches - done
-            done += emitted
-            if done == batches:
-                return epoch + 1, _fetch(pending, self.read), 0
+                    yield collate([decode(raw) for raw in bucket])
 
     def _starved(self, worker: int) -> LaionkitError:
         layout = self.layout
@@ -351,21 +306,6 @@ class LatentStream(IterableDataset):
             f"rank {layout.rank} worker {worker} got no samples from {len(layout.shards)} latent shards "
             f"({layout.world_size} ranks x {layout.consumers} workers): are some shards empty?"
         )
-
-
-def _fetch(pending: dict[tuple, list[tuple[Unit, int]]], read: Callable[[Unit], Iterable] = read_unit,
-           ) -> dict[tuple, list[dict]]:
-    """The raw samples behind the stand-ins (unit, index in unit) of a bucket state."""
-    wanted: dict[Unit, set[int]] = {}
-    for items in pending.values():
-        for unit, index in items:
-            wanted.setdefault(unit, set()).add(index)
-    found = {}
-    for unit, indices in wanted.items():
-        for index, sample in enumerate(itertools.islice(read(unit), max(indices) + 1)):
-            if index in indices:
-                found[unit, index] = sample
-    return {shape: [found[item] for item in items] for shape, items in pending.items()}
 
 
 # The signals a scheduler or launcher sends to stop a run (docker stop, Kubernetes, Slurm, torchrun
@@ -430,13 +370,13 @@ class _OneLineErrors:
 
 
 def latent_loader(layout: StreamLayout, batches_done: int = 0, pin_memory: bool = False,
-                  cache: ReadCache | None = None) -> DataLoader:
+                  cache: ReadCache | None = None, progress: DataProgress | None = None) -> DataLoader:
     """Batches of ``{"key": [str], "moments": (B, 2C, h, w) fp16, "text": (B, T, D) fp16}``, one (h, w)
     per batch (T: the longest caption of the batch where text is trimmed, ``collate``); the workers form
     the batches (see the module docstring). A damaged shard or member is a one-line LaionkitError naming
     the shard (and sample), with workers or without (LatentLoader)."""
     return LatentLoader(
-        LatentStream(layout, batches_done, cache),
+        LatentStream(layout, batches_done, cache, progress),
         batch_size=None,
         num_workers=layout.workers,
         pin_memory=pin_memory,

@@ -21,6 +21,7 @@ from conftest import run_cli
 from fixtures import compile_on_cpu, kill_tree
 
 from laionkit.latents import StreamLayout, latent_loader
+from laionkit.latents_order import DataProgress
 
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet")
 
@@ -49,7 +50,7 @@ def _keys(batches) -> list[list[str]]:
 def test_batches_are_single_bucket_leftovers_carry_over_and_resume_skips_exactly(bucket_latents, workers):
     """Per worker, a batch is emitted when its bucket's buffer, fed in stream order, reaches the batch
     size; leftovers cross epochs (each worker holds 4 samples in 3 buckets); a loader restarted after k
-    batches continues with batch k, leftovers of earlier epochs included."""
+    batches, with their samples marked trained, continues with batch k, leftovers of earlier epochs included."""
     bucket = bucket_of_key(bucket_latents)
     shards = tuple(map(str, sorted(bucket_latents.glob("*.tar"))))
     layout = StreamLayout(shards, 0, 1, workers, 2, 7, 3, bucketed=True)
@@ -72,8 +73,13 @@ def test_batches_are_single_bucket_leftovers_carry_over_and_resume_skips_exactly
         got = _keys(batches[worker::streams])
         assert got == expected[:len(got)], worker
 
+    counts = [sum(1 for name in tarfile.open(shard).getnames() if name.endswith(".json")) for shard in shards]
     for done in (range(1, 20) if workers == 0 else (3, 10, 17)):
-        resumed = list(itertools.islice(latent_loader(layout, batches_done=done), 4))
+        progress = DataProgress.fresh(counts)  # what the first `done` batches trained
+        for batch in batches[:done]:
+            progress.mark(batch["epoch"], batch["id"])
+        progress.settle()
+        resumed = list(itertools.islice(latent_loader(layout, batches_done=done, progress=progress), 4))
         assert _keys(resumed) == _keys(batches[done:done + 4]), done
         assert all(a["moments"].equal(b["moments"]) for a, b in zip(resumed, batches[done:done + 4]))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -20,7 +21,8 @@ import pytest
 from conftest import run_cli
 from fixtures import metrics
 
-from laionkit.latents import StreamLayout, Unit, latent_loader, partition, unit_length
+from laionkit.latents import StreamLayout, latent_loader
+from laionkit.latents_order import DataProgress
 
 # Small and fast: 8x8 latents, tiny UNet, no tensorboard.
 TINY = ("--unet-config", "tiny", "--batch-size", "4", "--lr", "1e-3", "--log-with", "none", "--quiet")
@@ -53,26 +55,17 @@ def reshard(latents: Path, sizes: list[int], output: Path) -> Path:
     return output
 
 
-@pytest.mark.parametrize("shards", [1, 2, 3, 7])
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-@pytest.mark.parametrize("workers", [1, 2, 4])
-def test_units_partition_every_shard_exactly(shards, ranks, workers):
-    sizes = {f"{i}.tar": 12 + i for i in range(shards)}
-    units = [Unit(shard) for shard in sizes]
-    seen_samples = []
-    for rank in range(ranks):
-        for worker in range(workers):
-            for unit in partition(partition(units, rank, ranks), worker, workers):
-                assert unit_length(unit, sizes) > 0
-                seen_samples += [(unit.shard, i) for i in range(unit.offset, sizes[unit.shard], unit.stride)]
-    assert sorted(seen_samples) == sorted((shard, i) for shard, n in sizes.items() for i in range(n))
-
-
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stream_resumes_by_skipping_exactly(latent_shards, workers):
+def test_stream_resumes_from_what_it_trained_exactly(latent_shards, workers):
+    """A loader restarted with the samples the first one's batches held marked as trained (and the number
+    of batches taken, which decides the next worker) continues with the same batches."""
     layout = StreamLayout(tuple(map(str, sorted(latent_shards.glob("*.tar")))), 0, 1, workers, 3, 7, 4)
-    keys = [batch["key"] for batch in itertools.islice(latent_loader(layout), 9)]
-    resumed = [batch["key"] for batch in itertools.islice(latent_loader(layout, batches_done=5), 4)]
+    batches = list(itertools.islice(latent_loader(layout), 9))
+    keys = [batch["key"] for batch in batches]
+    progress = DataProgress.fresh([4, 4])
+    for batch in batches[:5]:
+        progress.mark(batch["epoch"], batch["id"])
+    resumed = [batch["key"] for batch in itertools.islice(latent_loader(layout, 5, progress=progress), 4)]
     assert resumed == keys[5:9]
     # a new epoch is a new order, of the same 8 samples
     assert len(set(itertools.chain(*keys))) == 8
@@ -271,9 +264,15 @@ def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert max(metrics(run)) == 6
-    rank_keys = [set(itertools.chain(*seen(run, rank).values())) for rank in (0, 1)]
-    assert rank_keys[0] and rank_keys[1] and not rank_keys[0] & rank_keys[1]
-    assert len(rank_keys[0] | rank_keys[1]) == 8
+    epoch_keys = collections.defaultdict(lambda: ([], []))  # per epoch, each rank's keys
+    for rank in (0, 1):
+        for line in filter(None, (run / "seen" / f"rank-{rank:05d}.jsonl").read_text().splitlines()):
+            record = json.loads(line)
+            for key, epoch in zip(record["keys"], record["epochs"]):
+                epoch_keys[epoch][rank].append(key)
+    assert sorted(epoch_keys) == [0, 1, 2]  # 24 samples: 3 epochs of 8
+    for ranks in epoch_keys.values():  # in each epoch the ranks train disjoint halves, each sample once
+        assert len(ranks[0]) == len(ranks[1]) == 4 and len(set(ranks[0]) | set(ranks[1])) == 8, ranks
     assert {p.name for p in (run / "checkpoints" / "step-00000006").glob("rank-*.json")} == {
         "rank-00000.json", "rank-00001.json"}
 
@@ -310,13 +309,16 @@ def test_kill9_then_resume_latest_reproduces_the_uninterrupted_run(latent_shards
     assert seen(run) == seen(reference)
 
 
-def test_resume_with_another_data_layout_is_refused_naming_what_changed(latent_shards, tmp_path):
+def test_resume_with_another_sample_order_is_refused_naming_what_changed(latent_shards, tmp_path):
+    """--batch-size, --workers and the number of ranks may change (an elastic resume, tests/test_elastic.py);
+    the seed and shuffle buffer, which the order of samples follows, may not."""
     run = tmp_path / "run"
     base = ("train", latent_shards, "--output", run, *TINY, "--workers", "0", "--checkpoint-every", "2")
     run_cli(*base, "--max-steps", "2")
-    result = run_cli(*base, "--max-steps", "4", "--batch-size", "2", "--resume", "latest", check=False)
+    result = run_cli(*base, "--max-steps", "4", "--shuffle-buffer", "7", "--resume", "latest", check=False)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "step-00000002 was written with other batch_size (batch_size=4; this run: batch_size=2)" in result.stderr
+    assert ("step-00000002 was written with other shuffle_buffer (shuffle_buffer=1000; this run: shuffle_buffer=7)"
+            in result.stderr), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert sorted(metrics(run)) == [2]  # nothing trained on the refused run
 

@@ -202,7 +202,9 @@ def load(trainer, folder: Path) -> None:
         t.master.publish()
     if t.ema is not None:
         t.ema.load_state_dict({**host["ema"], "shadow_params": list(state.tensors["ema"].values())})
-    set_random_states(json.loads((folder / f"random-{t.accelerator.process_index:05d}.json").read_text()))
+    randoms = folder / f"random-{t.accelerator.process_index:05d}.json"
+    if randoms.is_file():  # absent for a rank that an elastic resume added (datastate reseeds it)
+        set_random_states(json.loads(randoms.read_text()))
 
 
 # ---- saving ----------------------------------------------------------------------------------------------

@@ -133,6 +133,10 @@ class TrainConfig:
     resume: str | None = option(
         None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
         "--output: one of its checkpoints/step-N URLs).")
+    add_shards: bool = option(
+        False, "With --resume: take latent shards appended to the folder since the checkpoint, from the first "
+        "epoch no rank has begun (the epochs in progress finish on the shards they began with). Without it, "
+        "a changed shard set is refused.")
     overwrite: bool = option(
         False, "Delete the run already in --output (metrics, checkpoints, unet/...) and start over.")
     allow_changed_text_encoder: bool = option(
@@ -150,7 +154,8 @@ class TrainConfig:
     guidance_scale: float = option(5.0, "Classifier-free guidance scale for validation.")
     peak_tflops: float = option(989.0, "Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")
     metrics_port: int | None = option(None, "Serve Prometheus metrics on this port (rank 0).")
-    record_keys: bool = option(False, "Write the sample keys of every step to RUN/seen/rank-N.jsonl.")
+    record_keys: bool = option(False, "Write the sample keys of every step, with their epochs, to "
+                                      "RUN/seen/rank-N.jsonl.")
     # --- LoRA and the validation loss (laionkit/trainer/lora.py, laionkit/trainer/valloss.py) ---
     lora_rank: int | None = option(
         None, "Train LoRA adapters of this rank on a frozen pretrained --unet / --transformer (PEFT); "
@@ -262,6 +267,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
+        if self.add_shards and self.resume is None:
+            raise LaionkitError("--add-shards goes with --resume: it takes new shards into a run that continues")
         if self.resume not in (None, "latest") and self.overwrite:
             raise LaionkitError("--overwrite goes with --resume latest only (resume if a checkpoint exists, else "
                                 "delete the run and start over); --resume FOLDER continues that checkpoint")

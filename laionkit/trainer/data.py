@@ -256,7 +256,7 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     """What exact resume compares: the stream layout with the shards as content (name, samples, bytes),
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
-    del key["bucketed"]  # follows from the shards' content, pinned below (and absent from older checkpoints)
+    del key["bucketed"], key["samples"]  # follow from the shards' content, pinned below (absent from older checkpoints)
     key["shards"] = [[Location.parse(shard).name, samples, Location.parse(shard).size()]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key

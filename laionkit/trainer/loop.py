@@ -33,10 +33,10 @@ from laionkit.families import Objective
 from laionkit.latents import (
     StreamLayout,
     end_workers,
-    latent_loader,
 )
 from laionkit.trainer import (
     checkpoint_async,
+    datastate,
     evalhook,
     fp8,
     fsdp,
@@ -53,7 +53,6 @@ from laionkit.trainer.checkpoint import (
     find_resume,
     last_good,
     load_checkpoint_state,
-    read_rank_record,
     save_checkpoint,
     truncate_jsonl,
     weights_fingerprint,
@@ -133,6 +132,7 @@ class Trainer:
     step: int = 0
     layouts: list[StreamLayout] = field(default_factory=list)
     data_key: dict = field(default_factory=dict)
+    data_state: datastate.DataState | None = None  # what the run trained, marked batch by batch
     remote: runfolder.RunFolder | None = None
 
     @property
@@ -323,26 +323,37 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
 
 def resume(trainer: Trainer) -> Path | None:
     """--resume: the checkpoint find_resume picks, checked against this run's data layout (before the
-    model and optimizer load), then loaded: accelerate's state, the master / EMA weights, and this rank's
-    generator, step and samples per bucket. None where there is none to resume from."""
+    model and optimizer load), then loaded: accelerate's state, the master / EMA weights, the data state
+    (datastate.resume) and this rank's generator, step and samples per bucket. Another number of ranks,
+    --workers, --batch-size or --grad-accum is an elastic resume: each rank's generator is seeded from
+    (seed, rank, step) and rank 0 takes over the counts per bucket of all ranks before. None where there
+    is none to resume from."""
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     folder = find_resume(config, accelerator, t.schedule.max_steps)
     if folder is None:
         return None
-    state = read_rank_record(accelerator, folder)
+    records = datastate.read_records(folder)
     lora.check_resume(folder, config, t.data.family)
-    refuse_other_settings(folder, state.get("layout", {}), t.data_key, "written",
-                          "exact resume needs the same latent shards (names, sample counts, sizes), number "
-                          "of ranks, --workers, --batch-size, --seed, --shuffle-buffer and --stage schedule")
+    refuse_other_settings(folder, datastate.fixed_key(records[0].get("layout", {}), config.add_shards),
+                          datastate.fixed_key(t.data_key, config.add_shards), "written",
+                          "resume needs the same latent shards (names, sample counts, sizes; --add-shards "
+                          "takes shards appended since), --seed, --shuffle-buffer and --stage schedule")
     if checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
         checkpoint_async.load(t, folder)
     else:
         load_checkpoint_state(accelerator, folder, t.extra_states)
-    t.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
-    t.step = state["step"]
-    # A checkpoint from before per-bucket counts had one bucket, which took every sample.
-    buckets = t.schedule.buckets
-    counted = state.get("bucket_samples") or {buckets[0]: t.step * config.batch_size * config.grad_accum}
+    t.step = records[0]["step"]
+    t.data_state, elastic = datastate.resume(t, records)
+    rank, buckets = accelerator.process_index, t.schedule.buckets
+    if elastic:
+        t.generator.manual_seed(config.seed * 1_000_003 + rank + 7_919 * t.step)
+        counted = {key: sum(int((record.get("bucket_samples") or {}).get(key, 0)) for record in records)
+                   for key in buckets} if rank == 0 else {}
+    else:
+        state = records[rank]
+        t.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state["generator"])), dtype=torch.uint8))
+        # A checkpoint from before per-bucket counts had one bucket, which took every sample.
+        counted = state.get("bucket_samples") or {buckets[0]: t.step * config.batch_size * config.grad_accum}
     t.bucket_samples = [int(counted.get(key, 0)) for key in buckets]
     accelerator.print(f"resumed from {folder} at step {t.step}")
     return folder
@@ -368,17 +379,20 @@ def micro_step(trainer: Trainer, moments: torch.Tensor, cond: dict, times=None) 
     return loss
 
 
-def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> list[str]:
+def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> tuple[list[str], list[int]]:
     """One optimizer step: --grad-accum micro-batches from ``batches`` (batches of stage ``stage``), then
     the LR schedule and EMA step. Counts the step's loss, data wait and model FLOPs into ``window`` and its
-    samples per bucket; returns the step's sample keys."""
+    samples per bucket; returns the step's sample keys and their epochs."""
     t, config = trainer, trainer.config
-    step_keys, step_loss = [], torch.zeros((), device=t.device)
+    step_keys, step_epochs, step_loss = [], [], torch.zeros((), device=t.device)
     for _ in range(config.grad_accum):
         waited = time.perf_counter()
         batch = next(batches)
         window.data_wait += time.perf_counter() - waited
+        if t.data_state is not None:  # trained now: a resume leaves these samples out
+            t.data_state.consumed(batch)
         step_keys += batch["key"]
+        step_epochs += batch["epoch"].tolist() if "epoch" in batch else []
         bucket = t.schedule.bucket(stage, batch["moments"].shape[1:])
         t.bucket_samples[bucket] += len(batch["key"])
         window.flops += t.model_flops[bucket] * len(batch["key"])
@@ -392,7 +406,7 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
     if t.ema is not None:
         t.ema.step(t.trained)
     t.step += 1
-    return step_keys
+    return step_keys, step_epochs
 
 
 def open_records(trainer: Trainer) -> tuple[Path, Path]:
@@ -430,9 +444,12 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
         accelerator.print(f"warning: step {step}: loss or weights not finite, no checkpoint written "
                           f"(the last good one stays: {last_good(output)})")
         return None
+    data = t.data_state.record(accelerator) if t.data_state is not None else None  # every rank: a collective
     rank_state = {"step": step, "layout": t.data_key, "fingerprint": fingerprint and fingerprint[0],
                   "bucket_samples": dict(zip(t.schedule.buckets, t.bucket_samples)),
                   "generator": base64.b64encode(t.generator.get_state().numpy().tobytes()).decode()}
+    if data is not None and accelerator.is_main_process:
+        rank_state["data"] = data  # the ranks' union: rank 0's record holds it (datastate)
     if writer is not None:
         return writer.save(t, rank_state, wait)
     folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
@@ -515,8 +532,9 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
     resume(t)
     cache = ReadCache(config.cache_dir, config.cache_size) if config.cache_dir else None
     stage = schedule.stage_at(t.step)
-    batches = iter(latent_loader(t.layouts[stage], batches_done=(t.step - schedule.start(stage)) * config.grad_accum,
-                                 pin_memory=device.type == "cuda", cache=cache))
+    if t.data_state is None:
+        t.data_state = datastate.fresh(t, stage)
+    batches = iter(datastate.loader(t, t.data_state, cache))
     try:  # the workers end here on every exit, an exception's included (latents.end_workers says why)
         metrics_path, keys_path = open_records(t)
         validation = validation_prompts(t)
@@ -540,15 +558,16 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
             if t.step == schedule.ends[stage]:  # the next stage's stream starts at its first batch
                 stage += 1
                 end_workers(batches)  # the previous stage's
-                batches = iter(latent_loader(t.layouts[stage], pin_memory=device.type == "cuda", cache=cache))
+                t.data_state = datastate.fresh(t, stage)
+                batches = iter(datastate.loader(t, t.data_state, cache))
                 accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
-            step_keys = train_step(t, batches, stage, window)
+            step_keys, step_epochs = train_step(t, batches, stage, window)
             if writer is not None:
                 writer.check()  # a background save that failed stops the run here, in one line
             progress.update()
             if config.record_keys:
                 with open(keys_path, "a") as handle:
-                    handle.write(json.dumps({"step": t.step, "keys": step_keys}) + "\n")
+                    handle.write(json.dumps({"step": t.step, "keys": step_keys, "epochs": step_epochs}) + "\n")
 
             val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
             eval_due = evalhook.due(config, t.step, max_steps)
