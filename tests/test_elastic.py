@@ -112,12 +112,14 @@ def data_record(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "rank-00000.json").read_text())["data"]
 
 
-@pytest.mark.parametrize("case", ["sigterm", "buckets-grad-accum"])
+@pytest.mark.parametrize("case", ["sigterm", "buckets-grad-accum", "sigterm-async-writer"])
 def test_two_then_three_then_one_ranks_train_the_interrupted_epoch_once(case, latent_shards, bucket_latents,
                                                                          tmp_path):
     bucketed = case == "buckets-grad-accum"
     latents = widen(bucket_latents if bucketed else latent_shards, range(4), tmp_path / "latents")  # 32 samples
     accum = ("--grad-accum", "2") if bucketed else ()
+    # the sharded DCP checkpoints of --checkpoint-writer async (checkpoint_async) resume elastically too
+    accum += ("--checkpoint-writer", "async") if case.endswith("async-writer") else ()
     run = tmp_path / "run"
     # 2 ranks x 2 workers, batch 2: stopped by --max-steps
     finish(torchrun(2, latents, run, "--workers", 2, "--batch-size", 2, "--max-steps", 2, *accum))
