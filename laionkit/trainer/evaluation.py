@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from laionkit.common import (
+    LaionkitError,
     atomic_output,
 )
 from laionkit.common.storage import Location
@@ -147,3 +148,34 @@ def save_grid(images: torch.Tensor, path: Path) -> None:
 
     with atomic_output(path) as tmp:
         save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
+
+
+# --- --validate-every in the loop (the Trainer of laionkit/trainer/loop.py) ---
+
+def validation_prompts(trainer) -> tuple | None:
+    """--validate-every: the VAE and the fixed prompts' text tensors (on every rank: under FSDP the
+    forward pass needs them all); rank 0 writes the prompts to RUN/samples/prompts.txt."""
+    config, data = trainer.config, trainer.data
+    if not config.validate_every:
+        return None
+    from laionkit.common.models import load_vae
+
+    if data.vae_source is None:
+        raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
+    captions, texts = validation_conditioning(data, config.validation_count, trainer.online)
+    if trainer.accelerator.is_main_process:
+        (config.output / "samples").mkdir(exist_ok=True)
+        (config.output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
+    return load_vae(data.vae_source).to(trainer.device), texts
+
+
+def validation_grid(trainer, validation: tuple, latents: LatentSet) -> None:
+    """The fixed prompts' samples at this step (validate), at ``latents``' size; rank 0 saves the grid."""
+    t = trainer
+    vae, texts = validation
+    t.unet.eval()
+    images = validate(t.accelerator.unwrap_model(t.unet), vae, t.noise_scheduler, texts, t.empty, latents,
+                      t.config, t.device)
+    t.unet.train()
+    if t.accelerator.is_main_process:
+        save_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")

@@ -59,7 +59,7 @@ from laionkit.trainer.checkpoint import (
 )
 from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
-from laionkit.trainer.evaluation import save_grid, validate, validation_conditioning
+from laionkit.trainer.evaluation import validation_grid, validation_prompts
 from laionkit.trainer.export import after_training, export
 from laionkit.trainer.metrics import MetricsWindow
 from laionkit.trainer.model import build_unet, flops_per_sample, fsdp_wrap_units
@@ -457,35 +457,6 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
         t.remote.checkpoint_saved(accelerator, folder, config.keep_checkpoints)
     return folder
-
-
-def validation_prompts(trainer: Trainer) -> tuple | None:
-    """--validate-every: the VAE and the fixed prompts' text tensors (on every rank: under FSDP the
-    forward pass needs them all); rank 0 writes the prompts to RUN/samples/prompts.txt."""
-    config, data = trainer.config, trainer.data
-    if not config.validate_every:
-        return None
-    from laionkit.common.models import load_vae
-
-    if data.vae_source is None:
-        raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
-    captions, texts = validation_conditioning(data, config.validation_count, trainer.online)
-    if trainer.accelerator.is_main_process:
-        (config.output / "samples").mkdir(exist_ok=True)
-        (config.output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
-    return load_vae(data.vae_source).to(trainer.device), texts
-
-
-def validation_grid(trainer: Trainer, validation: tuple, latents: LatentSet) -> None:
-    """The fixed prompts' samples at this step (validate), at ``latents``' size; rank 0 saves the grid."""
-    t = trainer
-    vae, texts = validation
-    t.unet.eval()
-    images = validate(t.accelerator.unwrap_model(t.unet), vae, t.noise_scheduler, texts, t.empty, latents,
-                      t.config, t.device)
-    t.unet.train()
-    if t.accelerator.is_main_process:
-        save_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")
 
 
 def validation_loss(trainer: Trainer, valset) -> dict:
