@@ -47,7 +47,7 @@ def _keys(batches) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_batches_are_single_bucket_leftovers_carry_over_and_resume_skips_exactly(bucket_latents, workers):
+def test_batches_are_single_bucket_leftovers_carry_over_and_resume_continues_exactly(bucket_latents, workers):
     """Per worker, a batch is emitted when its bucket's buffer, fed in stream order, reaches the batch
     size; leftovers cross epochs (each worker holds 4 samples in 3 buckets); a loader restarted after k
     batches, with their samples marked trained, continues with batch k, leftovers of earlier epochs included."""

@@ -2,8 +2,8 @@
 and loaded on --resume; the per-rank records and weight fingerprints every rank must agree on; the run
 folder's claim (RUN_OUTPUTS, --overwrite).
 
-Invariant of a checkpoint folder ``step-N``: it holds the state *after* N optimizer steps, and every
-rank's data cursor equals ``N * grad_accum`` batches; its name exists only once all ranks wrote it.
+Invariant of a checkpoint folder ``step-N``: it holds the state *after* N optimizer steps, and rank 0's record
+marks exactly the samples those steps trained (datastate); its name exists only once all ranks wrote it.
 """
 
 from __future__ import annotations
@@ -232,19 +232,6 @@ def load_tensors(path: Path):
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
         raise LaionkitError(f"{path}: not plain tensor data, refused to load it (checkpoints are data, "
                             f"never code): {str(error).splitlines()[0]}") from None
-
-
-def read_rank_record(accelerator, folder: Path) -> dict:
-    """This rank's step, data layout, generator state and weights fingerprint (JSON)."""
-    rank_file = folder / f"rank-{accelerator.process_index:05d}.json"
-    if not rank_file.is_file():
-        raise LaionkitError(f"{folder} has no {rank_file.name}: it was written by fewer ranks than the "
-                            f"{accelerator.num_processes} running now; resume with the same number of processes")
-    try:
-        state = json.loads(rank_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise LaionkitError(f"{rank_file} is not JSON ({error})") from None
-    return state
 
 
 def load_checkpoint_state(accelerator, folder: Path, extra_states: dict) -> None:

@@ -10,7 +10,7 @@ A checkpoint folder ``step-N`` of this format (``--checkpoint-writer async`` or 
   per-parameter state by parameter name) and ``ema`` (the shadow weights). Tensors only, read back with
   ``weights_only=True``; ``.metadata`` (DCP's index, a pickle) is read by an unpickler that builds DCP's
   metadata classes and nothing else;
-* ``rank-R.json`` (the rank record: save_checkpoint's ``rank_state``, read by read_rank_record) and
+* ``rank-R.json`` (the rank record: save_checkpoint's ``rank_state``, read by datastate.read_records) and
   ``random-R.json`` (the rank's Python, NumPy and torch generator states), written by rank R;
 * ``adapter.safetensors`` of a LoRA run (the adapters whole, with their settings and base: lora.check_resume);
 * ``trainer.json``, written last by rank 0 once every rank's files are written: step, config, versions,
@@ -260,7 +260,7 @@ class CheckpointWriter:
     # -- the main thread --
     def save(self, trainer, rank_state: dict, wait: bool = False) -> Path | None:
         """Stage the state into host memory and write it with this rank's ``rank_state`` (the record
-        read_rank_record reads back; its ``fingerprint`` is set here) in the background unless ``wait`` or
+        datastate.read_records reads back; its ``fingerprint`` is set here) in the background unless ``wait`` or
         the writer is synchronous. Returns the folder the checkpoint will have; None where a sync save
         skipped it."""
         self.wait()
