@@ -169,6 +169,7 @@ def flux_run(tmp_path_factory, flow_latents):
 class SharpModels:
     name: str  # the family
     model: Path  # `laionkit models tiny --family NAME` with its VAE sharpened (tests/learning.py: sharpen_vae)
+    photos: Path  # the 8 distinct real photos it encoded (a folder of image files)
     latents: Path  # `laionkit encode` of 8 distinct real photos (CAPTIONS) with it at 64 px, text stored
     # (SDXL: the photos cut to 64 x 64 px first, so that its size time ids do not tell them apart)
     vae_stats: dict  # the photos' scaled latents: std and mean pairwise MSE between photos
@@ -195,7 +196,7 @@ def sharp_models(tmp_path_factory, realdata):
             stats = sharpen_vae(root / "model" / "vae", photos)
             run_cli("encode", root / "packed", "--model", root / "model", "--output", root / "latents",
                     "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet")
-            built[name] = SharpModels(name, root / "model", root / "latents", stats)
+            built[name] = SharpModels(name, root / "model", photos, root / "latents", stats)
         return built[name]
 
     return get
