@@ -100,6 +100,15 @@ def _run_in_process(args: list[str], entry=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_after_each_test():
+    """A test that calls laionkit's Python API in this process (trainer.loop.run) leaves accelerate's
+    singletons set as a run_cli call would not: reset them after every test, as a fresh process has none (a
+    bf16 run after such a test failed with 'AcceleratorState has already been initialized')."""
+    yield
+    _reset_accelerate()
+
+
 def _reset_accelerate() -> None:
     """accelerate keeps its process state in singletons (mixed precision, device, gradient accumulation);
     a fresh process starts without them, and so does the next in-process command."""
