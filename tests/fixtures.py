@@ -348,3 +348,18 @@ def compile_on_cpu(monkeypatch, backend: str) -> list[tuple[object, dict]]:
 
     monkeypatch.setattr(torch, "compile", compile_)
     return calls
+
+
+def free_port() -> int:
+    """A free local TCP port for a launcher's rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def steps_done(run: Path) -> int:
+    """Steps rank 0 has finished (--record-keys writes one line per step, whatever --log-every is)."""
+    keys = run / "seen" / "rank-00000.jsonl"
+    return keys.read_text().count("\n") if keys.is_file() else 0

@@ -16,20 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import accelerate_launch, finish, metrics
+from fixtures import accelerate_launch, finish, free_port, metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
         "--workers", "0", "--log-every", "1")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun(*args, script: Path | None = None) -> list[str]:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import process_tree, signal_all
+from fixtures import free_port, process_tree, signal_all, steps_done
 
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet", "--log-every", "1",
         "--checkpoint-every", "1000", "--record-keys", "--shuffle-buffer", "3")
@@ -58,15 +57,6 @@ def trained(run: Path, steps: range | None = None) -> list[tuple[str, int]]:
     return found
 
 
-def steps_done(run: Path) -> int:
-    keys = run / "seen" / "rank-00000.jsonl"
-    return keys.read_text().count("\n") if keys.is_file() else 0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun(ranks: int, latents: Path, run: Path, *extra) -> list[str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import process_tree, signal_all
+from fixtures import free_port, process_tree, signal_all, steps_done
 
 TINY = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet",
         "--workers", "2", "--log-every", "1", "--checkpoint-every", "1000", "--record-keys")
@@ -28,16 +27,6 @@ def losses(run: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
-def steps_done(run: Path) -> int:
-    """Steps rank 0 has finished (--record-keys writes one line per step, whatever --log-every is)."""
-    keys = run / "seen" / "rank-00000.jsonl"
-    return keys.read_text().count("\n") if keys.is_file() else 0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun(ranks: int, latents: Path, run: Path, *extra) -> list[str]:

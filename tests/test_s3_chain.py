@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, run_cli
+from fixtures import free_port
 from test_s3_stages import read_parts, tar_members, upload
 
 from laionkit.common.imageserver import folder_routes, serve
@@ -104,13 +105,6 @@ def train_ranks(latents: str, run: str, env: dict[str, str], *extra: str) -> int
         raise AssertionError(result.stdout[-3000:] + result.stderr[-3000:])
     return result.returncode
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
