@@ -234,6 +234,18 @@ def load_tensors(path: Path):
                             f"never code): {str(error).splitlines()[0]}") from None
 
 
+def check_world_size(folder: Path, distributed_type: str, written_by: int, ranks: int) -> None:
+    """Refuse, before anything loads, a resume that DeepSpeed cannot do: ZeRO partitions the optimizer state
+    into one file per data-parallel rank, and its loader reads them only at the world size that wrote them
+    (DeepSpeed's universal checkpoints convert them: ``ds_to_universal.py``). DDP checkpoints hold whole
+    tensors and FSDP2's are torch.distributed.checkpoint shards, which load on any number of ranks, so those
+    resume elastically (datastate.resume)."""
+    if str(distributed_type).upper().endswith("DEEPSPEED") and written_by != ranks:
+        raise LaionkitError(f"--resume {folder}: written by {written_by} DeepSpeed rank(s), resumed on {ranks}: "
+                            f"ZeRO's optimizer partitions load only on {written_by} ranks; resume on {written_by} "
+                            "(an elastic resume works under DDP and FSDP2)")
+
+
 def load_checkpoint_state(accelerator, folder: Path, extra_states: dict) -> None:
     """accelerate's state with weights_only=True (its RNG files too), then the master / EMA weights."""
     import pickle

@@ -49,6 +49,7 @@ from laionkit.trainer import (
 )
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
+    check_world_size,
     claim_run_folder,
     find_resume,
     last_good,
@@ -333,6 +334,7 @@ def resume(trainer: Trainer) -> Path | None:
     if folder is None:
         return None
     records = datastate.read_records(folder)
+    check_world_size(folder, accelerator.distributed_type, len(records), accelerator.num_processes)
     lora.check_resume(folder, config, t.data.family)
     refuse_other_settings(folder, datastate.fixed_key(records[0].get("layout", {}), config.add_shards),
                           datastate.fixed_key(t.data_key, config.add_shards), "written",
