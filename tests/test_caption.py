@@ -220,3 +220,21 @@ def test_json_without_a_json_member_gets_one():
     earlier = {"jpg": b"x", "json": json.dumps({"url": "u", "captions": {"qwen": "a dog"}}).encode()}
     assert json.loads(with_caption(earlier, "florence", "a cat", "m")["json"])["captions"] == {
         "qwen": "a dog", "florence": "a cat"}
+
+
+def test_a_recipe_chains_caption_between_pack_and_encode(photo_shards, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""workdir: {tmp_path}
+stages:
+  caption:
+    input: {photo_shards}
+    output: "{{workdir}}/captioned"
+    model: Qwen/Qwen2-VL-2B-Instruct
+    max-new-tokens: 77
+  encode:
+    input: "{{workdir}}/captioned"
+    output: "{{workdir}}/latents"
+""")
+    lines = run_cli("run", recipe, "--dry-run").stdout.splitlines()
+    assert lines[0].startswith(f"laionkit caption {photo_shards} --output {tmp_path}/captioned --model Qwen/Qwen2-VL-2B-Instruct")
+    assert "--max-new-tokens 77" in lines[0] and lines[1].startswith(f"laionkit encode {tmp_path}/captioned")
