@@ -220,6 +220,12 @@ def test_json_without_a_json_member_gets_one():
     earlier = {"jpg": b"x", "json": json.dumps({"url": "u", "captions": {"qwen": "a dog"}}).encode()}
     assert json.loads(with_caption(earlier, "florence", "a cat", "m")["json"])["captions"] == {
         "qwen": "a dog", "florence": "a cat"}
+    # a json whose captions field is not an object cannot take one: a recorded skip, not a silent overwrite
+    from laionkit.caption.reader import SampleSkip, decode_image
+
+    with pytest.raises(SampleSkip, match="'captions' is a list") as skip:
+        decode_image({"jpg": b"x", "json": b'{"captions": ["a dog"]}'})
+    assert skip.value.reason == "bad_json"
 
 
 def test_a_recipe_chains_caption_between_pack_and_encode(photo_shards, tmp_path):

@@ -40,7 +40,8 @@ class CaptionConfig:
         "model without one gets this text verbatim (include its image token or task tag, e.g. "
         "<MORE_DETAILED_CAPTION> for Florence-2).")
     max_new_tokens: int = option(128, "Longest caption, in generated tokens.")
-    batch_size: int = option(16, "Images per generate() call.")
+    batch_size: int = option(16, "Images per generate() call (--backend vllm: per LLM.generate call, which "
+                                 "schedules its own batches: give it hundreds).")
     workers: int = option(4, "DataLoader worker processes reading, decoding and preprocessing (each reads whole "
                              "shards).")
     backend: Literal["transformers", "vllm"] = option(

@@ -37,7 +37,8 @@ def members_of(sample: dict) -> dict[str, bytes]:
 
 def decode_image(members: dict[str, bytes]) -> Image.Image:
     """The sample's image as RGB, fully decoded (a truncated file fails here, not in the model's processor);
-    its json must be an object when there is one (captions are added to it)."""
+    its json must be an object when there is one, with ``captions`` and ``caption_model`` objects where it has
+    them (the caption is added there)."""
     extension = next((ext for ext in IMAGE_EXTENSIONS if ext in members), None)
     if extension is None:
         raise SampleSkip("no_image", f"no image member ({', '.join(IMAGE_EXTENSIONS)})")
@@ -48,6 +49,9 @@ def decode_image(members: dict[str, bytes]) -> Image.Image:
             raise SampleSkip("bad_json", f"json member: {error}") from None
         if not isinstance(meta, dict):
             raise SampleSkip("bad_json", f"json member is a {type(meta).__name__}, not an object")
+        for field in ("captions", "caption_model"):  # where the caption goes: an object of name -> text
+            if not isinstance(meta.get(field, {}), dict):
+                raise SampleSkip("bad_json", f"json field {field!r} is a {type(meta[field]).__name__}, not an object")
     try:
         with Image.open(io.BytesIO(members[extension])) as image:
             return image.convert("RGB")

@@ -17,10 +17,8 @@ def with_caption(members: dict[str, bytes], name: str, caption: str, model: str)
     """The sample's members with its json (a new one where it had none) gaining ``captions[name]`` and
     ``caption_model[name]``; every other member, and every other json field in its order, as it was."""
     meta = json.loads(members["json"]) if "json" in members else {}
-    captions = meta.get("captions") if isinstance(meta.get("captions"), dict) else {}
-    models = meta.get("caption_model") if isinstance(meta.get("caption_model"), dict) else {}
-    meta["captions"] = {**captions, name: caption}
-    meta["caption_model"] = {**models, name: model}
+    meta["captions"] = {**meta.get("captions", {}), name: caption}  # objects where present (reader.decode_image)
+    meta["caption_model"] = {**meta.get("caption_model", {}), name: model}
     return {**members, "json": json.dumps(meta).encode()}
 
 
