@@ -1,4 +1,5 @@
-"""`laionkit run RECIPE`: the four stages chained from one YAML file, through the real commands.
+"""`laionkit run RECIPE`: the stages (filter, pack, caption, encode, train) chained from one YAML file, through the
+real commands.
 
 A recipe is validated whole before any stage runs (unknown stages or options, missing input paths),
 because a typo found after an hour of downloading is an hour lost. Each stage is invoked exactly as
@@ -27,7 +28,7 @@ from laionkit.common import LaionkitError, storage
 from laionkit.common.options import command_keys
 from laionkit.common.storage import Location
 
-STAGES = ("filter", "pack", "encode", "train")
+STAGES = ("filter", "pack", "caption", "encode", "train")
 RECIPE_KEYS = {"workdir", "stages", "description"}
 # Keys of a stage that are not options of its command.
 INPUT_KEY, LAUNCH_KEY = "input", "launch"

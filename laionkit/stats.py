@@ -174,6 +174,12 @@ def print_tar_summary(folder: Location, console: Console) -> None:
     console.print(table)
 
 
+def print_caption_summary(folder: Location, console: Console) -> None:
+    from laionkit.caption.records import summarize
+
+    console.print(summarize(folder))
+
+
 def print_encode_summary(folder: Location, console: Console) -> None:
     from laionkit.encode import summarize
 
@@ -183,6 +189,7 @@ def print_encode_summary(folder: Location, console: Console) -> None:
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
     "_stats-*.json": print_filter_summary,  # and a folder with a filter plan (filter.plan_location)
+    "caption.json": print_caption_summary,  # caption: pack's shard records plus its plan
     "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
     "*.tar": print_tar_summary,  # plain WebDataset

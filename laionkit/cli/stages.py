@@ -1,13 +1,16 @@
-"""The data stages: `laionkit filter`, `pack`, `encode` and `stats`."""
+"""The data stages: `laionkit filter`, `pack`, `caption`, `encode` and `stats`."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Optional
 
 import typer
 
+from laionkit.caption import CaptionConfig
 from laionkit.cli.app import QuietOption, RankOption, StorageOption, WorldSizeOption, app, err_console
 from laionkit.common import available_cpus
+from laionkit.common.options import typer_parameters
 
 
 @app.command("filter", epilog="""Examples:
@@ -157,6 +160,37 @@ def pack(
             f"{output}: {len(manifest['shards'])}/{manifest['planned_shards']} shards, "
             f"{manifest['samples']:,} samples of {manifest['rows']:,} rows ({manifest['success_rate']:.1%})"
         )
+
+
+@app.command("caption", epilog="""Examples:
+
+    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --output data/captioned
+
+    laionkit caption data/shards --model Qwen/Qwen2.5-VL-3B-Instruct --name qwen --prompt "Describe this image in one sentence." --max-new-tokens 77 --output data/captioned
+
+    torchrun --nproc-per-node 8 -m laionkit.cli caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --batch-size 64 --output data/captioned   # one rank per GPU
+
+    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --backend vllm --output data/captioned   # where vllm is installed
+
+    laionkit models tiny-vlm --output models/vlm && laionkit caption data/shards --model models/vlm --output out --max-new-tokens 8
+
+Each sample is copied whole (image, txt alt-text, json) with json["captions"][NAME] added; the output folder
+reads as pack's, so `laionkit encode` takes it. Rerun the same command after a crash: finished shards are kept.
+""")
+def caption_command(**options) -> None:
+    """Caption image shards with a vision-language model (transformers' AutoModelForImageTextToText, greedy),
+    writing new shards whose json holds each caption beside the alt-text; rank-sharded, resumable per shard."""
+    from laionkit.caption import run
+
+    summary = run(CaptionConfig(**options), log=lambda line: err_console.print(line, highlight=False))
+    if not options["quiet"]:
+        err_console.print(f"captioned {summary['captioned']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} empty) from {summary['shards']} shards into "
+                          f"{options['output']}", highlight=False)
+
+
+# caption's options are CaptionConfig's fields (laionkit/common/options.py).
+caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig))
 
 
 @app.command(epilog="""Examples:

@@ -92,6 +92,31 @@ def models_tiny(
     typer.echo(f"wrote tiny {spec.name} models to {output}")
 
 
+@models_app.command("tiny-vlm", epilog="""Examples:
+
+    laionkit models tiny-vlm --output models/vlm
+
+    laionkit caption shards/ --model models/vlm --output captioned/ --max-new-tokens 8
+""")
+def models_tiny_vlm(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a transformers model + processor).")],
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace --output if it is not empty (refused otherwise: it is replaced whole).")] = False,
+) -> None:
+    """Write a tiny random-init Qwen2-VL in the real layout (config.json, model.safetensors, a Qwen2VLProcessor
+    with a chat template and a BPE tokenizer trained on laionkit's shipped LAION captions), which AutoProcessor +
+    AutoModelForImageTextToText load offline, for `laionkit caption`. It generates gibberish: for tests."""
+    from laionkit.caption.tiny import write_tiny_vlm
+    from laionkit.common import atomic_output, storage
+
+    if not overwrite:
+        storage.refuse_nonempty(output, "models tiny-vlm")
+    with atomic_output(output) as tmp:
+        write_tiny_vlm(tmp, seed)
+    typer.echo(f"wrote a tiny Qwen2-VL to {output}")
+
+
 @models_app.command("tiny-eval", epilog="""Examples:
 
     laionkit models tiny-eval --output models/eval   # inception.pth, tiny-clip.json, tiny-clip.safetensors

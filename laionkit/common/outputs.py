@@ -105,12 +105,16 @@ FOLDER_KINDS: dict[str, tuple[str, Any]] = {
     "filter": ("filter's parquet parts", lambda name: name in ("_laionkit", "_filter-plan.json", "filter-plan.json")
                or re.fullmatch(r"part-\d{5}-\d{6}\.parquet", name) is not None),
     "pack": ("pack's image shards", lambda name: name.endswith("_stats.json")),
+    "caption": ("caption's captioned image shards", lambda name: name == "caption.json"),
     "encode": ("encode's latent shards", lambda name: name in ("plan.json", "empty_caption.npy")
                or name.endswith(".stats.json")),
     "train": ("a training run", lambda name: name in ("metrics.jsonl", "trainer.json", "checkpoints")),
     "model": ("a model", lambda name: name == "model_index.json"),
 }
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+# A kind whose folders also hold another kind's files as their own: caption writes pack's shard records
+# (<shard>_stats.json) beside its tars, so that its folder reads as pack's.
+ALSO_HOLDS = {"caption": ("pack",)}
 
 
 def folder_holds(names: Sequence[str]) -> dict[str, list[str]]:
@@ -123,8 +127,12 @@ def folder_holds(names: Sequence[str]) -> dict[str, list[str]]:
             if owns(name):
                 found.setdefault(kind, []).append(name)
     for name in sorted(names):
-        if name.endswith(TAR_SUFFIXES) and not any(kind in found for kind in ("pack", "encode")):
+        if name.endswith(TAR_SUFFIXES) and not any(kind in found for kind in ("pack", "encode", "caption")):
             found.setdefault("shards", []).append(name)
+    for kind, others in ALSO_HOLDS.items():
+        if kind in found:
+            for other in others:
+                found.pop(other, None)
     return found
 
 
