@@ -21,6 +21,11 @@ untrained rest of every epoch in progress is split over the new consumers, each 
 
 Invariants: base[e] ⊆ trained[e]; every epoch before ``first`` is wholly trained; an epoch at or after
 ``first`` that has no bitmaps has base = trained = {}.
+
+Cost at scale. The bitmaps are packed, 8 ids to a byte: an epoch of LAION-2B's 2.3B samples is 288 MB per
+bitmap, held by each rank and by each of its DataLoader workers (a bool array would be 2.3 GB). Ranks unite
+what they trained by gathering the ids each marked since the last merge (the samples of the steps between two
+checkpoints: kilobytes), not by reducing whole bitmaps.
 """
 
 from __future__ import annotations
@@ -33,13 +38,61 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.int64)
+
+
+class Bits:
+    """A bitmap over ids 0..size-1, packed 8 to a byte in np.packbits' order (the bits past ``size`` stay 0)."""
+
+    __slots__ = ("packed", "size")
+
+    def __init__(self, size: int, packed: np.ndarray | None = None) -> None:
+        self.size = int(size)
+        self.packed = np.zeros((self.size + 7) // 8, np.uint8) if packed is None else packed
+        if len(self.packed) != (self.size + 7) // 8:
+            raise ValueError(f"{len(self.packed)} bytes for a bitmap of {self.size} bits")
+
+    @classmethod
+    def from_bool(cls, values) -> Bits:
+        values = np.asarray(values, bool)
+        return cls(len(values), np.packbits(values))
+
+    def __getitem__(self, ids):
+        """The bit of an id (a bool), or of an array of ids (a bool array)."""
+        ids = np.asarray(ids, np.int64)
+        return ((self.packed[ids >> 3] >> (7 - (ids & 7)).astype(np.uint8)) & 1).astype(bool)
+
+    def set(self, ids) -> None:
+        ids = np.asarray(ids, np.int64)
+        np.bitwise_or.at(self.packed, ids >> 3, (1 << (7 - (ids & 7))).astype(np.uint8))
+
+    def range(self, start: int, stop: int) -> np.ndarray:
+        """The bits of ids start..stop-1 as a bool array."""
+        first = start >> 3
+        return np.unpackbits(self.packed[first:(stop + 7) >> 3])[start - 8 * first:stop - 8 * first].astype(bool)
+
+    def count(self) -> int:
+        return int(sum(_POPCOUNT[part].sum() for part in np.array_split(self.packed, 1 + len(self.packed) // 2**24)))
+
+    def any(self) -> bool:
+        return bool(self.packed.any())
+
+    def all(self) -> bool:
+        return self.count() == self.size
+
+    def copy(self) -> Bits:
+        return Bits(self.size, self.packed.copy())
+
+    def tolist(self) -> list[bool]:
+        return np.unpackbits(self.packed, count=self.size).astype(bool).tolist()
+
 
 @dataclass
 class EpochBits:
-    """One epoch's bitmaps over its sample ids (bool arrays of the epoch's size)."""
+    """One epoch's bitmaps over its sample ids."""
 
-    base: np.ndarray
-    trained: np.ndarray
+    base: Bits
+    trained: Bits
 
 
 @dataclass
@@ -50,6 +103,7 @@ class DataProgress:
     from_epoch: tuple[int, ...]
     first: int = 0  # every epoch before it is wholly trained
     epochs: dict[int, EpochBits] = field(default_factory=dict)
+    unmerged: list[np.ndarray] = field(default_factory=list, repr=False)  # (epoch, id) rows marked since merge
 
     @classmethod
     def fresh(cls, counts: Sequence[int], first: int = 0) -> DataProgress:
@@ -69,14 +123,15 @@ class DataProgress:
     def bits(self, epoch: int) -> EpochBits:
         if epoch not in self.epochs:
             size = self.size(epoch)
-            self.epochs[epoch] = EpochBits(np.zeros(size, bool), np.zeros(size, bool))
+            self.epochs[epoch] = EpochBits(Bits(size), Bits(size))
         return self.epochs[epoch]
 
     def mark(self, epochs: Sequence[int], positions: Sequence[int]) -> None:
         """Samples trained: ``positions[i]`` of epoch ``epochs[i]``."""
         epochs, positions = np.asarray(epochs, np.int64), np.asarray(positions, np.int64)
         for epoch in np.unique(epochs):
-            self.bits(int(epoch)).trained[positions[epochs == epoch]] = True
+            self.bits(int(epoch)).trained.set(positions[epochs == epoch])
+        self.unmerged.append(np.stack([epochs, positions], axis=1).reshape(-1, 2))
 
     def settle(self) -> None:
         """Move ``first`` past the epochs now wholly trained, forgetting their bitmaps."""
@@ -105,18 +160,16 @@ class DataProgress:
         self.from_epoch += (joins,) * len(counts)
         return joins
 
-    def merge(self, reduce_max: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Union of every rank's ``trained`` (``reduce_max``: element-wise max over the ranks), then settle."""
-        last = int(reduce_max(np.array([max(self.epochs, default=self.first - 1)], np.int64))[0])
-        epochs = range(self.first, last + 1)
-        if not epochs:
-            return
-        joined = reduce_max(np.concatenate([self.bits(e).trained.view(np.uint8) for e in epochs]))
-        at = 0
-        for epoch in epochs:
-            bits = self.bits(epoch)
-            bits.trained = joined[at:at + len(bits.trained)].astype(bool)
-            at += len(bits.trained)
+    def merge(self, gather: Callable[[np.ndarray], list[np.ndarray]]) -> None:
+        """Union of every rank's trained samples, then settle. ``gather`` takes this rank's (epoch, id) rows
+        marked since the last merge and returns every rank's (an all-gather); all ranks start from the same
+        bitmaps (fresh, or the checkpoint's), so adding everyone's new marks unites them."""
+        mine = np.concatenate(self.unmerged) if self.unmerged else np.zeros((0, 2), np.int64)
+        self.unmerged = []
+        for rows in gather(mine):
+            for epoch in np.unique(rows[:, 0]):
+                if epoch >= self.first:  # an epoch settled meanwhile is wholly trained already
+                    self.bits(int(epoch)).trained.set(rows[rows[:, 0] == epoch, 1])
         self.settle()
 
     def record(self) -> dict:
@@ -130,17 +183,16 @@ class DataProgress:
         progress = cls(tuple(record["counts"]), tuple(record["from_epoch"]), int(record["first"]))
         for epoch, bits in record["epochs"].items():
             size = progress.size(int(epoch))
-            progress.epochs[int(epoch)] = EpochBits(_unpack(bits["base"], size), _unpack(bits["trained"], size))
+            progress.epochs[int(epoch)] = EpochBits(Bits(size, _unpack(bits["base"])), Bits(size, _unpack(bits["trained"])))
         return progress
 
 
-def _pack(bits: np.ndarray) -> str:
-    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode()
+def _pack(bits: Bits) -> str:
+    return base64.b64encode(zlib.compress(bits.packed.tobytes())).decode()
 
 
-def _unpack(text: str, size: int) -> np.ndarray:
-    packed = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
-    return np.unpackbits(packed, count=size).astype(bool)
+def _unpack(text: str) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8).copy()
 
 
 def order_seed(seed: int, epoch: int) -> int:
@@ -166,7 +218,7 @@ def chunk(progress: DataProgress, seed: int, epoch: int, consumer: int, consumer
     bits = progress.epochs.get(epoch)
     base = bits.base if bits is not None and bits.base.any() else None
     offsets, order = progress.offsets, shard_order(progress, seed, epoch)
-    left = [progress.counts[i] - (int(base[offsets[i]:offsets[i + 1]].sum()) if base is not None else 0)
+    left = [progress.counts[i] - (int(base.range(offsets[i], offsets[i + 1]).sum()) if base is not None else 0)
             for i in order]
     total = sum(left)
     low, high = total * consumer // consumers, total * (consumer + 1) // consumers
@@ -175,7 +227,7 @@ def chunk(progress: DataProgress, seed: int, epoch: int, consumer: int, consumer
         start, stop = max(low - at, 0), min(high - at, n)
         if start < stop:
             kept = (np.arange(progress.counts[shard]) if base is None
-                    else np.flatnonzero(~base[offsets[shard]:offsets[shard + 1]]))
+                    else np.flatnonzero(~base.range(offsets[shard], offsets[shard + 1])))
             parts.append((shard, kept[start:stop]))
         at += n
         if at >= high:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from laionkit.latents import StreamLayout, end_workers, latent_loader
-from laionkit.latents_order import DataProgress, chunk, shard_order
+from laionkit.latents_order import Bits, DataProgress, chunk, shard_order
 
 
 def _canonical(progress: DataProgress, seed: int, epoch: int, base: np.ndarray | None) -> list[int]:
@@ -30,7 +30,7 @@ def test_chunks_cut_the_canonical_order_minus_base_into_near_equal_parts(shards,
     base = None
     if excluded:
         base = np.random.default_rng(shards * ranks).random(progress.size(0)) < excluded
-        progress.bits(0).base, progress.bits(0).trained = base.copy(), base.copy()
+        progress.bits(0).base, progress.bits(0).trained = Bits.from_bool(base), Bits.from_bool(base)
     offsets, parts = progress.offsets, []
     for consumer in range(ranks * workers):
         parts.append([int(offsets[shard] + i) for shard, indices in chunk(progress, 3, 0, consumer, ranks * workers)
@@ -64,17 +64,33 @@ def test_merge_is_the_union_of_every_rank():
     ranks = [DataProgress.fresh([4]) for _ in range(3)]
     ranks[0].mark([0, 0], [0, 1])
     ranks[1].mark([0, 0, 1], [2, 3, 0])
-    stacked = []
+    sent = [np.concatenate(progress.unmerged) if progress.unmerged else np.zeros((0, 2), np.int64)
+            for progress in ranks]  # what each rank contributes to the all-gather
 
-    def reduce_max(array):  # all ranks' arrays, as all_reduce(MAX) would see them
-        stacked.append(array)
-        return array
+    for progress in ranks:
+        progress.merge(lambda rows: sent)
+        assert progress.first == 1 and progress.epochs[1].trained.tolist() == [True, False, False, False]
+        assert progress.record() == ranks[0].record() and progress.unmerged == []
+    ranks[2].mark([1], [3])  # the next merge adds only what was marked since
+    for progress in ranks:
+        progress.merge(lambda rows: [np.zeros((0, 2), np.int64), np.zeros((0, 2), np.int64), np.array([[1, 3]])])
+        assert progress.epochs[1].trained.tolist() == [True, False, False, True]
 
-    for progress in ranks:  # each rank's contribution
-        progress.merge(reduce_max)
-    width = max(len(a) for a in stacked[1::2])
-    union = np.max([np.pad(a, (0, width - len(a))) for a in stacked[1::2]], axis=0)
-    assert union.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 64, 1001])
+def test_packed_bits_read_set_count_and_slice_as_a_bool_array_would(size):
+    values = np.random.default_rng(size).random(size) < 0.4
+    bits = Bits.from_bool(values)
+    ids = np.arange(size)
+    assert bits[ids].tolist() == values.tolist() and bool(bits[size - 1]) == bool(values[-1])
+    assert bits.count() == values.sum() and bits.any() == values.any() and bits.all() == values.all()
+    for start, stop in [(0, size), (size // 3, size), (1, max(1, size - 2)), (size // 2, size // 2)]:
+        assert bits.range(start, stop).tolist() == values[start:stop].tolist()
+    bits.set(ids[::3])
+    values[::3] = True
+    assert bits.tolist() == values.tolist() and bits.count() == values.sum()
+    bits.set(ids)
+    assert bits.all() and bits.packed[-1] == np.packbits(np.ones(size, bool))[-1]  # the padding stays 0
 
 
 def _counts(shards) -> list[int]:

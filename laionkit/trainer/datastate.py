@@ -48,7 +48,7 @@ class DataState:
 
     def record(self, accelerator) -> dict:
         """Every rank's trained samples united (a collective: every rank calls it), as JSON."""
-        self.progress.merge(lambda array: _reduce_max(accelerator, array))
+        self.progress.merge(lambda rows: _gather(accelerator, rows))
         return {"version": VERSION, "stage": self.stage, "shards": self.shards, "layout": self.layout,
                 "since_step": self.since_step, "batches": self.batches, "history": self.history,
                 "progress": self.progress.record()}
@@ -60,15 +60,23 @@ class DataState:
                    progress=DataProgress.from_record(record["progress"]), history=record["history"])
 
 
-def _reduce_max(accelerator, array: np.ndarray) -> np.ndarray:
+def _gather(accelerator, rows: np.ndarray) -> list[np.ndarray]:
+    """Every rank's ``rows`` (an int64 array of shape (n, 2), n differing by rank): an all-gather, padded."""
     if accelerator.num_processes == 1:
-        return array
+        return [rows]
     import torch
     import torch.distributed as dist
 
-    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(accelerator.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.cpu().numpy()
+    ranks, device = accelerator.num_processes, accelerator.device
+    count = torch.tensor([len(rows)], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in range(ranks)]
+    dist.all_gather(counts, count)
+    longest = max(int(c) for c in counts)
+    padded = torch.zeros((longest, 2), dtype=torch.int64, device=device)
+    padded[:len(rows)] = torch.from_numpy(np.ascontiguousarray(rows, np.int64))
+    found = [torch.empty_like(padded) for _ in range(ranks)]
+    dist.all_gather(found, padded)
+    return [part[:int(n)].cpu().numpy() for part, n in zip(found, counts)]
 
 
 def settings(trainer) -> dict:
@@ -154,7 +162,7 @@ def resume(trainer, records: list[dict]) -> tuple[DataState, bool]:
         extra = {"added_shards": [name for name, _, _ in added], "shards_join_epoch": joins}
         say(f"--add-shards: {len(added)} new shard(s) ({sum(n for _, n, _ in added)} samples) take part from "
             f"epoch {joins} on")
-    left = {e: int((~bits.trained).sum()) for e, bits in sorted(state.progress.epochs.items())}
+    left = {e: bits.trained.size - bits.trained.count() for e, bits in sorted(state.progress.epochs.items())}
     old = state.layout
     state.layout, state.since_step, state.batches = settings(t), t.step, 0
     state.history.append(_layout_entry(t, state, **extra))
