@@ -102,7 +102,7 @@ def _pack_count(record: Location) -> int:
 
 
 def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
-                storage_options: dict | None = None) -> dict[Location, int | None]:
+                storage_options: dict | None = None, stage: str = "encode") -> dict[Location, int | None]:
     """Finished input shards from folders, files, globs and brace patterns, sorted, each with the sample
     count its done record gives (None for a plain webdataset folder, which has no records).
 
@@ -157,11 +157,11 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
             shards[path] = None
             plain.add(path.parent)
     if unfinished:
-        log(f"laionkit encode: left out {len(unfinished)} shard(s) without a done record <shard>"
+        log(f"laionkit {stage}: left out {len(unfinished)} shard(s) without a done record <shard>"
             f"{PACK_RECORD_SUFFIX} (unfinished pack?): {', '.join(str(p) for p in unfinished[:5])}"
             + (" ..." if len(unfinished) > 5 else ""))
     for folder in sorted(plain, key=str):
-        log(f"laionkit encode: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its shards as "
+        log(f"laionkit {stage}: {folder} has no shard records (*{PACK_RECORD_SUFFIX}): taking its shards as "
             "complete (plain webdataset)")
     if not shards:
         raise LaionkitError(f"no finished shards in {', '.join(specs)}: every tar lacks its done record "

@@ -1,0 +1,36 @@
+"""laionkit score's options: one frozen ``ScoreConfig`` per run, built by the CLI and taken by ``run``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from laionkit.common import LaionkitError
+
+COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    shards: tuple[str, ...]
+    output: str
+    clip_model: str = "ViT-L-14"  # open_clip name, hf-hub:ORG/REPO or a model config .json
+    clip_pretrained: str | None = "openai"  # a tag open_clip knows or a weights file; None: random init (tests)
+    scores: tuple[str, ...] = ()  # NAME=KIND:ARG as filter's --score (laionkit.scores)
+    watermark: str | None = None  # LAION watermark detector weights; None: no pwatermark column
+    nsfw: str | None = None  # LAION CLIP NSFW head weights; None: no punsafe column
+    batch_size: int = 256
+    workers: int = 4
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str | None = None
+    caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
+    rank: int | None = None
+    world_size: int | None = None
+    overwrite: bool = False
+    quiet: bool = False
+    storage_options: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise LaionkitError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.batch_size < 1 or self.workers < 0:
+            raise LaionkitError("--batch-size must be >= 1 and --workers >= 0")

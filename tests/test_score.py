@@ -1,0 +1,201 @@
+"""laionkit score on the real photos (pack-format tars from ../shared/realdata/images), with a tiny
+random-init open_clip model of ViT-L/14's embedding width saved as real weights, the real aesthetic
+predictors, and LAION's watermark and NSFW architectures at random init saved in their real layouts."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import webdataset as wds
+from conftest import run_cli
+from fixtures import write_image_shards
+from PIL import Image
+
+from laionkit.score.phash import hamming, phash
+
+AESTHETIC_V2 = "aesthetic/sac+logos+ava1-l14-linearMSE.pth"
+
+
+@pytest.fixture(scope="module")
+def score_models(tmp_path_factory) -> dict[str, Path]:
+    from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip
+
+    folder = tmp_path_factory.mktemp("score-models")
+    config, weights = write_tiny_score_clip(folder)
+    return {"config": config, "weights": weights, "nsfw": write_random_nsfw(folder / "nsfw.safetensors"),
+            "watermark": write_random_watermark(folder / "watermark.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, realdata) -> Path:
+    folder = tmp_path_factory.mktemp("score-shards")
+    write_image_shards(realdata / "images", folder)
+    return folder
+
+
+def score_args(shards: Path, output: Path, models: dict, realdata: Path, *extra: str) -> list[str]:
+    return ["score", str(shards), "--output", str(output), "--clip-model", str(models["config"]),
+            "--clip-pretrained", str(models["weights"]), "--watermark", str(models["watermark"]),
+            "--nsfw", str(models["nsfw"]), "--score", f"aes=aesthetic-v2:{realdata / AESTHETIC_V2}",
+            "--score", "anime=prompt:an anime drawing|a manga page", "--workers", "0", "--batch-size", "3",
+            "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, shards, score_models, realdata) -> Path:
+    output = tmp_path_factory.mktemp("scored") / "out"
+    args = score_args(shards, output, score_models, realdata)
+    run_cli(*args)
+    return output
+
+
+def tar_samples(tar: Path) -> list[dict]:
+    return list(wds.WebDataset(str(tar), shardshuffle=False))
+
+
+def output_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.parent.name in ("scores", "img_emb")}
+
+
+def test_columns_rows_hashes_and_embeddings_match_the_tars(scored, shards, score_models, realdata):
+    from laionkit.evaluate.clipscore import load_clip
+    from laionkit.scores import ScoreSpec, build_scorer, score_embeddings
+
+    clip, preprocess, _ = load_clip(str(score_models["config"]), str(score_models["weights"]))
+    aesthetic = build_scorer(ScoreSpec("aes", "aesthetic-v2", str(realdata / AESTHETIC_V2)))
+    for tar in sorted(shards.glob("*.tar")):
+        samples = tar_samples(tar)
+        table = pq.read_table(scored / "scores" / f"{tar.stem}.parquet")
+        embeddings = np.load(scored / "img_emb" / f"img_emb_{tar.stem}.npy")
+        assert table.column_names == ["key", "shard", "source", "caption", "width", "height", "sha256", "phash",
+                                      "similarity", "pwatermark", "punsafe", "aes", "anime"]
+        assert table.num_rows == len(samples) == len(embeddings)
+        assert embeddings.dtype == np.float16 and embeddings.shape[1] == 768
+        assert table.schema.field("phash").type == "int64"
+        rows = table.to_pylist()
+        for row, sample in zip(rows, samples):
+            data = next(sample[ext] for ext in ("jpg", "png", "webp") if ext in sample)
+            assert row["key"] == sample["__key__"] and row["shard"] == tar.stem
+            assert row["sha256"] == hashlib.sha256(data).hexdigest()
+            image = Image.open(io.BytesIO(data))
+            assert (row["width"], row["height"]) == image.size
+            assert row["phash"] == phash(image.convert("RGB"))
+            assert json.loads(row["source"]) == json.loads(sample["json"])
+            assert (row["similarity"] is None) == (not row["caption"].strip())
+        pixels = torch.stack([preprocess(Image.open(io.BytesIO(next(s[e] for e in ("jpg", "png", "webp") if e in s))))
+                              for s in samples])
+        with torch.no_grad():
+            expected = torch.nn.functional.normalize(clip.encode_image(pixels).float(), dim=-1).numpy()
+        np.testing.assert_allclose(embeddings.astype(np.float32), expected, atol=2e-3)
+        np.testing.assert_array_equal(table.column("aes").to_numpy(), score_embeddings(aesthetic, embeddings))
+    stats = json.loads((scored / "stats.json").read_text())
+    assert stats["complete"] and stats["counts"] == {"samples_in": 8, "samples_out": 8, "skipped": 0}
+
+
+def test_watermark_and_nsfw_are_laions_architectures(scored, shards, score_models):
+    from torchvision import transforms as T
+
+    from laionkit.score.models import load_nsfw, load_watermark
+
+    samples = tar_samples(shards / "00000.tar")
+    table = pq.read_table(scored / "scores" / "00000.parquet")
+    embeddings = np.load(scored / "img_emb" / "img_emb_00000.npy")
+    laion = T.Compose([T.Resize((256, 256)), T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    pixels = torch.stack([laion(Image.open(io.BytesIO(s["jpg"])).convert("RGB")) for s in samples])
+    with torch.no_grad():
+        watermark = torch.softmax(load_watermark(score_models["watermark"])(pixels), dim=1)[:, 0].numpy()
+        nsfw = load_nsfw(score_models["nsfw"])(torch.from_numpy(embeddings).float()).numpy()
+    np.testing.assert_allclose(table.column("pwatermark").to_numpy(), watermark, atol=1e-5)
+    np.testing.assert_allclose(table.column("punsafe").to_numpy(), nsfw, atol=1e-6)
+    assert sorted(load_nsfw(score_models["nsfw"]).state_dict()) == [
+        "linear_1.bias", "linear_1.weight", "linear_2.bias", "linear_2.weight", "linear_3.bias", "linear_3.weight",
+        "linear_4.bias", "linear_4.weight", "norm.mean", "norm.variance"]
+
+
+def test_phash_is_near_for_the_same_photo_and_far_for_another(realdata):
+    photo = Image.open(realdata / "images" / "524_316.jpg").convert("RGB")
+    buffer = io.BytesIO()
+    photo.resize((262, 158), Image.Resampling.BICUBIC).save(buffer, format="JPEG", quality=60)
+    again = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    assert hamming(phash(photo), phash(again)) <= 4
+    others = [hamming(phash(photo), phash(Image.open(p).convert("RGB")))
+              for p in sorted((realdata / "images").glob("*.jpg")) if p.name != "524_316.jpg"]
+    assert min(others) >= 16, others
+
+
+def test_without_weights_the_columns_are_left_out_and_said(tmp_path, shards, score_models):
+    result = run_cli("score", str(shards / "00000.tar"), "--output", str(tmp_path / "out"), "--clip-model",
+                     str(score_models["config"]), "--clip-pretrained", str(score_models["weights"]), "--workers", "0")
+    said = " ".join(result.stderr.split())  # the console wraps long lines
+    assert "no --watermark weights given: the pwatermark column is not computed" in said
+    assert "no --nsfw weights given: the punsafe column is not computed" in said
+    assert pq.read_schema(tmp_path / "out" / "scores" / "00000.parquet").names[-1] == "similarity"
+
+
+def test_a_corrupt_image_is_a_counted_recorded_skip(tmp_path, realdata, score_models):
+    shards = tmp_path / "shards"
+    write_image_shards(realdata / "images", shards)
+    good = tar_samples(shards / "00000.tar")
+    with wds.TarWriter(str(shards / "00000.tar")) as sink:
+        for index, sample in enumerate(good):
+            sample = {k: v for k, v in sample.items() if not k.startswith("__") or k == "__key__"}
+            if index == 1:
+                sample["jpg"] = sample["jpg"][:200]  # cut inside the JPEG
+            sink.write(sample)
+    run_cli("score", str(shards / "00000.tar"), "--output", str(tmp_path / "out"), "--clip-model",
+            str(score_models["config"]), "--clip-pretrained", str(score_models["weights"]), "--workers", "0")
+    record = json.loads((tmp_path / "out" / "records" / "00000.json").read_text())
+    assert record["samples_in"] == 4 and record["samples_out"] == 3 and record["skipped"] == {"undecodable": 1}
+    assert record["skips"][0]["key"] == good[1]["__key__"]
+    table = pq.read_table(tmp_path / "out" / "scores" / "00000.parquet")
+    assert good[1]["__key__"] not in table.column("key").to_pylist() and table.num_rows == 3
+    assert len(np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy")) == 3
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["skips"] == {"undecodable": 1}
+
+
+def test_kill9_mid_run_then_rerun_gives_the_same_files(tmp_path, scored, shards, score_models, realdata):
+    args = score_args(shards, tmp_path / "out", score_models, realdata)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "out" / "records" / "00000.json"
+    deadline = time.monotonic() + 120
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert first.exists() and not (tmp_path / "out" / "records" / "00001.json").exists(), "not killed mid-run"
+    run_cli(*args)
+    assert output_files(tmp_path / "out") == output_files(scored)
+
+
+def test_two_ranks_write_disjoint_shards_whose_union_is_one_ranks(tmp_path, scored, shards, score_models, realdata):
+    args = score_args(shards, tmp_path / "out", score_models, realdata)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    for process in ranks:
+        assert process.wait(timeout=300) == 0, process.stdout.read()
+    records = {path.stem: json.loads(path.read_text())["rank"] for path in (tmp_path / "out" / "records").glob("*.json")}
+    assert records == {"00000": 0, "00001": 1}
+    assert output_files(tmp_path / "out") == output_files(scored)
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["complete"]
+
+
+def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
+    result = run_cli("score", str(shards), "--output", str(scored), "--clip-model", str(score_models["config"]),
+                     "--clip-pretrained", str(score_models["weights"]), "--workers", "0", check=False)
+    assert result.returncode == 2 and "was scored with other" in " ".join(result.stderr.split())
