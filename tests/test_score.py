@@ -184,11 +184,12 @@ def test_kill9_mid_run_then_rerun_gives_the_same_files(tmp_path, scored, shards,
 
 def test_two_ranks_write_disjoint_shards_whose_union_is_one_ranks(tmp_path, scored, shards, score_models, realdata):
     args = score_args(shards, tmp_path / "out", score_models, realdata)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "WORLD_SIZE": "2"}
-    ranks = [subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env={**env, "RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    for process in ranks:
-        assert process.wait(timeout=300) == 0, process.stdout.read()
+    # rank 1 in its own process (RANK / WORLD_SIZE, as torchrun sets them), rank 0 in this one meanwhile
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "WORLD_SIZE": "2", "RANK": "1"}
+    other = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_cli(*args, "--rank", "0", "--world-size", "2")
+    assert other.wait(timeout=300) == 0, other.stdout.read()
     records = {path.stem: json.loads(path.read_text())["rank"] for path in (tmp_path / "out" / "records").glob("*.json")}
     assert records == {"00000": 0, "00001": 1}
     assert output_files(tmp_path / "out") == output_files(scored)
@@ -199,3 +200,36 @@ def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
     result = run_cli("score", str(shards), "--output", str(scored), "--clip-model", str(score_models["config"]),
                      "--clip-pretrained", str(score_models["weights"]), "--workers", "0", check=False)
     assert result.returncode == 2 and "was scored with other" in " ".join(result.stderr.split())
+
+
+def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, scored, shards):
+    metadata = tmp_path / "metadata"  # pack's per-shard parquets: img2dataset's columns, key among them
+    metadata.mkdir()
+    for tar in sorted(shards.glob("*.tar")):
+        rows = [json.loads(sample["json"]) for sample in tar_samples(tar)]
+        pq.write_table(pa_table(rows), metadata / f"{tar.stem}.parquet")
+    assert "aes" not in pq.read_schema(metadata / "00000.parquet").names
+    scores = pq.read_table(scored / "scores").to_pandas()
+    threshold = float(scores["aes"].median())
+    run_cli("filter", str(metadata), "--scores", str(scored), "--where", f"aes > {threshold}", "--output",
+            str(tmp_path / "kept"), "--quiet")
+    kept = pq.read_table(tmp_path / "kept").to_pandas()
+    assert sorted(kept["key"]) == sorted(scores.loc[scores["aes"] > threshold, "key"]) and 0 < len(kept) < 8
+    assert "pwatermark" in kept.columns and "width" in kept.columns  # the input's width wins, once
+    # score's own parquets filter too, and pair with its embeddings by shard name as LAION's release does
+    run_cli("filter", str(scored / "scores"), "--embeddings", str(scored / "img_emb"), "--score",
+            f"again=aesthetic-v2:{REALDATA_AESTHETIC()}", "--where", "again = aes", "--output",
+            str(tmp_path / "rescored"), "--quiet")
+    assert pq.read_table(tmp_path / "rescored").num_rows == 8
+
+
+def pa_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows)
+
+
+def REALDATA_AESTHETIC() -> Path:  # noqa: N802
+    from conftest import REALDATA
+
+    return REALDATA / AESTHETIC_V2

@@ -26,6 +26,8 @@ from laionkit.common import available_cpus
 
     laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
 
+    laionkit filter out/shards --scores out/scored --where "aes >= 5 AND pwatermark < 0.5" --output out/kept   # laionkit score's columns, by key
+
     laionkit filter datacomp/metadata/ --preset datacomp-basic --top 0.3:clip_l14_similarity_score --output out/dc
 """)
 def filter_command(
@@ -53,6 +55,9 @@ def filter_command(
         "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder, a path or URL.")] = None,
     score: Annotated[Optional[list[str]], typer.Option(
         "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
+    scores_dir: Annotated[Optional[list[str]], typer.Option(
+        "--scores", help="`laionkit score` output folder(s): its per-sample columns (aesthetic, pwatermark, punsafe, "
+        "similarity, phash, ...) joined onto the inputs by `key`, for rules like any column.")] = None,
     clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
     clip_pretrained: Annotated[str, typer.Option(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
@@ -74,6 +79,7 @@ def filter_command(
     config = filter_stage.FilterConfig(
         inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()), top=tuple(top or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
+        score_tables=tuple(scores_dir or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
         skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
