@@ -233,3 +233,35 @@ def REALDATA_AESTHETIC() -> Path:  # noqa: N802
     from conftest import REALDATA
 
     return REALDATA / AESTHETIC_V2
+
+
+def test_encode_keep_encodes_only_the_kept_keys(tmp_path, scored, shards, tiny_models):
+    kept = tmp_path / "kept"
+    run_cli("filter", str(scored / "scores"), "--where", "width < height", "--output", str(kept), "--quiet")
+    keys = set(pq.read_table(kept, columns=["key"]).column("key").to_pylist())
+    assert 0 < len(keys) < 8
+    run_cli("encode", str(shards), "--keep", str(kept), "--model", str(tiny_models), "--output", str(tmp_path / "lat"),
+            "--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet")
+    encoded = {name.split(".", 1)[0] for tar in (tmp_path / "lat").glob("*.tar")
+               for name in __import__("tarfile").open(tar).getnames()}
+    assert encoded == keys
+    manifest = json.loads((tmp_path / "lat" / "manifest.json").read_text())
+    assert manifest["counts"]["samples_out"] == len(keys) and manifest["counts"]["not_kept"] == 8 - len(keys)
+    assert manifest["keep"]["keys"] == len(keys)
+
+
+def test_score_reads_and_writes_a_bucket_like_local_disk(s3, scored, shards, score_models, realdata):
+    from laionkit.common.storage import Location
+
+    for tar in sorted(shards.glob("*.tar")):
+        location = Location.parse(s3.url("shards", tar.name))
+        location.fs.put_file(str(tar), location.path)
+    output = s3.url("scored")
+    run_cli(*score_args(s3.url("shards"), output, score_models, realdata))
+    folder = Location.parse(output)
+    remote = {f"{sub}/{p.name}": p.read_bytes() for sub in ("scores", "img_emb") for p in (folder / sub).list()}
+    assert remote == output_files(scored) and len(remote) == 4
+    assert all((folder / "records" / f"{stem}.json").is_complete() for stem in ("00000", "00001"))
+    assert (folder / "stats.json").read_json()["complete"]
+    again = run_cli(*score_args(s3.url("shards"), output, score_models, realdata)[:-1])  # resumes: nothing to do
+    assert "0 of 2 shards to do" in " ".join(again.stderr.split())
