@@ -103,6 +103,8 @@ def test_columns_rows_hashes_and_embeddings_match_the_tars(scored, shards, score
         np.testing.assert_array_equal(table.column("aes").to_numpy(), score_embeddings(aesthetic, embeddings))
     stats = json.loads((scored / "stats.json").read_text())
     assert stats["complete"] and stats["counts"] == {"samples_in": 8, "samples_out": 8, "skipped": 0}
+    summary = " ".join(run_cli("stats", str(scored)).stdout.split())
+    assert "2 done, 0 missing" in summary and "8 of 8 (0 skipped)" in summary
 
 
 def test_watermark_and_nsfw_are_laions_architectures(scored, shards, score_models):

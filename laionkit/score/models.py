@@ -156,7 +156,9 @@ def load_score_clip(model: str, pretrained: str | None, device: torch.device):
     level = logging.root.level
     logging.root.setLevel(logging.ERROR)  # open_clip warns when no pretrained weights are loaded (tests)
     try:
-        clip, preprocess, tokenizer = load_clip(model, pretrained, device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # a random init (no weights) is seeded as laionkit.scores' prompt model is
+            clip, preprocess, tokenizer = load_clip(model, pretrained, device)
     finally:
         logging.root.setLevel(level)
     name = Path(model).stem if model.endswith(".json") else model

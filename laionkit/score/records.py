@@ -120,3 +120,31 @@ def update_stats(output: Location, expected: Sequence[str]) -> dict:
     stats = merge_stats(output, expected)
     storage.write_json(output / STATS, stats, shared=True)
     return stats
+
+
+def summarize(folder: Location | str):
+    """`laionkit stats DIR` for a score folder: its records merged (stats.json's shard list for what is missing)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    folder = Location.parse(folder)
+    cached = (folder / STATS).read_json() if (folder / STATS).is_complete() else {}
+    expected = [*(cached.get("shards") or {}).get("missing", [])]
+    expected += [record.name.removesuffix(".json") for record in (folder / RECORDS).list("*.json")]
+    stats = merge_stats(folder, expected)
+    overview = Table(title=f"score: {folder}", show_header=False)
+    overview.add_row("shards", f"{stats['shards']['done']} done, {len(stats['shards']['missing'])} missing")
+    counts = stats["counts"]
+    overview.add_row("samples", f"{counts['samples_out']:,} of {counts['samples_in']:,} ({counts['skipped']:,} skipped)")
+    settings = stats["settings"] or {}
+    model = settings.get("clip_model")
+    overview.add_row("CLIP", f"{model if isinstance(model, str) else 'config file'} "
+                             f"({settings.get('embedding_dim')}-d, {settings.get('compute_dtype')})")
+    overview.add_row("columns", ", ".join(stats["columns"] or []))
+    tables = [overview]
+    if stats["skips"]:
+        table = Table("reason", "samples", title="skips by reason")
+        for reason, count in stats["skips"].items():
+            table.add_row(reason, f"{count:,}")
+        tables.append(table)
+    return Group(*tables)
