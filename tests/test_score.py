@@ -267,3 +267,25 @@ def test_score_reads_and_writes_a_bucket_like_local_disk(s3, scored, shards, sco
     assert (folder / "stats.json").read_json()["complete"]
     again = run_cli(*score_args(s3.url("shards"), output, score_models, realdata)[:-1])  # resumes: nothing to do
     assert "0 of 2 shards to do" in " ".join(again.stderr.split())
+
+
+def test_pack_keep_rewrites_only_the_kept_samples_as_a_pack_folder(tmp_path, scored, shards):
+    kept = tmp_path / "kept"
+    run_cli("filter", str(scored / "scores"), "--where", "width < height", "--output", str(kept), "--quiet")
+    keys = set(pq.read_table(kept, columns=["key"]).column("key").to_pylist())
+    run_cli("pack", str(shards), "--keep", str(kept), "--output", str(tmp_path / "subset"), "--quiet")
+    written = {sample["__key__"]: sample for tar in sorted((tmp_path / "subset").glob("*.tar"))
+               for sample in tar_samples(tar)}
+    originals = {sample["__key__"]: sample for tar in sorted(shards.glob("*.tar")) for sample in tar_samples(tar)}
+    assert set(written) == keys
+    for key, sample in written.items():  # members byte for byte
+        assert {k: v for k, v in sample.items() if not k.startswith("__")} == \
+               {k: v for k, v in originals[key].items() if not k.startswith("__")}
+    manifest = json.loads((tmp_path / "subset" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["samples"] == len(keys)
+    record = json.loads((tmp_path / "subset" / "00000_stats.json").read_text())
+    assert record["not_kept"] + record["successes"] == 4
+    # encode reads it as pack's folder: the record's count matches each tar
+    from laionkit.encode.reader import find_shards
+
+    assert sum(find_shards([str(tmp_path / "subset")], lambda _: None).values()) == len(keys)

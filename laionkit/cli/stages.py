@@ -101,6 +101,8 @@ def filter_command(
 
     laionkit pack s3://bucket/filtered/ --output s3://bucket/shards/   # AWS_* credentials / AWS_ENDPOINT_URL
 
+    laionkit pack out/shards --keep out/kept --output out/kept-shards   # only the kept samples, no download
+
 Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
 """)
 def pack(
@@ -135,6 +137,10 @@ def pack(
     respect_optout: Annotated[
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
+    keep: Annotated[Optional[str], typer.Option(
+        help="A parquet file or folder with a `key` column (filter's output): INPUTS are then existing shard folders "
+        "(pack's, img2dataset's, WebDataset), and each shard is rewritten with only the kept samples, nothing "
+        "downloaded again.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
         "files of the same name are replaced.")] = False,
@@ -155,7 +161,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet, storage_options=storage_options, overwrite=overwrite,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep,
     )
     manifest = run(config)
     if not quiet:
