@@ -289,3 +289,17 @@ def test_pack_keep_rewrites_only_the_kept_samples_as_a_pack_folder(tmp_path, sco
     from laionkit.encode.reader import find_shards
 
     assert sum(find_shards([str(tmp_path / "subset")], lambda _: None).values()) == len(keys)
+
+
+def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, scored, shards, score_models):
+    run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--clip-model", str(score_models["config"]),
+            "--clip-pretrained", str(score_models["weights"]), "--workers", "2", "--batch-size", "3",
+            "--decode", "draft", "--quiet")  # DataLoader workers decode
+    exact, draft = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(draft["key"]) == list(exact["key"])
+    assert list(draft["width"]) == list(exact["width"]) and list(draft["sha256"]) == list(exact["sha256"])
+    settings = json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]
+    assert settings["decode"] == "draft"
+    cosine = (np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy").astype(np.float32)
+              * np.load(scored / "img_emb" / "img_emb_00000.npy").astype(np.float32)).sum(1)
+    assert cosine.min() > 0.9, cosine

@@ -43,6 +43,10 @@ def score(
     workers: Annotated[int, typer.Option(help="DataLoader worker processes that decode (each reads whole shards).")] = 4,
     dtype: Annotated[str, typer.Option(help="auto (bf16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    decode: Annotated[str, typer.Option(
+        help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "
+        "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "
+        "CPU per large JPEG, values slightly different.")] = "exact",
     caption_key: Annotated[Optional[str], typer.Option(
         help="Where captions are (a member or a json key); default: .txt, .caption, json caption / text / TEXT.")] = None,
     overwrite: Annotated[bool, typer.Option(
@@ -61,7 +65,7 @@ def score(
         shards=tuple(shards), output=output, clip_model=clip_model,
         clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
         watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
-        caption_key=caption_key, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
+        decode=decode, caption_key=caption_key, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
         storage_options=storage_options,
     )
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))

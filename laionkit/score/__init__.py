@@ -33,6 +33,7 @@ from laionkit.score.config import ScoreConfig
 from laionkit.score.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    WATERMARK_SIZE,
     load_nsfw,
     load_score_clip,
     load_watermark,
@@ -165,6 +166,7 @@ class Scorers:
                         if scorer.spec.kind != "prompt" else None} for scorer in self.scorers],
             "embedding_dim": self.dim, "compute_dtype": str(self.dtype).removeprefix("torch."),
             "caption_key": config.caption_key, "columns": self.score_columns,
+            **({"decode": config.decode} if config.decode != "exact" else {}),
         }
 
 
@@ -211,8 +213,13 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
                   output: Location, progress: tqdm) -> dict:
     clip_transform = scorers.pil_transform or scorers.preprocess
+    draft_side = None
+    if config.decode == "draft":
+        side = scorers.clip.visual.image_size
+        draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
+                         WATERMARK_SIZE if scorers.watermark is not None else 0)
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
-                           config.batch_size, config.caption_key)
+                           config.batch_size, config.caption_key, draft_side)
     workers = min(config.workers, len(todo))
     loader = torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",

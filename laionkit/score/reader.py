@@ -34,9 +34,9 @@ def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
     over PCIe). Any other shape: (None, None), and workers run the whole transform."""
     from torchvision import transforms as T
 
-    steps = list(getattr(preprocess, "transforms", []))
-    kinds = [type(step) for step in steps]
-    if T.ToTensor not in kinds or kinds[-1] is not T.Normalize or kinds.index(T.ToTensor) != len(steps) - 2:
+    steps = list(getattr(preprocess, "transforms", []))  # open_clip's MaybeToTensor is a ToTensor
+    if len(steps) < 2 or not isinstance(steps[-2], T.ToTensor) or not isinstance(steps[-1], T.Normalize) \
+            or any(isinstance(step, (T.ToTensor, T.Normalize)) for step in steps[:-2]):
         return None, None
     return T.Compose(steps[:-2]), (tuple(steps[-1].mean), tuple(steps[-1].std))
 
@@ -46,8 +46,9 @@ class ScoreSamples(torch.utils.data.IterableDataset):
     each shard; DataLoader workers each take whole shards."""
 
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
-                 batch_size: int, caption_key: str | None = None) -> None:
+                 batch_size: int, caption_key: str | None = None, draft_side: int | None = None) -> None:
         super().__init__()
+        self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
         self.shards = list(shards)
         self.clip_transform = clip_transform
         self.clip_uint8 = clip_uint8
@@ -99,8 +100,10 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             raise
         data = sample[extension]
         with Image.open(io.BytesIO(data)) as image:
-            image.load()
             width, height = image.size
+            if self.draft_side and image.format == "JPEG":
+                image.draft("RGB", (self.draft_side, self.draft_side))
+            image.load()
             rgb = image.convert("RGB")
         clip = self.clip_transform(rgb)
         item = {
