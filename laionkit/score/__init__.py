@@ -126,21 +126,31 @@ class Scorers:
         return torch.nn.functional.normalize(features.float(), dim=-1)
 
     @torch.inference_mode()
+    def launch(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Queue one batch's device work; its results stay on the device until ``collect`` (so the loop
+        can queue the next batch before it waits for this one's)."""
+        image = self.image_embeddings(batch)
+        with torch.inference_mode(), self._autocast():
+            text = self.clip.encode_text(self.tokenizer(batch["caption"]).to(self.device))
+        with torch.inference_mode():
+            text = torch.nn.functional.normalize(text.float(), dim=-1)
+            launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
+            if self.watermark is not None:
+                with self._autocast():
+                    logits = self.watermark(self._pixels(batch["watermark"], IMAGENET_MEAN, IMAGENET_STD))
+                launched["pwatermark"] = watermark_probability(logits)
+        return launched
+
+    @staticmethod
+    def collect(batch: dict, launched: dict[str, torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(float16 embeddings, {column: float32 values}) of a launched batch, on the host."""
+        columns = {name: value.cpu().numpy().astype(np.float32) for name, value in launched.items() if name != "image"}
+        columns["similarity"][[not caption.strip() for caption in batch["caption"]]] = np.nan  # no caption: null
+        return launched["image"].cpu().numpy(), columns
+
     def score(self, batch: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(float16 embeddings, {column: float32 values}) of one batch."""
-        image = self.image_embeddings(batch)
-        captions = batch["caption"]
-        with self._autocast():
-            text = self.clip.encode_text(self.tokenizer(captions).to(self.device))
-        text = torch.nn.functional.normalize(text.float(), dim=-1)
-        similarity = (image * text).sum(-1).cpu().numpy().astype(np.float32)
-        similarity[[not caption.strip() for caption in captions]] = np.nan  # no caption: null
-        columns = {"similarity": similarity}
-        if self.watermark is not None:
-            with self._autocast():
-                logits = self.watermark(self._pixels(batch["watermark"], IMAGENET_MEAN, IMAGENET_STD))
-            columns["pwatermark"] = watermark_probability(logits).cpu().numpy().astype(np.float32)
-        return image.half().cpu().numpy(), columns
+        return self.collect(batch, self.launch(batch))
 
     @torch.inference_mode()
     def head_scores(self, stored: np.ndarray, shard: str) -> dict[str, np.ndarray]:
@@ -227,24 +237,36 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     pending: dict[str, dict] = {}
     summary = {"samples_out": 0, "skipped": 0}
     first = None
+    in_flight = None  # (batch, its launched device work): collected after the next batch is queued
+
+    def collect() -> None:
+        batch, launched = in_flight
+        shard = pending.setdefault(batch["shard"], {"columns": {}, "embeddings": [], "started": time.perf_counter()})
+        embeddings, values = scorers.collect(batch, launched)
+        shard["embeddings"].append(embeddings)
+        for name in ("key", "source", "caption", "width", "height", "sha256", "phash"):
+            shard["columns"].setdefault(name, []).extend(batch[name])
+        shard["columns"].setdefault("shard", []).extend([batch["shard"]] * len(batch["key"]))
+        for name, column in values.items():
+            shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
+        progress.update(len(batch["key"]))
+
     for item in loader:
         first = first or time.perf_counter()
         if isinstance(item, ShardDone):
+            if in_flight is not None:  # the shard's last batch may still be in flight
+                collect()
+                in_flight = None
             shard = pending.pop(item.shard, None) or {"columns": {}, "embeddings": [], "started": time.perf_counter()}
             _finish_shard(output, item, shard, scorers, settings, rank)
             summary["samples_out"] += item.samples_in - len(item.skips)
             summary["skipped"] += len(item.skips)
             progress.update(len(item.skips))
             continue
-        shard = pending.setdefault(item["shard"], {"columns": {}, "embeddings": [], "started": time.perf_counter()})
-        embeddings, values = scorers.score(item)
-        shard["embeddings"].append(embeddings)
-        for name in ("key", "source", "caption", "width", "height", "sha256", "phash"):
-            shard["columns"].setdefault(name, []).extend(item[name])
-        shard["columns"].setdefault("shard", []).extend([item["shard"]] * len(item["key"]))
-        for name, column in values.items():
-            shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
-        progress.update(len(item["key"]))
+        launched = scorers.launch(item)  # queued on the device before the previous batch is waited for
+        if in_flight is not None:
+            collect()
+        in_flight = (item, launched)
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
     return summary
 
