@@ -1,7 +1,7 @@
 """The `laionkit` command: thin typer wrappers that build each stage's config and call its run().
 
 ``app`` (laionkit/cli/app.py) holds the shared options; the commands register on it from ``stages`` (filter,
-pack, encode, stats), ``scoring`` (score), ``training`` (train, plan, export, eval) and ``tools`` (doctor, models, configs, run,
+pack, encode, score, stats), ``training`` (train, plan, export, eval) and ``tools`` (doctor, models, configs, run,
 demo), imported here in the order `laionkit --help` lists them; ``main`` is the entry point.
 """
 
@@ -13,7 +13,7 @@ import traceback
 
 from rich.text import Text
 
-from laionkit.cli import scoring, stages, tools, training  # noqa: F401 - registers the commands on app
+from laionkit.cli import stages, tools, training  # noqa: F401 - registers the commands on app
 from laionkit.cli.app import app, err_console
 from laionkit.cli.errors import device_failed, memory_advice, out_of_memory
 from laionkit.common import LaionkitError
