@@ -186,12 +186,19 @@ def print_encode_summary(folder: Location, console: Console) -> None:
     console.print(summarize(folder))
 
 
+def print_score_summary(folder: Location, console: Console) -> None:
+    from laionkit.score.records import summarize
+
+    console.print(summarize(folder))
+
+
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
     "_stats-*.json": print_filter_summary,  # and a folder with a filter plan (filter.plan_location)
     "caption.json": print_caption_summary,  # caption: pack's shard records plus its plan
     "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
+    "records": print_score_summary,  # score: records/<stem>.json per shard (laionkit.score.records)
     "*.tar": print_tar_summary,  # plain WebDataset
 }
 

@@ -1,4 +1,4 @@
-"""The data stages: `laionkit filter`, `pack`, `caption`, `encode` and `stats`."""
+"""The data stages: `laionkit filter`, `pack`, `caption`, `encode`, `score` and `stats`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from laionkit.common.options import typer_parameters
 
     laionkit filter s3://bucket/laion/ --preset sd2 --output s3://bucket/sd2   # AWS_* credentials / AWS_ENDPOINT_URL
 
+    laionkit filter out/shards --scores out/scored --where "aes >= 5 AND pwatermark < 0.5" --output out/kept   # laionkit score's columns, by key
+
     laionkit filter datacomp/metadata/ --preset datacomp-basic --top 0.3:clip_l14_similarity_score --output out/dc
 """)
 def filter_command(
@@ -56,6 +58,9 @@ def filter_command(
         "--embeddings", help="CLIP image embeddings (.npy, N x D) aligned with the inputs: a file or a folder, a path or URL.")] = None,
     score: Annotated[Optional[list[str]], typer.Option(
         "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
+    scores_dir: Annotated[Optional[list[str]], typer.Option(
+        "--scores", help="`laionkit score` output folder(s): its per-sample columns (aesthetic, pwatermark, punsafe, "
+        "similarity, phash, ...) joined onto the inputs by `key`, for rules like any column.")] = None,
     clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
     clip_pretrained: Annotated[str, typer.Option(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
@@ -77,6 +82,7 @@ def filter_command(
     config = filter_stage.FilterConfig(
         inputs=tuple(inputs), output=output, where=tuple(where or ()), presets=tuple(preset or ()), top=tuple(top or ()),
         rename=tuple(rename or ()), dedup=dedup, embeddings=tuple(embeddings or ()), scores=tuple(score or ()),
+        score_tables=tuple(scores_dir or ()),
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
         skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
@@ -97,6 +103,8 @@ def filter_command(
     laionkit pack local-urls.parquet --output shards/ --allow-private-hosts   # URLs on 127.0.0.1 / 10.x
 
     laionkit pack s3://bucket/filtered/ --output s3://bucket/shards/   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit pack out/shards --keep out/kept --output out/kept-shards   # only the kept samples, no download
 
 Rerun the same command after a crash: finished shards are kept, the rest are downloaded.
 """)
@@ -132,6 +140,10 @@ def pack(
     respect_optout: Annotated[
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
+    keep: Annotated[Optional[str], typer.Option(
+        help="A parquet file or folder with a `key` column (filter's output): INPUTS are then existing shard folders "
+        "(pack's, img2dataset's, WebDataset), and each shard is rewritten with only the kept samples, nothing "
+        "downloaded again.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
         "files of the same name are replaced.")] = False,
@@ -152,7 +164,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet, storage_options=storage_options, overwrite=overwrite,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep,
     )
     manifest = run(config)
     if not quiet:
@@ -210,6 +222,8 @@ caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig
     laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
 
     laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
+
+    laionkit encode out/shards --keep out/kept --model sd15 --output lat   # only the keys filter kept (e.g. by score)
 """)
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
@@ -229,6 +243,7 @@ def encode(
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
+    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
@@ -244,13 +259,78 @@ def encode(
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
-        caption_key=caption_key, overwrite=overwrite,
+        caption_key=caption_key, overwrite=overwrite, keep=keep,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
         err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
                           f"{summary['empty_captions']} with an empty caption) "
                           f"from {summary['shards']} shards into {output}", highlight=False)
+
+
+@app.command("score", epilog="""Examples:
+
+    laionkit score out/shards --output out/scored --score aesthetic=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --watermark watermark_model_v1.pt --nsfw clip_l14_nsfw_head.safetensors
+
+    laionkit score 'out/shards/{00000..00099}.tar' --output out/scored --score anime="prompt:an anime drawing|a manga page"
+
+    torchrun --nproc-per-node 8 -m laionkit.cli score s3://bucket/shards --output s3://bucket/scored --batch-size 512   # one rank per GPU
+
+    laionkit filter out/shards --scores out/scored --where "aesthetic >= 5 AND pwatermark < 0.5" --output out/kept   # join by key
+
+    laionkit filter out/scored/scores --embeddings out/scored/img_emb --score aes1=aesthetic-v1:sa_0_4_vit_l_14_linear.pth --output out/aes1
+
+    laionkit models tiny-eval --output m && laionkit score out/shards --output s --clip-model m/tiny-clip.json --clip-pretrained m/tiny-clip.safetensors   # offline
+""")
+def score(
+    shards: Annotated[list[str], typer.Argument(help="pack's / img2dataset's shard folder(s), tar files, globs or {a..b} "
+                                                "patterns (paths or URLs); plain WebDataset tars too.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): scores/, img_emb/, "
+                                        "records/, stats.json (docs/FORMATS.md section 6).")],
+    clip_model: Annotated[str, typer.Option(help="open_clip model: a name (ViT-L-14), hf-hub:ORG/REPO or a model "
+                                            "config .json.")] = "ViT-L-14",
+    clip_pretrained: Annotated[str, typer.Option(help="open_clip weights: a tag (openai) or a weights file "
+                                                 "(.safetensors, .pt); 'none' = random init.")] = "openai",
+    score_spec: Annotated[Optional[list[str]], typer.Option(
+        "--score", help="NAME=KIND:ARG as filter's: aesthetic-v2, aesthetic-v1, head (a weights path) or prompt "
+        "(text, a|b); computed from the stored embeddings; repeatable.")] = None,
+    watermark: Annotated[Optional[str], typer.Option(
+        help="LAION's watermark detector weights (watermark_model_v1.pt or .safetensors): adds pwatermark.")] = None,
+    nsfw: Annotated[Optional[str], typer.Option(
+        help="LAION's CLIP NSFW head weights (norm.mean/variance, linear_1..4; .safetensors or .pt): adds punsafe.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Images per device batch.")] = 256,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes that decode (each reads whole shards).")] = 4,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    decode: Annotated[str, typer.Option(
+        help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "
+        "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "
+        "CPU per large JPEG, values slightly different.")] = "exact",
+    caption_key: Annotated[Optional[str], typer.Option(
+        help="Where captions are (a member or a json key); default: .txt, .caption, json caption / text / TEXT.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Redo shards scored with other settings; also write into another stage's folder.")] = False,
+    storage_options: StorageOption = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Decode each image once and write per sample: key, source row, size, sha256, pHash, CLIP embedding
+    (float16 npy, LAION's embeddings layout), caption similarity, pwatermark, punsafe and --score columns;
+    rank-sharded and resumable per shard."""
+    from laionkit.score import ScoreConfig, run
+
+    config = ScoreConfig(
+        shards=tuple(shards), output=output, clip_model=clip_model,
+        clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
+        watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
+        decode=decode, caption_key=caption_key, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
+        storage_options=storage_options,
+    )
+    summary = run(config, log=lambda line: err_console.print(line, highlight=False))
+    if not quiet:
+        err_console.print(f"scored {summary['samples_out']} samples ({summary['skipped']} skipped) from "
+                          f"{summary['shards']} shards into {output}", highlight=False)
 
 
 # A failed CUDA context ("sticky" errors: every later CUDA call fails too). Seen on an H200: after a cuBLAS

@@ -32,6 +32,7 @@ import torch.utils.data
 from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, storage
+from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
@@ -136,7 +137,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     encoders.check_sizes(config.resolution, buckets)
     models = _models(config, encoders.family)
-    settings = _settings(config, models, encoders, buckets)
+    keep = read_keep_keys(config.keep, options) if config.keep else None
+    settings = _settings(config, models, encoders, buckets, keep)
     refuse_mixed_settings(output, settings)
     write_plan(output, shards)
     write_empty_captions(output, encoders)
@@ -158,7 +160,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
                         disable=config.quiet)
         with progress:
             summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank,
-                                          progress))
+                                          progress, keep))
     manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
@@ -175,9 +177,9 @@ def _reasons(skips: dict) -> str:
     return ", ".join(f"{reason}: {count}" for reason, count in skips.items()) or "no samples in the tars"
 
 
-def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress) -> dict:
+def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, keep=None) -> dict:
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode,
-                           config.caption_key)
+                           config.caption_key, keep)
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(

@@ -44,6 +44,7 @@ class EncodeConfig:
     # where captions come from: a member (txt, caption, ...) or a json key; None: reader.caption_of's order
     caption_key: str | None = None
     overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)
+    keep: str | None = None  # --keep PARQUET: encode only these keys (common.keys); the others are counted, not_kept
 
     def __post_init__(self) -> None:
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}

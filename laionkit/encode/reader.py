@@ -282,6 +282,7 @@ class ShardDone:
     shard: str
     samples_in: int
     skips: list[dict] = field(default_factory=list)
+    not_kept: int = 0  # samples left out by a keep list (encode --keep): counted, not skipped
 
 
 def original_size(meta: dict | None, width: int, height: int) -> tuple[int, int]:
@@ -363,9 +364,10 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
                  buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
-                 caption_key: str | None = None) -> None:
+                 caption_key: str | None = None, keep: frozenset[str] | None = None) -> None:
         super().__init__()
         self.caption_key = caption_key
+        self.keep = keep
         self.shards = list(shards)
         self.tokenizer = tokenizer
         self.resolution = resolution
@@ -387,6 +389,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
         try:
             for sample in unit_samples(shard, stream):
                 done.samples_in += 1
+                if self.keep is not None and sample["__key__"] not in self.keep:
+                    done.not_kept += 1
+                    continue
                 try:
                     item = self.prepare(sample)
                 except Exception as error:  # noqa: BLE001 - any decode failure is a recorded skip

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laionkit.common import LaionkitError, refuse_other_settings, storage, versions
+from laionkit.common.keys import keys_identity
 from laionkit.common.models import fingerprint
 from laionkit.common.storage import Location
 from laionkit.encode.config import EncodeConfig
@@ -42,7 +43,8 @@ def _models(config: EncodeConfig, family: FamilySpec) -> dict:
     return {component: fingerprint(config.source(component), component) for component in components}
 
 
-def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -> dict:
+def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, keep: frozenset[str] | None = None
+              ) -> dict:
     """What every shard of one folder must share; a rerun with other settings is refused.
 
     Models count by content (their files' sha256), not by the path they were reached through: the same
@@ -57,6 +59,7 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets) -
         "buckets": [list(size) for size in buckets] if buckets else None,
         "compute_dtype": str(encoders.dtype).removeprefix("torch."),
         **({"caption_key": config.caption_key} if config.caption_key else {}),
+        **({"keep": keys_identity(keep)} if keep is not None else {}),
     }
 
 
@@ -80,6 +83,7 @@ def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], secon
     return {
         "shard": done.shard, "rank": rank, "samples_in": done.samples_in,
         "samples_out": written.samples, "truncated": written.truncated, "empty_captions": written.empty_captions,
+        **({"not_kept": done.not_kept} if done.not_kept else {}),
         "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
         "sizes": dict(written.sizes), "bytes": written.bytes, "seconds": round(seconds, 3), "settings": settings,
         "models": models,
@@ -170,6 +174,8 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
         "counts": {"samples_in": sum(r["samples_in"] for r in records),
                    "samples_out": sum(r["samples_out"] for r in records),
                    "skipped": sum(skips.values()), "truncated_captions": sum(r["truncated"] for r in records),
+                   # samples left out by encode --keep (only in folders encoded with one)
+                   **({"not_kept": sum(r.get("not_kept", 0) for r in records)} if "keep" in settings else {}),
                    # samples encoded with an empty caption (none found, or blank); None: a record predates the count
                    "empty_captions": None if any("empty_captions" not in r for r in records)
                    else sum(r["empty_captions"] for r in records)},

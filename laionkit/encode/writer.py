@@ -100,13 +100,13 @@ class _Writer:
     def _finish(self, done: ShardDone) -> None:
         shard = self._shard(done.shard)
         skips = sorted(shard.skips + done.skips, key=lambda skip: skip["key"])
-        if shard.samples + len(skips) != done.samples_in:
-            raise RuntimeError(f"{done.shard}: {shard.samples} written + {len(skips)} skipped "
-                               f"!= {done.samples_in} read")
+        if shard.samples + len(skips) + done.not_kept != done.samples_in:
+            raise RuntimeError(f"{done.shard}: {shard.samples} written + {len(skips)} skipped + {done.not_kept} "
+                               f"not kept != {done.samples_in} read")
         seconds = time.perf_counter() - shard.started
         shard.finish()
         del self.open[done.shard]
-        self.progress.update(len(done.skips))
+        self.progress.update(len(done.skips) + done.not_kept)
         record = shard_record(done, shard, skips, seconds, self.rank.rank, self.settings, self.models)
         storage.write_json(record_path(self.output, done.shard), record)
         self.samples_out += shard.samples

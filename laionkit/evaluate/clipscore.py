@@ -88,17 +88,19 @@ def clip_score(similarities: np.ndarray) -> float:
     return max(float(np.mean(similarities)), 0.0)
 
 
-def write_tiny_clip(folder: Path, seed: int = 0) -> tuple[Path, Path]:
+def write_tiny_clip(folder: Path, seed: int = 0, embed_dim: int | None = None, name: str = "tiny-clip"
+                    ) -> tuple[Path, Path]:
     """A random-init open_clip model: FOLDER/tiny-clip.json (open_clip's model config format) and
     FOLDER/tiny-clip.safetensors (its state dict); load with ``--clip-model FOLDER/tiny-clip.json
-    --clip-pretrained FOLDER/tiny-clip.safetensors``."""
+    --clip-pretrained FOLDER/tiny-clip.safetensors``. ``embed_dim`` widens the joint embedding (768: LAION's
+    ViT-L/14 width, so its aesthetic and NSFW heads apply); ``name`` names the two files."""
     import open_clip
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "tiny-clip.json"
-    config.write_text(json.dumps(TINY_CLIP, indent=2) + "\n")
+    config = folder / f"{name}.json"
+    config.write_text(json.dumps({**TINY_CLIP, **({"embed_dim": embed_dim} if embed_dim else {})}, indent=2) + "\n")
     open_clip.add_model_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -108,6 +110,6 @@ def write_tiny_clip(folder: Path, seed: int = 0) -> tuple[Path, Path]:
             model = open_clip.create_model(config.stem)
         finally:
             logging.root.setLevel(level)
-    weights = folder / "tiny-clip.safetensors"
+    weights = folder / f"{name}.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
     return config, weights

@@ -18,6 +18,7 @@ class FilterConfig:
     dedup: str | None = None
     embeddings: tuple[str, ...] = ()
     scores: tuple[str, ...] = ()
+    score_tables: tuple[str, ...] = ()  # --scores DIR: laionkit score output joined by key (filter/joins.py)
     clip_model: str = "ViT-L-14"
     clip_pretrained: str = "openai"
     unit_rows: int = DEFAULT_UNIT_ROWS

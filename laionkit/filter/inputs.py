@@ -161,9 +161,15 @@ def trailing_number(path: Path | Location) -> str | None:
 
 
 def match_embeddings(inputs: Sequence[Location], npys: Sequence[Location]) -> dict[Location, Location]:
-    """LAION's layout: img_emb_0003.npy <-> metadata_0003.parquet by number; one file <-> one file."""
+    """One file <-> one file; else by name, as `laionkit score` writes them (scores/<stem>.parquet <->
+    img_emb/img_emb_<stem>.npy, any stem), when every input has one; else LAION's layout: img_emb_0003.npy
+    <-> metadata_0003.parquet by number."""
     if len(inputs) == 1 and len(npys) == 1:
         return {inputs[0]: npys[0]}
+    by_name = {npy.name: npy for npy in npys}
+    named = {parquet: by_name.get(f"img_emb_{Path(parquet.name).stem}.npy") for parquet in inputs}
+    if all(named.values()):
+        return named
     by_number: dict[str, Location] = {}
     for npy in npys:
         number = trailing_number(npy)

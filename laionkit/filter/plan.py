@@ -28,6 +28,7 @@ from laionkit.filter.inputs import (
     match_embeddings,
     read_footer,
 )
+from laionkit.filter.joins import Join, find_score_tables, plan_join
 from laionkit.filter.rules import Rule, alias_names, parse_renames, parse_rule, preset_rules
 from laionkit.filter.sql import INTERNAL_PREFIX, glob_literal, literal, lock_down, quote
 from laionkit.filter.top import top_rule, top_specs
@@ -45,6 +46,7 @@ class Plan:
     record: dict  # what the plan sidecar holds; equal records = interchangeable runs
     staging: str | None = None  # local folder for parts on their way to an object store
     labels: dict[str, str] = field(default_factory=dict)  # rule expr -> its name in the stats (--top rules)
+    join: Join | None = None  # --scores: score columns joined by key
 
     @functools.cached_property
     def bases(self) -> list[int]:
@@ -109,8 +111,15 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
     for location in {file.location.protocol: file.location for file in files if file.location}.values():
         storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
-    lock_down(connection, [f.path for f in files], writable or Path(config.output))
-    check_columns(files, rules, renames, scores, config.dedup, connection)
+    join = None
+    if config.score_tables:
+        tables = find_score_tables(config.score_tables, storage.parse_storage_options(config.storage_options))
+        for location in {table.protocol: table for table in tables if not table.local}.values():
+            storage.register_with_duckdb(connection, location)
+        taken = {name.lower() for f in files for name in renamed_schema(f.schema, renames, scores).names}
+        join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken)
+    lock_down(connection, [f.path for f in files] + list(join.files if join else ()), writable or Path(config.output))
+    check_columns(files, rules, renames, scores, config.dedup, connection, join)
     tops = [top_rule(spec, files, renames, scores, connection) for spec in top_specs(config.presets, config.top)]
     rules += [rule for rule, _ in tops]
     units = make_units(files, config.unit_rows)
@@ -131,11 +140,16 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
     }
     if tops:  # only then, so plans of folders filtered before --top existed stay equal
         record["top"] = [found for _, found in tops]
+    if join:  # likewise
+        record["scores_joined"] = {"files": list(join.files), "columns": [f.name for f in join.columns],
+                                   "by_name": join.by_name}
     return Plan(files, bad, units, rules, scores, renames, record,
-                labels={rule.expr: found["rule"] for rule, found in tops})
+                labels={rule.expr: found["rule"] for rule, found in tops}, join=join)
 
 
-def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> pa.Schema:
+def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[ScoreSpec],
+                   joined: Sequence[pa.Field] = ()) -> pa.Schema:
+    """The output columns: the input's (renamed), one float32 per --score, then --scores' joined ones."""
     names = [renames.get(name, name) for name in schema.names]
     taken = {name.lower() for name in names}
     for spec in scores:
@@ -146,7 +160,7 @@ def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[
     # pandas' metadata describes the input frame (its index, its names); it would mislead on the output.
     metadata = {k: v for k, v in (schema.metadata or {}).items() if k != b"pandas"}
     return pa.schema(
-        fields + [pa.field(spec.name, pa.float32()) for spec in scores], metadata=metadata or None
+        fields + [pa.field(spec.name, pa.float32()) for spec in scores] + list(joined), metadata=metadata or None
     )
 
 
@@ -157,6 +171,7 @@ def check_columns(
     scores: Sequence[ScoreSpec],
     dedup: str | None,
     connection: duckdb.DuckDBPyConnection,
+    join: Join | None = None,
 ) -> None:
     """Bind every rule against every distinct input schema before anything is written: all rules in one
     DESCRIBE (one bind of the footer), and rule by rule only to name the one that fails."""
@@ -166,7 +181,7 @@ def check_columns(
     seen: set[pa.Schema] = set()
     for file in files:
         check_names(file, renames, scores)
-        schema = renamed_schema(file.schema, renames, scores)
+        schema = renamed_schema(file.schema, renames, scores, join.columns if join else ())
         if schema in seen:
             continue
         seen.add(schema)
@@ -175,7 +190,7 @@ def check_columns(
             raise LaionkitError(
                 f"--dedup {dedup}: {file.path} has no such column; available columns: {available}"
             )
-        relation = empty_relation(file, renames, scores)
+        relation = empty_relation(file, renames, scores, join)
 
         def kinds(checked: Sequence[Rule], relation: str = relation) -> list[str]:
             exprs = ", ".join(f"({duckdb.SQLExpression(rule.expr)})" for rule in checked)  # one expression each
@@ -216,13 +231,17 @@ def check_names(file: InputFile, renames: dict[str, str], scores: Sequence[Score
         seen[name.lower()] = source
 
 
-def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[ScoreSpec]) -> str:
+def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[ScoreSpec], join: Join | None = None
+                   ) -> str:
     """SQL for a unit's columns as rules see them (renamed, score columns, alias names), with no rows.
 
     DuckDB reads only the file's footer for it, and no pandas import (an arrow table would cost one)."""
-    output = [renames.get(name, name) for name in file.schema.names] + [spec.name for spec in scores]
+    joined = [field.name for field in join.columns] if join else []
+    output = [renames.get(name, name) for name in file.schema.names] + [spec.name for spec in scores] + joined
     columns = [f"{quote(name)} AS {quote(renames.get(name, name))}" for name in file.schema.names]
-    columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in scores]
+    columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in scores] + [quote(name) for name in joined]
     aliases = "".join(f", {quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items())
     source = f"read_parquet({literal(glob_literal(file.path))})"
+    if join:
+        source = f"({join.joined(f'SELECT * FROM {source} LIMIT 0', file.path)})"
     return f"SELECT *{aliases} FROM (SELECT {', '.join(columns)} FROM {source} LIMIT 0)"

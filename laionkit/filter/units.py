@@ -86,13 +86,16 @@ class UnitFilter:
         if self.scorers:
             self.connection.register("unit_scores", self.unit_scores(unit, file))
             source = f"SELECT * FROM ({source}) POSITIONAL JOIN unit_scores"
+        joined = [field.name for field in self.plan.join.columns] if self.plan.join else []
+        if self.plan.join:  # --scores: by key (the join reorders rows; the part is written ORDER BY row)
+            source = self.plan.join.joined(source, file.path)
         output = [self.plan.renames.get(name, name) for name in file.schema.names] + [
             s.spec.name for s in self.scorers
-        ]
+        ] + joined
         columns = [
             f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names
         ]
-        columns += [quote(s.spec.name) for s in self.scorers] + ["__laionkit_row"]
+        columns += [quote(s.spec.name) for s in self.scorers] + [quote(name) for name in joined] + ["__laionkit_row"]
         columns.append(f"__laionkit_row + {self.plan.bases[unit.file]} AS __laionkit_gpos")  # --top's input order
         columns += [f"{quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items()]
         return f"SELECT {', '.join(columns)} FROM ({source})", output
@@ -105,7 +108,8 @@ class UnitFilter:
         """Each rule as SQL that is null where a float column it reads is NaN (NaN fails a rule, as
         null does; DuckDB orders NaN above every number, so ``NaN >= 5`` would otherwise pass), and
         the same AND-ed as a plain WHERE, which DuckDB pushes into the parquet scan (late decoding)."""
-        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
+        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores,
+                                self.plan.join.columns if self.plan.join else ())
         floats = {f.name.lower() for f in schema if pa.types.is_floating(f.type)}
         floats |= {alias for alias, name in alias_names(schema.names).items() if name.lower() in floats}
         tested, keep = [], []
@@ -186,7 +190,8 @@ class UnitFilter:
                 f"AND __laionkit_row NOT IN ({self.dedup.dropped(unit)}) ORDER BY __laionkit_row"
             )
         else:
-            selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}"
+            selected = f"SELECT {', '.join(map(nullable, output))} FROM {kept}" + (
+                " ORDER BY __laionkit_row" if self.plan.join else "")
         metadata = literal(json.dumps(stats))  # rows_out is the part's row count (unit_stats_from_part)
         options = f"FORMAT parquet, KV_METADATA {{{literal(STATS_KEY)}: {metadata}}}"
         [(written,)] = self.connection.execute(f"COPY ({selected}) TO {literal(str(tmp))} ({options})").fetchall()
@@ -203,7 +208,8 @@ class UnitFilter:
             "bad": message,
             "bad_rows": unit.rows,
         }
-        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores)
+        schema = renamed_schema(file.schema, self.plan.renames, self.plan.scores,
+                                self.plan.join.columns if self.plan.join else ())
         with storage.atomic_write(part, staging=self.plan.staging) as tmp, pq.ParquetWriter(tmp, schema) as writer:
             writer.add_key_value_metadata({STATS_KEY: json.dumps(stats)})
         return {**stats, "rows_out": 0}

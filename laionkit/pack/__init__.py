@@ -116,6 +116,10 @@ def make_output_folder(location: Location) -> None:
 
 def run(config: PackConfig) -> dict:
     """Pack this rank's shards that are not done yet, then rewrite manifest.json; returns the manifest."""
+    if config.keep:  # a subset of existing shards, nothing downloaded
+        from laionkit.pack.subset import run_subset
+
+        return run_subset(config, lambda line: print(line, file=sys.stderr))
     rank = resolve_rank(config.rank, config.world_size)
     inputs, output = config.locations()
     files = input_files(inputs)

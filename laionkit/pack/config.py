@@ -58,6 +58,7 @@ class PackConfig:
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
     overwrite: bool = False  # write into a folder that holds another stage's outputs (same names replaced)
+    keep: str | None = None  # --keep PARQUET: inputs are existing shards; keep only these keys (pack/subset.py)
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
@@ -88,5 +89,5 @@ class PackConfig:
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
-        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite"}
+        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite", "keep"}
         return {key: value for key, value in asdict(self).items() if key not in skipped}

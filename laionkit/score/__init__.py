@@ -1,0 +1,291 @@
+"""laionkit score: image shards -> per-sample scores, hashes and CLIP embeddings (docs/FORMATS.md section 6).
+
+Data flows one way, as in encode:
+
+    DataLoader workers   read whole shards (encode's reader), decode each image once: sha256, pHash, size,
+                         CLIP pixels and watermark pixels (uint8)
+    -> main thread       CLIP image + caption embeddings, watermark detector (bf16/fp16 autocast on CUDA),
+                         then heads over the stored float16 embeddings (aesthetic, prompt, NSFW)
+    -> per shard         img_emb/img_emb_<stem>.npy, scores/<stem>.parquet, records/<stem>.json last
+
+Scores of the embedding heads are computed from the float16 embeddings as stored, by laionkit.scores, so
+``laionkit filter DIR/scores --embeddings DIR/img_emb --score ...`` gives the same numbers. The shard is the
+unit of work, resume and record; batches never span shards, so outputs are the same for any ranks/workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.utils.data
+from tqdm import tqdm
+
+from laionkit.common import LaionkitError, Rank, resolve_rank, split, storage, versions
+from laionkit.common.storage import Location
+from laionkit.encode.reader import ShardDone, check_count, count_unit, find_shards, shard_stem
+from laionkit.score.config import ScoreConfig
+from laionkit.score.models import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    WATERMARK_SIZE,
+    load_nsfw,
+    load_score_clip,
+    load_watermark,
+    watermark_probability,
+)
+from laionkit.score.reader import ScoreSamples, split_clip_transform
+from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
+from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
+
+__all__ = ["ScoreConfig", "Scorers", "run"]
+
+QUEUE_DEPTH = 4
+RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
+            "pwatermark", "punsafe"}
+
+
+def _device(config: ScoreConfig, rank: Rank) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count())))
+    return torch.device("cpu")
+
+
+class Scorers:
+    """Every model of one run, loaded once: CLIP (+ its tokenizer and preprocess), the optional watermark
+    detector and NSFW head, and the embedding heads of --score (laionkit.scores)."""
+
+    def __init__(self, config: ScoreConfig, device: torch.device, log: Callable[[str], None] = print) -> None:
+        self.device = device
+        wanted = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
+                  "fp16": torch.float16, "bf16": torch.bfloat16}[config.dtype]
+        self.dtype = wanted
+        self.clip, preprocess, self.tokenizer, name = load_score_clip(config.clip_model, config.clip_pretrained, device)
+        self.clip.requires_grad_(False)
+        self.pil_transform, self.normalize = split_clip_transform(preprocess)
+        self.preprocess = preprocess
+        if device.type == "cuda":
+            self.clip = self.clip.to(memory_format=torch.channels_last)
+        specs = [ScoreSpec.parse(text) for text in config.scores]
+        for spec in specs:
+            if spec.name in RESERVED:
+                raise LaionkitError(f"--score {spec.name}=...: {spec.name} is a column score always writes; "
+                                    "choose another name")
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise LaionkitError(f"--score names must differ: {', '.join(names)}")
+        self.scorers = [build_scorer(spec, ClipChoice(name, config.clip_pretrained)) for spec in specs]
+        self.watermark = load_watermark(config.watermark).to(device) if config.watermark else None
+        if self.watermark is not None and device.type == "cuda":
+            self.watermark = self.watermark.to(memory_format=torch.channels_last)
+        self.nsfw = load_nsfw(config.nsfw) if config.nsfw else None
+        self.dim = int(self.clip.visual.output_dim) if hasattr(self.clip.visual, "output_dim") else None
+        for scorer in self.scorers:
+            if self.dim is not None and scorer.dim != self.dim:
+                raise LaionkitError(f"--score {scorer.spec.name}: expects {scorer.dim}-d embeddings, but --clip-model "
+                                    f"{config.clip_model} gives {self.dim}-d ones")
+        if self.nsfw is not None and self.dim is not None and self.nsfw.dim != self.dim:
+            raise LaionkitError(f"--nsfw {config.nsfw}: a head over {self.nsfw.dim}-d embeddings (LAION's is ViT-L/14's "
+                                f"768), but --clip-model {config.clip_model} gives {self.dim}-d ones")
+        for flag, given, column in (("--watermark", config.watermark, "pwatermark"), ("--nsfw", config.nsfw, "punsafe")):
+            if not given and not config.quiet:
+                log(f"laionkit score: no {flag} weights given: the {column} column is not computed")
+
+    @property
+    def score_columns(self) -> list[str]:
+        return ((["pwatermark"] if self.watermark is not None else []) + (["punsafe"] if self.nsfw is not None else [])
+                + [scorer.spec.name for scorer in self.scorers])
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def _pixels(self, batch: torch.Tensor, mean, std) -> torch.Tensor:
+        """uint8 (B, H, W, 3) -> normalised float (B, 3, H, W) on the device."""
+        pixels = batch.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
+        std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+        pixels = (pixels - mean) / std
+        return pixels.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" else pixels
+
+    @torch.inference_mode()
+    def image_embeddings(self, batch: dict) -> torch.Tensor:
+        """L2-normalised float32 CLIP image embeddings of a batch (on the device)."""
+        if self.normalize is not None:
+            pixels = self._pixels(batch["clip"], *self.normalize)
+        else:
+            pixels = batch["clip"].to(self.device, non_blocking=True)
+        with self._autocast():
+            features = self.clip.encode_image(pixels)
+        return torch.nn.functional.normalize(features.float(), dim=-1)
+
+    @torch.inference_mode()
+    def launch(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Queue one batch's device work; its results stay on the device until ``collect`` (so the loop
+        can queue the next batch before it waits for this one's)."""
+        image = self.image_embeddings(batch)
+        with torch.inference_mode(), self._autocast():
+            text = self.clip.encode_text(self.tokenizer(batch["caption"]).to(self.device))
+        with torch.inference_mode():
+            text = torch.nn.functional.normalize(text.float(), dim=-1)
+            launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
+            if self.watermark is not None:
+                with self._autocast():
+                    logits = self.watermark(self._pixels(batch["watermark"], IMAGENET_MEAN, IMAGENET_STD))
+                launched["pwatermark"] = watermark_probability(logits)
+        return launched
+
+    @staticmethod
+    def collect(batch: dict, launched: dict[str, torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(float16 embeddings, {column: float32 values}) of a launched batch, on the host."""
+        columns = {name: value.cpu().numpy().astype(np.float32) for name, value in launched.items() if name != "image"}
+        columns["similarity"][[not caption.strip() for caption in batch["caption"]]] = np.nan  # no caption: null
+        return launched["image"].cpu().numpy(), columns
+
+    def score(self, batch: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(float16 embeddings, {column: float32 values}) of one batch."""
+        return self.collect(batch, self.launch(batch))
+
+    @torch.inference_mode()
+    def head_scores(self, stored: np.ndarray, shard: str) -> dict[str, np.ndarray]:
+        """The heads over a whole shard's stored (float16, L2-normalised) embeddings, as LAION's release is
+        scored: laionkit.scores on the same array gives the same numbers, bit for bit (filter --score)."""
+        columns = {}
+        if self.nsfw is not None:
+            columns["punsafe"] = self.nsfw(torch.from_numpy(stored).float()).numpy().astype(np.float32)
+        for scorer in self.scorers:
+            columns[scorer.spec.name] = score_embeddings(scorer, stored, f"{shard} embeddings")
+        return columns
+
+    def settings(self, config: ScoreConfig) -> dict:
+        """What every shard of one output folder must share (weights by content where they are files)."""
+        files = {name: file_sha256(path) for name, path in (("clip_pretrained", config.clip_pretrained),
+                 ("watermark", config.watermark), ("nsfw", config.nsfw))}
+        return {
+            "clip_model": config.clip_model if not config.clip_model.endswith(".json")
+            else json.loads(open(config.clip_model).read()),
+            "clip_pretrained": files["clip_pretrained"] or config.clip_pretrained,
+            "watermark": files["watermark"], "nsfw": files["nsfw"],
+            "scores": [{**asdict(scorer.spec), "sha256": file_sha256(scorer.spec.arg)
+                        if scorer.spec.kind != "prompt" else None} for scorer in self.scorers],
+            "embedding_dim": self.dim, "compute_dtype": str(self.dtype).removeprefix("torch."),
+            "caption_key": config.caption_key, "columns": self.score_columns,
+            **({"decode": config.decode} if config.decode != "exact" else {}),
+        }
+
+
+def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorers | None = None) -> dict:
+    """Score this rank's shards that are not done yet; rewrite stats.json; return this rank's counts."""
+    started = time.perf_counter()
+    rank = resolve_rank(config.rank, config.world_size)
+    options = storage.parse_storage_options(config.storage_options)
+    output = Location.parse(str(config.output), options)
+    inputs = find_shards(config.shards, log if rank.rank == 0 and not config.quiet else (lambda _: None), options,
+                         "score")
+    shards = list(inputs)
+    storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "score")
+    storage.claim_output(output, "score", config.overwrite)
+    if output.local:
+        os.makedirs(output.path, exist_ok=True)
+    scorers = scorers or Scorers(config, _device(config, rank), log)
+    settings = scorers.settings(config)
+    stems = [shard_stem(shard) for shard in shards]
+    mine = split(shards, rank)
+    counts = {shard: count_unit(shard) for shard in mine}
+    for shard in mine:
+        check_count(shard, inputs[shard], counts[shard])
+    todo = [shard for shard in mine
+            if not shard_done(output, shard_stem(shard), settings, counts[shard], config.overwrite)]
+    if not config.quiet:
+        log(f"laionkit score: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
+            f"device {scorers.device}, dtype {settings['compute_dtype']}, columns "
+            f"{', '.join(scorers.score_columns) or '(similarity only)'}")
+    summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0}
+    if todo:
+        progress = tqdm(total=sum(counts[shard] for shard in todo), desc=f"score rank {rank.rank}", unit="img",
+                        disable=config.quiet)
+        with progress:
+            summary.update(_score_shards(config, scorers, todo, settings, rank, output, progress))
+    stats = update_stats(output, stems)
+    if stats["complete"] and stats["counts"]["samples_in"] and not stats["counts"]["samples_out"]:
+        raise LaionkitError(f"score wrote no sample: all {stats['counts']['samples_in']} skipped "
+                            f"({', '.join(f'{k}: {v}' for k, v in stats['skips'].items())}); are these image shards?")
+    summary["wall_seconds"] = round(time.perf_counter() - started, 3)
+    return summary
+
+
+def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
+                  output: Location, progress: tqdm) -> dict:
+    clip_transform = scorers.pil_transform or scorers.preprocess
+    draft_side = None
+    if config.decode == "draft":
+        side = scorers.clip.visual.image_size
+        draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
+                         WATERMARK_SIZE if scorers.watermark is not None else 0)
+    samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
+                           config.batch_size, config.caption_key, draft_side)
+    workers = min(config.workers, len(todo))
+    loader = torch.utils.data.DataLoader(
+        samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
+        prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
+    pending: dict[str, dict] = {}
+    summary = {"samples_out": 0, "skipped": 0}
+    first = None
+    in_flight = None  # (batch, its launched device work): collected after the next batch is queued
+
+    def collect() -> None:
+        batch, launched = in_flight
+        shard = pending.setdefault(batch["shard"], {"columns": {}, "embeddings": [], "started": time.perf_counter()})
+        embeddings, values = scorers.collect(batch, launched)
+        shard["embeddings"].append(embeddings)
+        for name in ("key", "source", "caption", "width", "height", "sha256", "phash"):
+            shard["columns"].setdefault(name, []).extend(batch[name])
+        shard["columns"].setdefault("shard", []).extend([batch["shard"]] * len(batch["key"]))
+        for name, column in values.items():
+            shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
+        progress.update(len(batch["key"]))
+
+    for item in loader:
+        first = first or time.perf_counter()
+        if isinstance(item, ShardDone):
+            if in_flight is not None:  # the shard's last batch may still be in flight
+                collect()
+                in_flight = None
+            shard = pending.pop(item.shard, None) or {"columns": {}, "embeddings": [], "started": time.perf_counter()}
+            _finish_shard(output, item, shard, scorers, settings, rank)
+            summary["samples_out"] += item.samples_in - len(item.skips)
+            summary["skipped"] += len(item.skips)
+            progress.update(len(item.skips))
+            continue
+        launched = scorers.launch(item)  # queued on the device before the previous batch is waited for
+        if in_flight is not None:
+            collect()
+        in_flight = (item, launched)
+    summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
+    return summary
+
+
+def _finish_shard(output: Location, done: ShardDone, shard: dict, scorers: Scorers, settings: dict, rank: Rank) -> None:
+    columns = shard["columns"]
+    names = ["key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
+             *scorers.score_columns]
+    columns = {name: columns.get(name, []) for name in names}
+    dim = scorers.dim or (shard["embeddings"][0].shape[1] if shard["embeddings"] else 0)
+    embeddings = np.concatenate(shard["embeddings"]) if shard["embeddings"] else np.zeros((0, dim), np.float16)
+    for name, values in scorers.head_scores(embeddings, done.shard).items():
+        columns[name] = [None if np.isnan(value) else float(value) for value in values]
+    skipped: dict[str, int] = {}
+    for skip in done.skips:
+        skipped[skip["reason"]] = skipped.get(skip["reason"], 0) + 1
+    record = {
+        "shard": done.shard, "rank": rank.rank, "samples_in": done.samples_in, "samples_out": len(columns["key"]),
+        "skipped": skipped, "skips": done.skips, "columns": names,
+        "seconds": round(time.perf_counter() - shard["started"], 3), "settings": settings, "versions": versions(),
+    }
+    write_shard(output, done.shard, columns, embeddings, scorers.score_columns, record)

@@ -1,0 +1,44 @@
+"""laionkit score's options: one frozen ``ScoreConfig`` per run, built by the CLI and taken by ``run``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from laionkit.common import LaionkitError
+
+COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+# exact: every image decoded at full size (pHash = imagehash's, CLIP input = open_clip's own preprocess of the
+# file); draft: JPEGs decoded at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8) that keeps the short side >= what
+# the models take (CLIP's side, 256 px for the watermark detector): several times less CPU per large JPEG,
+# deterministic, but pHash bits and embeddings differ slightly from a full decode's.
+DECODE_MODES = ("exact", "draft")
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    shards: tuple[str, ...]
+    output: str
+    clip_model: str = "ViT-L-14"  # open_clip name, hf-hub:ORG/REPO or a model config .json
+    clip_pretrained: str | None = "openai"  # a tag open_clip knows or a weights file; None: random init (tests)
+    scores: tuple[str, ...] = ()  # NAME=KIND:ARG as filter's --score (laionkit.scores)
+    watermark: str | None = None  # LAION watermark detector weights; None: no pwatermark column
+    nsfw: str | None = None  # LAION CLIP NSFW head weights; None: no punsafe column
+    batch_size: int = 256
+    workers: int = 4
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str | None = None
+    decode: str = "exact"  # DECODE_MODES
+    caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
+    rank: int | None = None
+    world_size: int | None = None
+    overwrite: bool = False
+    quiet: bool = False
+    storage_options: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise LaionkitError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.decode not in DECODE_MODES:
+            raise LaionkitError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.batch_size < 1 or self.workers < 0:
+            raise LaionkitError("--batch-size must be >= 1 and --workers >= 0")

@@ -1,0 +1,129 @@
+"""score's DataLoader side: each worker reads whole input shards through encode's reader (tars, img2dataset
+parquet and files formats, local or URL), decodes each image once, and turns it into everything the
+device needs (CLIP and watermark pixels as uint8) and everything hashed on the CPU (sha256 of the
+bytes, pHash, size).
+
+Batches never span shards and follow the shard's sample order, so outputs do not depend on workers or
+ranks. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+
+import numpy as np
+import torch
+import torch.utils.data
+from PIL import Image
+
+from laionkit.common import LaionkitError
+from laionkit.common.storage import Location
+from laionkit.encode.reader import IMAGE_EXTENSIONS, ShardDone, caption_of, shard_stem, unit_samples
+from laionkit.score.models import WATERMARK_SIZE
+from laionkit.score.phash import phash
+
+
+def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
+    """open_clip's eval transform as (PIL part, (mean, std)) when it is ``PIL ops, ToTensor, Normalize``:
+    workers then ship uint8 pixels and the device divides by 255 and normalises (a quarter of the bytes
+    over PCIe). Any other shape: (None, None), and workers run the whole transform."""
+    from torchvision import transforms as T
+
+    steps = list(getattr(preprocess, "transforms", []))  # open_clip's MaybeToTensor is a ToTensor
+    if len(steps) < 2 or not isinstance(steps[-2], T.ToTensor) or not isinstance(steps[-1], T.Normalize) \
+            or any(isinstance(step, (T.ToTensor, T.Normalize)) for step in steps[:-2]):
+        return None, None
+    return T.Compose(steps[:-2]), (tuple(steps[-1].mean), tuple(steps[-1].std))
+
+
+class ScoreSamples(torch.utils.data.IterableDataset):
+    """Batches of one rank's shards (<= batch_size samples of one shard, in order) and a ShardDone after
+    each shard; DataLoader workers each take whole shards."""
+
+    def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
+                 batch_size: int, caption_key: str | None = None, draft_side: int | None = None) -> None:
+        super().__init__()
+        self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
+        self.shards = list(shards)
+        self.clip_transform = clip_transform
+        self.clip_uint8 = clip_uint8
+        self.watermark = watermark
+        self.batch_size = batch_size
+        self.caption_key = caption_key
+
+    def __iter__(self) -> Iterator[dict | ShardDone]:
+        worker = torch.utils.data.get_worker_info()
+        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
+        for shard in mine:
+            yield from self.shard_batches(shard)
+
+    def shard_batches(self, shard: Location) -> Iterator[dict | ShardDone]:
+        shard = Location.parse(shard)
+        done = ShardDone(shard_stem(shard), 0)
+        items: list[dict] = []
+        stream = ExitStack()
+        try:
+            for sample in unit_samples(shard, stream):
+                done.samples_in += 1
+                try:
+                    items.append(self.prepare(sample))
+                except Exception as error:  # noqa: BLE001 - any decode failure is a recorded skip
+                    done.skips.append({"key": sample["__key__"], "reason": getattr(error, "reason", "undecodable"),
+                                       "error": f"{type(error).__name__}: {error}"[:500]})
+                    continue
+                if len(items) == self.batch_size:
+                    yield self.collate(done.shard, items)
+                    items = []
+        except (OSError, ValueError, tarfile.TarError) as error:
+            raise LaionkitError(f"cannot read shard {shard}: {error}") from error
+        finally:
+            stream.close()
+        if items:
+            yield self.collate(done.shard, items)
+        yield done
+
+    def prepare(self, sample: dict) -> dict:
+        extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+        if extension is None:
+            error = ValueError(f"no image member ({', '.join(IMAGE_EXTENSIONS)})")
+            error.reason = "no_image"
+            raise error
+        try:
+            meta = json.loads(sample["json"]) if "json" in sample else None
+        except ValueError as error:
+            error.reason = "bad_json"
+            raise
+        data = sample[extension]
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if self.draft_side and image.format == "JPEG":
+                image.draft("RGB", (self.draft_side, self.draft_side))
+            image.load()
+            rgb = image.convert("RGB")
+        clip = self.clip_transform(rgb)
+        item = {
+            "key": sample["__key__"], "source": json.dumps(meta, sort_keys=True) if meta is not None else None,
+            "caption": caption_of(sample, meta, self.caption_key), "width": width, "height": height,
+            # img2dataset's compute_hash: sha256 of the image bytes as stored
+            "sha256": hashlib.sha256(data).hexdigest(), "phash": phash(rgb),
+            "clip": torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip,
+        }
+        if self.watermark:  # LAION's T.Resize((256, 256)) on a PIL image: a bilinear (antialiased) squash
+            squashed = rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR)
+            item["watermark"] = torch.from_numpy(np.asarray(squashed).copy())
+        return item
+
+    @staticmethod
+    def collate(shard: str, items: list[dict]) -> dict:
+        batch = {name: [item[name] for item in items]
+                 for name in ("key", "source", "caption", "width", "height", "sha256", "phash")}
+        batch["shard"] = shard
+        batch["clip"] = torch.stack([item["clip"] for item in items])
+        if "watermark" in items[0]:
+            batch["watermark"] = torch.stack([item["watermark"] for item in items])
+        return batch

@@ -1,0 +1,153 @@
+"""Benchmark `laionkit score` against the bare open_clip image forward (not a test; results in docs/BENCHMARKS.md).
+
+Measured in one run, one after the other on the same device:
+
+(a) the ceiling: open_clip's ``encode_image`` alone on a batch already on the device, at its fastest of
+    {contiguous, channels_last} x {bf16 autocast, bf16 weights}, per batch size: no decode, no I/O, no
+    laionkit code;
+(b) `laionkit score` end to end (its run(), models loaded once beforehand) from JPEG tars in pack's layout
+    generated here (photo-like JPEGs, short side ``--image-size``): read, decode once, sha256, pHash, CLIP
+    image + caption embeddings, aesthetic v2 and NSFW heads (``core``: what NeMo Curator's floor counts:
+    read + embed + aesthetic), the same with ``--decode draft`` (JPEGs decoded at a reduced DCT scale: less
+    CPU per image), and again with LAION's watermark detector (``+watermark``: an EfficientNet-B3 forward at
+    256 px per image on top).
+
+Prints images/s, (b) / (a) (issue 30's target: >= 0.9) and images/s per GPU against NeMo Curator's
+published nightly floor (>= 900 images/s for read + embed + aesthetic on 8 GPUs: 112.5 per GPU).
+Models are random init at real sizes (ViT-L/14 by default; the GPU machine has no network), heads in their
+released layouts; numbers depend on the weights' shapes only.
+
+    python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 20,000 images
+    python scripts/bench_score.py --out results/ --clip-model ViT-H-14 --batch-sizes 256 512
+    python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
+
+from laionkit.score import ScoreConfig, Scorers, run  # noqa: E402
+from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
+
+NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 8 GPUs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_forward(model_name: str, pretrained: str | None, batch: int, device: torch.device, seconds: float) -> dict:
+    """images/s of encode_image alone, the fastest layout x precision."""
+    from laionkit.score.models import load_score_clip
+
+    clip, preprocess, _, _ = load_score_clip(model_name, pretrained, device)
+    size = clip.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    pixels = torch.randn(batch, 3, size, size, device=device)
+    results = {}
+    variants = [("contiguous", "autocast"), ("channels_last", "autocast"), ("channels_last", "bf16_weights")] \
+        if device.type == "cuda" else [("contiguous", "fp32")]
+    for layout, precision in variants:
+        model = clip
+        x = pixels.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else pixels
+        if layout == "channels_last":
+            model = model.to(memory_format=torch.channels_last)
+        if precision == "bf16_weights":
+            model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
+        with torch.inference_mode(), autocast:
+            for _ in range(3):
+                model.encode_image(x)
+            _sync(device)
+            done, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                model.encode_image(x)
+                done += batch
+            _sync(device)
+            results[f"{layout}/{precision}"] = done / (time.perf_counter() - started)
+        if precision == "bf16_weights":
+            clip = clip.float()
+    best = max(results, key=results.get)
+    return {"batch": batch, "variants": results, "best": best, "images_per_s": results[best]}
+
+
+def end_to_end(shards: Path, out: Path, config: ScoreConfig, label: str) -> dict:
+    shutil.rmtree(config.output, ignore_errors=True)  # a fresh folder: nothing resumed
+    scorers = Scorers(config, torch.device(config.device), lambda _: None)
+    size = scorers.clip.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    with torch.inference_mode():  # kernels warmed outside the timing, as the bare forward's are
+        scorers.clip.encode_image(torch.zeros(2, 3, size, size, device=scorers.device))
+    started = time.perf_counter()
+    summary = run(config, log=lambda _: None, scorers=scorers)
+    wall = time.perf_counter() - started
+    return {"label": label, "samples": summary["samples_out"], "loop_seconds": summary["seconds"],
+            "wall_seconds": wall, "images_per_s": summary["samples_out"] / summary["seconds"],
+            "images_per_s_wall": summary["samples_out"] / wall, "workers": config.workers,
+            "batch": config.batch_size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny CLIP, a few images: plumbing only")
+    parser.add_argument("--clip-model", default="ViT-L-14")
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--image-size", type=int, default=512, help="short side of the generated JPEGs")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--bare-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    model, pretrained = args.clip_model, None
+    if args.smoke:
+        args.images, args.image_size, args.batch_sizes, args.workers, args.bare_seconds = 32, 96, [8], 2, 1.0
+        config_file, weights = write_tiny_score_clip(args.out / "models")
+        model, pretrained = str(config_file), str(weights)
+    heads = args.out / "models"
+    nsfw = write_random_nsfw(heads / "nsfw.safetensors", dim=768)
+    watermark = write_random_watermark(heads / "watermark.safetensors")
+    aesthetic = heads / "aesthetic-v2.pth"
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(i, o) for i, o in ((768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))]
+    torch.save({f"layers.{n}.{k}": v for n, layer in zip((0, 2, 4, 6, 7), layers)
+                for k, v in layer.state_dict().items()}, aesthetic)  # the released v2 predictor's keys
+    shard_size = 16 if args.smoke else 1000
+    shards = make_shards(args.out / "shards", args.images, args.image_size, min(8, os.cpu_count() or 1), shard_size)
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": args.images,
+               "image_size": args.image_size, "cpus": os.cpu_count(), "bare": [], "score": []}
+    for batch in args.batch_sizes:
+        results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
+        print(json.dumps(results["bare"][-1]), flush=True)
+        for label, extra in (("core", {}), ("core --decode draft", {"decode": "draft"}),
+                             ("+watermark", {"watermark": str(watermark)})):
+            config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{label.split()[-1]}"),
+                                 clip_model=model, clip_pretrained=pretrained,
+                                 scores=(f"aesthetic=aesthetic-v2:{aesthetic}",), nsfw=str(nsfw), batch_size=batch,
+                                 workers=args.workers, device=str(device), quiet=True, overwrite=True, **extra)
+            found = end_to_end(shards, args.out, config, label)
+            found["vs_bare"] = found["images_per_s"] / results["bare"][-1]["images_per_s"]
+            found["vs_nemo_floor_per_gpu"] = found["images_per_s"] / NEMO_FLOOR_PER_GPU
+            results["score"].append(found)
+            print(json.dumps(found), flush=True)
+    (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out / 'bench_score.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""laionkit score on the real photos (pack-format tars from ../shared/realdata/images), with a tiny
+random-init open_clip model of ViT-L/14's embedding width saved as real weights, the real aesthetic
+predictors, and LAION's watermark and NSFW architectures at random init saved in their real layouts."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import webdataset as wds
+from conftest import run_cli
+from fixtures import write_image_shards
+from PIL import Image
+
+from laionkit.score.phash import hamming, phash
+
+AESTHETIC_V2 = "aesthetic/sac+logos+ava1-l14-linearMSE.pth"
+
+
+@pytest.fixture(scope="module")
+def score_models(tmp_path_factory) -> dict[str, Path]:
+    from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip
+
+    folder = tmp_path_factory.mktemp("score-models")
+    config, weights = write_tiny_score_clip(folder)
+    return {"config": config, "weights": weights, "nsfw": write_random_nsfw(folder / "nsfw.safetensors"),
+            "watermark": write_random_watermark(folder / "watermark.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, realdata) -> Path:
+    folder = tmp_path_factory.mktemp("score-shards")
+    write_image_shards(realdata / "images", folder)
+    return folder
+
+
+def score_args(shards: Path, output: Path, models: dict, realdata: Path, *extra: str) -> list[str]:
+    return ["score", str(shards), "--output", str(output), "--clip-model", str(models["config"]),
+            "--clip-pretrained", str(models["weights"]), "--watermark", str(models["watermark"]),
+            "--nsfw", str(models["nsfw"]), "--score", f"aes=aesthetic-v2:{realdata / AESTHETIC_V2}",
+            "--score", "anime=prompt:an anime drawing|a manga page", "--workers", "0", "--batch-size", "3",
+            "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, shards, score_models, realdata) -> Path:
+    output = tmp_path_factory.mktemp("scored") / "out"
+    args = score_args(shards, output, score_models, realdata)
+    run_cli(*args)
+    return output
+
+
+def tar_samples(tar: Path) -> list[dict]:
+    return list(wds.WebDataset(str(tar), shardshuffle=False))
+
+
+def output_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.parent.name in ("scores", "img_emb")}
+
+
+def test_columns_rows_hashes_and_embeddings_match_the_tars(scored, shards, score_models, realdata):
+    from laionkit.evaluate.clipscore import load_clip
+    from laionkit.scores import ScoreSpec, build_scorer, score_embeddings
+
+    clip, preprocess, _ = load_clip(str(score_models["config"]), str(score_models["weights"]))
+    aesthetic = build_scorer(ScoreSpec("aes", "aesthetic-v2", str(realdata / AESTHETIC_V2)))
+    for tar in sorted(shards.glob("*.tar")):
+        samples = tar_samples(tar)
+        table = pq.read_table(scored / "scores" / f"{tar.stem}.parquet")
+        embeddings = np.load(scored / "img_emb" / f"img_emb_{tar.stem}.npy")
+        assert table.column_names == ["key", "shard", "source", "caption", "width", "height", "sha256", "phash",
+                                      "similarity", "pwatermark", "punsafe", "aes", "anime"]
+        assert table.num_rows == len(samples) == len(embeddings)
+        assert embeddings.dtype == np.float16 and embeddings.shape[1] == 768
+        assert table.schema.field("phash").type == "int64"
+        rows = table.to_pylist()
+        for row, sample in zip(rows, samples):
+            data = next(sample[ext] for ext in ("jpg", "png", "webp") if ext in sample)
+            assert row["key"] == sample["__key__"] and row["shard"] == tar.stem
+            assert row["sha256"] == hashlib.sha256(data).hexdigest()
+            image = Image.open(io.BytesIO(data))
+            assert (row["width"], row["height"]) == image.size
+            assert row["phash"] == phash(image.convert("RGB"))
+            assert json.loads(row["source"]) == json.loads(sample["json"])
+            assert (row["similarity"] is None) == (not row["caption"].strip())
+        pixels = torch.stack([preprocess(Image.open(io.BytesIO(next(s[e] for e in ("jpg", "png", "webp") if e in s))))
+                              for s in samples])
+        with torch.no_grad():
+            expected = torch.nn.functional.normalize(clip.encode_image(pixels).float(), dim=-1).numpy()
+        np.testing.assert_allclose(embeddings.astype(np.float32), expected, atol=2e-3)
+        np.testing.assert_array_equal(table.column("aes").to_numpy(), score_embeddings(aesthetic, embeddings))
+    stats = json.loads((scored / "stats.json").read_text())
+    assert stats["complete"] and stats["counts"] == {"samples_in": 8, "samples_out": 8, "skipped": 0}
+    summary = " ".join(run_cli("stats", str(scored)).stdout.split())
+    assert "2 done, 0 missing" in summary and "8 of 8 (0 skipped)" in summary
+
+
+def test_watermark_and_nsfw_are_laions_architectures(scored, shards, score_models):
+    from torchvision import transforms as T
+
+    from laionkit.score.models import load_nsfw, load_watermark
+
+    samples = tar_samples(shards / "00000.tar")
+    table = pq.read_table(scored / "scores" / "00000.parquet")
+    embeddings = np.load(scored / "img_emb" / "img_emb_00000.npy")
+    laion = T.Compose([T.Resize((256, 256)), T.ToTensor(), T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+    pixels = torch.stack([laion(Image.open(io.BytesIO(s["jpg"])).convert("RGB")) for s in samples])
+    with torch.no_grad():
+        watermark = torch.softmax(load_watermark(score_models["watermark"])(pixels), dim=1)[:, 0].numpy()
+        nsfw = load_nsfw(score_models["nsfw"])(torch.from_numpy(embeddings).float()).numpy()
+    np.testing.assert_allclose(table.column("pwatermark").to_numpy(), watermark, atol=1e-5)
+    np.testing.assert_allclose(table.column("punsafe").to_numpy(), nsfw, atol=1e-6)
+    assert sorted(load_nsfw(score_models["nsfw"]).state_dict()) == [
+        "linear_1.bias", "linear_1.weight", "linear_2.bias", "linear_2.weight", "linear_3.bias", "linear_3.weight",
+        "linear_4.bias", "linear_4.weight", "norm.mean", "norm.variance"]
+
+
+def test_phash_is_near_for_the_same_photo_and_far_for_another(realdata):
+    photo = Image.open(realdata / "images" / "524_316.jpg").convert("RGB")
+    buffer = io.BytesIO()
+    photo.resize((262, 158), Image.Resampling.BICUBIC).save(buffer, format="JPEG", quality=60)
+    again = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    assert hamming(phash(photo), phash(again)) <= 4
+    others = [hamming(phash(photo), phash(Image.open(p).convert("RGB")))
+              for p in sorted((realdata / "images").glob("*.jpg")) if p.name != "524_316.jpg"]
+    assert min(others) >= 16, others
+
+
+def test_without_weights_the_columns_are_left_out_and_said(tmp_path, shards, score_models):
+    result = run_cli("score", str(shards / "00000.tar"), "--output", str(tmp_path / "out"), "--clip-model",
+                     str(score_models["config"]), "--clip-pretrained", str(score_models["weights"]), "--workers", "0")
+    said = " ".join(result.stderr.split())  # the console wraps long lines
+    assert "no --watermark weights given: the pwatermark column is not computed" in said
+    assert "no --nsfw weights given: the punsafe column is not computed" in said
+    assert pq.read_schema(tmp_path / "out" / "scores" / "00000.parquet").names[-1] == "similarity"
+
+
+def test_a_corrupt_image_is_a_counted_recorded_skip(tmp_path, realdata, score_models):
+    shards = tmp_path / "shards"
+    write_image_shards(realdata / "images", shards)
+    good = tar_samples(shards / "00000.tar")
+    with wds.TarWriter(str(shards / "00000.tar")) as sink:
+        for index, sample in enumerate(good):
+            sample = {k: v for k, v in sample.items() if not k.startswith("__") or k == "__key__"}
+            if index == 1:
+                sample["jpg"] = sample["jpg"][:200]  # cut inside the JPEG
+            sink.write(sample)
+    run_cli("score", str(shards / "00000.tar"), "--output", str(tmp_path / "out"), "--clip-model",
+            str(score_models["config"]), "--clip-pretrained", str(score_models["weights"]), "--workers", "0")
+    record = json.loads((tmp_path / "out" / "records" / "00000.json").read_text())
+    assert record["samples_in"] == 4 and record["samples_out"] == 3 and record["skipped"] == {"undecodable": 1}
+    assert record["skips"][0]["key"] == good[1]["__key__"]
+    table = pq.read_table(tmp_path / "out" / "scores" / "00000.parquet")
+    assert good[1]["__key__"] not in table.column("key").to_pylist() and table.num_rows == 3
+    assert len(np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy")) == 3
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["skips"] == {"undecodable": 1}
+
+
+def test_kill9_mid_run_then_rerun_gives_the_same_files(tmp_path, scored, shards, score_models, realdata):
+    args = score_args(shards, tmp_path / "out", score_models, realdata)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = tmp_path / "out" / "records" / "00000.json"
+    deadline = time.monotonic() + 120
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert first.exists() and not (tmp_path / "out" / "records" / "00001.json").exists(), "not killed mid-run"
+    run_cli(*args)
+    assert output_files(tmp_path / "out") == output_files(scored)
+
+
+def test_two_ranks_write_disjoint_shards_whose_union_is_one_ranks(tmp_path, scored, shards, score_models, realdata):
+    args = score_args(shards, tmp_path / "out", score_models, realdata)
+    # rank 1 in its own process (RANK / WORLD_SIZE, as torchrun sets them), rank 0 in this one meanwhile
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "WORLD_SIZE": "2", "RANK": "1"}
+    other = subprocess.Popen([sys.executable, "-m", "laionkit.cli", *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_cli(*args, "--rank", "0", "--world-size", "2")
+    assert other.wait(timeout=300) == 0, other.stdout.read()
+    records = {path.stem: json.loads(path.read_text())["rank"] for path in (tmp_path / "out" / "records").glob("*.json")}
+    assert records == {"00000": 0, "00001": 1}
+    assert output_files(tmp_path / "out") == output_files(scored)
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["complete"]
+
+
+def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
+    result = run_cli("score", str(shards), "--output", str(scored), "--clip-model", str(score_models["config"]),
+                     "--clip-pretrained", str(score_models["weights"]), "--workers", "0", check=False)
+    assert result.returncode == 2 and "was scored with other" in " ".join(result.stderr.split())
+
+
+def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, scored, shards):
+    metadata = tmp_path / "metadata"  # pack's per-shard parquets: img2dataset's columns, key among them
+    metadata.mkdir()
+    for tar in sorted(shards.glob("*.tar")):
+        rows = [json.loads(sample["json"]) for sample in tar_samples(tar)]
+        pq.write_table(pa_table(rows), metadata / f"{tar.stem}.parquet")
+    assert "aes" not in pq.read_schema(metadata / "00000.parquet").names
+    scores = pq.read_table(scored / "scores").to_pandas()
+    threshold = float(scores["aes"].median())
+    run_cli("filter", str(metadata), "--scores", str(scored), "--where", f"aes > {threshold}", "--output",
+            str(tmp_path / "kept"), "--quiet")
+    kept = pq.read_table(tmp_path / "kept").to_pandas()
+    assert sorted(kept["key"]) == sorted(scores.loc[scores["aes"] > threshold, "key"]) and 0 < len(kept) < 8
+    assert "pwatermark" in kept.columns and "width" in kept.columns  # the input's width wins, once
+    # score's own parquets filter too, and pair with its embeddings by shard name as LAION's release does
+    run_cli("filter", str(scored / "scores"), "--embeddings", str(scored / "img_emb"), "--score",
+            f"again=aesthetic-v2:{REALDATA_AESTHETIC()}", "--where", "again = aes", "--output",
+            str(tmp_path / "rescored"), "--quiet")
+    assert pq.read_table(tmp_path / "rescored").num_rows == 8
+
+
+def pa_table(rows: list[dict]):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows)
+
+
+def REALDATA_AESTHETIC() -> Path:  # noqa: N802
+    from conftest import REALDATA
+
+    return REALDATA / AESTHETIC_V2
+
+
+def test_encode_keep_encodes_only_the_kept_keys(tmp_path, scored, shards, tiny_models):
+    kept = tmp_path / "kept"
+    run_cli("filter", str(scored / "scores"), "--where", "width < height", "--output", str(kept), "--quiet")
+    keys = set(pq.read_table(kept, columns=["key"]).column("key").to_pylist())
+    assert 0 < len(keys) < 8
+    run_cli("encode", str(shards), "--keep", str(kept), "--model", str(tiny_models), "--output", str(tmp_path / "lat"),
+            "--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet")
+    encoded = {name.split(".", 1)[0] for tar in (tmp_path / "lat").glob("*.tar")
+               for name in __import__("tarfile").open(tar).getnames()}
+    assert encoded == keys
+    manifest = json.loads((tmp_path / "lat" / "manifest.json").read_text())
+    assert manifest["counts"]["samples_out"] == len(keys) and manifest["counts"]["not_kept"] == 8 - len(keys)
+    assert manifest["keep"]["keys"] == len(keys)
+
+
+def test_score_reads_and_writes_a_bucket_like_local_disk(s3, scored, shards, score_models, realdata):
+    from laionkit.common.storage import Location
+
+    for tar in sorted(shards.glob("*.tar")):
+        location = Location.parse(s3.url("shards", tar.name))
+        location.fs.put_file(str(tar), location.path)
+    output = s3.url("scored")
+    run_cli(*score_args(s3.url("shards"), output, score_models, realdata))
+    folder = Location.parse(output)
+    remote = {f"{sub}/{p.name}": p.read_bytes() for sub in ("scores", "img_emb") for p in (folder / sub).list()}
+    assert remote == output_files(scored) and len(remote) == 4
+    assert all((folder / "records" / f"{stem}.json").is_complete() for stem in ("00000", "00001"))
+    assert (folder / "stats.json").read_json()["complete"]
+    again = run_cli(*score_args(s3.url("shards"), output, score_models, realdata)[:-1])  # resumes: nothing to do
+    assert "0 of 2 shards to do" in " ".join(again.stderr.split())
+
+
+def test_pack_keep_rewrites_only_the_kept_samples_as_a_pack_folder(tmp_path, scored, shards):
+    kept = tmp_path / "kept"
+    run_cli("filter", str(scored / "scores"), "--where", "width < height", "--output", str(kept), "--quiet")
+    keys = set(pq.read_table(kept, columns=["key"]).column("key").to_pylist())
+    run_cli("pack", str(shards), "--keep", str(kept), "--output", str(tmp_path / "subset"), "--quiet")
+    written = {sample["__key__"]: sample for tar in sorted((tmp_path / "subset").glob("*.tar"))
+               for sample in tar_samples(tar)}
+    originals = {sample["__key__"]: sample for tar in sorted(shards.glob("*.tar")) for sample in tar_samples(tar)}
+    assert set(written) == keys
+    for key, sample in written.items():  # members byte for byte
+        assert {k: v for k, v in sample.items() if not k.startswith("__")} == \
+               {k: v for k, v in originals[key].items() if not k.startswith("__")}
+    manifest = json.loads((tmp_path / "subset" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["samples"] == len(keys)
+    record = json.loads((tmp_path / "subset" / "00000_stats.json").read_text())
+    assert record["not_kept"] + record["successes"] == 4
+    # encode reads it as pack's folder: the record's count matches each tar
+    from laionkit.encode.reader import find_shards
+
+    assert sum(find_shards([str(tmp_path / "subset")], lambda _: None).values()) == len(keys)
+
+
+def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, scored, shards, score_models):
+    run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--clip-model", str(score_models["config"]),
+            "--clip-pretrained", str(score_models["weights"]), "--workers", "2", "--batch-size", "3",
+            "--decode", "draft", "--quiet")  # DataLoader workers decode
+    exact, draft = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(draft["key"]) == list(exact["key"])
+    assert list(draft["width"]) == list(exact["width"]) and list(draft["sha256"]) == list(exact["sha256"])
+    settings = json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]
+    assert settings["decode"] == "draft"
+    cosine = (np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy").astype(np.float32)
+              * np.load(scored / "img_emb" / "img_emb_00000.npy").astype(np.float32)).sum(1)
+    assert cosine.min() > 0.9, cosine
