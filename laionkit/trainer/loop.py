@@ -210,13 +210,13 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     schedule = plan_stages(config, data, world)
-    trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
-    if config.checkpointing.strip().lower() == "auto":  # measured on the built model, before the first step
-        memory.auto_checkpointing(trainer)
     mix = parse_mix(config.caption_mix)
     if mix is not None:  # every stage's latents must store the captions it names (one line naming the manifest)
         for _, latents, _ in schedule.stages:
             mix.check(latents.captions, latents.scored_captions, latents.manifest)
+    trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
+    if config.checkpointing.strip().lower() == "auto":  # measured on the built model, before the first step
+        memory.auto_checkpointing(trainer)
     trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
                                     config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed,
                                     caption_mix=mix, caption_names=latents.captions)
