@@ -216,3 +216,29 @@ def test_a_caption_the_latents_do_not_store_is_one_line_naming_it_and_the_manife
     result = run_cli("train", captioned["alt"], "--output", tmp_path / "clip", *FAST, "--max-steps", "2",
                      "--caption-mix", "clip", check=False)
     assert "no caption in" in result.stderr and "has a CLIP score" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family, text", [("sdxl", "stored"), ("pixart", "stored"), ("flux", "online")])
+def test_every_family_stores_each_caption_as_its_own_encode_does(tmp_path, image_shards, family, text):
+    """The family spec decides a caption's members (SDXL's pooled vector, PixArt's trimmed states and mask,
+    Flux's token ids for online text): each named caption's are those an encode of it alone stores."""
+    from laionkit.families import get_family
+
+    model = get_family(family).write_tiny(tmp_path / "model", 0)
+    shards = add_captions(image_shards, tmp_path / "images")
+    base = ("--model", model, "--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet", "--text", text)
+    run_cli("encode", shards, "--output", tmp_path / "two", "--captions", "alt,vlm", *base)
+    run_cli("encode", shards, "--output", tmp_path / "vlm", "--captions", "vlm", *base)
+    two, vlm = members(tmp_path / "two"), members(tmp_path / "vlm")
+    plain = {name.split(".", 1)[1] for name in vlm if not name.endswith(("moments.npy", ".json"))}
+    if family == "flux":
+        assert plain and all(name.startswith("ids_") for name in plain), plain
+    else:
+        assert plain == {"sdxl": {"text.npy", "pooled.npy"}, "pixart": {"text.npy", "mask.npy"}}[family]
+    for name, data in vlm.items():
+        key, member = name.split(".", 1)
+        if member not in plain:
+            continue
+        assert two[f"{key}.vlm.{member}"] == data, name
+        if member == "text.npy" or member.startswith("ids_"):
+            assert two[f"{key}.{member}"] != data, name  # the alt-text's: another caption
