@@ -242,3 +242,19 @@ def test_every_family_stores_each_caption_as_its_own_encode_does(tmp_path, image
         assert two[f"{key}.vlm.{member}"] == data, name
         if member == "text.npy" or member.startswith("ids_"):
             assert two[f"{key}.{member}"] != data, name  # the alt-text's: another caption
+
+
+def test_an_elastic_resume_gives_every_sample_of_an_epoch_the_caption_of_the_uninterrupted_run(captioned, tmp_path):
+    """Another --batch-size on resume splits the rest of the epoch anew; the picks follow (seed, epoch, id)."""
+    mix = ("--caption-mix", "alt:0.5,vlm:0.5", "--checkpoint-every", "3")
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    run_cli("train", captioned["two"], "--output", reference, *FAST, "--max-steps", "8", *mix)
+    run_cli("train", captioned["two"], "--output", run, *FAST, "--max-steps", "3", *mix)
+    run_cli("train", captioned["two"], "--output", run, *FAST, "--max-steps", "13", "--batch-size", "1", *mix,
+            "--resume", "latest")
+
+    def picks(folder: Path) -> set[tuple]:
+        return {(epoch, key, caption) for record in seen(folder).values()
+                for key, epoch, caption in zip(record["keys"], record["epochs"], record["captions"])}
+
+    assert len(picks(reference)) == 16 and picks(run) == picks(reference)
