@@ -145,6 +145,7 @@ def test_a_missing_caption_is_a_recorded_skip_of_that_caption_or_of_the_sample(t
     assert record["caption_skips"] == [{"key": "000010001", "caption": "vlm", "reason": "missing"}]
     found = members(tmp_path / "two")
     assert "000010001.vlm.text.npy" not in found and "000010001.text.npy" in found
+    assert "captions" in run_cli("stats", tmp_path / "two").stdout  # `laionkit stats` shows the counts per name
     # vlm alone: the sample without it has no caption left and is skipped, counted with its reason
     run_cli("encode", shards, "--output", tmp_path / "vlm", "--captions", "vlm", *base)
     manifest = json.loads((tmp_path / "vlm" / "manifest.json").read_text())

@@ -248,6 +248,11 @@ def summarize(folder: Path | Location):
         per_sample = size / counts["samples_out"]
         overview.add_row("per sample", describe_cost({"per_sample": per_sample, "per_billion_samples": per_sample * 1e9}))
     tables = [overview]
+    if manifest.get("caption_counts"):  # encode --captions: what each name stored
+        table = Table("", "stored", "missing", "truncated", "scored", title="captions")
+        for name, found in manifest["caption_counts"].items():
+            table.add_row(name, *(f"{found[count]:,}" for count in ("stored", "missing", "truncated", "scored")))
+        tables.append(table)
     for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
         if counter:
             table = Table("", "samples", title=title)
