@@ -259,3 +259,28 @@ def test_an_elastic_resume_gives_every_sample_of_an_epoch_the_caption_of_the_uni
                 for key, epoch, caption in zip(record["keys"], record["epochs"], record["captions"])}
 
     assert len(picks(reference)) == 16 and picks(run) == picks(reference)
+
+
+def test_a_sample_whose_image_fails_on_the_device_drops_its_captions_with_it(captioned, tiny_models):
+    """encode's device decode (nvjpeg; torchvision's decoder on the CPU here) skips an undecodable JPEG after
+    the workers batched it: every caption's rows and caption skips of that sample go with it."""
+    import torch
+
+    from laionkit.common.models import load_tokenizer
+    from laionkit.encode import ShardBatches, _gpu_batch
+
+    batches = ShardBatches([captioned["images"] / "00000.tar"], load_tokenizer(str(tiny_models), "tokenizer"), 64,
+                           None, 4, gpu_decode=True, captions=("alt", "vlm"))
+    batch = next(item for item in batches.shard_batches(captioned["images"] / "00000.tar") if isinstance(item, dict))
+    assert batch["gpu_rows"], "no JPEG went to the device decode"
+    row = batch["gpu_rows"][0]
+    broken = batch["keys"][row]
+    batch["jpegs"][0] = torch.frombuffer(bytearray(b"\xff\xd8\xff" + b"\0" * 64), dtype=torch.uint8)
+    batch["caption_skips"] = [{"key": broken, "caption": "vlm", "reason": "missing"}]
+    texts = {name: list(found) for name, found in batch["caption_texts"].items()}
+    out = _gpu_batch(batch, torch.device("cpu"), torch.float32)
+    assert [skip["key"] for skip in out["skips"]] == [broken] and broken not in out["keys"]
+    kept = [index for index in range(len(texts["alt"])) if index != row]
+    assert out["caption_texts"] == {name: [found[i] for i in kept] for name, found in texts.items()}
+    assert all(len(ids) == len(out["keys"]) == len(out["present"]) for ids in out["caption_ids"].values())
+    assert out["caption_skips"] == []
