@@ -161,7 +161,8 @@ def parse_mix(spec: str | None) -> CaptionMix | None:
         raise LaionkitError(f"--caption-mix {spec!r}: a caption is named twice")
     if not sum(weight for _, weight in weights) > 0:
         raise LaionkitError(f"--caption-mix {spec!r}: at least one weight must be > 0")
-    return CaptionMix(",".join(f"{name}:{weight:g}" for name, weight in weights), weights=tuple(weights))
+    # the spec a run records and a resume compares: by name, since the order given does not change a pick
+    return CaptionMix(",".join(f"{name}:{weight:g}" for name, weight in sorted(weights)), weights=tuple(weights))
 
 
 def uniform(seed: int, epoch: int, sample_id: int) -> float:

@@ -105,6 +105,7 @@ def test_picks_follow_the_weights_and_depend_only_on_seed_epoch_and_id():
     share = sum(soft.pick(0, 0, i, captions, order) == "vlm" for i in range(4000)) / 4000
     assert share == pytest.approx(1 / (1 + math.exp(-2)), abs=0.03)
     assert parse_mix("clip") == CaptionMix("clip:1", temperature=1.0)
+    assert parse_mix("vlm:0.80, alt:0.2").spec == "alt:0.2,vlm:0.8"  # what a resume compares
     assert 0 <= uniform(0, 0, 0) < 1
     assert parse_names("alt") is None and parse_names("alt,vlm") == ("alt", "vlm")
 
