@@ -74,16 +74,17 @@ def shard_paths(latents: Path | Location, complete_only: bool | None = True) -> 
     return shards
 
 
-def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
+def read_unit(unit: Unit, cache: ReadCache | None = None, captions: bool = True) -> Iterator[dict]:
     """Raw (undecoded) samples of one unit, in tar order. A shard in an object store is streamed with
     read-ahead (the next blocks download while this one decodes), or read through ``cache`` (train's
-    ``--cache-dir``: later epochs read local copies)."""
+    ``--cache-dir``: later epochs read local copies). ``captions``: False leaves the members of a sample's
+    other captions unread (``_first_caption``)."""
     location = Location.parse(unit.shard)
     if location.local and cache is None:
         opened = wds.tariterators.url_opener([{"url": unit.shard}])
     else:
         opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
-    files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member)
+    files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member if captions else _first_caption)
     samples = wds.tariterators.group_by_keys(files)
     return itertools.islice(_named_errors(samples, unit.shard), unit.offset, None, unit.stride)
 
@@ -119,6 +120,12 @@ def _wanted_member(name: str) -> bool:
     """The tar members train reads: moments, stored text tensors or token ids (online text), the json."""
     return (name.endswith((MOMENTS, TEXT, ".json", *(f".{key}.npy" for key in EXTRA_TENSORS)))
             or (IDS_PREFIX in name and name.endswith(".npy")))
+
+
+def _first_caption(name: str) -> bool:
+    """``_wanted_member`` less the other captions' members of several-caption latents (``<key>.<NAME>.<member>``,
+    laionkit.captions): without a caption mix a sample trains on its first caption, so the rest stay unread."""
+    return _wanted_member(name) and name.rsplit("/", 1)[-1].count(".") < 3
 
 
 def _require_members(sample: dict) -> None:
@@ -302,7 +309,7 @@ class LatentStream(IterableDataset):
         self.layout = layout
         self.batches_done = batches_done
         # where shards are read from does not change the stream: the cache is not in the layout
-        self.read = functools.partial(read_unit, cache=cache)
+        self.read = functools.partial(read_unit, cache=cache, captions=layout.caption_mix is not None)
         counts = layout.samples or tuple(count_samples(shard) for shard in layout.shards)
         # a copy: the trainer goes on marking its own as it trains
         self.progress = copy.deepcopy(progress) if progress is not None else DataProgress.fresh(counts)

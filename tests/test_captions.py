@@ -169,6 +169,17 @@ def test_a_zero_one_mix_trains_byte_for_byte_as_the_single_caption_encode(captio
     assert [r["loss"] for r in metrics(mixed).values()] == [r["loss"] for r in metrics(alone).values()]
 
 
+def test_without_a_mix_a_sample_trains_on_its_first_caption(captioned, tmp_path):
+    """A several-caption folder without --caption-mix trains as the single-caption encode of its first caption
+    (the other captions' members are not even read)."""
+    args = (*FAST, "--max-steps", "3", "--export", "none")
+    run_cli("train", captioned["two"], "--output", tmp_path / "two", *args)
+    run_cli("train", captioned["alt"], "--output", tmp_path / "alt", *args)
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    assert (tmp_path / "two" / weights).read_bytes() == (tmp_path / "alt" / weights).read_bytes()
+    assert all("captions" not in record for record in seen(tmp_path / "two").values())
+
+
 def _train(latents: Path, run: Path, *extra) -> list[str]:
     return [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run), *FAST,
             "--checkpoint-every", "3", "--caption-dropout", "0.2", *map(str, extra)]
