@@ -38,6 +38,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from laionkit.captions import CaptionMix
 from laionkit.common import LaionkitError, storage
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
@@ -73,16 +74,17 @@ def shard_paths(latents: Path | Location, complete_only: bool | None = True) -> 
     return shards
 
 
-def read_unit(unit: Unit, cache: ReadCache | None = None) -> Iterator[dict]:
+def read_unit(unit: Unit, cache: ReadCache | None = None, captions: bool = True) -> Iterator[dict]:
     """Raw (undecoded) samples of one unit, in tar order. A shard in an object store is streamed with
     read-ahead (the next blocks download while this one decodes), or read through ``cache`` (train's
-    ``--cache-dir``: later epochs read local copies)."""
+    ``--cache-dir``: later epochs read local copies). ``captions``: False leaves the members of a sample's
+    other captions unread (``_first_caption``)."""
     location = Location.parse(unit.shard)
     if location.local and cache is None:
         opened = wds.tariterators.url_opener([{"url": unit.shard}])
     else:
         opened = [{"url": unit.shard, "stream": storage.open_cached(location, cache, prefetch=4)}]
-    files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member)
+    files = wds.tariterators.tar_file_expander(opened, select_files=_wanted_member if captions else _first_caption)
     samples = wds.tariterators.group_by_keys(files)
     return itertools.islice(_named_errors(samples, unit.shard), unit.offset, None, unit.stride)
 
@@ -120,6 +122,12 @@ def _wanted_member(name: str) -> bool:
             or (IDS_PREFIX in name and name.endswith(".npy")))
 
 
+def _first_caption(name: str) -> bool:
+    """``_wanted_member`` less the other captions' members of several-caption latents (``<key>.<NAME>.<member>``,
+    laionkit.captions): without a caption mix a sample trains on its first caption, so the rest stay unread."""
+    return _wanted_member(name) and name.rsplit("/", 1)[-1].count(".") < 3
+
+
 def _require_members(sample: dict) -> None:
     for member in (MOMENTS, TEXT):
         if member == TEXT and any(name.startswith(IDS_PREFIX[1:]) for name in sample):
@@ -153,8 +161,39 @@ def _npy(sample: dict, member: str) -> np.ndarray:
                             f"decoded ({type(error).__name__}: {_reason(error)}); rerun encode for this shard") from None
 
 
-def decode(sample: dict) -> dict:
+def with_caption(sample: dict, record: dict | None, mix: CaptionMix, seed: int, names: Sequence[str]) -> tuple[dict, str]:
+    """``sample`` with the caption ``mix`` picks for it (from its epoch and id) in the plain text members, and
+    that caption's name (laionkit.captions): a sample whose json names no captions has only its first."""
+    given = (record or {}).get("captions")
+    first = (record or {}).get("caption_name") or (names[0] if names else "alt")
+    if not isinstance(given, dict) or not given:
+        return sample, first
+    name = mix.pick(seed, sample["__epoch__"], sample["__id__"], given, names or list(given))
+    if name == first:
+        return sample, name
+    prefix = f"{name}."
+    chosen = {member[len(prefix):]: value for member, value in sample.items() if member.startswith(prefix)}
+    if not chosen:
+        raise LaionkitError(f"{sample.get('__url__')}: sample {sample.get('__key__')} names caption {name} in its "
+                            f"json but has no {prefix}* member: rerun encode for this shard")
+    kept = {member: value for member, value in sample.items() if not _text_member(member)}
+    return {**kept, **chosen}, name
+
+
+def _text_member(member: str) -> bool:
+    """A caption's own member (text states, pooled vector, mask or token ids), plain or a named caption's
+    (``vlm.text.npy``)."""
+    base = member.split(".", 1)[1] if member.count(".") == 2 else member
+    return base in (TEXT, *(f"{key}.npy" for key in EXTRA_TENSORS)) or (base.startswith("ids_") and base.endswith(".npy"))
+
+
+def decode(sample: dict, mix: CaptionMix | None = None, seed: int = 0, names: Sequence[str] = ()) -> dict:
+    """A raw sample as tensors. With a caption ``mix`` (train --caption-mix) its text is the caption the mix
+    picks for it (``with_caption``), named under ``caption``; without, its first caption's."""
     _require_members(sample)
+    picked = None
+    if mix is not None:
+        sample, picked = with_caption(sample, _json(sample), mix, seed, names)
     decoded = {
         "key": sample["__key__"],
         "moments": torch.from_numpy(_npy(sample, MOMENTS)),
@@ -176,7 +215,17 @@ def decode(sample: dict) -> dict:
         except (ValueError, KeyError, TypeError):
             sizes = {}  # older or hand-made latents: families that need these fields say so
         decoded.update(sizes)
+    if picked is not None:
+        decoded["caption"] = picked
     return decoded
+
+
+def _json(sample: dict) -> dict | None:
+    try:
+        record = json.loads(sample["json"]) if "json" in sample else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def pad_to(value: torch.Tensor, length: int, dim: int = 0) -> torch.Tensor:
@@ -241,6 +290,10 @@ class StreamLayout:
     # Several latent shapes (encode --buckets): batches are grouped per shape.
     bucketed: bool = False
     samples: tuple[int, ...] = ()  # per shard: counted when not given
+    # train --caption-mix: the caption each sample trains on, picked from (seed, epoch, id); the folder's
+    # caption names in order (laionkit.captions)
+    caption_mix: CaptionMix | None = None
+    caption_names: tuple[str, ...] = ()
 
     @property
     def consumers(self) -> int:
@@ -256,7 +309,7 @@ class LatentStream(IterableDataset):
         self.layout = layout
         self.batches_done = batches_done
         # where shards are read from does not change the stream: the cache is not in the layout
-        self.read = functools.partial(read_unit, cache=cache)
+        self.read = functools.partial(read_unit, cache=cache, captions=layout.caption_mix is not None)
         counts = layout.samples or tuple(count_samples(shard) for shard in layout.shards)
         # a copy: the trainer goes on marking its own as it trains
         self.progress = copy.deepcopy(progress) if progress is not None else DataProgress.fresh(counts)
@@ -298,7 +351,8 @@ class LatentStream(IterableDataset):
                 bucket.append(sample)
                 if len(bucket) == layout.batch_size:
                     pending[shape] = []
-                    yield collate([decode(raw) for raw in bucket])
+                    yield collate([decode(raw, layout.caption_mix, layout.seed, layout.caption_names)
+                                   for raw in bucket])
 
     def _starved(self, worker: int) -> LaionkitError:
         layout = self.layout

@@ -224,6 +224,7 @@ caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig
     laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
 
     laionkit encode out/shards --keep out/kept --model sd15 --output lat   # only the keys filter kept (e.g. by score)
+    laionkit encode captioned/ --model sd3-medium --captions alt,vlm --output lat   # alt-text and `laionkit caption`'s vlm
 """)
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
@@ -244,6 +245,7 @@ def encode(
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
     keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
+    captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
@@ -259,7 +261,7 @@ def encode(
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
-        caption_key=caption_key, overwrite=overwrite, keep=keep,
+        caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

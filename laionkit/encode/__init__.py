@@ -166,6 +166,11 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
                             f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
                             "are these image shards?")
+    if manifest.get("caption_counts") and not config.quiet and rank.rank == 0:  # --captions: what each name stored
+        log("laionkit encode: captions " + "; ".join(
+            f"{name} {counts['stored']:,} stored" + (f", {counts['missing']:,} missing" if counts["missing"] else "")
+            + (f", {counts['scored']:,} scored" if counts["scored"] else "")
+            for name, counts in manifest["caption_counts"].items()))
     cost = manifest.get("bytes")
     if cost and cost["per_sample"] is not None and not config.quiet and rank.rank == 0:
         log(f"laionkit encode: {manifest['counts']['samples_out']:,} samples in {manifest['shards']['done']} shards, "
@@ -179,7 +184,7 @@ def _reasons(skips: dict) -> str:
 
 def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, keep=None) -> dict:
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode,
-                           config.caption_key, keep)
+                           config.caption_key, keep, config.captions)
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from laionkit.captions import parse_names
 from laionkit.common import LaionkitError
 from laionkit.common.models import PRESETS
 from laionkit.families import FamilySpec, detect_family
@@ -43,10 +44,14 @@ class EncodeConfig:
     text: str | None = None
     # where captions come from: a member (txt, caption, ...) or a json key; None: reader.caption_of's order
     caption_key: str | None = None
+    # --captions alt,vlm: every named caption's text tensors per sample (laionkit.captions); None: the one
+    # caption encode always stored (alt, also when --captions alt is given alone)
+    captions: tuple[str, ...] | str | None = None
     overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)
     keep: str | None = None  # --keep PARQUET: encode only these keys (common.keys); the others are counted, not_kept
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "captions", parse_names(self.captions))
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
         if self.text_layer is not None:
             choices["text_layer"] = TEXT_LAYERS

@@ -105,9 +105,18 @@ def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
         batch["keys"] = [batch["keys"][row] for row in keep]
         batch["records"] = [batch["records"][row] for row in keep]
         batch["input_ids"] = batch["input_ids"][keep]
+        if "caption_ids" in batch:  # --captions: every name's rows, and the captions skipped of kept samples
+            kept = set(batch["keys"])
+            batch["caption_ids"] = {name: ids[keep] for name, ids in batch["caption_ids"].items()}
+            batch["caption_texts"] = {name: [texts[row] for row in keep]
+                                      for name, texts in batch["caption_texts"].items()}
+            batch["present"] = [batch["present"][row] for row in keep]
+            batch["caption_skips"] = [skip for skip in batch["caption_skips"] if skip["key"] in kept]
     layout = torch.channels_last if channels_last else torch.contiguous_format
     batch["pixels"] = (pixels / 127.5 - 1).to(dtype).contiguous(memory_format=layout)
     batch["input_ids"] = batch["input_ids"].to(device, non_blocking=True)
+    if "caption_ids" in batch:
+        batch["caption_ids"] = {name: ids.to(device, non_blocking=True) for name, ids in batch["caption_ids"].items()}
     return batch
 
 
@@ -301,33 +310,49 @@ def _encode_batch(encoders: Encoders, batch: dict, config: EncodeConfig, ready=N
         torch.cuda.current_stream(encoders.device).wait_event(ready)
         batch["pixels"].record_stream(torch.cuda.current_stream(encoders.device))
         batch["input_ids"].record_stream(torch.cuda.current_stream(encoders.device))
+        for ids in batch.get("caption_ids", {}).values():
+            ids.record_stream(torch.cuda.current_stream(encoders.device))
     pixels, input_ids = batch["pixels"], batch["input_ids"]
     count = pixels.shape[0]
-    if config.compile and 0 < count < config.batch_size:
+    pad = config.batch_size - count if config.compile and 0 < count < config.batch_size else 0
+    if pad:
         # One shape per compiled graph: pad the shard's last batch and drop the padding after.
-        pad = config.batch_size - count
         pixels = torch.cat([pixels, pixels[-1:].expand(pad, -1, -1, -1)]).contiguous(
             memory_format=encoders.layout)
         input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
-    moments, stored, trim = None, {}, None
+    moments, stored, trim, named = None, {}, None, None
     if count:
         moments = encoders.encode_images(pixels)[:count].to(torch.float16).to("cpu", non_blocking=True)
-        captions = [record["caption"] for record in batch["records"]]
-        if encoders.online:  # token ids only (int32): train runs the text encoders
-            stored = {encoders.family.ids_member(index): ids[:count].to(torch.int32) for index, ids in
-                      enumerate(encoders.family.tokenize(encoders.tokenizers, captions))}
+        if "caption_ids" in batch:  # --captions: each name's text members, every row (writer keeps its own)
+            named = {name: _text_members(encoders, torch.cat([ids, ids[-1:].expand(pad, -1)]) if pad else ids,
+                                         batch["caption_texts"][name], count)
+                     for name, ids in batch["caption_ids"].items()}
         else:
-            found = encoders.text_of(input_ids, captions)
-            stored = {encoders.family.member(key): _stored(value[:count]).to("cpu", non_blocking=True)
-                      for key, value in found.items()}
-            lengths = encoders.family.text_lengths(found)
-            if lengths is not None:  # the writer cuts these members of each sample to its caption's length
-                trim = (lengths[:count].to("cpu", non_blocking=True),
-                        tuple(encoders.family.member(key) for key in encoders.family.trimmed))
+            stored, trim = _text_members(encoders, input_ids, [record["caption"] for record in batch["records"]],
+                                         count)
     done = None
     if encoders.device.type == "cuda":
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(encoders.device))
     return {"shard": batch["shard"], "keys": batch["keys"], "records": batch["records"],
             "moments": moments, "stored": stored, "trim": trim, "done": done, "skips": batch.get("skips", []),
-            "decoded": batch["decoded"]}
+            "decoded": batch["decoded"],
+            **({"captions": named, "present": batch["present"], "caption_skips": batch["caption_skips"]}
+               if named is not None or "caption_ids" in batch else {})}
+
+
+def _text_members(encoders: Encoders, input_ids, captions: Sequence[str], count: int) -> tuple[dict, tuple | None]:
+    """A batch's stored text members ({member: batch tensor on its way to the host}) for ``captions`` (of which
+    the first ``count`` are real, the rest compile padding) and what the writer trims them to, or None."""
+    if encoders.online:  # token ids only (int32): train runs the text encoders
+        return {encoders.family.ids_member(index): ids[:count].to(torch.int32) for index, ids in
+                enumerate(encoders.family.tokenize(encoders.tokenizers, captions))}, None
+    found = encoders.text_of(input_ids, captions)
+    stored = {encoders.family.member(key): _stored(value[:count]).to("cpu", non_blocking=True)
+              for key, value in found.items()}
+    lengths = encoders.family.text_lengths(found)
+    if lengths is None:
+        return stored, None
+    # the writer cuts these members of each sample to its caption's length
+    return stored, (lengths[:count].to("cpu", non_blocking=True),
+                    tuple(encoders.family.member(key) for key in encoders.family.trimmed))

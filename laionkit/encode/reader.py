@@ -22,6 +22,7 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
+from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
@@ -364,10 +365,12 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
                  buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
-                 caption_key: str | None = None, keep: frozenset[str] | None = None) -> None:
+                 caption_key: str | None = None, keep: frozenset[str] | None = None,
+                 captions: Sequence[str] | None = None) -> None:
         super().__init__()
         self.caption_key = caption_key
         self.keep = keep
+        self.captions = tuple(captions) if captions else None  # --captions: several per sample
         self.shards = list(shards)
         self.tokenizer = tokenizer
         self.resolution = resolution
@@ -433,39 +436,102 @@ class ShardBatches(torch.utils.data.IterableDataset):
             "original_size": original_size(meta, width, height),
             "caption": caption_of(sample, meta, self.caption_key), "source": meta,
         }
+        if self.captions:
+            item.update(named_captions(sample, meta, self.captions, self.caption_key))
+            item["caption"] = next(iter(item["texts"].values()))
         if on_gpu:
             item["jpeg"] = data
         else:
             item["pixels"] = resize_rgb(data, size, box)
         return item
 
-    def collate(self, shard: str, items: list[dict]) -> dict:
-        captions = [item["caption"] for item in items]
+    def token_ids(self, captions: list[str]) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """The first tokenizer's ids of ``captions`` padded to its window (a longer caption cut to window - 1
+        tokens + EOS), each caption's token count and whether it was cut."""
         window = self.tokenizer.model_max_length
         ids = self.tokenizer(captions, truncation=False, padding=False, verbose=False).input_ids
-        input_ids = torch.full((len(items), window), self.tokenizer.pad_token_id, dtype=torch.long)
-        records = []
-        for row, (item, tokens) in enumerate(zip(items, ids)):
+        input_ids = torch.full((len(captions), window), self.tokenizer.pad_token_id, dtype=torch.long)
+        counts, cut = [], []
+        for row, tokens in enumerate(ids):
             truncated = len(tokens) > window
             if truncated:
                 tokens = tokens[: window - 1] + [self.tokenizer.eos_token_id]
             input_ids[row, : len(tokens)] = torch.tensor(tokens)
+            counts.append(len(tokens))
+            cut.append(truncated)
+        return input_ids, counts, cut
+
+    def collate(self, shard: str, items: list[dict]) -> dict:
+        input_ids, counts, cut = self.token_ids([item["caption"] for item in items])
+        named = self.collate_captions(items) if self.captions else None
+        records = []
+        for row, item in enumerate(items):
             records.append({
-                "caption": item["caption"], "num_tokens": len(tokens), "truncated": truncated,
+                "caption": item["caption"], "num_tokens": counts[row], "truncated": cut[row],
                 "original_size": list(item["original_size"]), "image_size": list(item["image_size"]),
                 "crop": list(item["box"]), "crop_top_left": crop_top_left(item["box"], item["size"]),
                 "size": list(item["size"]), "target_size": list(item["size"]),
                 "bucket": list(item["size"]) if self.buckets else None,
                 "source": item["source"],
+                **(named["records"][row] if named else {}),
             })
         cpu_rows = [row for row, item in enumerate(items) if "pixels" in item]
         gpu_rows = [row for row, item in enumerate(items) if "jpeg" in item]
         return {
             "shard": shard, "size": items[0]["size"], "keys": [item["key"] for item in items],
             "records": records, "input_ids": input_ids,
+            **({key: named[key] for key in ("caption_ids", "caption_texts", "present", "caption_skips")}
+               if named else {}),
             "cpu_rows": cpu_rows,
             "pixels": torch.from_numpy(np.stack([items[row]["pixels"] for row in cpu_rows])) if cpu_rows else None,
             "gpu_rows": gpu_rows,
             "jpegs": [torch.frombuffer(bytearray(items[row]["jpeg"]), dtype=torch.uint8) for row in gpu_rows],
             "boxes": [items[row]["box"] for row in gpu_rows],
         }
+
+    def collate_captions(self, items: list[dict]) -> dict:
+        """--captions: per name, every row's ids and text ("" where the sample lacks it: encoded with the
+        rest of the batch and dropped, so a caption's states never depend on which others a sample has),
+        each row's names (its first caption first) and json ``caption_name`` / ``captions``, and the
+        captions skipped."""
+        ids, texts, found = {}, {}, {}
+        for name in self.captions:
+            texts[name] = [item["texts"].get(name, "") for item in items]
+            ids[name], counts, cut = self.token_ids(texts[name])
+            found[name] = list(zip(counts, cut))
+        records, present = [], []
+        for row, item in enumerate(items):
+            names = [name for name in self.captions if name in item["texts"]]
+            present.append(names)
+            records.append({"caption_name": names[0], "captions": {name: {
+                "text": item["texts"][name], "num_tokens": found[name][row][0], "truncated": found[name][row][1],
+                **({"score": item["scores"][name]} if item["scores"].get(name) is not None else {})}
+                for name in names}})
+        return {"caption_ids": ids, "caption_texts": texts, "present": present, "records": records,
+                "caption_skips": [skip for item in items for skip in item["caption_skips"]]}
+
+
+def named_captions(sample: dict, meta: dict | None, names: Sequence[str], caption_key: str | None) -> dict:
+    """A sample's ``--captions``: ``texts`` {name: text} of those it has, in ``names`` order; ``scores``
+    {name: CLIP score or None} (json caption_scores); ``caption_skips`` of the named captions it lacks
+    (json captions[NAME] absent, blank or not text). ``alt`` is caption_of's, as encode always took it
+    (an empty one is encoded and counted as an empty caption). A sample with none of them is skipped."""
+    meta = meta if isinstance(meta, dict) else {}
+    given = meta.get("captions") if isinstance(meta.get("captions"), dict) else {}
+    texts, skips = {}, []
+    for name in names:
+        if name == ALT:
+            texts[name] = caption_of(sample, meta, caption_key)
+            continue
+        value = given.get(name)
+        if isinstance(value, str) and value.strip():
+            texts[name] = value
+        else:
+            skips.append({"key": sample["__key__"], "caption": name,
+                          "reason": "missing" if value is None or isinstance(value, str) else "not_text"})
+    if not texts:
+        error = ValueError(f"none of the captions {', '.join(names)} (json captions[NAME]): "
+                           + ", ".join(f"{skip['caption']} {skip['reason']}" for skip in skips))
+        error.reason = "no_caption"
+        raise error
+    return {"texts": texts, "scores": {name: scored(meta, name) for name in texts}, "caption_skips": skips}

@@ -60,6 +60,8 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, k
         "compute_dtype": str(encoders.dtype).removeprefix("torch."),
         **({"caption_key": config.caption_key} if config.caption_key else {}),
         **({"keep": keys_identity(keep)} if keep is not None else {}),
+        # --captions: the names stored per sample, in order (absent: the one alt-text caption, as always)
+        **({"captions": list(config.captions)} if config.captions else {}),
     }
 
 
@@ -87,7 +89,18 @@ def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], secon
         "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
         "sizes": dict(written.sizes), "bytes": written.bytes, "seconds": round(seconds, 3), "settings": settings,
         "models": models,
+        **(caption_record(settings["captions"], written) if settings.get("captions") else {}),
     }
+
+
+def caption_record(names: Sequence[str], written: ShardOutput) -> dict:
+    """--captions: per name the samples that store it, lack it (``missing``: its caption_skips), cut it to the
+    window and carry its CLIP score; and each caption skipped (key, caption, reason)."""
+    missing = Counter(skip["caption"] for skip in written.caption_skips)
+    return {"captions": {name: {"stored": written.captions.get(name, Counter())["stored"], "missing": missing[name],
+                                "truncated": written.captions.get(name, Counter())["truncated"],
+                                "scored": written.captions.get(name, Counter())["scored"]} for name in names},
+            "caption_skips": sorted(written.caption_skips, key=lambda skip: (skip["key"], skip["caption"]))}
 
 
 def shard_complete(output: Location, shard: Location, settings: dict, samples: int) -> bool:
@@ -180,6 +193,7 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
                    "empty_captions": None if any("empty_captions" not in r for r in records)
                    else sum(r["empty_captions"] for r in records)},
         "skips": dict(sorted(skips.items())),
+        **({"caption_counts": _caption_counts(settings["captions"], records)} if settings.get("captions") else {}),
         "sizes": dict(sorted(sizes.items())),
         "bytes": storage_cost(records),
         "records": {record["shard"]: record_path(output, record["shard"]).name for record in records},
@@ -187,6 +201,12 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
     }
     manifest["complete"] = expected is not None and not manifest["shards"]["missing"]
     return manifest
+
+
+def _caption_counts(names: Sequence[str], records: Sequence[dict]) -> dict:
+    """--captions: per name, the shard records' counts summed (stored, missing, truncated, scored)."""
+    return {name: {count: sum((record.get("captions") or {}).get(name, {}).get(count, 0) for record in records)
+                   for count in ("stored", "missing", "truncated", "scored")} for name in names}
 
 
 def storage_cost(records: Sequence[dict]) -> dict | None:
@@ -234,6 +254,11 @@ def summarize(folder: Path | Location):
         per_sample = size / counts["samples_out"]
         overview.add_row("per sample", describe_cost({"per_sample": per_sample, "per_billion_samples": per_sample * 1e9}))
     tables = [overview]
+    if manifest.get("caption_counts"):  # encode --captions: what each name stored
+        table = Table("", "stored", "missing", "truncated", "scored", title="captions")
+        for name, found in manifest["caption_counts"].items():
+            table.add_row(name, *(f"{found[count]:,}" for count in ("stored", "missing", "truncated", "scored")))
+        tables.append(table)
     for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
         if counter:
             table = Table("", "samples", title=title)

@@ -95,22 +95,33 @@ class ShardOutput:
         self.empty_captions = 0
         self.sizes: Counter = Counter()
         self.skips: list[dict] = []
+        self.captions: dict[str, Counter] = {}  # --captions: per name, samples stored / truncated / scored
+        self.caption_skips: list[dict] = []  # --captions: a caption a sample lacks (the sample is written)
         self.started = time.perf_counter()
 
     def write(self, keys: list[str], records: list[dict], moments: np.ndarray,
-              stored: dict[str, np.ndarray | list[np.ndarray]]) -> None:
+              stored: dict[str, np.ndarray | list[np.ndarray]] | list[dict[str, np.ndarray]]) -> None:
         """One sample per key: moments, every stored text tensor under its member name (a batch array, or
-        one array per sample where their lengths differ), the json."""
-        rows = {member: npy_rows(value) if isinstance(value, np.ndarray) else [npy_bytes(row) for row in value]
-                for member, value in stored.items()}
-        for index, (key, record, sample_moments) in enumerate(zip(keys, records, npy_rows(moments))):
-            members = {"moments.npy": sample_moments, **{member: row[index] for member, row in rows.items()},
-                       "json": json.dumps(record, sort_keys=True).encode()}
+        one array per sample where their lengths differ; with several captions, one {member: array} per
+        sample, laionkit.captions), the json."""
+        if isinstance(stored, list):
+            rows = [{member: npy_bytes(value) for member, value in sample.items()} for sample in stored]
+        else:
+            by_member = {member: npy_rows(value) if isinstance(value, np.ndarray) else [npy_bytes(row) for row in value]
+                         for member, value in stored.items()}
+            rows = [{member: row[index] for member, row in by_member.items()} for index in range(len(keys))]
+        for key, record, sample_moments, text in zip(keys, records, npy_rows(moments), rows):
+            members = {"moments.npy": sample_moments, **text, "json": json.dumps(record, sort_keys=True).encode()}
             self.sink.add_sample(key, members)
             self.samples += 1
             self.truncated += record["truncated"]
             self.empty_captions += not record["caption"].strip()
             self.sizes["x".join(map(str, record["size"]))] += 1
+            for name, caption in record.get("captions", {}).items():  # --captions: what each name stored
+                counts = self.captions.setdefault(name, Counter())
+                counts["stored"] += 1
+                counts["truncated"] += caption["truncated"]
+                counts["scored"] += "score" in caption
 
     def finish(self) -> None:
         self.sink.close()

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 
+from laionkit import captions
 from laionkit.common import Rank, storage
 from laionkit.common.storage import Location
 from laionkit.encode.config import QUEUE_DEPTH
@@ -88,12 +89,14 @@ class _Writer:
         self.decoded.update(item["decoded"])
         if item["done"] is not None:
             item["done"].synchronize()
+        if "captions" in item:  # --captions: recorded even where no sample of the batch is left
+            kept = set(item["keys"])
+            shard.caption_skips += [skip for skip in item["caption_skips"] if skip["key"] in kept]
         if item["moments"] is not None:
-            stored = {member: value.numpy() for member, value in item["stored"].items()}
-            if item["trim"] is not None:  # a family with a text mask: each sample up to its caption's length
-                lengths, members = item["trim"]
-                stored.update({member: [row[:n] for row, n in zip(stored[member], lengths.tolist())]
-                               for member in members})
+            if item.get("captions") is not None:
+                stored = _caption_rows(item)
+            else:
+                stored = _host(item["stored"], item["trim"])
             shard.write(item["keys"], item["records"], item["moments"].numpy(), stored)
         self.progress.update(len(item["keys"]) + len(item["skips"]))
 
@@ -112,3 +115,22 @@ class _Writer:
         self.samples_out += shard.samples
         self.skipped += len(skips)
         self.empty_captions += shard.empty_captions
+
+
+def _host(stored: dict, trim: tuple | None) -> dict:
+    """A batch's text members on the host: batch arrays, or one array per sample for the members ``trim``
+    cuts to each caption's length (a family with a text mask)."""
+    found = {member: value.numpy() for member, value in stored.items()}
+    if trim is not None:
+        lengths, members = trim
+        found.update({member: [row[:n] for row, n in zip(found[member], lengths.tolist())] for member in members})
+    return found
+
+
+def _caption_rows(item: dict) -> list[dict]:
+    """--captions: each sample's text members, its first caption's under the plain names (text.npy, ...),
+    every other one it has under NAME.<member> (laionkit.captions)."""
+    by_name = {name: _host(stored, trim) for name, (stored, trim) in item["captions"].items()}
+    return [{captions.member(name, plain, index == 0): values[row]
+             for index, name in enumerate(names) for plain, values in by_name[name].items()}
+            for row, names in enumerate(item["present"])]

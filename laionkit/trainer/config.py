@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from laionkit.captions import parse_mix
 from laionkit.common import (
     LaionkitError,
 )
@@ -68,6 +69,16 @@ class TrainConfig:
     noise_offset: float = option(0.0, "Offset noise strength (0.05-0.1 typical).")
     input_perturbation: float = option(0.0, "Input perturbation strength (0.1 typical).")
     caption_dropout: float = option(0.0, "Probability of the stored empty-caption embedding.")
+    # which of a sample's stored captions it trains on (laionkit/captions.py; encode --captions stores several)
+    caption_mix: str | None = option(
+        None, "Latents with several captions per sample (encode --captions): the caption each sample trains on, "
+        "picked per sample and epoch from (seed, epoch, sample id) with these weights, e.g. alt:0.2,vlm:0.8 "
+        "(renormalised over the captions a sample has), or clip / clip:TEMPERATURE: softmax of each caption's "
+        "CLIP score / TEMPERATURE (default 1), as Sana samples captions. Default: each sample's first caption. "
+        "--caption-dropout applies after the pick; validation uses the first caption.")
+    allow_caption_mix_change: bool = option(
+        False, "With --resume: continue a run under another --caption-mix (a curriculum: the data order stays "
+        "exact, samples from here on get the new policy's captions). Without it, a changed policy is refused.")
     batch_size: int = option(32, "Samples per GPU per micro-step.")
     grad_accum: int = option(1, "Micro-steps per optimizer step (no gradient sync between).")
     max_steps: int | None = option(None, "Optimizer steps to train.")
@@ -272,6 +283,7 @@ class TrainConfig:
         if self.resume not in (None, "latest") and self.overwrite:
             raise LaionkitError("--overwrite goes with --resume latest only (resume if a checkpoint exists, else "
                                 "delete the run and start over); --resume FOLDER continues that checkpoint")
+        parse_mix(self.caption_mix)  # its syntax now; the names against the latents' manifest at setup
         if not 0 <= self.caption_dropout <= 1:
             raise LaionkitError("--caption-dropout is a probability in [0, 1]")
         if self.shift not in (None, "dynamic", "none"):

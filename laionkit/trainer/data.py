@@ -54,6 +54,11 @@ class LatentSet:
     buckets: tuple[str, ...] = ()
     bucket_shapes: tuple[tuple[int, ...], ...] = ()
     online: bool = False  # encode --text online: samples hold token ids, train runs the text encoders
+    # encode --captions: the caption names stored per sample, in order (alt alone: one caption, as always),
+    # and those of them some sample carries a CLIP score for (train --caption-mix clip)
+    captions: tuple[str, ...] = ("alt",)
+    scored_captions: tuple[str, ...] = ()
+    manifest: str = ""  # where the manifest is, for messages
 
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
@@ -178,6 +183,10 @@ def open_latents(latents: Path | str) -> LatentSet:
         buckets=buckets,
         bucket_shapes=bucket_shapes,
         online=online,
+        captions=tuple(manifest.get("captions") or ("alt",)),
+        scored_captions=tuple(name for name, counts in (manifest.get("caption_counts") or {}).items()
+                              if counts.get("scored")),
+        manifest=str(manifest_path),
     )
 
 
@@ -257,6 +266,9 @@ def layout_key(layout: StreamLayout, data: LatentSet) -> dict:
     not paths, so latents moved, staged on local disk or reached through a symlink still resume."""
     key = asdict(layout)
     del key["bucketed"], key["samples"]  # follow from the shards' content, pinned below (absent from older checkpoints)
+    del key["caption_mix"], key["caption_names"]  # the names follow from the shards; the policy only where given
+    if layout.caption_mix is not None:
+        key["caption_mix"] = layout.caption_mix.spec
     key["shards"] = [[Location.parse(shard).name, samples, Location.parse(shard).size()]
                      for shard, samples in zip(data.shards, data.shard_samples)]
     return key

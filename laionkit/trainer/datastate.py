@@ -106,11 +106,27 @@ def fresh(trainer, stage: int, first_epoch: int = 0) -> DataState:
 def fixed_key(key: dict, add_shards: bool) -> dict:
     """The part of a layout key (data.layout_key) a resume must keep: all but the ELASTIC settings and the
     rank (and the shards, which --add-shards checks itself)."""
-    drop = {"rank", *ELASTIC, *(("shards",) if add_shards else ())}
+    drop = {"rank", "caption_mix", *ELASTIC, *(("shards",) if add_shards else ())}  # caption_mix: check_caption_mix
     kept = {name: value for name, value in key.items() if name not in drop}
     if "stages" in kept:
         kept["stages"] = [[steps, fixed_key(stage, add_shards)] for steps, stage in kept["stages"]]
     return kept
+
+
+def check_caption_mix(folder: Path, recorded: dict, now: dict, allowed: bool, say) -> None:
+    """A resume keeps the run's --caption-mix: it decides which caption every sample trains on, so another one
+    would not continue the run it was. ``allowed`` (--allow-caption-mix-change) takes another one from this
+    step on (a caption curriculum): the picks are a function of (seed, epoch, sample id), so the data order
+    and what is trained stay exact, only the captions of the samples still to come change."""
+    before, after = recorded.get("caption_mix"), now.get("caption_mix")
+    if before == after:
+        return
+    if not allowed:
+        raise LaionkitError(f"{folder} was written with --caption-mix {before or '(none: first captions)'}, this run "
+                            f"has {after or '(none)'}: resume with the same policy, or add "
+                            "--allow-caption-mix-change to train on with the new one from here")
+    say(f"--allow-caption-mix-change: captions picked by {after or 'first caption'} from here on "
+        f"(was {before or 'first caption'})")
 
 
 def read_records(folder: Path) -> list[dict]:
@@ -180,7 +196,9 @@ def stream_layout(trainer, state: DataState) -> StreamLayout:
     paths = {Location.parse(path).name: path for path in latents.shards}
     return StreamLayout(tuple(paths[name] for name, _, _ in state.shards), trainer.accelerator.process_index,
                         trainer.accelerator.num_processes, config.workers, config.batch_size, config.seed,
-                        config.shuffle_buffer, bucketed=latents.bucketed, samples=tuple(state.progress.counts))
+                        config.shuffle_buffer, bucketed=latents.bucketed, samples=tuple(state.progress.counts),
+                        caption_mix=trainer.layouts[state.stage].caption_mix,
+                        caption_names=trainer.layouts[state.stage].caption_names)
 
 
 def loader(trainer, state: DataState, cache=None):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from laionkit.captions import parse_mix
 from laionkit.common import (
     LaionkitError,
     refuse_other_settings,
@@ -210,11 +211,16 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
         accelerator.print(f"skipping {len(data.empty_shards)} empty latent shard(s): "
                           f"{', '.join(Path(s).name for s in data.empty_shards)}")
     schedule = plan_stages(config, data, world)
+    mix = parse_mix(config.caption_mix)
+    if mix is not None:  # every stage's latents must store the captions it names (one line naming the manifest)
+        for _, latents, _ in schedule.stages:
+            mix.check(latents.captions, latents.scored_captions, latents.manifest)
     trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
     if config.checkpointing.strip().lower() == "auto":  # measured on the built model, before the first step
         memory.auto_checkpointing(trainer)
     trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
-                                    config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed)
+                                    config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed,
+                                    caption_mix=mix, caption_names=latents.captions)
                        for _, latents, _ in schedule.stages]
     trainer.data_key = layout_key(trainer.layouts[0], data)
     if len(schedule.stages) > 1:  # which data each step trains on: every stage's layout and steps
@@ -336,6 +342,8 @@ def resume(trainer: Trainer) -> Path | None:
     records = datastate.read_records(folder)
     check_world_size(folder, accelerator.distributed_type, len(records), accelerator.num_processes)
     lora.check_resume(folder, config, t.data.family)
+    datastate.check_caption_mix(folder, records[0].get("layout", {}), t.data_key, config.allow_caption_mix_change,
+                                accelerator.print)
     refuse_other_settings(folder, datastate.fixed_key(records[0].get("layout", {}), config.add_shards),
                           datastate.fixed_key(t.data_key, config.add_shards), "written",
                           "resume needs the same latent shards (names, sample counts, sizes; --add-shards "
@@ -384,9 +392,10 @@ def micro_step(trainer: Trainer, moments: torch.Tensor, cond: dict, times=None) 
 def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> tuple[list[str], list[int]]:
     """One optimizer step: --grad-accum micro-batches from ``batches`` (batches of stage ``stage``), then
     the LR schedule and EMA step. Counts the step's loss, data wait and model FLOPs into ``window`` and its
-    samples per bucket; returns the step's sample keys and their epochs."""
+    samples per bucket; returns the step's sample keys, their epochs and (--caption-mix) the captions they
+    trained on."""
     t, config = trainer, trainer.config
-    step_keys, step_epochs, step_loss = [], [], torch.zeros((), device=t.device)
+    step_keys, step_epochs, step_captions, step_loss = [], [], [], torch.zeros((), device=t.device)
     for _ in range(config.grad_accum):
         waited = time.perf_counter()
         batch = next(batches)
@@ -395,6 +404,7 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
             t.data_state.consumed(batch)
         step_keys += batch["key"]
         step_epochs += batch["epoch"].tolist() if "epoch" in batch else []
+        step_captions += batch.get("caption", [])
         bucket = t.schedule.bucket(stage, batch["moments"].shape[1:])
         t.bucket_samples[bucket] += len(batch["key"])
         window.flops += t.model_flops[bucket] * len(batch["key"])
@@ -408,7 +418,7 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
     if t.ema is not None:
         t.ema.step(t.trained)
     t.step += 1
-    return step_keys, step_epochs
+    return step_keys, step_epochs, step_captions
 
 
 def open_records(trainer: Trainer) -> tuple[Path, Path]:
@@ -534,13 +544,14 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 t.data_state = datastate.fresh(t, stage)
                 batches = iter(datastate.loader(t, t.data_state, cache))
                 accelerator.print(f"step {t.step}: stage {stage + 1} of {len(schedule.stages)}, {schedule.stages[stage][0]}")
-            step_keys, step_epochs = train_step(t, batches, stage, window)
+            step_keys, step_epochs, step_captions = train_step(t, batches, stage, window)
             if writer is not None:
                 writer.check()  # a background save that failed stops the run here, in one line
             progress.update()
             if config.record_keys:
                 with open(keys_path, "a") as handle:
-                    handle.write(json.dumps({"step": t.step, "keys": step_keys, "epochs": step_epochs}) + "\n")
+                    handle.write(json.dumps({"step": t.step, "keys": step_keys, "epochs": step_epochs,
+                                             **({"captions": step_captions} if step_captions else {})}) + "\n")
 
             val_due = valset is not None and (t.step % valloss.every(config) == 0 or t.step == max_steps)
             eval_due = evalhook.due(config, t.step, max_steps)
