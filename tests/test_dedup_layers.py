@@ -179,6 +179,21 @@ def test_two_ranks_give_the_same_files_as_one(tmp_path: Path):
     same_outputs(tmp_path / "one", tmp_path / "two")
 
 
+def test_a_rank_alone_names_the_missing_rank_and_a_rerun_with_other_settings_is_refused(tmp_path: Path):
+    scores = planted().write(tmp_path / "scored")
+    out = tmp_path / "out"
+    result = run_cli("dedup", scores, "--output", out, *FAST, "--rank", "0", "--world-size", "2", "--wait", "0.3",
+                     check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rank 0 waited 0.3 s for 2 units outputs that ranks 1 of 2 write" in result.stderr
+    assert "--wait" in result.stderr and len(list(out.glob(".work-*/unit-*"))) == 2  # its own work is kept
+    run_cli("dedup", scores, "--output", out, *FAST)  # resumes from it, alone
+    result = run_cli("dedup", scores, "--output", out, *FAST, "--epsilon", "0.1", check=False)
+    assert result.returncode == 2 and "stats.json is from another run" in result.stderr
+    run_cli("dedup", scores, "--output", out, *FAST, "--epsilon", "0.1", "--overwrite")
+    assert read(out)[2]["settings"]["epsilon"] == 0.1
+
+
 @pytest.mark.parametrize("marker", ["unit-000002", "pairs-*", "assign-*"])
 def test_kill_9_mid_run_then_rerun_gives_the_same_files(tmp_path: Path, marker: str):
     scores = planted().write(tmp_path / "scored")

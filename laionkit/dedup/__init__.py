@@ -23,9 +23,10 @@ Where the global steps run, and why: ranks meet through a scratch folder as ``fi
 coordinator; ``laionkit.filter.dedup.wait_for``), but nothing global is done by polling many small files:
 the group-bys are DuckDB queries (exact: window over each sha256 hash bucket; pHash: a self-join per band
 bucket, then connected components by label propagation with pointer jumping over *all* pairs, one query
-loop on one rank, spilling to disk), and clustering is faiss. Ray Data was not chosen: DuckDB is already a
-dependency, runs the group-by and the components on one node out of core, and a cluster runtime would
-add a service every rank must reach; the per-shard and per-bucket work is what ranks split. Semantic
+loop on one rank, spilling to disk), and clustering is faiss. Ray Data was not measured against it: DuckDB
+is already a dependency and runs the group-by and the components on one node out of core (at 1M rows they
+take seconds, docs/BENCHMARKS.md), while Ray would add a cluster service every rank must reach; the
+per-shard and per-bucket work is what ranks split. Semantic
 groups never cross clusters, so each partition of clusters is resolved by the rank that owns it
 (blockwise similarity, union-find), with its exact cosine to the kept row. Measurements: docs/BENCHMARKS.md.
 
