@@ -234,8 +234,8 @@ def encode(
 
     torchrun --nproc-per-node 8 -m laionkit.cli dedup scored/ --output out/dedup   # 8 ranks, no coordinator
 
-Then `laionkit pack` / `encode` take `--keep out/dedup/keep.parquet` (key + shard). Rerun the same command
-after a crash: finished steps are kept.
+out/dedup/keep.parquet holds the kept rows' key and shard (a `--keep` list); removed.parquet says why each
+other row went. Rerun the same command after a crash: finished steps are kept.
 """)
 def dedup_command(
     inputs: Annotated[list[str], typer.Argument(help="`laionkit score` output folders (`scores/*.parquet`, `img_emb/*.npy`).")],
