@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from laionkit.common import atomic_output
 from laionkit.common.phash import BITS, hamming_many
-from laionkit.dedup.config import DedupConfig
+from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
 from laionkit.dedup.inputs import Unit, normalise, read_embeddings
 from laionkit.filter.dedup import POLL_SECONDS, parquet_list
 from laionkit.filter.sql import literal
@@ -33,7 +33,8 @@ REMOVED = pa.schema([("pos", pa.int64()), ("key", pa.string()), ("shard", pa.str
 # Which row of a group is kept: the highest --keep-by value, then the smallest key, shard, input position.
 PRIORITY = "score DESC NULLS LAST, key, shard, pos"
 SIMILARITY_BLOCK = 4096  # rows of a cluster's similarity matrix computed at once (4096 x cluster floats)
-ANTI_JOIN_CHUNK = 1 << 22  # reference pHashes x rows compared at once by --against
+ANTI_JOIN_CHUNK = 1 << 20  # reference pHashes x rows compared at once by --against (64 bytes each)
+BEFORE_SEMANTIC = ("against", "exact", "phash")  # the layers whose survivors k-means and SemDeDup see
 
 
 class Finished(Exception):
@@ -67,9 +68,9 @@ class Work:
         self.references = references
         self.rows = units[-1].stop if units else 0
         self.buckets = max(1, math.ceil(self.rows / config.bucket_rows))
-        self.layers = [layer for layer in ("exact", "phash", "semantic") if layer in config.layers]
+        self.layers = [layer for layer in LAYERS if layer in config.layers]
         self.bands = config.phash_bands or config.phash_distance + 1
-        self.clusters = config.clusters or max(1, math.ceil(self.rows / 10_000))
+        self.clusters = config.clusters or max(1, math.ceil(self.rows / ROWS_PER_CLUSTER))
 
     # ------------------------------------------------------------------ bookkeeping for filter.dedup.wait_for
 
@@ -156,7 +157,7 @@ class Work:
             match[:] = np.where(found >= 0, refs.sha256_row[np.maximum(found, 0)], -1)
         if len(refs.phash):
             ours = rows["phash"].fill_null(0).to_numpy()
-            valid = ~pd_isnull(rows["phash"])
+            valid = ~is_null(rows["phash"])
             step = max(1, ANTI_JOIN_CHUNK // len(refs.phash))
             for lo in range(0, n, step):
                 todo = np.nonzero((match[lo:lo + step] < 0) & valid[lo:lo + step])[0] + lo
@@ -259,14 +260,11 @@ class Work:
 
     # ------------------------------------------------------------------ step 6-8: SemDeDup
 
-    def semantic_before(self) -> tuple[str, ...]:
-        return ("against", "exact", "phash")
-
     def kmeans_step(self, _: int = 0) -> None:
         """Spherical k-means (faiss) over a strided sample of the survivors' embeddings, seeded."""
         import faiss
 
-        survivors = [np.array(self.db.execute(f"SELECT pos FROM ({self.survivors(u, self.semantic_before())})")
+        survivors = [np.array(self.db.execute(f"SELECT pos FROM ({self.survivors(u, BEFORE_SEMANTIC)})")
                               .fetchnumpy()["pos"], np.int64) - u.start for u in self.units]
         total = sum(len(s) for s in survivors)
         clusters = max(1, min(self.clusters, total))
@@ -294,7 +292,7 @@ class Work:
     def assign_step(self, unit: Unit) -> None:
         """Each survivor's nearest centroid; rows with their embedding, partitioned by cluster % buckets."""
         centroids = np.load(self.path("centroids.npy"))
-        rows = self.db.sql(self.survivors(unit, self.semantic_before())).to_arrow_table()
+        rows = self.db.sql(self.survivors(unit, BEFORE_SEMANTIC)).to_arrow_table()
         local = rows["pos"].to_numpy() - unit.start
         with atomic_output(self.path(f"assign-{unit.index:06d}")) as tmp:
             tmp.mkdir()
@@ -371,5 +369,5 @@ def union(parent: np.ndarray, a: int, b: int) -> None:
         parent[max(ra, rb)] = min(ra, rb)
 
 
-def pd_isnull(column: pa.ChunkedArray) -> np.ndarray:
+def is_null(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(column.is_null().to_numpy(zero_copy_only=False), bool)
