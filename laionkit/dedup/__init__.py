@@ -250,7 +250,8 @@ def write_outputs(work: Work, output: Path, identity: str) -> dict:
     stats = {"plan": identity, "settings": work.config.settings(), "inputs": [str(u.scores) for u in work.units],
              "against": list(work.config.against), "rows_in": work.rows,
              "removed": {layer: int(counts.get(layer, 0)) for layer in layers},
-             "kept": kept.num_rows, "buckets": work.buckets, "clusters": work.clusters,
+             "kept": kept.num_rows, "buckets": work.buckets,
+             "clusters": work.clusters if "semantic" in work.layers else None,
              "phash_bands": work.bands if "phash" in work.layers else None}
     write_json(output / STATS_NAME, stats)
     return stats
