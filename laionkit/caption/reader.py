@@ -18,7 +18,7 @@ from PIL import Image
 
 from laionkit.common import LaionkitError
 from laionkit.common.storage import Location
-from laionkit.encode.reader import IMAGE_EXTENSIONS, ShardDone, output_name, unit_samples
+from laionkit.encode.reader import IMAGE_EXTENSIONS, ShardDone, output_name, unit_samples, worker_share
 
 
 class SampleSkip(ValueError):
@@ -79,9 +79,7 @@ class CaptionBatches(torch.utils.data.IterableDataset):
         self.prepare = prepare
 
     def __iter__(self) -> Iterator[dict | ShardDone]:
-        worker = torch.utils.data.get_worker_info()
-        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
-        for shard in mine:
+        for shard in worker_share(self.shards):
             yield from self.shard_batches(shard)
 
     def shard_batches(self, shard: Location) -> Iterator[dict | ShardDone]:

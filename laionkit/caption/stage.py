@@ -18,9 +18,9 @@ from laionkit.caption.config import CaptionConfig
 from laionkit.caption.reader import CaptionBatches
 from laionkit.caption.records import record_path, settings_of, shard_complete, shard_record, write_plan
 from laionkit.caption.writer import CaptionedShard
-from laionkit.common import LaionkitError, resolve_rank, split, storage
+from laionkit.common import LaionkitError, resolve_rank, storage
 from laionkit.common.storage import Location
-from laionkit.encode.reader import ShardDone, check_count, count_unit, find_shards
+from laionkit.encode.reader import ShardDone, find_shards, rank_todo
 
 QUEUE_DEPTH = 2  # batches each worker prepares ahead
 
@@ -42,13 +42,9 @@ def run(config: CaptionConfig, log: Callable[[str], None] = print) -> dict:
     settings = settings_of(config, captioner, model_fingerprint(config.model))
     write_plan(output, shards, settings)
 
-    mine = split(shards, rank)
-    counts = {shard: count_unit(shard) for shard in mine}
-    for shard in mine:
-        check_count(shard, inputs[shard], counts[shard])
-    todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
+    counts, todo = rank_todo(shards, inputs, rank, lambda shard, samples: shard_complete(output, shard, settings, samples))
     if not config.quiet:
-        log(f"laionkit caption: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
+        log(f"laionkit caption: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
             f"device {captioner.device}, {settings['dtype']}, config {json.dumps(asdict(config), default=str)}")
     summary = {"rank": rank.rank, "shards": len(todo), "captioned": 0, "skipped": 0, "empty_captions": 0,
                "seconds": 0.0}

@@ -31,7 +31,7 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, resolve_rank, split, storage
+from laionkit.common import LaionkitError, resolve_rank, storage
 from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
 from laionkit.encode.config import (
@@ -63,12 +63,12 @@ from laionkit.encode.reader import (
     caption_of,
     center_crop_box,
     check_count,
-    count_unit,
     crop_top_left,
     drafted_box,
     find_shards,
     original_size,
     output_name,
+    rank_todo,
     resize_rgb,
     shard_stem,
     target_size,
@@ -143,13 +143,9 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     write_plan(output, shards)
     write_empty_captions(output, encoders)
 
-    mine = split(shards, rank)
-    counts = {shard: count_unit(shard) for shard in mine}
-    for shard in mine:
-        check_count(shard, inputs[shard], counts[shard])
-    todo = [shard for shard in mine if not shard_complete(output, shard, settings, counts[shard])]
+    counts, todo = rank_todo(shards, inputs, rank, lambda shard, samples: shard_complete(output, shard, settings, samples))
     if not config.quiet:
-        log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
+        log(f"laionkit encode: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
             f"device {encoders.device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
             f"config {json.dumps(asdict(config), default=str)}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "empty_captions": 0,

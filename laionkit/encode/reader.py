@@ -23,7 +23,7 @@ from braceexpand import braceexpand
 from PIL import Image
 
 from laionkit.captions import ALT, scored
-from laionkit.common import LaionkitError
+from laionkit.common import LaionkitError, split
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
 
@@ -274,6 +274,24 @@ def check_count(shard: Location, expected: int | None, found: int) -> None:
                             "since pack; repack it")
 
 
+def rank_todo(shards: Sequence[Location], inputs: dict, rank, complete: Callable[[Location, int], bool],
+              ) -> tuple[dict[Location, int], list[Location]]:
+    """This rank's input units (common.ranks.split) with their sample counts, and those still to do: every
+    unit's count is checked against its done record (check_count), then ``complete(shard, samples)`` (the
+    stage's own done record) decides. Encode, score and caption resume per shard this way."""
+    counts = {shard: count_unit(shard) for shard in split(shards, rank)}
+    for shard, samples in counts.items():
+        check_count(shard, inputs[shard], samples)
+    return counts, [shard for shard, samples in counts.items() if not complete(shard, samples)]
+
+
+def worker_share(shards: Sequence) -> list:
+    """The whole shards this DataLoader worker reads: worker w of W takes shards w, w + W, ... (all of them in
+    the main process), so a shard's batches come from one worker, in order."""
+    worker = torch.utils.data.get_worker_info()
+    return list(shards) if worker is None else list(shards[worker.id :: worker.num_workers])
+
+
 # --- DataLoader side: decode, resize, tokenize, batch --------------------------------------------
 
 @dataclass
@@ -379,9 +397,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
         self.gpu_decode = gpu_decode
 
     def __iter__(self) -> Iterator[dict | ShardDone]:
-        worker = torch.utils.data.get_worker_info()
-        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
-        for shard in mine:
+        for shard in worker_share(self.shards):
             yield from self.shard_batches(shard)
 
     def shard_batches(self, shard: Location | Path) -> Iterator[dict | ShardDone]:

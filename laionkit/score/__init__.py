@@ -26,9 +26,9 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, Rank, resolve_rank, split, storage, versions
+from laionkit.common import LaionkitError, Rank, resolve_rank, storage, versions
 from laionkit.common.storage import Location
-from laionkit.encode.reader import ShardDone, check_count, count_unit, find_shards, shard_stem
+from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import ScoreConfig
 from laionkit.score.models import (
     IMAGENET_MEAN,
@@ -196,14 +196,10 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
     scorers = scorers or Scorers(config, _device(config, rank), log)
     settings = scorers.settings(config)
     stems = [shard_stem(shard) for shard in shards]
-    mine = split(shards, rank)
-    counts = {shard: count_unit(shard) for shard in mine}
-    for shard in mine:
-        check_count(shard, inputs[shard], counts[shard])
-    todo = [shard for shard in mine
-            if not shard_done(output, shard_stem(shard), settings, counts[shard], config.overwrite)]
+    counts, todo = rank_todo(shards, inputs, rank,
+                           lambda shard, samples: shard_done(output, shard_stem(shard), settings, samples, config.overwrite))
     if not config.quiet:
-        log(f"laionkit score: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(mine)} shards to do, "
+        log(f"laionkit score: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
             f"device {scorers.device}, dtype {settings['compute_dtype']}, columns "
             f"{', '.join(scorers.score_columns) or '(similarity only)'}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0}

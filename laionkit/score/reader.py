@@ -23,7 +23,14 @@ from PIL import Image
 from laionkit.common import LaionkitError
 from laionkit.common.phash import phash, sha256_hex
 from laionkit.common.storage import Location
-from laionkit.encode.reader import IMAGE_EXTENSIONS, ShardDone, caption_of, shard_stem, unit_samples
+from laionkit.encode.reader import (
+    IMAGE_EXTENSIONS,
+    ShardDone,
+    caption_of,
+    shard_stem,
+    unit_samples,
+    worker_share,
+)
 from laionkit.score.models import WATERMARK_SIZE
 
 
@@ -56,9 +63,7 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         self.caption_key = caption_key
 
     def __iter__(self) -> Iterator[dict | ShardDone]:
-        worker = torch.utils.data.get_worker_info()
-        mine = self.shards if worker is None else self.shards[worker.id :: worker.num_workers]
-        for shard in mine:
+        for shard in worker_share(self.shards):
             yield from self.shard_batches(shard)
 
     def shard_batches(self, shard: Location) -> Iterator[dict | ShardDone]:
