@@ -15,36 +15,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import metrics
+from fixtures import add_captions, metrics, vlm_caption
 
 from laionkit.captions import CaptionMix, parse_mix, parse_names, uniform
 from laionkit.common import LaionkitError
 
 FAST = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet", "--workers",
         "0", "--log-every", "1", "--shuffle-buffer", "3", "--record-keys")
-
-
-def vlm_caption(alt: str) -> str:
-    """What a VLM might say instead: the alt-text's words reversed, after a preamble (never equal to it)."""
-    return "a photo showing " + " ".join(reversed(alt.split()))
-
-
-def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset()) -> Path:
-    """image_shards with json captions["vlm"] and caption_scores added as `laionkit caption` writes them
-    (txt and json caption keep the alt-text), except for the keys in ``lacking``."""
-    import webdataset as wds
-
-    output.mkdir(parents=True, exist_ok=True)
-    for tar in sorted(image_shards.glob("*.tar")):
-        with wds.TarWriter(str(output / tar.name)) as sink:
-            for index, sample in enumerate(wds.WebDataset(str(tar), shardshuffle=False)):
-                meta = json.loads(sample["json"])
-                if sample["__key__"] not in lacking:
-                    meta["captions"] = {"vlm": vlm_caption(meta["caption"])}
-                    meta["caption_scores"] = {"alt": 0.2 + 0.05 * index, "vlm": 0.3}
-                sink.write({**{k: v for k, v in sample.items() if not k.startswith("__")},
-                            "__key__": sample["__key__"], "json": json.dumps(meta)})
-    return output
 
 
 @pytest.fixture(scope="module")
