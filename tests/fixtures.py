@@ -380,9 +380,11 @@ def vlm_caption(alt: str) -> str:
     return "a photo showing " + " ".join(reversed(alt.split()))
 
 
-def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset()) -> Path:
+def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset(),
+                 vlm: dict[str, str] | None = None) -> Path:
     """image_shards with json captions["vlm"] and caption_scores added as `laionkit caption` writes them
-    (txt and json caption keep the alt-text), except for the keys in ``lacking``."""
+    (txt and json caption keep the alt-text), except for the keys in ``lacking``; ``vlm`` {key: text} in place
+    of vlm_caption's."""
     import webdataset as wds
 
     output.mkdir(parents=True, exist_ok=True)
@@ -391,7 +393,7 @@ def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset
             for index, sample in enumerate(wds.WebDataset(str(tar), shardshuffle=False)):
                 meta = json.loads(sample["json"])
                 if sample["__key__"] not in lacking:
-                    meta["captions"] = {"vlm": vlm_caption(meta["caption"])}
+                    meta["captions"] = {"vlm": (vlm or {}).get(sample["__key__"]) or vlm_caption(meta["caption"])}
                     meta["caption_scores"] = {"alt": 0.2 + 0.05 * index, "vlm": 0.3}
                 sink.write({**{k: v for k, v in sample.items() if not k.startswith("__")},
                             "__key__": sample["__key__"], "json": json.dumps(meta)})
