@@ -365,7 +365,7 @@ def test_score_captions_are_open_clips_cosine_of_each_caption(clip_scored, score
     assert stats["caption_counts"] == {"alt": {"scored": 7, "missing": 1}, "vlm": {"scored": 7, "missing": 1}}
 
 
-def test_encode_caption_scores_stores_score_columns_as_each_captions_score(clip_scored):
+def test_encode_caption_scores_stores_score_columns_as_each_captions_score(clip_scored, tiny_models):
     rows = score_rows(clip_scored["scored"])
     found = members(clip_scored["latents"])
     for key, row in rows.items():
@@ -379,6 +379,10 @@ def test_encode_caption_scores_stores_score_columns_as_each_captions_score(clip_
     manifest = json.loads((clip_scored["latents"] / "manifest.json").read_text())
     assert manifest["caption_counts"]["alt"]["scored"] == 7 and manifest["caption_counts"]["vlm"]["scored"] == 7
     assert manifest["caption_scores"]["columns"] == ["similarity_alt", "similarity_vlm"]  # its settings
+    again = run_cli("encode", clip_scored["images"], "--output", clip_scored["latents"], "--model", tiny_models,
+                    "--resolution", "64", "--batch-size", "4", "--workers", "0", "--captions", "alt,vlm",
+                    "--caption-scores", clip_scored["scored"] / "scores")  # its scores/ folder names the same join
+    assert "0 of 2 shards to do" in " ".join(again.stderr.split())  # a rerun resumes: the same settings
 
 
 def test_clip_mix_at_a_low_temperature_trains_on_the_clearly_better_scored_caption(clip_scored, tmp_path):
