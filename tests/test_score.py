@@ -23,7 +23,7 @@ from conftest import run_cli
 from fixtures import write_image_shards
 from PIL import Image
 
-from laionkit.score.phash import hamming, phash
+from laionkit.common.phash import hamming, phash
 
 AESTHETIC_V2 = "aesthetic/sac+logos+ava1-l14-linearMSE.pth"
 

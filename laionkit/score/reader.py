@@ -9,7 +9,6 @@ ranks. Per-sample problems become recorded skips (``ShardDone.skips``); a broken
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
@@ -22,6 +21,7 @@ import torch.utils.data
 from PIL import Image
 
 from laionkit.common import LaionkitError
+from laionkit.common.phash import phash, sha256_hex
 from laionkit.common.storage import Location
 from laionkit.encode.reader import (
     IMAGE_EXTENSIONS,
@@ -32,7 +32,6 @@ from laionkit.encode.reader import (
     unit_samples,
 )
 from laionkit.score.models import WATERMARK_SIZE
-from laionkit.score.phash import phash
 
 
 def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
@@ -119,7 +118,7 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             "key": sample["__key__"], "source": json.dumps(meta, sort_keys=True) if meta is not None else None,
             "caption": caption_of(sample, meta, self.caption_key), "width": width, "height": height,
             # img2dataset's compute_hash: sha256 of the image bytes as stored
-            "sha256": hashlib.sha256(data).hexdigest(), "phash": phash(rgb),
+            "sha256": sha256_hex(data), "phash": phash(rgb),
             "clip": torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip,
         }
         if self.captions:
