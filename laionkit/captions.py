@@ -3,7 +3,8 @@ that hold each, and the policy train picks one with per sample (``train --captio
 
 Names. ``alt`` is the sample's alt-text as encode always found it (``reader.caption_of``); any other
 NAME is the image shard's json ``captions[NAME]`` (what ``laionkit caption`` writes), with an optional
-CLIP score in json ``caption_scores[NAME]``. A latent sample stores its *first* caption (in the folder's
+CLIP score in json ``caption_scores[NAME]``, or in the column ``similarity_NAME`` of ``laionkit score --captions``
+(joined by ``encode --caption-scores``, laionkit.encode.caption_scores). A latent sample stores its *first* caption (in the folder's
 name order, of those it has) in the members a single-caption folder has (``text.npy``, ``pooled.npy``,
 ``mask.npy``, ``ids_*.npy``), so every reader that knows no caption names reads that one, and each other
 caption it has as ``NAME.<member>`` (``vlm.text.npy``). Its json names them: ``caption_name`` (the first)
@@ -36,6 +37,11 @@ _RESERVED = {"moments", "text", "pooled", "mask", "json"}
 CLIP_TEMPERATURE = 1.0  # Sana's default clip_thr_temperature
 
 
+def similarity_column(name: str) -> str:
+    """The score parquet column of caption ``name``'s CLIP similarity (``score --captions``)."""
+    return f"similarity_{name}"
+
+
 def check_name(name: str, flag: str) -> str:
     if not _NAME.match(name) or name.lower() in _RESERVED or name.startswith("ids_"):
         raise LaionkitError(f"{flag}: caption name {name!r} must be a letter then letters, digits, _ or - (at most "
@@ -46,6 +52,12 @@ def check_name(name: str, flag: str) -> str:
 def parse_names(spec: str | Sequence[str] | None) -> tuple[str, ...] | None:
     """``--captions alt,vlm`` as a tuple of names; None for none given or ``alt`` alone, which is encode as
     it always was (the same shards and settings, byte for byte)."""
+    names = list_names(spec)
+    return None if names == (ALT,) else names
+
+
+def list_names(spec: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``--captions alt,vlm`` as a tuple of names, checked; None for none given."""
     if spec is None:
         return None
     parts = [part.strip() for part in (spec.split(",") if isinstance(spec, str) else spec)]
@@ -55,7 +67,7 @@ def parse_names(spec: str | Sequence[str] | None) -> tuple[str, ...] | None:
         raise LaionkitError("--captions: give at least one caption name (alt, or a json captions key)")
     if len(set(names)) != len(names):
         raise LaionkitError(f"--captions {','.join(names)}: a caption is named twice")
-    return None if names == (ALT,) else names
+    return names
 
 
 def member(name: str, plain: str, first: bool) -> str:
@@ -123,9 +135,10 @@ class CaptionMix:
                                     f"(its captions: {', '.join(stored)}); encode it with --captions "
                                     f"{','.join([*stored, name])}")
         if self.temperature is not None and not scored_names:
-            raise LaionkitError(f"--caption-mix {self.spec}: no caption in {where} has a CLIP score (json "
-                                "caption_scores[NAME] of the image shards, stored by encode); give weights instead, "
-                                "e.g. --caption-mix " + ",".join(f"{name}:1" for name in stored))
+            raise LaionkitError(f"--caption-mix {self.spec}: no caption in {where} has a CLIP score (laionkit score "
+                                "--captions NAMES, then encode --captions NAMES --caption-scores DIR; or json "
+                                "caption_scores[NAME] of the image shards); give weights instead, e.g. --caption-mix "
+                                + ",".join(f"{name}:1" for name in stored))
 
 
 def parse_mix(spec: str | None) -> CaptionMix | None:

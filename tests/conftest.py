@@ -120,7 +120,7 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-# Session fixtures other stages reuse: tiny_models, image_shards, latent_shards, flow_latents, flux_run, sharp_models
+# Session fixtures other stages reuse: tiny_models, image_shards, latent_shards, flow_latents, flux_run, sharp_models, score_models
 # (see tests/fixtures.py).
 from fixtures import (  # noqa: E402,F401
     bucket_latents,
@@ -128,6 +128,7 @@ from fixtures import (  # noqa: E402,F401
     flux_run,
     image_shards,
     latent_shards,
+    score_models,
     sharp_models,
     tiny_models,
 )

@@ -363,3 +363,38 @@ def steps_done(run: Path) -> int:
     """Steps rank 0 has finished (--record-keys writes one line per step, whatever --log-every is)."""
     keys = run / "seen" / "rank-00000.jsonl"
     return keys.read_text().count("\n") if keys.is_file() else 0
+
+
+@pytest.fixture(scope="module")
+def score_models(tmp_path_factory) -> dict[str, Path]:
+    from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip
+
+    folder = tmp_path_factory.mktemp("score-models")
+    config, weights = write_tiny_score_clip(folder)
+    return {"config": config, "weights": weights, "nsfw": write_random_nsfw(folder / "nsfw.safetensors"),
+            "watermark": write_random_watermark(folder / "watermark.safetensors")}
+
+
+def vlm_caption(alt: str) -> str:
+    """What a VLM might say instead: the alt-text's words reversed, after a preamble (never equal to it)."""
+    return "a photo showing " + " ".join(reversed(alt.split()))
+
+
+def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset(),
+                 vlm: dict[str, str] | None = None) -> Path:
+    """image_shards with json captions["vlm"] and caption_scores added as `laionkit caption` writes them
+    (txt and json caption keep the alt-text), except for the keys in ``lacking``; ``vlm`` {key: text} in place
+    of vlm_caption's."""
+    import webdataset as wds
+
+    output.mkdir(parents=True, exist_ok=True)
+    for tar in sorted(image_shards.glob("*.tar")):
+        with wds.TarWriter(str(output / tar.name)) as sink:
+            for index, sample in enumerate(wds.WebDataset(str(tar), shardshuffle=False)):
+                meta = json.loads(sample["json"])
+                if sample["__key__"] not in lacking:
+                    meta["captions"] = {"vlm": (vlm or {}).get(sample["__key__"]) or vlm_caption(meta["caption"])}
+                    meta["caption_scores"] = {"alt": 0.2 + 0.05 * index, "vlm": 0.3}
+                sink.write({**{k: v for k, v in sample.items() if not k.startswith("__")},
+                            "__key__": sample["__key__"], "json": json.dumps(meta)})
+    return output

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -15,36 +16,13 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import metrics
+from fixtures import add_captions, metrics, vlm_caption
 
 from laionkit.captions import CaptionMix, parse_mix, parse_names, uniform
 from laionkit.common import LaionkitError
 
 FAST = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet", "--workers",
         "0", "--log-every", "1", "--shuffle-buffer", "3", "--record-keys")
-
-
-def vlm_caption(alt: str) -> str:
-    """What a VLM might say instead: the alt-text's words reversed, after a preamble (never equal to it)."""
-    return "a photo showing " + " ".join(reversed(alt.split()))
-
-
-def add_captions(image_shards: Path, output: Path, lacking: set[str] = frozenset()) -> Path:
-    """image_shards with json captions["vlm"] and caption_scores added as `laionkit caption` writes them
-    (txt and json caption keep the alt-text), except for the keys in ``lacking``."""
-    import webdataset as wds
-
-    output.mkdir(parents=True, exist_ok=True)
-    for tar in sorted(image_shards.glob("*.tar")):
-        with wds.TarWriter(str(output / tar.name)) as sink:
-            for index, sample in enumerate(wds.WebDataset(str(tar), shardshuffle=False)):
-                meta = json.loads(sample["json"])
-                if sample["__key__"] not in lacking:
-                    meta["captions"] = {"vlm": vlm_caption(meta["caption"])}
-                    meta["caption_scores"] = {"alt": 0.2 + 0.05 * index, "vlm": 0.3}
-                sink.write({**{k: v for k, v in sample.items() if not k.startswith("__")},
-                            "__key__": sample["__key__"], "json": json.dumps(meta)})
-    return output
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +274,158 @@ def test_a_sample_whose_image_fails_on_the_device_drops_its_captions_with_it(cap
     assert out["caption_texts"] == {name: [found[i] for i in kept] for name, found in texts.items()}
     assert all(len(ids) == len(out["keys"]) == len(out["present"]) for ids in out["caption_ids"].values())
     assert out["caption_skips"] == []
+
+
+# --- CLIP scores per caption: score --captions -> encode --caption-scores -> train --caption-mix clip ------
+
+LACKING = "000010001"  # a sample without a vlm caption
+
+
+def far_captions(image_shards: Path, score_models: dict) -> dict[str, str]:
+    """Per image, the vlm caption (of 512 seeded word strings) whose similarity under score's tiny random CLIP is
+    farthest from its alt-text's, above or below: one of its two captions then scores clearly higher."""
+    import io
+    import random
+
+    import torch
+    import webdataset as wds
+    from PIL import Image
+
+    from laionkit.evaluate.clipscore import load_clip
+
+    clip, preprocess, tokenizer = load_clip(str(score_models["config"]), str(score_models["weights"]))
+    rng = random.Random(0)
+    words = "red blue tram bridge dusk dog beach leaves city skyline coffee flower garden mountain lake film".split()
+    candidates = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 9))) for _ in range(512)]
+    chosen = {}
+    with torch.no_grad():
+        texts = torch.nn.functional.normalize(clip.encode_text(tokenizer(candidates)).float(), dim=-1)
+        for tar in sorted(image_shards.glob("*.tar")):
+            for sample in wds.WebDataset(str(tar), shardshuffle=False):
+                image = Image.open(io.BytesIO(next(sample[e] for e in ("jpg", "png", "webp") if e in sample)))
+                embedding = torch.nn.functional.normalize(clip.encode_image(preprocess(image)[None]).float(), dim=-1)
+                alt = torch.nn.functional.normalize(clip.encode_text(tokenizer([sample["txt"].decode()])).float(), -1)
+                gaps = ((embedding @ texts.T)[0] - (embedding * alt).sum()).abs()
+                chosen[sample["__key__"]] = candidates[int(gaps.argmax())]
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def clip_scored(tmp_path_factory, image_shards, tiny_models, score_models) -> dict[str, Path]:
+    """Captioned shards (far_captions' vlm, one sample lacking it; json caption_scores as add_captions writes
+    them) scored with score's tiny CLIP for alt and vlm, then encoded with --caption-scores."""
+    root = tmp_path_factory.mktemp("clip-scored")
+    shards = add_captions(image_shards, root / "images", lacking={LACKING}, vlm=far_captions(image_shards, score_models))
+    run_cli("score", shards, "--output", root / "scored", "--clip-model", score_models["config"], "--clip-pretrained",
+            score_models["weights"], "--captions", "alt,vlm", "--workers", "0", "--batch-size", "3", "--quiet")
+    run_cli("encode", shards, "--output", root / "latents", "--model", tiny_models, "--resolution", "64",
+            "--batch-size", "4", "--workers", "0", "--quiet", "--captions", "alt,vlm", "--caption-scores",
+            root / "scored")
+    return {"images": shards, "scored": root / "scored", "latents": root / "latents"}
+
+
+def score_rows(scored: Path) -> dict[str, dict]:
+    import pyarrow.parquet as pq
+
+    return {row["key"]: row for row in pq.read_table(scored / "scores").to_pylist()}
+
+
+def test_score_captions_are_open_clips_cosine_of_each_caption(clip_scored, score_models):
+    import io
+
+    import torch
+    import webdataset as wds
+    from PIL import Image
+
+    from laionkit.evaluate.clipscore import load_clip
+
+    clip, preprocess, tokenizer = load_clip(str(score_models["config"]), str(score_models["weights"]))
+    rows = score_rows(clip_scored["scored"])
+    samples = [sample for tar in sorted(clip_scored["images"].glob("*.tar"))
+               for sample in wds.WebDataset(str(tar), shardshuffle=False)]
+    assert sorted(rows) == sorted(sample["__key__"] for sample in samples)
+    for sample in samples:
+        meta = json.loads(sample["json"])
+        image = Image.open(io.BytesIO(next(sample[e] for e in ("jpg", "png", "webp") if e in sample)))
+        texts = {"alt": sample["txt"].decode(), "vlm": meta.get("captions", {}).get("vlm")}
+        with torch.no_grad():
+            image_embedding = torch.nn.functional.normalize(clip.encode_image(preprocess(image)[None]).float(), dim=-1)
+            for name, text in texts.items():
+                row = rows[sample["__key__"]][f"similarity_{name}"]
+                if not (text or "").strip():  # an empty alt-text, the sample lacking vlm: null
+                    assert row is None, (sample["__key__"], name)
+                    continue
+                text_embedding = torch.nn.functional.normalize(clip.encode_text(tokenizer([text])).float(), dim=-1)
+                assert row == pytest.approx(float((image_embedding * text_embedding).sum()), abs=1e-5)
+        assert rows[sample["__key__"]]["similarity_alt"] == rows[sample["__key__"]]["similarity"]
+    record = json.loads((clip_scored["scored"] / "records" / "00001.json").read_text())
+    assert record["settings"]["captions"] == ["alt", "vlm"]
+    assert record["captions"] == {"alt": {"scored": 4, "missing": 0}, "vlm": {"scored": 3, "missing": 1}}
+    stats = json.loads((clip_scored["scored"] / "stats.json").read_text())
+    assert stats["caption_counts"] == {"alt": {"scored": 7, "missing": 1}, "vlm": {"scored": 7, "missing": 1}}
+
+
+def test_encode_caption_scores_stores_score_columns_as_each_captions_score(clip_scored, tiny_models):
+    rows = score_rows(clip_scored["scored"])
+    found = members(clip_scored["latents"])
+    for key, row in rows.items():
+        captions = json.loads(found[f"{key}.json"])["captions"]
+        for name in ("alt", "vlm"):
+            value = row[f"similarity_{name}"]
+            if value is None:  # no score (an empty alt-text, the sample lacking vlm); json caption_scores ignored
+                assert "score" not in captions.get(name, {}), (key, name)
+            else:  # the join wins over json caption_scores (0.3 for every vlm)
+                assert captions[name]["score"] == value != 0.3
+    manifest = json.loads((clip_scored["latents"] / "manifest.json").read_text())
+    assert manifest["caption_counts"]["alt"]["scored"] == 7 and manifest["caption_counts"]["vlm"]["scored"] == 7
+    assert manifest["caption_scores"]["columns"] == ["similarity_alt", "similarity_vlm"]  # its settings
+    again = run_cli("encode", clip_scored["images"], "--output", clip_scored["latents"], "--model", tiny_models,
+                    "--resolution", "64", "--batch-size", "4", "--workers", "0", "--captions", "alt,vlm",
+                    "--caption-scores", clip_scored["scored"] / "scores")  # its scores/ folder names the same join
+    assert "0 of 2 shards to do" in " ".join(again.stderr.split())  # a rerun resumes: the same settings
+
+
+def test_clip_mix_at_a_low_temperature_trains_on_the_clearly_better_scored_caption(clip_scored, tmp_path):
+    rows = score_rows(clip_scored["scored"])
+    both = {key: row for key, row in rows.items() if None not in (row["similarity_alt"], row["similarity_vlm"])}
+    assert len(both) == 6 and min(abs(r["similarity_alt"] - r["similarity_vlm"]) for r in both.values()) > 0.05
+    best = {key: max(("alt", "vlm"), key=lambda name: row[f"similarity_{name}"] if row[f"similarity_{name}"]
+                     is not None else -math.inf) for key, row in rows.items()}
+    run = tmp_path / "run"
+    run_cli("train", clip_scored["latents"], "--output", run, *FAST, "--max-steps", "8", "--export", "none",
+            "--caption-mix", "clip:0.01")
+    picks = [(key, name) for record in seen(run).values() for key, name in zip(record["keys"], record["captions"])]
+    assert len(picks) == 16 and {name for _, name in picks} == {"alt", "vlm"}  # the scores choose, not a name
+    assert sum(name == best[key] for key, name in picks) >= 15, picks  # near-always: p(other) < exp(-5) each
+    trainer = json.loads(sorted((run / "checkpoints").glob("step-*"))[-1].joinpath("trainer.json").read_text())
+    assert trainer["config"]["caption_mix"] == "clip:0.01"
+
+
+def test_missing_scores_are_one_line_naming_the_file_and_column(clip_scored, tiny_models, tmp_path, score_models):
+    base = ("--model", tiny_models, "--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet",
+            "--captions", "alt,vlm")
+    result = run_cli("encode", clip_scored["images"], "--output", tmp_path / "a", *base, "--caption-scores",
+                     tmp_path / "nowhere", check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--caption-scores" in result.stderr and "nowhere" in result.stderr.strip().splitlines()[-1]
+    # scored without --captions: no similarity_vlm column
+    run_cli("score", clip_scored["images"] / "00000.tar", "--output", tmp_path / "plain", "--clip-model",
+            score_models["config"], "--clip-pretrained", score_models["weights"], "--workers", "0", "--quiet")
+    result = run_cli("encode", clip_scored["images"] / "00000.tar", "--output", tmp_path / "b", *base,
+                     "--caption-scores", tmp_path / "plain", check=False)
+    line = " ".join(result.stderr.split())
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'plain' / 'scores' / '00000.parquet'}: no column 'similarity_alt'" in line, line
+    # a shard the score folder lacks
+    (tmp_path / "half" / "scores").mkdir(parents=True)
+    shutil.copy(clip_scored["scored"] / "scores" / "00000.parquet", tmp_path / "half" / "scores")
+    result = run_cli("encode", clip_scored["images"], "--output", tmp_path / "c", *base, "--caption-scores",
+                     tmp_path / "half", check=False)
+    assert f"no {tmp_path / 'half' / 'scores' / '00001.parquet'} (shard 00001" in " ".join(result.stderr.split())
+    result = run_cli("encode", clip_scored["images"], "--output", tmp_path / "e", *base, "--caption-key", "txt",
+                     "--caption-scores", clip_scored["scored"], check=False)  # alt scored under another caption key
+    assert "alt was scored with --caption-key None, this encode takes it with --caption-key txt" in \
+        " ".join(result.stderr.split())
+    result = run_cli("encode", clip_scored["images"], "--output", tmp_path / "d", "--model", tiny_models,
+                     "--caption-scores", clip_scored["scored"], check=False)
+    assert "give --captions too" in " ".join(result.stderr.split())

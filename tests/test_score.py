@@ -29,16 +29,6 @@ AESTHETIC_V2 = "aesthetic/sac+logos+ava1-l14-linearMSE.pth"
 
 
 @pytest.fixture(scope="module")
-def score_models(tmp_path_factory) -> dict[str, Path]:
-    from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip
-
-    folder = tmp_path_factory.mktemp("score-models")
-    config, weights = write_tiny_score_clip(folder)
-    return {"config": config, "weights": weights, "nsfw": write_random_nsfw(folder / "nsfw.safetensors"),
-            "watermark": write_random_watermark(folder / "watermark.safetensors")}
-
-
-@pytest.fixture(scope="module")
 def shards(tmp_path_factory, realdata) -> Path:
     folder = tmp_path_factory.mktemp("score-shards")
     write_image_shards(realdata / "images", folder)

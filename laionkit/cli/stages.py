@@ -225,6 +225,8 @@ caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig
 
     laionkit encode out/shards --keep out/kept --model sd15 --output lat   # only the keys filter kept (e.g. by score)
     laionkit encode captioned/ --model sd3-medium --captions alt,vlm --output lat   # alt-text and `laionkit caption`'s vlm
+
+    laionkit score captioned/ --captions alt,vlm --output scored && laionkit encode captioned/ --model sd3-medium --captions alt,vlm --caption-scores scored --output lat   # then train --caption-mix clip
 """)
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
@@ -246,6 +248,7 @@ def encode(
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
     keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
     captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
+    caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
@@ -261,7 +264,7 @@ def encode(
         tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
-        caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep,
+        caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
@@ -281,6 +284,8 @@ def encode(
     laionkit filter out/shards --scores out/scored --where "aesthetic >= 5 AND pwatermark < 0.5" --output out/kept   # join by key
 
     laionkit filter out/scored/scores --embeddings out/scored/img_emb --score aes1=aesthetic-v1:sa_0_4_vit_l_14_linear.pth --output out/aes1
+
+    laionkit score captioned/ --captions alt,vlm --output scored   # similarity_alt, similarity_vlm: encode --caption-scores scored
 
     laionkit models tiny-eval --output m && laionkit score out/shards --output s --clip-model m/tiny-clip.json --clip-pretrained m/tiny-clip.safetensors   # offline
 """)
@@ -310,6 +315,10 @@ def score(
         "CPU per large JPEG, values slightly different.")] = "exact",
     caption_key: Annotated[Optional[str], typer.Option(
         help="Where captions are (a member or a json key); default: .txt, .caption, json caption / text / TEXT.")] = None,
+    captions: Annotated[Optional[str], typer.Option(
+        help="Comma-separated caption names as encode --captions takes them: alt (the alt-text) and json captions keys "
+        "(`laionkit caption`'s): a similarity_NAME column each (null where the sample lacks it), for encode "
+        "--caption-scores.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Redo shards scored with other settings; also write into another stage's folder.")] = False,
     storage_options: StorageOption = None,
@@ -326,7 +335,7 @@ def score(
         shards=tuple(shards), output=output, clip_model=clip_model,
         clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
         watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
-        decode=decode, caption_key=caption_key, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
+        decode=decode, caption_key=caption_key, captions=captions, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
         storage_options=storage_options,
     )
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))

@@ -31,9 +31,10 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, resolve_rank, storage
+from laionkit.common import LaionkitError, resolve_rank, split, storage
 from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
+from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
     DECODE_MODES,
@@ -121,6 +122,10 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
+    scores = scores_folder(config.caption_scores, options) if config.caption_scores else None
+    if scores is not None:  # before any model loads: a missing file or column is a one-line error now
+        check_scores(scores, [shard_stem(shard) for shard in split(shards, rank)], config.captions)
+    scored_with = scores_identity(scores, config.captions, config.caption_key) if scores is not None else None
     storage.claim_output(output, "encode", config.overwrite)  # no other stage's folder
     if config.quiet:
         import diffusers.utils.logging
@@ -138,7 +143,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     encoders.check_sizes(config.resolution, buckets)
     models = _models(config, encoders.family)
     keep = read_keep_keys(config.keep, options) if config.keep else None
-    settings = _settings(config, models, encoders, buckets, keep)
+    settings = _settings(config, models, encoders, buckets, keep, scored_with)
     refuse_mixed_settings(output, settings)
     write_plan(output, shards)
     write_empty_captions(output, encoders)
@@ -156,7 +161,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
                         disable=config.quiet)
         with progress:
             summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank,
-                                          progress, keep))
+                                          progress, keep, scores))
     manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
@@ -178,9 +183,10 @@ def _reasons(skips: dict) -> str:
     return ", ".join(f"{reason}: {count}" for reason, count in skips.items()) or "no samples in the tars"
 
 
-def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, keep=None) -> dict:
+def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, keep=None,
+                   scores=None) -> dict:
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode,
-                           config.caption_key, keep, config.captions)
+                           config.caption_key, keep, config.captions, scores)
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(

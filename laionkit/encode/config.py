@@ -49,9 +49,15 @@ class EncodeConfig:
     captions: tuple[str, ...] | str | None = None
     overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)
     keep: str | None = None  # --keep PARQUET: encode only these keys (common.keys); the others are counted, not_kept
+    # --caption-scores DIR: each --captions name's CLIP score from `laionkit score --captions`'s similarity_NAME
+    # columns, joined by shard and key (encode.caption_scores); None: json caption_scores, as before
+    caption_scores: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "captions", parse_names(self.captions))
+        if self.caption_scores is not None and not self.captions:
+            raise LaionkitError("--caption-scores: scores are stored per named caption; give --captions too (e.g. "
+                                "--captions alt,vlm)")
         choices = {"decode": DECODE_MODES, "dtype": COMPUTE_DTYPES, "text": TEXT_MODES}
         if self.text_layer is not None:
             choices["text_layer"] = TEXT_LAYERS

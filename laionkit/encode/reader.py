@@ -26,6 +26,7 @@ from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError, split
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
+from laionkit.encode.caption_scores import read_shard_scores
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
 
@@ -384,8 +385,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
                  buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
                  caption_key: str | None = None, keep: frozenset[str] | None = None,
-                 captions: Sequence[str] | None = None) -> None:
+                 captions: Sequence[str] | None = None, caption_scores: Location | None = None) -> None:
         super().__init__()
+        self.caption_scores = caption_scores  # --caption-scores: score's scores/ folder, joined per shard and key
         self.caption_key = caption_key
         self.keep = keep
         self.captions = tuple(captions) if captions else None  # --captions: several per sample
@@ -404,6 +406,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
         shard = Location.parse(shard)
         pending: dict[tuple[int, int], list[dict]] = {}
         done = ShardDone(output_name(shard), 0)
+        scores = (read_shard_scores(self.caption_scores, shard_stem(shard), self.captions)
+                  if self.caption_scores is not None else None)
         stream = ExitStack()
         try:
             for sample in unit_samples(shard, stream):
@@ -412,7 +416,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
                     done.not_kept += 1
                     continue
                 try:
-                    item = self.prepare(sample)
+                    item = self.prepare(sample, scores)
                 except Exception as error:  # noqa: BLE001 - any decode failure is a recorded skip
                     done.skips.append({"key": sample["__key__"], "reason": getattr(error, "reason", "undecodable"),
                                        "error": f"{type(error).__name__}: {error}"})
@@ -429,8 +433,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
             yield self.collate(done.shard, pending[size])
         yield done
 
-    def prepare(self, sample: dict) -> dict:
-
+    def prepare(self, sample: dict, scores: dict[str, dict[str, float]] | None = None) -> dict:
+        """One sample's decode plan and captions; ``scores`` ({key: {name: score}}, encode --caption-scores)
+        replace json caption_scores when given."""
         extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
         try:
             meta = json.loads(sample["json"]) if "json" in sample else None
@@ -454,6 +459,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
         }
         if self.captions:
             item.update(named_captions(sample, meta, self.captions, self.caption_key))
+            if scores is not None:  # the join is the only source (laionkit.encode.caption_scores)
+                joined = scores.get(sample["__key__"], {})
+                item["scores"] = {name: joined.get(name) for name in item["texts"]}
             item["caption"] = next(iter(item["texts"].values()))
         if on_gpu:
             item["jpeg"] = data
@@ -527,11 +535,12 @@ class ShardBatches(torch.utils.data.IterableDataset):
                 "caption_skips": [skip for item in items for skip in item["caption_skips"]]}
 
 
-def named_captions(sample: dict, meta: dict | None, names: Sequence[str], caption_key: str | None) -> dict:
-    """A sample's ``--captions``: ``texts`` {name: text} of those it has, in ``names`` order; ``scores``
-    {name: CLIP score or None} (json caption_scores); ``caption_skips`` of the named captions it lacks
-    (json captions[NAME] absent, blank or not text). ``alt`` is caption_of's, as encode always took it
-    (an empty one is encoded and counted as an empty caption). A sample with none of them is skipped."""
+def caption_texts(sample: dict, meta: dict | None, names: Sequence[str], caption_key: str | None
+                  ) -> tuple[dict[str, str], list[dict]]:
+    """The one resolution of caption names (laionkit.captions), for encode and score: ``texts`` {name: text}
+    of those the sample has, in ``names`` order, and a caption skip (key, caption, reason) per name it lacks
+    (json captions[NAME] absent, blank or not text). ``alt`` is caption_of's, as encode always took it (an
+    empty one counts as present: encoded and counted as an empty caption)."""
     meta = meta if isinstance(meta, dict) else {}
     given = meta.get("captions") if isinstance(meta.get("captions"), dict) else {}
     texts, skips = {}, []
@@ -545,6 +554,13 @@ def named_captions(sample: dict, meta: dict | None, names: Sequence[str], captio
         else:
             skips.append({"key": sample["__key__"], "caption": name,
                           "reason": "missing" if value is None or isinstance(value, str) else "not_text"})
+    return texts, skips
+
+
+def named_captions(sample: dict, meta: dict | None, names: Sequence[str], caption_key: str | None) -> dict:
+    """A sample's ``--captions`` (caption_texts): ``texts``, ``scores`` {name: CLIP score or None} (json
+    caption_scores), ``caption_skips``. A sample with none of them is skipped."""
+    texts, skips = caption_texts(sample, meta, names, caption_key)
     if not texts:
         error = ValueError(f"none of the captions {', '.join(names)} (json captions[NAME]): "
                            + ", ".join(f"{skip['caption']} {skip['reason']}" for skip in skips))

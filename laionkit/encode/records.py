@@ -43,8 +43,8 @@ def _models(config: EncodeConfig, family: FamilySpec) -> dict:
     return {component: fingerprint(config.source(component), component) for component in components}
 
 
-def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, keep: frozenset[str] | None = None
-              ) -> dict:
+def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, keep: frozenset[str] | None = None,
+              caption_scores: dict | None = None) -> dict:
     """What every shard of one folder must share; a rerun with other settings is refused.
 
     Models count by content (their files' sha256), not by the path they were reached through: the same
@@ -62,6 +62,8 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, k
         **({"keep": keys_identity(keep)} if keep is not None else {}),
         # --captions: the names stored per sample, in order (absent: the one alt-text caption, as always)
         **({"captions": list(config.captions)} if config.captions else {}),
+        # --caption-scores: the columns joined and the score folder's settings (encode.caption_scores)
+        **({"caption_scores": caption_scores} if caption_scores is not None else {}),
     }
 
 

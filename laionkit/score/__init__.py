@@ -26,6 +26,7 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
+from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, storage, versions
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
@@ -78,6 +79,12 @@ class Scorers:
             if spec.name in RESERVED:
                 raise LaionkitError(f"--score {spec.name}=...: {spec.name} is a column score always writes; "
                                     "choose another name")
+        self.captions = config.captions or ()  # --captions: a similarity_NAME column each
+        self.caption_columns = [similarity_column(name) for name in self.captions]
+        for spec in specs:
+            if spec.name in self.caption_columns:
+                raise LaionkitError(f"--score {spec.name}=...: {spec.name} is --captions' similarity column; "
+                                    "choose another name")
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise LaionkitError(f"--score names must differ: {', '.join(names)}")
@@ -100,7 +107,8 @@ class Scorers:
 
     @property
     def score_columns(self) -> list[str]:
-        return ((["pwatermark"] if self.watermark is not None else []) + (["punsafe"] if self.nsfw is not None else [])
+        return (self.caption_columns + (["pwatermark"] if self.watermark is not None else [])
+                + (["punsafe"] if self.nsfw is not None else [])
                 + [scorer.spec.name for scorer in self.scorers])
 
     def _autocast(self):
@@ -135,6 +143,14 @@ class Scorers:
         with torch.inference_mode():
             text = torch.nn.functional.normalize(text.float(), dim=-1)
             launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
+        for name, texts in batch.get("captions", {}).items():
+            if texts == batch["caption"]:  # alt (caption_of, as the default caption): the same embeddings
+                launched[similarity_column(name)] = launched["similarity"]
+                continue
+            with self._autocast():
+                named = self.clip.encode_text(self.tokenizer(texts).to(self.device))
+            launched[similarity_column(name)] = (image * torch.nn.functional.normalize(named.float(), dim=-1)).sum(-1)
+        with torch.inference_mode():
             if self.watermark is not None:
                 with self._autocast():
                     logits = self.watermark(self._pixels(batch["watermark"], IMAGENET_MEAN, IMAGENET_STD))
@@ -146,6 +162,8 @@ class Scorers:
         """(float16 embeddings, {column: float32 values}) of a launched batch, on the host."""
         columns = {name: value.cpu().numpy().astype(np.float32) for name, value in launched.items() if name != "image"}
         columns["similarity"][[not caption.strip() for caption in batch["caption"]]] = np.nan  # no caption: null
+        for name, texts in batch.get("captions", {}).items():  # a caption the sample lacks (or blank): null
+            columns[similarity_column(name)][[not text.strip() for text in texts]] = np.nan
         return launched["image"].cpu().numpy(), columns
 
     def score(self, batch: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -176,6 +194,7 @@ class Scorers:
                         if scorer.spec.kind != "prompt" else None} for scorer in self.scorers],
             "embedding_dim": self.dim, "compute_dtype": str(self.dtype).removeprefix("torch."),
             "caption_key": config.caption_key, "columns": self.score_columns,
+            **({"captions": list(self.captions)} if self.captions else {}),
             **({"decode": config.decode} if config.decode != "exact" else {}),
         }
 
@@ -225,7 +244,7 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
         draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
                          WATERMARK_SIZE if scorers.watermark is not None else 0)
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
-                           config.batch_size, config.caption_key, draft_side)
+                           config.batch_size, config.caption_key, draft_side, scorers.captions)
     workers = min(config.workers, len(todo))
     loader = torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
@@ -284,4 +303,8 @@ def _finish_shard(output: Location, done: ShardDone, shard: dict, scorers: Score
         "skipped": skipped, "skips": done.skips, "columns": names,
         "seconds": round(time.perf_counter() - shard["started"], 3), "settings": settings, "versions": versions(),
     }
+    if scorers.captions:  # --captions: per name, the samples with a similarity and those without (caption lacking)
+        record["captions"] = {name: {"scored": sum(value is not None for value in columns[similarity_column(name)]),
+                                     "missing": sum(value is None for value in columns[similarity_column(name)])}
+                              for name in scorers.captions}
     write_shard(output, done.shard, columns, embeddings, scorers.score_columns, record)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from laionkit.captions import list_names
 from laionkit.common import LaionkitError
 
 COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
@@ -29,6 +30,9 @@ class ScoreConfig:
     device: str | None = None
     decode: str = "exact"  # DECODE_MODES
     caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
+    # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.captions' names, resolved as encode
+    # resolves them), for encode --caption-scores; None: only the default caption's similarity
+    captions: tuple[str, ...] | str | None = None
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
@@ -36,6 +40,7 @@ class ScoreConfig:
     storage_options: str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "captions", list_names(self.captions))
         if self.dtype not in COMPUTE_DTYPES:
             raise LaionkitError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if self.decode not in DECODE_MODES:

@@ -27,6 +27,7 @@ from laionkit.encode.reader import (
     IMAGE_EXTENSIONS,
     ShardDone,
     caption_of,
+    caption_texts,
     shard_stem,
     unit_samples,
     worker_share,
@@ -52,8 +53,10 @@ class ScoreSamples(torch.utils.data.IterableDataset):
     each shard; DataLoader workers each take whole shards."""
 
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
-                 batch_size: int, caption_key: str | None = None, draft_side: int | None = None) -> None:
+                 batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
+                 captions: Sequence[str] | None = None) -> None:
         super().__init__()
+        self.captions = tuple(captions or ())  # --captions: each named caption's text ("" where the sample lacks it)
         self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
         self.shards = list(shards)
         self.clip_transform = clip_transform
@@ -117,6 +120,9 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             "sha256": sha256_hex(data), "phash": phash(rgb),
             "clip": torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip,
         }
+        if self.captions:
+            texts, _ = caption_texts(sample, meta, self.captions, self.caption_key)  # encode's resolution, one definition
+            item["captions"] = {name: texts.get(name, "") for name in self.captions}
         if self.watermark:  # LAION's T.Resize((256, 256)) on a PIL image: a bilinear (antialiased) squash
             squashed = rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR)
             item["watermark"] = torch.from_numpy(np.asarray(squashed).copy())
@@ -127,6 +133,8 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         batch = {name: [item[name] for item in items]
                  for name in ("key", "source", "caption", "width", "height", "sha256", "phash")}
         batch["shard"] = shard
+        if "captions" in items[0]:
+            batch["captions"] = {name: [item["captions"][name] for item in items] for name in items[0]["captions"]}
         batch["clip"] = torch.stack([item["clip"] for item in items])
         if "watermark" in items[0]:
             batch["watermark"] = torch.stack([item["watermark"] for item in items])

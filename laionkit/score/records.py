@@ -111,6 +111,11 @@ def merge_stats(output: Location, expected: Sequence[str]) -> dict:
                    "samples_out": sum(record["samples_out"] for record in records),
                    "skipped": sum(skips.values())},
         "skips": dict(sorted(skips.items())),
+        # score --captions: per name, the records' scored / missing counts summed
+        **({"caption_counts": {name: {count: sum(record["captions"][name][count] for record in records
+                                                 if name in record.get("captions", {}))
+                                      for count in ("scored", "missing")}
+                               for name in records[-1]["captions"]}} if records and "captions" in records[-1] else {}),
         "complete": not set(expected) - set(done),
         "versions": versions(),
     }
