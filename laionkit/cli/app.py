@@ -13,7 +13,8 @@ from laionkit.common.options import QUIET_HELP, RANK_HELP, STORAGE_HELP, WORLD_S
 
 app = typer.Typer(
     name="laionkit",
-    help="From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> encode -> train.",
+    help="From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> (score, dedup, "
+         "caption: curation from the pixels) -> encode -> train.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="markdown",

@@ -1,4 +1,5 @@
-"""The data stages: `laionkit filter`, `pack`, `caption`, `encode`, `score`, `dedup` and `stats`."""
+"""The data stages, in the order data flows: `laionkit filter`, `pack`, `score`, `dedup`, `caption`, `encode`,
+and `stats`."""
 
 from __future__ import annotations
 
@@ -174,105 +175,6 @@ def pack(
         )
 
 
-@app.command("caption", epilog="""Examples:
-
-    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --output data/captioned
-
-    laionkit caption data/shards --model Qwen/Qwen2.5-VL-3B-Instruct --name qwen --prompt "Describe this image in one sentence." --max-new-tokens 77 --output data/captioned
-
-    torchrun --nproc-per-node 8 -m laionkit.cli caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --batch-size 64 --output data/captioned   # one rank per GPU
-
-    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --backend vllm --output data/captioned   # where vllm is installed
-
-    laionkit models tiny-vlm --output models/vlm && laionkit caption data/shards --model models/vlm --output out --max-new-tokens 8
-
-Each sample is copied whole (image, txt alt-text, json) with json["captions"][NAME] added; the output folder
-reads as pack's, so `laionkit encode` takes it. Rerun the same command after a crash: finished shards are kept.
-""")
-def caption_command(**options) -> None:
-    """Caption image shards with a vision-language model (transformers' AutoModelForImageTextToText, greedy),
-    writing new shards whose json holds each caption beside the alt-text; rank-sharded, resumable per shard."""
-    from laionkit.caption import run
-
-    summary = run(CaptionConfig(**options), log=lambda line: err_console.print(line, highlight=False))
-    if not options["quiet"]:
-        err_console.print(f"captioned {summary['captioned']} samples ({summary['skipped']} skipped, "
-                          f"{summary['empty_captions']} empty) from {summary['shards']} shards into "
-                          f"{options['output']}", highlight=False)
-
-
-# caption's options are CaptionConfig's fields (laionkit/common/options.py).
-caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig))
-
-
-@app.command(epilog="""Examples:
-
-    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
-
-    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
-
-    laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
-
-    laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
-
-    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
-
-    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
-
-    laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
-
-    laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
-
-    laionkit encode out/shards --keep out/kept --model sd15 --output lat   # only the keys filter kept (e.g. by score)
-    laionkit encode captioned/ --model sd3-medium --captions alt,vlm --output lat   # alt-text and `laionkit caption`'s vlm
-
-    laionkit score captioned/ --captions alt,vlm --output scored && laionkit encode captioned/ --model sd3-medium --captions alt,vlm --caption-scores scored --output lat   # then train --caption-mix clip
-""")
-def encode(
-    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux or pixart), recorded in the manifest.")] = "sd15",
-    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
-    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
-    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
-    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
-    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
-    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
-    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
-    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
-    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
-    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
-    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
-    text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
-    caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
-    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
-    captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
-    caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
-    storage_options: StorageOption = None,
-    rank: RankOption = None,
-    world_size: WorldSizeOption = None,
-    quiet: QuietOption = False,
-) -> None:
-    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
-    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
-    from laionkit import encode as encode_stage
-
-    config = encode_stage.EncodeConfig(
-        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
-        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
-        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
-        caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
-    )
-    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
-    if not quiet:
-        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
-                          f"{summary['empty_captions']} with an empty caption) "
-                          f"from {summary['shards']} shards into {output}", highlight=False)
-
-
 @app.command("score", epilog="""Examples:
 
     laionkit score out/shards --output out/scored --score aesthetic=aesthetic-v2:sac+logos+ava1-l14-linearMSE.pth --watermark watermark_model_v1.pt --nsfw clip_l14_nsfw_head.safetensors
@@ -404,6 +306,105 @@ def dedup_command(
     if not quiet and "kept" in stats:
         removed = ", ".join(f"{layer} {n:,}" for layer, n in stats["removed"].items())
         err_console.print(f"dedup: kept {stats['kept']:,} of {stats['rows_in']:,} rows (removed: {removed}) -> {output}")
+
+
+@app.command("caption", epilog="""Examples:
+
+    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --output data/captioned
+
+    laionkit caption data/shards --model Qwen/Qwen2.5-VL-3B-Instruct --name qwen --prompt "Describe this image in one sentence." --max-new-tokens 77 --output data/captioned
+
+    torchrun --nproc-per-node 8 -m laionkit.cli caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --batch-size 64 --output data/captioned   # one rank per GPU
+
+    laionkit caption data/shards --model Qwen/Qwen2-VL-2B-Instruct --backend vllm --output data/captioned   # where vllm is installed
+
+    laionkit models tiny-vlm --output models/vlm && laionkit caption data/shards --model models/vlm --output out --max-new-tokens 8
+
+Each sample is copied whole (image, txt alt-text, json) with json["captions"][NAME] added; the output folder
+reads as pack's, so `laionkit encode` takes it. Rerun the same command after a crash: finished shards are kept.
+""")
+def caption_command(**options) -> None:
+    """Caption image shards with a vision-language model (transformers' AutoModelForImageTextToText, greedy),
+    writing new shards whose json holds each caption beside the alt-text; rank-sharded, resumable per shard."""
+    from laionkit.caption import run
+
+    summary = run(CaptionConfig(**options), log=lambda line: err_console.print(line, highlight=False))
+    if not options["quiet"]:
+        err_console.print(f"captioned {summary['captioned']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} empty) from {summary['shards']} shards into "
+                          f"{options['output']}", highlight=False)
+
+
+# caption's options are CaptionConfig's fields (laionkit/common/options.py).
+caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig))
+
+
+@app.command(epilog="""Examples:
+
+    laionkit encode data/shards --model sd15 --output data/latents --resolution 512
+
+    laionkit encode 'data/shards/{00000..00999}.tar' --model sd2 --buckets --compile --output data/latents
+
+    laionkit encode data/shards --model sdxl --resolution 1024 --output data/latents-sdxl
+
+    laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
+
+    accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
+
+    laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
+
+    laionkit encode s3://bucket/shards --model sd15 --output s3://bucket/latents   # AWS_* credentials / AWS_ENDPOINT_URL
+
+    laionkit encode i2d-parquet/ --model sd15 --output lat --caption-key TEXT   # img2dataset parquet (or files) output
+
+    laionkit encode out/shards --keep out/kept --model sd15 --output lat   # only the keys filter kept (e.g. by score)
+    laionkit encode captioned/ --model sd3-medium --captions alt,vlm --output lat   # alt-text and `laionkit caption`'s vlm
+
+    laionkit score captioned/ --captions alt,vlm --output scored && laionkit encode captioned/ --model sd3-medium --captions alt,vlm --caption-scores scored --output lat   # then train --caption-mix clip
+""")
+def encode(
+    shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux or pixart), recorded in the manifest.")] = "sd15",
+    vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
+    text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,
+    text_layer: Annotated[Optional[str], typer.Option(help="last or penultimate hidden state (default: the preset's, else last).")] = None,
+    resolution: Annotated[int, typer.Option(help="Square side in pixels, or the bucket area's side with --buckets.")] = 512,
+    buckets: Annotated[bool, typer.Option(help="Aspect-ratio buckets of equal pixel area instead of square crops.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Images per GPU batch.")] = 32,
+    workers: Annotated[int, typer.Option(help="DataLoader worker processes (each reads whole shards).")] = 4,
+    decode: Annotated[str, typer.Option(help="Where JPEGs are decoded: cpu (workers), gpu (nvjpeg) or auto (gpu if CUDA and --workers < 4).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Encoder compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="torch.compile the encoders (one shape per graph).")] = False,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
+    caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
+    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
+    captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
+    caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
+    storage_options: StorageOption = None,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Encode pack's image shards into VAE posterior moments + text-encoder hidden states (float16), one
+    latent shard per image shard, resumable and rank-sharded; see docs/FORMATS.md section 3."""
+    from laionkit import encode as encode_stage
+
+    config = encode_stage.EncodeConfig(
+        shards=tuple(shards), output=output, model=model, vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_layer=text_layer, resolution=resolution, buckets=buckets,
+        batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
+        rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
+        caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
+    )
+    summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
+    if not quiet:
+        err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
+                          f"{summary['empty_captions']} with an empty caption) "
+                          f"from {summary['shards']} shards into {output}", highlight=False)
 
 
 @app.command("stats", epilog="""Examples:
