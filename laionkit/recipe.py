@@ -1,5 +1,5 @@
-"""`laionkit run RECIPE`: the stages (filter, pack, caption, encode, train) chained from one YAML file, through the
-real commands.
+"""`laionkit run RECIPE`: the stages (filter, pack, score, dedup, caption, encode, train) chained from one YAML
+file, through the real commands.
 
 A recipe is validated whole before any stage runs (unknown stages or options, missing input paths),
 because a typo found after an hour of downloading is an hour lost. Each stage is invoked exactly as
@@ -7,6 +7,10 @@ because a typo found after an hour of downloading is an hour lost. Each stage is
 finished with the same options is skipped (a `.laionkit-run/STAGE.json` record in the workdir); each
 stage resumes its own unfinished work anyway. Inputs, outputs and the workdir may be URLs (s3://...);
 their credentials come from the environment (AWS_*), as for the stages themselves.
+
+A stage runs more than once under names `STAGE@NAME` (`filter@scores:` after `filter:`), because a curation
+chain filters by metadata before pack and again by the scores `laionkit score` computes; YAML keys are
+unique, so the name is what tells the runs apart (and names the run's record, `.laionkit-run/filter@scores.json`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from laionkit.common import LaionkitError, storage
 from laionkit.common.options import command_keys
 from laionkit.common.storage import Location
 
-STAGES = ("filter", "pack", "caption", "encode", "train")
+STAGES = ("filter", "pack", "score", "dedup", "caption", "encode", "train")
 RECIPE_KEYS = {"workdir", "stages", "description"}
 # Keys of a stage that are not options of its command.
 INPUT_KEY, LAUNCH_KEY = "input", "launch"
@@ -36,6 +40,7 @@ INPUT_KEY, LAUNCH_KEY = "input", "launch"
 
 @dataclass(frozen=True)
 class Step:
+    name: str  # the recipe's key: the stage, or STAGE@NAME for another run of it
     stage: str
     argv: list[str]
     launch: dict[str, Any] | None
@@ -93,24 +98,33 @@ def load(path: Path, commands: dict[str, Any],
     for name, value in values.items():
         text = text.replace("{" + name + "}", json.dumps(value)[1:-1])
     stages = json.loads(text)
-    steps, produced = [], set()
-    for stage, spec in stages.items():
-        where = f"{path}: stages.{stage}"
+    steps, produced = [], []
+    for name, spec in stages.items():
+        where = f"{path}: stages.{name}"
+        stage, at, label = str(name).partition("@")
         if stage not in STAGES:
-            raise LaionkitError(f"{path}: unknown stage `{stage}`; stages are {', '.join(STAGES)}")
+            raise LaionkitError(f"{path}: unknown stage `{stage}`; stages are {', '.join(STAGES)} "
+                                "(STAGE@NAME for another run of one)")
+        if at and not label.replace("-", "").replace("_", "").isalnum():
+            raise LaionkitError(f"{where}: name `{label}` after `@`: use letters, digits, - or _")
         if not isinstance(spec, dict) or INPUT_KEY not in spec or "output" not in spec:
             raise LaionkitError(f"{where}: needs `input` and `output`")
         for item in _as_list(spec[INPUT_KEY]):
-            if str(item) not in produced and not Location.parse(str(item)).exists():
+            if not _written_by(str(item), produced) and not Location.parse(str(item)).exists():
                 raise LaionkitError(f"{where}: input `{item}` does not exist and no earlier stage writes it")
-        steps.append(Step(stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
+        steps.append(Step(str(name), stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
                           str(spec["output"])))
-        produced.add(str(spec["output"]))
+        produced.append(str(spec["output"]))
     return Location.parse(values["workdir"]), steps
 
 
-def _record_path(workdir: Location, stage: str) -> Location:
-    return workdir / ".laionkit-run" / f"{stage}.json"
+def _written_by(item: str, outputs: list[str]) -> bool:
+    """An earlier stage's output folder or a file in it (dedup's `DIR/keep.parquet`)."""
+    return any(item == output or item.startswith(output.rstrip("/") + "/") for output in outputs)
+
+
+def _record_path(workdir: Location, name: str) -> Location:
+    return workdir / ".laionkit-run" / f"{name}.json"
 
 
 def _fingerprint(step: Step) -> str:
@@ -146,16 +160,16 @@ def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], 
             echo: Callable[[str], None]) -> None:
     """Run the steps in order; `invoke` runs one laionkit command in-process and raises LaionkitError."""
     for step in steps:
-        record = _record_path(workdir, step.stage)
+        record = _record_path(workdir, step.name)
         if record.is_complete() and record.read_json().get("fingerprint") == _fingerprint(step) \
                 and Location.parse(step.output).exists():
-            echo(f"[{step.stage}] complete with these options; skipped ({record})")
+            echo(f"[{step.name}] complete with these options; skipped ({record})")
             continue
-        echo(f"[{step.stage}] {shlex.join(command_line(step))}")
+        echo(f"[{step.name}] {shlex.join(command_line(step))}")
         start = time.perf_counter()
         try:
             _run_step(step, invoke)
         except LaionkitError as error:
-            raise LaionkitError(f"stage `{step.stage}` failed: {error}; later stages not run") from None
+            raise LaionkitError(f"stage `{step.name}` failed: {error}; later stages not run") from None
         storage.write_json(record, {"fingerprint": _fingerprint(step), "argv": step.argv,
                             "seconds": round(time.perf_counter() - start, 2)})

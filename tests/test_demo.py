@@ -136,3 +136,52 @@ stages:
     assert result.returncode == 2
     assert "stage `filter` failed" in result.stderr and "nope" in result.stderr and "later stages not run" in result.stderr
     assert not (tmp_path / "shards").exists()
+
+
+def test_the_curation_recipe_runs_a_stage_twice_in_order(tmp_path, realdata):
+    """pipelines/curate.yaml: score and dedup are stages, and filter@scores is filter's second run, wired to
+    dedup's keep list and score's folder, all validated before anything runs."""
+    sample = realdata / "laion-sample" / "test_1000.parquet"
+    variables = ["--var", f"workdir={tmp_path}", "--var", f"metadata={sample}", "--var", "aesthetic=aes.pth",
+                 "--var", "watermark=wm.pt", "--var", "nsfw=nsfw.safetensors"]
+    lines = run_cli("run", REPO / "pipelines" / "curate.yaml", *variables, "--dry-run").stdout.splitlines()
+    w = tmp_path
+    assert lines == [
+        f"laionkit filter {sample} --output {w}/filtered --where 'WIDTH >= 512 AND HEIGHT >= 512' "
+        "--where 'length(TEXT) >= 10'",
+        f"laionkit pack {w}/filtered --output {w}/shards --image-size 512 --resize-mode center_crop "
+        "--min-image-size 512 --shard-size 10000",
+        f"laionkit score {w}/shards --output {w}/scored --score aesthetic=aesthetic-v2:aes.pth --watermark wm.pt "
+        "--nsfw nsfw.safetensors",
+        f"laionkit dedup {w}/scored --output {w}/dedup --layers exact,phash,semantic --keep-by aesthetic",
+        f"laionkit filter {w}/dedup/keep.parquet --output {w}/kept --scores {w}/scored --where 'aesthetic >= 5' "
+        "--where 'pwatermark < 0.5' --where 'punsafe < 0.1'",
+        f"laionkit caption {w}/shards --output {w}/captioned --model Qwen/Qwen2-VL-2B-Instruct --name vlm "
+        "--max-new-tokens 77",
+        f"laionkit encode {w}/captioned --output {w}/latents --keep {w}/kept --captions alt,vlm --model sd15 "
+        "--resolution 512",
+        f"laionkit train {w}/latents --output {w}/run --unet sd15 --mixed-precision bf16 "
+        "--caption-mix alt:0.2,vlm:0.8 --resume latest",
+    ]
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((REPO / "pipelines" / "curate.yaml").read_text().replace("    where: [\"aesthetic", "    wher: [\"aesthetic"))
+    result = run_cli("run", typo, *variables, "--dry-run", check=False)
+    assert result.returncode == 2 and result.stdout == ""
+    message = result.stderr.replace("\n", "")
+    assert f"{typo}: stages.filter@scores: `wher` is not an option of `laionkit filter`" in message
+
+
+def test_a_second_run_of_a_stage_has_its_own_record(tmp_path, realdata):
+    """filter then filter@strict: each run is recorded under its recipe name, so a rerun skips both."""
+    recipe = _recipe(tmp_path, f"""
+workdir: {tmp_path}
+stages:
+  filter: {{input: {realdata / 'laion-sample' / 'test_1000.parquet'}, output: "{{workdir}}/filtered", quiet: true}}
+  filter@strict: {{input: "{{workdir}}/filtered", output: "{{workdir}}/strict", where: ["length(TEXT) >= 20"], quiet: true}}
+""")
+    first = run_cli("run", recipe).stdout
+    assert "[filter] laionkit filter" in first and "[filter@strict] laionkit filter" in first
+    assert (tmp_path / ".laionkit-run" / "filter@strict.json").is_file()
+    assert run_cli("run", recipe).stdout.count("complete with these options; skipped") == 2
+    bad = _recipe(tmp_path, "stages: {filter@a b: {input: x, output: y}}")
+    assert "name `a b` after `@`" in run_cli("run", bad, check=False).stderr

@@ -194,12 +194,17 @@ def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
     assert result.returncode == 2 and "was scored with other" in " ".join(result.stderr.split())
 
 
-def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, scored, shards):
-    metadata = tmp_path / "metadata"  # pack's per-shard parquets: img2dataset's columns, key among them
+def pack_metadata(shards: Path, metadata: Path) -> Path:
+    """pack's per-shard parquets: img2dataset's columns, key among them."""
     metadata.mkdir()
     for tar in sorted(shards.glob("*.tar")):
         rows = [json.loads(sample["json"]) for sample in tar_samples(tar)]
         pq.write_table(pa_table(rows), metadata / f"{tar.stem}.parquet")
+    return metadata
+
+
+def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, scored, shards):
+    metadata = pack_metadata(shards, tmp_path / "metadata")
     assert "aes" not in pq.read_schema(metadata / "00000.parquet").names
     scores = pq.read_table(scored / "scores").to_pandas()
     threshold = float(scores["aes"].median())
@@ -213,6 +218,24 @@ def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, sc
             f"again=aesthetic-v2:{REALDATA_AESTHETIC()}", "--where", "again = aes", "--output",
             str(tmp_path / "rescored"), "--quiet")
     assert pq.read_table(tmp_path / "rescored").num_rows == 8
+
+
+def test_filter_top_and_dedup_rank_and_match_joined_score_columns(tmp_path, scored, shards):
+    """--top and --dedup read a --scores column through the units' join by key, exactly as rules do."""
+    metadata = pack_metadata(shards, tmp_path / "metadata")
+    assert {"aes", "shard"}.isdisjoint(pq.read_schema(metadata / "00000.parquet").names)
+    scores = pq.read_table(scored / "scores").to_pandas()
+    run_cli("filter", str(metadata), "--scores", str(scored), "--top", "0.25:aes", "--output", str(tmp_path / "top"),
+            "--quiet")
+    kept = pq.read_table(tmp_path / "top").to_pandas()
+    assert sorted(kept["key"]) == sorted(scores.nlargest(2, "aes")["key"])  # floor(0.25 x 8) rows, the best
+    # shard (score's, not in the input) repeats within a shard: the first row of each, in input order
+    run_cli("filter", str(metadata), "--scores", str(scored), "--dedup", "shard", "--output",
+            str(tmp_path / "unique"), "--quiet")
+    assert list(pq.read_table(tmp_path / "unique").to_pandas()["key"]) == ["000000000", "000010000"]
+    result = run_cli("filter", str(metadata), "--scores", str(scored), "--top", "0.5:nope", "--output",
+                     str(tmp_path / "bad"), "--quiet", check=False)
+    assert result.returncode == 2 and "--top 0.5:nope:" in result.stderr and "aes" in result.stderr
 
 
 def pa_table(rows: list[dict]):

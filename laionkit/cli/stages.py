@@ -61,7 +61,7 @@ def filter_command(
         "--score", help="NAME=KIND:ARG, KIND = aesthetic-v2, aesthetic-v1, head (weights path) or prompt (text, a|b).")] = None,
     scores_dir: Annotated[Optional[list[str]], typer.Option(
         "--scores", help="`laionkit score` output folder(s): its per-sample columns (aesthetic, pwatermark, punsafe, "
-        "similarity, phash, ...) joined onto the inputs by `key`, for rules like any column.")] = None,
+        "similarity, phash, ...) joined onto the inputs by `key`, for rules, --top and --dedup like any column.")] = None,
     clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
     clip_pretrained: Annotated[str, typer.Option(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",

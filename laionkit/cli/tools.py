@@ -170,7 +170,8 @@ def run_recipe(
     var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
     dry_run: Annotated[bool, typer.Option(help="Validate and print the commands; run nothing.")] = False,
 ) -> None:
-    """Run filter -> pack -> encode -> train from one recipe, skipping stages already complete."""
+    """Run the stages of one recipe in order (filter, pack, score, dedup, caption, encode, train; STAGE@NAME for
+    another run of one), skipping stages already complete."""
     variables = {}
     for item in var or []:
         key, sep, value = item.partition("=")

@@ -1,5 +1,6 @@
 """filter --scores DIR: the per-sample score parquets of `laionkit score` joined onto the input rows by
-``key``, so rules use their columns (aesthetic, pwatermark, punsafe, similarity, phash, ...) as any other.
+``key``, so rules, ``--top`` and ``--dedup`` use their columns (aesthetic, pwatermark, punsafe, similarity,
+phash, ...) as any other.
 
 The inputs must carry img2dataset's ``key`` (pack's per-shard parquets, img2dataset metadata, or score's
 own parquets). The join adds every score column except ``key`` and those an input (or a --score) already

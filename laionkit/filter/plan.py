@@ -120,7 +120,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken)
     lock_down(connection, [f.path for f in files] + list(join.files if join else ()), writable or Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection, join)
-    tops = [top_rule(spec, files, renames, scores, connection) for spec in top_specs(config.presets, config.top)]
+    tops = [top_rule(spec, files, renames, scores, connection, join)
+            for spec in top_specs(config.presets, config.top)]
     rules += [rule for rule, _ in tops]
     units = make_units(files, config.unit_rows)
     uses_clip = any(spec.kind == "prompt" for spec in scores)

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from laionkit.common import LaionkitError
 from laionkit.filter.inputs import InputFile
+from laionkit.filter.joins import Join
 from laionkit.filter.rules import PRESETS, TOP_PREFIX, Rule, alias_names
 from laionkit.filter.sql import glob_literal, literal, quote
 from laionkit.scores import ScoreSpec
@@ -56,36 +57,46 @@ def top_specs(presets: Sequence[str], top: Sequence[str]) -> list[TopSpec]:
 
 
 def top_rule(spec: TopSpec, files: Sequence[InputFile], renames: dict[str, str], scores: Sequence[ScoreSpec],
-             connection: duckdb.DuckDBPyConnection) -> tuple[Rule, dict]:
+             connection: duckdb.DuckDBPyConnection, join: Join | None = None) -> tuple[Rule, dict]:
     """``--top``: the threshold that keeps exactly floor(FRACTION x N) of the N input rows whose COLUMN has
     a value (null and NaN are never kept), as a plain rule every rank evaluates alike.
 
     Every rank reads COLUMN of every input (only that column) and derives the same threshold, so no rank
     waits for another. Ties: rows are ranked by value, then by input order (file order, then row), so
-    among rows equal to the threshold value the earlier ones are kept, and the count is exact."""
+    among rows equal to the threshold value the earlier ones are kept, and the count is exact. A column
+    --scores joins (``join``) is read through the same join by key the units make, so the pool is the
+    input rows with their joined values (an input row without a score row has none)."""
     if spec.column.lower() in {s.name.lower() for s in scores}:
         raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: a --score column is computed per unit; "
                             "--top needs a column of the input files")
     selects, base = [], 0
     numeric = True
     floats = False
+    joined = {field.name.lower(): field for field in (join.columns if join else ())}
     for file in files:
         names = [renames.get(name, name) for name in file.schema.names]
         present = {name.lower(): original for name, original in zip(names, file.schema.names)}
-        aliased = alias_names(names)
-        target = present.get(spec.column.lower()) or (
-            file.schema.names[names.index(aliased[spec.column.lower()])] if spec.column.lower() in aliased else None)
+        aliased = alias_names(names + [field.name for field in joined.values()])
+        wanted = spec.column.lower()
+        target = present.get(wanted) or (
+            file.schema.names[names.index(aliased[wanted])] if aliased.get(wanted) in names else None)
+        score_field = None
         if target is None:
+            score_field = joined.get(wanted) or joined.get(str(aliased.get(wanted, "")).lower())
+        if target is None and score_field is None:
             raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: {file.path} has no such column; "
-                                f"available columns: {', '.join(names)}")
-        kind = file.schema.field(target).type
+                                f"available columns: {', '.join(names + [f.name for f in joined.values()])}")
+        kind = score_field.type if score_field is not None else file.schema.field(target).type
         numeric = numeric and (pa.types.is_integer(kind) or pa.types.is_floating(kind))
         floats = floats or pa.types.is_floating(kind)
         if not numeric:
             raise LaionkitError(f"{spec.source} {spec.fraction}:{spec.column}: {file.path} holds {kind}; "
                                 "--top ranks a number column")
-        selects.append(f"SELECT {quote(target)}::DOUBLE AS v, file_row_number + {base} AS pos "
-                       f"FROM read_parquet({literal(glob_literal(file.path))}, file_row_number = true)")
+        source = f"read_parquet({literal(glob_literal(file.path))}, file_row_number = true)"
+        if score_field is not None:  # the units' join, by key (a key without a score row: null, not ranked)
+            source = f"({join.joined(f'SELECT * FROM {source}', file.path)})"
+        column_sql = quote(score_field.name if score_field is not None else target)
+        selects.append(f"SELECT {column_sql}::DOUBLE AS v, file_row_number + {base} AS pos FROM {source}")
         base += file.rows
     valid = "v IS NOT NULL" + (" AND NOT isnan(v)" if floats else "")
     pool = f"(SELECT * FROM ({' UNION ALL '.join(selects)}) WHERE {valid})"
