@@ -101,33 +101,34 @@ def train(family: str, latents: Path, run: Path, *flags) -> None:
             "--mixed-precision", "no", "--workers", 0, "--log-with", "none", "--log-every", 100, "--quiet")
 
 
-def generate(family: str, pipeline: Path, captions: list, output: Path, lora: Path | None = None) -> dict:
-    """Each caption's latent from the family's pipeline in a fresh interpreter with no laionkit import
-    (seed = the caption's index in ``captions``), with RUN/lora loaded into it where given."""
+def generate(family: str, pipeline: Path, orders: list, output: Path, lora: Path | None = None) -> list:
+    """For each order of captions, each caption's latent from the family's pipeline (seed = the caption's
+    index in its order), all in one fresh interpreter with no laionkit import, with RUN/lora loaded into it
+    where given: [{caption: latent}] per order."""
     from safetensors.torch import load_file
 
     guidance = FAMILIES.get(family, {}).get("guidance", 1.0)
-    result = subprocess.run([sys.executable, "-c", GENERATE, str(pipeline), json.dumps(captions), str(output),
+    result = subprocess.run([sys.executable, "-c", GENERATE, str(pipeline), json.dumps(orders), str(output),
                              str(STEPS), "64", str(guidance), *([str(lora)] if lora else [])],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-1] == "False", result.stdout  # laionkit was never imported
     found = load_file(output)
-    return {caption: found[str(index)] for index, caption in enumerate(captions)}
+    return [{caption: found[f"{order}.{index}"] for index, caption in enumerate(captions)}
+            for order, captions in enumerate(orders)]
 
 
 def assert_learned(family: str, pipeline: Path, own: dict, output: Path, lora: Path | None = None) -> dict:
     """The criterion, and its negative at generation; returns the generated latents {caption: latent}."""
     captions = list(own)
-    generated = generate(family, pipeline, captions, output / "generated.safetensors", lora)
+    # Negative: the captions asked for in another order (each caption the next image's place and seed).
+    # Judged against the images they were shuffled onto they fail; against their own images they pass.
+    shuffled = captions[1:] + captions[:1]
+    generated, drawn = generate(family, pipeline, [captions, shuffled], output / "generated.safetensors", lora)
     found = retrieval(generated, own)
     assert found["nearest_own"] >= 7, found
     assert found["own_mse"] < 0.5 * found["other_mse"], found
     assert spread(generated) == pytest.approx(spread(own), rel=0.2)
-    # Negative: the captions asked for in another order (each caption the next image's place and seed).
-    # Judged against the images they were shuffled onto they fail; against their own images they pass.
-    shuffled = captions[1:] + captions[:1]
-    drawn = generate(family, pipeline, shuffled, output / "shuffled.safetensors", lora)
     onto = retrieval(drawn, own, dict(zip(shuffled, captions, strict=True)))
     assert onto["nearest_own"] <= 2 and onto["own_mse"] > found["own_mse"] * 2, onto
     followed = retrieval(drawn, own)
