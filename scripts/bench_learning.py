@@ -302,7 +302,7 @@ def judge(args, made: dict, pipeline: Path, env: dict, timeout: float) -> dict:
     output = args.out / "generated.safetensors"
     began = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", ON_DEVICE + GENERATE, str(pipeline), json.dumps(captions),
+        done = subprocess.run([sys.executable, "-c", ON_DEVICE + GENERATE, str(pipeline), json.dumps([captions]),
                                str(output), str(args.sample_steps), str(args.resolution), "1.0"],
                               capture_output=True, text=True, timeout=max(timeout, 1), env=env)
     except subprocess.TimeoutExpired:
@@ -310,7 +310,7 @@ def judge(args, made: dict, pipeline: Path, env: dict, timeout: float) -> dict:
     if done.returncode != 0 or done.stdout.split()[-1:] != ["False"]:
         return {"error": f"generation failed: {done.stdout[-500:]} {done.stderr[-1500:]}"}
     found = load_file(output)
-    generated = {caption: found[str(index)] for index, caption in enumerate(captions)}
+    generated = {caption: found[f"0.{index}"] for index, caption in enumerate(captions)}
     own = {caption: own_all[caption] for caption in captions}
     result = {"generate_s": round(time.perf_counter() - began, 1), "captions": len(captions),
               **retrieval(generated, own)}
