@@ -1,7 +1,7 @@
 """The `laionkit` command: thin typer wrappers that build each stage's config and call its run().
 
 ``app`` (laionkit/cli/app.py) holds the shared options; the commands register on it from ``stages`` (filter,
-pack, encode, score, stats), ``training`` (train, plan, export, eval) and ``tools`` (doctor, models, configs, run,
+pack, encode, score, dedup, stats), ``training`` (train, plan, export, eval) and ``tools`` (doctor, models, configs, run,
 demo), imported here in the order `laionkit --help` lists them; ``main`` is the entry point.
 """
 

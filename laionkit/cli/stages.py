@@ -1,4 +1,4 @@
-"""The data stages: `laionkit filter`, `pack`, `caption`, `encode`, `score` and `stats`."""
+"""The data stages: `laionkit filter`, `pack`, `caption`, `encode`, `score`, `dedup` and `stats`."""
 
 from __future__ import annotations
 
@@ -338,6 +338,63 @@ def score(
 # A failed CUDA context ("sticky" errors: every later CUDA call fails too). Seen on an H200: after a cuBLAS
 # failure the traceback was printed, then the process never exited (interpreter teardown frees CUDA memory
 # and joins loader threads) until its launcher killed it minutes later.
+
+
+@app.command("dedup", epilog="""Examples:
+
+    laionkit dedup scored/ --output out/dedup --keep-by aesthetic   # exact, pHash and semantic layers
+
+    laionkit dedup scored/ --layers exact,phash --phash-distance 6 --output out/dedup   # no embeddings needed
+
+    laionkit dedup scored/ --against coco-val-scored/ --epsilon 0.05 --output out/dedup   # and drop eval-set look-alikes
+
+    torchrun --nproc-per-node 8 -m laionkit.cli dedup scored/ --output out/dedup   # 8 ranks, no coordinator
+
+out/dedup/keep.parquet holds the kept rows' key and shard (a `--keep` list); removed.parquet says why each
+other row went. Rerun the same command after a crash: finished steps are kept.
+""")
+def dedup_command(
+    inputs: Annotated[list[str], typer.Argument(help="`laionkit score` output folders (`scores/*.parquet`, `img_emb/*.npy`).")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Folder for keep.parquet, removed.parquet, stats.json.")],
+    layers: Annotated[str, typer.Option(
+        help="Comma-separated layers, applied in the order exact, phash, semantic.")] = "exact,phash,semantic",
+    phash_distance: Annotated[int, typer.Option(help="pHash Hamming distance (bits) within which two images are duplicates.")] = 4,
+    phash_bands: Annotated[int, typer.Option(
+        help="LSH bands of the 64 pHash bits; 0 = distance + 1, which finds every pair within the distance "
+        "(fewer, wider bands: fewer candidate pairs to check, some pairs missed).")] = 0,
+    epsilon: Annotated[float, typer.Option(
+        help="semantic and --against: CLIP cosine similarity >= 1 - epsilon is a duplicate.")] = 0.05,
+    clusters: Annotated[int, typer.Option(help="k-means clusters of the semantic layer; 0 = one per 10,000 rows.")] = 0,
+    kmeans_iterations: Annotated[int, typer.Option(help="k-means iterations.")] = 20,
+    seed: Annotated[int, typer.Option(help="k-means seed.")] = 0,
+    keep_by: Annotated[Optional[str], typer.Option(
+        help="Score column: each group keeps its row with the highest value (ties: smallest key, shard).")] = None,
+    against: Annotated[Optional[list[str]], typer.Option(
+        "--against", help="Reference `laionkit score` folder (an evaluation set): drop rows within a layer's "
+        "distance of any reference row; repeatable.")] = None,
+    bucket_rows: Annotated[int, typer.Option(
+        help="Rows per hash bucket / cluster partition: what one rank holds in memory at a time.")] = 4_000_000,
+    wait: Annotated[float, typer.Option(help="Seconds a rank waits for the other ranks' outputs of a step.")] = 3600.0,
+    threads: Annotated[Optional[int], typer.Option(help="DuckDB / faiss threads (default: the CPUs this rank may use).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the outputs of a run with other inputs or settings.")] = False,
+    rank: RankOption = None,
+    world_size: WorldSizeOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Remove duplicate images in layers (exact sha256, pHash, SemDeDup) and near-evaluation-set images."""
+    from laionkit import dedup
+
+    config = dedup.DedupConfig(
+        inputs=tuple(inputs), output=output, layers=tuple(x.strip() for x in layers.split(",") if x.strip()),
+        phash_distance=phash_distance, phash_bands=phash_bands, epsilon=epsilon, clusters=clusters,
+        kmeans_iterations=kmeans_iterations, seed=seed, keep_by=keep_by, against=tuple(against or ()),
+        bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, rank=rank, world_size=world_size,
+        quiet=quiet,
+    )
+    stats = dedup.run(config)
+    if not quiet and "kept" in stats:
+        removed = ", ".join(f"{layer} {n:,}" for layer, n in stats["removed"].items())
+        err_console.print(f"dedup: kept {stats['kept']:,} of {stats['rows_in']:,} rows (removed: {removed}) -> {output}")
 
 
 @app.command("stats", epilog="""Examples:

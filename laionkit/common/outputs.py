@@ -109,6 +109,8 @@ FOLDER_KINDS: dict[str, tuple[str, Any]] = {
     "encode": ("encode's latent shards", lambda name: name in ("plan.json", "empty_caption.npy")
                or name.endswith(".stats.json")),
     "score": ("score's scores and embeddings", lambda name: name in ("scores", "img_emb", "records", "stats.json")),
+    "dedup": ("dedup's keep / removed lists", lambda name: name in ("keep.parquet", "removed.parquet")
+              or name.startswith(".work-")),
     "train": ("a training run", lambda name: name in ("metrics.jsonl", "trainer.json", "checkpoints")),
     "model": ("a model", lambda name: name == "model_index.json"),
 }

@@ -88,6 +88,10 @@ class Dedup:
         for file in plan.files:
             self.bases.append(self.bases[-1] + file.rows)
 
+    @property
+    def poll_seconds(self) -> float:
+        return POLL_SECONDS if self.folder.local else REMOTE_POLL_SECONDS
+
     def keys(self, unit: Unit) -> Location:
         return self.folder / f"keys-{unit.index:06d}"
 
@@ -244,8 +248,11 @@ def in_parallel(items: Sequence[T], workers: Sequence[UnitFilter], work: Callabl
 
 
 def wait_for(dedup: Dedup, paths: Sequence[Location], what: str, timeout: float, rank: Rank,
-             owners: Sequence[int]) -> None:
-    """Wait until every output is complete (other ranks write them), or fail naming the ranks still missing."""
+             owners: Sequence[int], option: str = "--dedup", wait_option: str = "--dedup-wait") -> None:
+    """Wait until every output is complete (other ranks write them), or fail naming the ranks still missing.
+
+    ``dedup``: anything with ``complete()`` (the names complete now) and ``poll_seconds`` (laionkit dedup's
+    scratch folder too); ``option`` and ``wait_option``: what the message names, and the flag that raises the limit."""
     deadline = time.monotonic() + timeout
     complete = dedup.complete()
     missing = [i for i, path in enumerate(paths) if path.name not in complete]
@@ -253,10 +260,10 @@ def wait_for(dedup: Dedup, paths: Sequence[Location], what: str, timeout: float,
         if time.monotonic() > deadline:
             ranks = sorted({owners[i] for i in missing})
             raise LaionkitError(
-                f"--dedup: rank {rank.rank} waited {timeout:g} s for {len(missing)} {what} that ranks "
+                f"{option}: rank {rank.rank} waited {timeout:g} s for {len(missing)} {what} that ranks "
                 f"{', '.join(map(str, ranks))} of {rank.world_size} write; start every rank with the same "
-                "arguments (finished work is kept), or raise --dedup-wait"
+                f"arguments (finished work is kept), or raise {wait_option}"
             )
-        time.sleep(POLL_SECONDS if dedup.folder.local else REMOTE_POLL_SECONDS)
+        time.sleep(dedup.poll_seconds)
         complete = dedup.complete()
         missing = [i for i in missing if paths[i].name not in complete]

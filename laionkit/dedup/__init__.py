@@ -1,0 +1,257 @@
+"""``laionkit dedup SCORES_DIR... --output DIR``: image deduplication in layers over `laionkit score` outputs.
+
+Layers, each optional, applied in this order to the rows the ones before left (``--against`` first):
+
+* ``against`` (``--against REF_DIR``): rows within a layer's distance of any reference row (an evaluation
+  set scored by `laionkit score`): the same sha256, a pHash within ``--phash-distance``, or an embedding
+  with cosine >= 1 - ``--epsilon`` (faiss inner-product search over the references, held by every rank).
+  First, so that a group whose best row is contaminated keeps its best clean row instead of none.
+* ``exact``: equal sha256 of the image bytes; one row kept per group.
+* ``phash``: pHash Hamming distance <= ``--phash-distance`` (laionkit.common.phash's definition). The 64
+  bits are cut into ``--phash-bands`` bands (default distance + 1: two hashes within the distance then
+  share at least one band exactly, by pigeonhole, so no pair is missed; fewer, wider bands give fewer
+  candidates and may miss pairs); rows sharing a band value are
+  candidate pairs, kept when their full distance is within it; groups are the connected components of all
+  pairs (a~b~c keep one even when a and c are further apart).
+* ``semantic``: SemDeDup (Abbas et al. 2023): spherical k-means (faiss) over the L2-normalised CLIP
+  embeddings, then inside each cluster the pairs with cosine >= 1 - ``--epsilon``, connected groups.
+
+Every group keeps its row with the highest ``--keep-by`` value (ties, and without the flag: the smallest
+key, shard, then input position); every other row is written to ``removed.parquet`` naming the kept one.
+
+Where the global steps run, and why: ranks meet through a scratch folder as ``filter --dedup`` does (no
+coordinator; ``laionkit.filter.dedup.wait_for``), but nothing global is done by polling many small files:
+the group-bys are DuckDB queries (exact: window over each sha256 hash bucket; pHash: a self-join per band
+bucket, then connected components by label propagation with pointer jumping over *all* pairs, one query
+loop on one rank, spilling to disk), and clustering is faiss. Ray Data was not measured against it: DuckDB
+is already a dependency and runs the group-by and the components on one node out of core (at 1M rows they
+take seconds, docs/BENCHMARKS.md), while Ray would add a cluster service every rank must reach; the
+per-shard and per-bucket work is what ranks split. Semantic
+groups never cross clusters, so each partition of clusters is resolved by the rank that owns it
+(blockwise similarity, union-find), with its exact cosine to the kept row. Measurements: docs/BENCHMARKS.md.
+
+Steps (laionkit.dedup.steps), each a list of items whose outputs are complete when renamed: units
+(rows, --against, sha256 hash partitions) → exact buckets → pHash bands per unit → pair buckets → pHash
+groups (one item) → k-means (one item) → cluster assignment per unit → semantic partitions; then rank 0
+writes ``keep.parquet``, ``removed.parquet`` and ``stats.json`` (last) and removes the scratch folder. A
+rerun after kill -9 redoes only missing items and writes the same files; the outputs do not depend on the
+number of ranks (world size may change between runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split, write_json
+from laionkit.common.outputs import atomic_output
+from laionkit.common.storage import claim_output, refuse_overlap
+from laionkit.dedup.config import LAYERS, DedupConfig
+from laionkit.dedup.inputs import Unit, find_units, normalise
+from laionkit.dedup.steps import REMOVED, Finished, References, Work
+from laionkit.filter.dedup import parquet_list, wait_for
+
+__all__ = ["DedupConfig", "LAYERS", "run"]
+
+KEEP_NAME, REMOVED_NAME, STATS_NAME = "keep.parquet", "removed.parquet", "stats.json"
+
+
+def needed_columns(config: DedupConfig) -> dict[str, str]:
+    columns = {"key": "every row is named by key and shard", "shard": "every row is named by key and shard"}
+    if "exact" in config.layers:
+        columns["sha256"] = "the exact layer compares it"
+    if "phash" in config.layers:
+        columns["phash"] = "the phash layer compares it"
+    if config.keep_by:
+        columns[config.keep_by] = "--keep-by names it"
+    return columns
+
+
+def check(config: DedupConfig) -> None:
+    unknown = [layer for layer in config.layers if layer not in LAYERS]
+    if unknown or not config.layers:
+        raise LaionkitError(f"--layers: unknown {', '.join(unknown) or '(none given)'}; choose among {', '.join(LAYERS)}")
+    if not 0 <= config.phash_distance < 64:
+        raise LaionkitError(f"--phash-distance {config.phash_distance}: want 0-63 bits")
+    if not 0 <= config.phash_bands <= 64:
+        raise LaionkitError(f"--phash-bands {config.phash_bands}: want 1-64 (0: --phash-distance + 1)")
+    if not 0 <= config.epsilon < 2:
+        raise LaionkitError(f"--epsilon {config.epsilon}: want 0 <= epsilon < 2 (cosine >= 1 - epsilon)")
+    if config.bucket_rows < 1 or config.clusters < 0:
+        raise LaionkitError("--bucket-rows must be >= 1 and --clusters >= 0")
+    for given in (config.output, *config.inputs, *config.against):
+        if "://" in given:
+            raise LaionkitError(f"{given}: dedup reads and writes local folders only (copy the scores down first)")
+
+
+def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit]) -> str:
+    """Names the scratch folder and is recorded in stats.json: the inputs (path, rows, size, mtime), the
+    settings, and the versions of the engines whose hashes and float sums decide the intermediate files."""
+    files = [(str(u.scores.resolve()), u.rows, u.scores.stat().st_size, u.scores.stat().st_mtime_ns)
+             for u in [*units, *references]]
+    engines = [duckdb.__version__, faiss_module().__version__ if "semantic" in config.layers or references else None]
+    text = json.dumps([files, config.settings(), len(units), engines])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def faiss_module():
+    try:
+        import faiss
+    except ImportError:
+        raise LaionkitError("the semantic layer and --against need faiss: pip install 'laionkit[dedup]'") from None
+    return faiss
+
+
+def load_references(config: DedupConfig, units: list[Unit]) -> References:
+    """Every reference row's sha256 and pHash (for the layers that are on) and normalised embeddings."""
+    import numpy as np
+
+    faiss = faiss_module()
+
+    keys, sha256, phashes, vectors = [], {}, [], []  # sha256: value -> its first reference row
+    for unit in units:
+        columns = [c for c in ("key", "shard", "sha256", "phash") if c in needed_columns(config)]
+        table = pq.read_table(unit.scores, columns=columns)
+        base = len(keys)
+        keys += list(zip(table["key"].cast("string").to_pylist(), table["shard"].cast("string").to_pylist()))
+        if "sha256" in columns:
+            for i, sha in enumerate(table["sha256"].to_pylist()):
+                if sha is not None:
+                    sha256.setdefault(sha, base + i)
+        if "phash" in columns:  # a reference without a pHash matches nothing by pHash
+            for i, value in enumerate(table["phash"].cast("int64").to_pylist()):
+                if value is not None:
+                    phashes.append((value, base + i))
+        if unit.embeddings is not None:
+            vectors.append(normalise(np.asarray(np.load(unit.embeddings, mmap_mode="r"), np.float32)))
+    index = None
+    if vectors:
+        data = np.ascontiguousarray(np.concatenate(vectors))
+        index = faiss.IndexFlatIP(data.shape[1])
+        index.add(data)
+    return References(keys, pa.array(list(sha256), pa.string()), np.array(list(sha256.values()), np.int64),
+                      np.array([v for v, _ in phashes], np.int64),
+                      np.array([i for _, i in phashes], np.int64), index)
+
+
+def run(config: DedupConfig) -> dict:
+    """Dedup the inputs into ``config.output``; returns stats.json's content plus this process's wall and CPU
+    seconds per step (``seconds``, ``cpu_seconds``: not written anywhere, they differ between runs)."""
+    check(config)
+    rank = resolve_rank(config.rank, config.world_size)
+    output = Path(config.output)
+    refuse_overlap([*config.inputs, *config.against], str(output), "dedup")
+    claim_output(str(output), "dedup", overwrite=config.overwrite)
+    embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
+    units = find_units(config.inputs, needed_columns(config), embeddings_why)
+    reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
+    references = find_units(config.against, reference_columns, "--against with the semantic layer reads them"
+                            if embeddings_why else None, role="--against") if config.against else []
+    identity = plan_id(config, units, references)
+    stats_path = output / STATS_NAME
+
+    def finished() -> dict | None:
+        if not stats_path.is_file():
+            return None
+        stats = read_json(stats_path)
+        if stats.get("plan") == identity:
+            return stats
+        if config.overwrite:
+            return None
+        raise LaionkitError(f"{stats_path} is from another run (other inputs or settings: {stats.get('settings')}); "
+                            "choose another --output, or --overwrite to replace it")
+
+    if (stats := finished()) is not None:
+        return stats
+    threads = config.threads or available_cpus()
+    folder = output / f".work-{identity}"
+    folder.mkdir(parents=True, exist_ok=True)
+    connection = duckdb.connect(config={"threads": threads, "preserve_insertion_order": True,
+                                        "temp_directory": str(folder / f".spill-{rank.rank}")})  # dot: not an item
+    work = Work(config, units, folder, lambda: finished() is not None, connection,
+                load_references(config, references) if references else None)
+    if "semantic" in config.layers or references:
+        faiss_module().omp_set_num_threads(threads)
+    seconds: dict[str, float] = {}
+    cpu_seconds: dict[str, float] = {}  # every thread of this process
+    unit_items = list(range(len(units)))
+    buckets = list(range(work.buckets))
+    steps = [("units", "unit", unit_items, lambda i: work.unit_step(units[i]))]
+    if "exact" in work.layers:
+        steps.append(("exact", "exact", buckets, work.exact_step))
+    if "phash" in work.layers:
+        steps += [("phash bands", "bands", unit_items, lambda i: work.bands_step(units[i])),
+                  ("phash pairs", "pairs", buckets, work.pairs_step),
+                  ("phash groups", "phash", [0], work.phash_step)]
+    if "semantic" in work.layers:
+        steps += [("k-means", "centroids", [0], work.kmeans_step),
+                  ("cluster assignment", "assign", unit_items, lambda i: work.assign_step(units[i])),
+                  ("semantic", "semantic", buckets, work.semantic_step)]
+    try:
+        for index, (what, prefix, items, do) in enumerate(steps):
+            names = [item_name(prefix, item) for item in items]
+            started, cpu = time.perf_counter(), time.process_time()
+            complete = work.complete()
+            for item in split(items, rank):
+                if names[item] not in complete:
+                    do(item)
+            seconds[what] = time.perf_counter() - started
+            cpu_seconds[what] = time.process_time() - cpu
+            if index < len(steps) - 1 or rank.is_main:
+                wait_for(work, [work.path(n) for n in names], f"{what} outputs", config.wait, rank,
+                         [i % rank.world_size for i in range(len(items))], option="dedup", wait_option="--wait")
+            if not config.quiet:
+                print(f"dedup: rank {rank.rank}: {what}: {len(split(items, rank))} of {len(items)} items here, "
+                      f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+    except Finished:
+        return finished() or {}
+    if not rank.is_main:
+        return {"plan": identity, "seconds": seconds, "cpu_seconds": cpu_seconds}
+    started, cpu = time.perf_counter(), time.process_time()
+    stats = write_outputs(work, output, identity)
+    seconds["outputs"] = time.perf_counter() - started
+    cpu_seconds["outputs"] = time.process_time() - cpu
+    connection.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {**stats, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
+def item_name(prefix: str, item: int) -> str:
+    if prefix in ("unit", "bands", "assign"):
+        return f"{prefix}-{item:06d}"
+    if prefix in ("phash", "centroids"):
+        return {"phash": "phash.parquet", "centroids": "centroids.npy"}[prefix]
+    return f"{prefix}-{item:05d}.parquet"
+
+
+def write_outputs(work: Work, output: Path, identity: str) -> dict:
+    """keep.parquet (key, shard of every row no layer removed, in input order), removed.parquet (the
+    removed rows by input order), then stats.json: the record that the run is complete."""
+    db = work.db
+    removed = parquet_list(work.removed_files(None, ("against", *work.layers)))
+    rows = parquet_list([work.path(f"unit-{u.index:06d}") / "rows.parquet" for u in work.units])
+    kept = db.sql(f"SELECT key, shard FROM {rows} WHERE pos NOT IN (SELECT pos FROM {removed}) "
+                      "ORDER BY pos").to_arrow_table()
+    gone = db.sql(f"SELECT * EXCLUDE (pos) FROM {removed} ORDER BY pos").to_arrow_table()
+    with atomic_output(output / KEEP_NAME) as tmp:
+        pq.write_table(kept, tmp)
+    with atomic_output(output / REMOVED_NAME) as tmp:
+        pq.write_table(gone.cast(REMOVED.remove(0)), tmp)
+    counts = dict(db.execute(f"SELECT layer, count(*) FROM {removed} GROUP BY layer").fetchall())
+    layers = (["against"] if work.references is not None else []) + work.layers
+    stats = {"plan": identity, "settings": work.config.settings(), "inputs": [str(u.scores) for u in work.units],
+             "against": list(work.config.against), "rows_in": work.rows,
+             "removed": {layer: int(counts.get(layer, 0)) for layer in layers},
+             "kept": kept.num_rows, "buckets": work.buckets,
+             "clusters": work.clusters if "semantic" in work.layers else None,
+             "phash_bands": work.bands if "phash" in work.layers else None}
+    write_json(output / STATS_NAME, stats)
+    return stats
