@@ -233,6 +233,25 @@ def kill_tree(pid: int) -> None:
     signal_all(process_tree(pid), signal.SIGKILL)
 
 
+def with_hook(env: dict[str, str], tmp_path: Path, hook: str) -> dict[str, str]:
+    """``env`` plus a sitecustomize running ``hook`` in every Python process started with it."""
+    import textwrap
+
+    folder = tmp_path / f"hook-{len(list(tmp_path.glob('hook-*')))}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(hook))
+    return {**env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging"),
+            "PYTHONPATH": os.pathsep.join([str(folder), str(_REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def killed(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A stage in a process group of its own (pack's workers too), expected to die by SIGKILL."""
+    result = subprocess.run([sys.executable, "-m", "laionkit.cli", *map(str, argv)], env=env, capture_output=True,
+                            text=True, timeout=300, start_new_session=True)
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    return result
+
+
 def metrics(run: Path) -> dict[int, dict]:
     """A run's metrics.jsonl records by step."""
     return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}

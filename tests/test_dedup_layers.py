@@ -194,6 +194,29 @@ def test_a_rank_alone_names_the_missing_rank_and_a_rerun_with_other_settings_is_
     assert read(out)[2]["settings"]["epsilon"] == 0.1
 
 
+def test_a_finished_run_reruns_into_its_own_folder(tmp_path: Path):
+    """dedup's folder holds a stats.json, as a score folder does: it must still read as dedup's own."""
+    scores = planted().write(tmp_path / "scored")
+    out = tmp_path / "out"
+    run_cli("dedup", scores, "--output", out, *FAST)
+    before = {name: (out / name).read_bytes() for name in ("keep.parquet", "removed.parquet", "stats.json")}
+    run_cli("dedup", scores, "--output", out, *FAST)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    result = run_cli("score", scores / "scores", "--output", out, "--clip-pretrained", "none", check=False)
+    assert result.returncode == 2 and "holds dedup's keep / removed lists" in " ".join(result.stderr.split())
+
+
+def test_the_process_keeps_its_openmp_thread_count(tmp_path: Path):
+    """faiss and torch share one OpenMP runtime: a dedup run in a process (laionkit run's in-process steps, the
+    Python API) must not leave torch on dedup's --threads afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    run_cli("dedup", planted().write(tmp_path / "scored"), "--output", tmp_path / "out", *FAST,
+            "--threads", str(before + 1))
+    assert torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("marker", ["unit-000002", "pairs-*", "assign-*"])
 def test_kill_9_mid_run_then_rerun_gives_the_same_files(tmp_path: Path, marker: str):
     scores = planted().write(tmp_path / "scored")

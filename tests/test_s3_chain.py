@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
 import tarfile
-import textwrap
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, run_cli
-from fixtures import free_port
+from conftest import run_cli
+from fixtures import free_port, killed, with_hook
 from test_s3_stages import read_parts, tar_members, upload
 
 from laionkit.common.imageserver import folder_routes, serve
@@ -43,19 +41,10 @@ TRAIN = ("--batch-size", "2", "--lr", "1e-3", "--max-steps", "4", "--checkpoint-
          "-q")
 
 
-def with_hook(s3, tmp_path: Path, hook: str) -> dict[str, str]:
-    """The S3 environment plus a sitecustomize running ``hook`` in every Python process started with it."""
-    folder = tmp_path / f"hook-{len(list(tmp_path.glob('hook-*')))}"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(textwrap.dedent(hook))
-    return {**s3.env, "OMP_NUM_THREADS": "1", "LAIONKIT_STAGING": str(tmp_path / "staging"),
-            "PYTHONPATH": os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
 def kill_before_record(s3, tmp_path: Path, name: str) -> dict[str, str]:
     """An environment in which the process SIGKILLs its process group when the object ``name`` is about to
     get its done record: its data objects are in the bucket by then, the record never is."""
-    return with_hook(s3, tmp_path, f"""
+    return with_hook(s3.env, tmp_path, f"""
         import os, signal
         from laionkit.common import storage
         mark_done = storage.mark_done
@@ -65,14 +54,6 @@ def kill_before_record(s3, tmp_path: Path, name: str) -> dict[str, str]:
             mark_done(location, record)
         storage.mark_done = storage.writes.mark_done = die_before_record  # callers and atomic_write
     """)
-
-
-def killed(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Rank 0 of a stage in a process group of its own (pack's workers too), expected to die by SIGKILL."""
-    result = subprocess.run([sys.executable, "-m", "laionkit.cli", *map(str, argv)], env=env, capture_output=True,
-                            text=True, timeout=300, start_new_session=True)
-    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
-    return result
 
 
 def unrecorded(folder: Location, pattern: str) -> list[Location]:
@@ -201,7 +182,7 @@ def test_demo_chain_in_the_bucket_with_two_ranks_and_kill_9_at_every_stage(s3, p
     # as rank 0 starts the step-4 checkpoint (steps 1-4 logged in staging, checkpoint 2 in the bucket); the
     # rerun downloads checkpoint 2 and must give steps 3-4 the same samples and losses.
     run = s3.url("run")
-    killing = with_hook(s3, tmp_path, """
+    killing = with_hook(s3.env, tmp_path, """
         import os, signal
         import laionkit.trainer.loop as train
         save = train.save_checkpoint

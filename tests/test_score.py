@@ -304,6 +304,18 @@ def test_pack_keep_rewrites_only_the_kept_samples_as_a_pack_folder(tmp_path, sco
     assert sum(find_shards([str(tmp_path / "subset")], lambda _: None).values()) == len(keys)
 
 
+def test_pack_keep_writes_the_same_bytes_every_time(tmp_path, scored, shards):
+    """A shard pack --keep redoes (after a kill -9, say) is the shard the first run wrote, byte for byte."""
+    import time
+
+    run_cli("filter", str(scored / "scores"), "--where", "width < height", "--output", str(tmp_path / "kept"), "--quiet")
+    run_cli("pack", str(shards), "--keep", str(tmp_path / "kept"), "--output", str(tmp_path / "first"), "--quiet")
+    time.sleep(1.1)  # tar headers hold whole seconds
+    run_cli("pack", str(shards), "--keep", str(tmp_path / "kept"), "--output", str(tmp_path / "second"), "--quiet")
+    for tar in sorted((tmp_path / "first").glob("*.tar")):
+        assert tar.read_bytes() == (tmp_path / "second" / tar.name).read_bytes(), tar.name
+
+
 def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, scored, shards, score_models):
     run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--clip-model", str(score_models["config"]),
             "--clip-pretrained", str(score_models["weights"]), "--workers", "2", "--batch-size", "3",

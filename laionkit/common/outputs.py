@@ -108,6 +108,7 @@ FOLDER_KINDS: dict[str, tuple[str, Any]] = {
     "caption": ("caption's captioned image shards", lambda name: name == "caption.json"),
     "encode": ("encode's latent shards", lambda name: name in ("plan.json", "empty_caption.npy")
                or name.endswith(".stats.json")),
+    # not stats.json: dedup's folder has one too (a score folder's records/ come before its stats.json)
     "score": ("score's scores and embeddings", lambda name: name in ("scores", "img_emb", "records")),
     "dedup": ("dedup's keep / removed lists", lambda name: name in ("keep.parquet", "removed.parquet")
               or name.startswith(".work-")),

@@ -178,7 +178,9 @@ def run(config: DedupConfig) -> dict:
                                         "temp_directory": str(folder / f".spill-{rank.rank}")})  # dot: not an item
     work = Work(config, units, folder, lambda: finished() is not None, connection,
                 load_references(config, references) if references else None)
+    openmp_threads = None  # faiss shares the process's OpenMP runtime with torch: its thread count goes back after
     if "semantic" in config.layers or references:
+        openmp_threads = faiss_module().omp_get_max_threads()
         faiss_module().omp_set_num_threads(threads)
     seconds: dict[str, float] = {}
     cpu_seconds: dict[str, float] = {}  # every thread of this process
@@ -213,6 +215,9 @@ def run(config: DedupConfig) -> dict:
                       f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
     except Finished:
         return finished() or {}
+    finally:
+        if openmp_threads is not None:
+            faiss_module().omp_set_num_threads(openmp_threads)
     if not rank.is_main:
         return {"plan": identity, "seconds": seconds, "cpu_seconds": cpu_seconds}
     started, cpu = time.perf_counter(), time.process_time()

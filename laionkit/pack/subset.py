@@ -67,7 +67,9 @@ def subset_shard(shard: Location, output: Location, keep: frozenset[str], identi
     stem = shard_stem(shard)
     samples_in, rows, sizes = 0, [], Counter()
     with storage.atomic_write(output / f"{stem}.tar") as tmp, ExitStack() as stream:
-        with wds.TarWriter(str(tmp)) as sink:
+        # mtime 0 as encode's and caption's tars: a shard redone after a kill is the same bytes (webdataset stamps
+        # each member with the time of writing otherwise)
+        with wds.TarWriter(str(tmp), mtime=0) as sink:
             for sample in unit_samples(shard, stream):
                 samples_in += 1
                 if sample["__key__"] not in keep:
