@@ -34,7 +34,7 @@ from test_caption import digests, tar_members, tiny_vlm  # noqa: F401 (tiny_vlm:
 from test_captions import FAST as TRAIN_FAST
 from test_captions import seen
 from test_dedup_layers import same_outputs
-from test_score import output_files, score_args, score_models  # noqa: F401 (score_models: a fixture)
+from test_score import output_files, score_args
 
 from laionkit.common.imageserver import Response, folder_routes, serve
 
