@@ -12,26 +12,17 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-import os
 from pathlib import Path
 
 import torch
 
 from laionkit.caption.config import CaptionConfig
-from laionkit.common import LaionkitError, Rank
+from laionkit.common import LaionkitError
 from laionkit.common.models import sha256_file
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The files that make a model folder what it is (weights, configs, tokenizer, chat template).
 MODEL_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja", ".py")
-
-
-def pick_device(config: CaptionConfig, rank: Rank) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count())))
-    return torch.device("cpu")
 
 
 def pick_dtype(config: CaptionConfig, device: torch.device) -> torch.dtype:

@@ -13,12 +13,12 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.caption.backends import load_captioner, model_fingerprint, pick_device
+from laionkit.caption.backends import load_captioner, model_fingerprint
 from laionkit.caption.config import CaptionConfig
 from laionkit.caption.reader import CaptionBatches
 from laionkit.caption.records import record_path, settings_of, shard_complete, shard_record, write_plan
 from laionkit.caption.writer import CaptionedShard
-from laionkit.common import LaionkitError, resolve_rank, storage
+from laionkit.common import LaionkitError, resolve_rank, stage_device, storage
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo
 
@@ -38,7 +38,7 @@ def run(config: CaptionConfig, log: Callable[[str], None] = print) -> dict:
         import transformers.utils.logging
 
         transformers.utils.logging.disable_progress_bar()
-    captioner = load_captioner(config, pick_device(config, rank))
+    captioner = load_captioner(config, stage_device(config.device, rank))
     settings = settings_of(config, captioner, model_fingerprint(config.model))
     write_plan(output, shards, settings)
 

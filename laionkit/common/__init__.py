@@ -9,10 +9,10 @@ from laionkit.common.outputs import (
     versions,
     write_json,
 )
-from laionkit.common.ranks import Rank, available_cpus, resolve_rank, split
+from laionkit.common.ranks import Rank, available_cpus, resolve_rank, split, stage_device
 
 __all__ = [
     "LaionkitError", "Rank", "atomic_output", "available_cpus", "read_json", "refuse_other_settings", "refuse_overlap",
-    "resolve_rank", "split",
+    "resolve_rank", "split", "stage_device",
     "versions", "write_json",
 ]

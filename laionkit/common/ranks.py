@@ -122,3 +122,15 @@ def resolve_rank(
 def split(units: Sequence[T], rank: Rank) -> list[T]:
     """Round-robin: unit i belongs to rank i % world_size, which balances sizes sorted by input order."""
     return list(units[rank.rank :: rank.world_size])
+
+
+def stage_device(device: str | None, rank: Rank):
+    """The torch device a GPU stage (encode, score, caption) runs on: ``--device`` when given, else this
+    process's GPU (LOCAL_RANK from torchrun / accelerate, else the rank modulo the GPUs), else the CPU."""
+    import torch
+
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count())))
+    return torch.device("cpu")

@@ -31,7 +31,7 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.common import LaionkitError, resolve_rank, split, storage
+from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
 from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
@@ -48,7 +48,6 @@ from laionkit.encode.device import (
     Encoders,
     _background,
     _decode_on_gpu,
-    _device,
     _encode_batch,
     _gpu_batch,
     _prepared,
@@ -137,7 +136,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
         Path(output.path).mkdir(parents=True, exist_ok=True)
     if config.text is None:  # no --text: the folder's mode on a rerun, else the family's default
         config = replace(config, text=recorded_text_mode(output))
-    encoders = encoders or Encoders(config, _device(config, rank))
+    encoders = encoders or Encoders(config, stage_device(config.device, rank))
     gpu_decode = _decode_on_gpu(config, encoders.device)
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     encoders.check_sizes(config.resolution, buckets)

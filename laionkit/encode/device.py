@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import warnings
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from laionkit.common import LaionkitError, Rank
+from laionkit.common import LaionkitError
 from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
 from laionkit.encode.config import EncodeConfig
 from laionkit.encode.reader import ShardDone, resize_rgb
@@ -22,15 +21,6 @@ from laionkit.families import DEFAULT_FAMILY, families, get_family
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
 # nvjpeg decode, whose per-image resize runs in the main process (docs/BENCHMARKS.md, encode).
 GPU_DECODE_BELOW_WORKERS = 4
-
-
-def _device(config: EncodeConfig, rank: Rank):
-    if config.device:
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count()))
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def _decode_on_gpu(config: EncodeConfig, device) -> bool:

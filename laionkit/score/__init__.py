@@ -27,7 +27,7 @@ import torch.utils.data
 from tqdm import tqdm
 
 from laionkit.captions import similarity_column
-from laionkit.common import LaionkitError, Rank, resolve_rank, storage, versions
+from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import ScoreConfig
@@ -49,14 +49,6 @@ __all__ = ["ScoreConfig", "Scorers", "run"]
 QUEUE_DEPTH = 4
 RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
             "pwatermark", "punsafe"}
-
-
-def _device(config: ScoreConfig, rank: Rank) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count())))
-    return torch.device("cpu")
 
 
 class Scorers:
@@ -212,7 +204,7 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
     storage.claim_output(output, "score", config.overwrite)
     if output.local:
         os.makedirs(output.path, exist_ok=True)
-    scorers = scorers or Scorers(config, _device(config, rank), log)
+    scorers = scorers or Scorers(config, stage_device(config.device, rank), log)
     settings = scorers.settings(config)
     stems = [shard_stem(shard) for shard in shards]
     counts, todo = rank_todo(shards, inputs, rank,
