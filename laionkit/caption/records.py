@@ -84,6 +84,8 @@ def summarize(folder: Location):
     from rich.console import Group
     from rich.table import Table
 
+    from laionkit.encode.records import count_table
+
     status = caption_status(Location.parse(folder))
     settings = status["settings"]
     overview = Table(title=f"caption: {folder}", show_header=False)
@@ -97,8 +99,5 @@ def summarize(folder: Location):
     overview.add_row("prompt", settings["prompt"])
     tables = [overview]
     if status["skips"]:
-        table = Table("", "samples", title="skips by reason")
-        for reason, count in status["skips"].items():
-            table.add_row(reason, f"{count:,}")
-        tables.append(table)
+        tables.append(count_table("skips by reason", status["skips"]))
     return Group(*tables)

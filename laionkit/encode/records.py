@@ -261,10 +261,16 @@ def summarize(folder: Path | Location):
         for name, found in manifest["caption_counts"].items():
             table.add_row(name, *(f"{found[count]:,}" for count in ("stored", "missing", "truncated", "scored")))
         tables.append(table)
-    for title, counter in (("skips by reason", manifest["skips"]), ("encoded sizes", manifest["sizes"])):
-        if counter:
-            table = Table("", "samples", title=title)
-            for name, count in counter.items():
-                table.add_row(name, f"{count:,}")
-            tables.append(table)
+    tables += [count_table(title, counter) for title, counter in (("skips by reason", manifest["skips"]),
+                                                                   ("encoded sizes", manifest["sizes"])) if counter]
     return Group(*tables)
+
+
+def count_table(title: str, counter: dict):
+    """A `laionkit stats` table of samples per name (skips by reason, sizes), as every stage prints them."""
+    from rich.table import Table
+
+    table = Table("", "samples", title=title)
+    for name, count in counter.items():
+        table.add_row(name, f"{count:,}")
+    return table

@@ -132,6 +132,8 @@ def summarize(folder: Location | str):
     from rich.console import Group
     from rich.table import Table
 
+    from laionkit.encode.records import count_table
+
     folder = Location.parse(folder)
     cached = (folder / STATS).read_json() if (folder / STATS).is_complete() else {}
     expected = [*(cached.get("shards") or {}).get("missing", [])]
@@ -148,8 +150,5 @@ def summarize(folder: Location | str):
     overview.add_row("columns", ", ".join(stats["columns"] or []))
     tables = [overview]
     if stats["skips"]:
-        table = Table("reason", "samples", title="skips by reason")
-        for reason, count in stats["skips"].items():
-            table.add_row(reason, f"{count:,}")
-        tables.append(table)
+        tables.append(count_table("skips by reason", stats["skips"]))
     return Group(*tables)
