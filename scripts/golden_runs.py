@@ -37,6 +37,7 @@ TIMING = ("samples_per_s", "samples_per_s_per_gpu", "mfu", "data_wait_pct", "gpu
           "rank_forward_s", "rank_data_wait_s", "straggler_rank", "straggler_ratio")
 # Files that hold a process id and a time by design (the run folder's lock).
 UNSTABLE = (".laionkit-train.lock",)
+VERSION_KEYS = ("transformers_version", "_diffusers_version")
 FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1",
         "--shuffle-buffer", "3", "--lr", "1e-3")
 
@@ -84,6 +85,15 @@ def safetensors_digest(path: Path, work: Path) -> str:
     return hashlib.sha256(header.encode() + data[8 + size :]).hexdigest()
 
 
+def config_digest(path: Path) -> str:
+    """A model's config.json without the library versions that saved it (a new transformers or diffusers release
+    rewrites them, not the model)."""
+    record = json.loads(path.read_text())
+    for key in VERSION_KEYS:
+        record.pop(key, None)
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
 def digests(run: Path, work: Path) -> dict[str, str]:
     found = {}
     for path in sorted(run.rglob("*")):
@@ -94,6 +104,8 @@ def digests(run: Path, work: Path) -> dict[str, str]:
             found[name] = metrics_digest(path)
         elif path.name == "trainer.json":
             found[name] = trainer_digest(path, work)
+        elif path.name == "model_index.json" or path.name.endswith("config.json"):
+            found[name] = config_digest(path)
         elif path.suffix == ".safetensors":
             found[name] = safetensors_digest(path, work)
         else:
