@@ -157,6 +157,38 @@ def test_against_removes_rows_near_the_reference_set_first(tmp_path: Path):
     assert len(keep) == 64 - 12
 
 
+def test_keep_dedups_only_the_listed_rows_so_a_group_keeps_its_best_listed_row(tmp_path: Path):
+    """Filter before dedup (`dedup --keep filter's output`): a group whose best row the filter dropped keeps its
+    best row among the listed ones, where dedup over every row would keep the dropped one and lose the group."""
+    data = planted()
+    data.aesthetic[21] = 9.0  # the best of the exact group 3, 20, 21 ...
+    data.aesthetic[20] = 6.0  # ... and the best of what the filter keeps
+    data.aesthetic[52] = 7.0  # the best of the semantic chain 11, 51, 52
+    scores = data.write(tmp_path / "scored")
+    listed = [k for k in data.keys if k not in ("0021", "0052", "0060")]
+    pq.write_table(pa.table({"key": listed, "similarity": [0.3] * len(listed)}), tmp_path / "kept.parquet")
+    rng = np.random.default_rng(2)  # a reference near row 62, behind two unlisted rows of its shard
+    refs = write_scores(tmp_path / "coco", {"val": [{"key": "ref0", "sha256": "e" * 64, "phash": 0}]},
+                        {"val": (data.emb[62] + 0.01 * rng.standard_normal(DIM))[None]})
+    run_cli("dedup", scores, "--output", tmp_path / "out", "--keep", tmp_path / "kept.parquet", "--keep-by",
+            "aesthetic", "--against", refs, *FAST)
+    keep, removed, stats = read(tmp_path / "out")
+    assert removed["0003"] == ("exact", "0020") and "0020" in keep  # not 21, which the filter dropped
+    assert removed["0051"] == ("semantic", "0011") and "0011" in keep  # the chain keeps 11 without 52
+    assert removed["0062"] == ("against", "ref0")
+    assert not {"0021", "0052", "0060"} & (set(keep) | set(removed))  # unlisted rows: neither kept nor removed
+    assert set(keep) <= set(listed) and len(keep) + sum(stats["removed"].values()) == stats["rows_in_keep"] == 61
+    assert stats["not_in_keep"] == 3 and stats["rows_in"] == 64
+    # Another list is another run: refused without --overwrite, not mixed into this one.
+    pq.write_table(pa.table({"key": listed[:-1]}), tmp_path / "kept.parquet")
+    result = run_cli("dedup", scores, "--output", tmp_path / "out", "--keep", tmp_path / "kept.parquet", "--keep-by",
+                     "aesthetic", "--against", refs, *FAST, check=False)
+    assert result.returncode == 2 and "stats.json is from another run" in result.stderr
+    result = run_cli("dedup", scores, "--output", tmp_path / "out2", "--keep", tmp_path / "nothing.parquet", *FAST,
+                     check=False)
+    assert result.returncode == 2 and "--keep" in result.stderr and "nothing.parquet: no such file" in result.stderr
+
+
 def launch(scores: Path, out: Path, rank: int, world: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "laionkit.cli", "dedup", str(scores), "--output", str(out), *FAST,
                              "--rank", str(rank), "--world-size", str(world), *extra],

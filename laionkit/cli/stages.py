@@ -259,6 +259,8 @@ def score(
 
     laionkit dedup scored/ --against coco-val-scored/ --epsilon 0.05 --output out/dedup   # and drop eval-set look-alikes
 
+    laionkit dedup scored/ --keep out/kept --keep-by aesthetic --output out/dedup   # only the rows filter kept
+
     torchrun --nproc-per-node 8 -m laionkit.cli dedup scored/ --output out/dedup   # 8 ranks, no coordinator
 
 out/dedup/keep.parquet holds the kept rows' key and shard (a `--keep` list); removed.parquet says why each
@@ -283,6 +285,9 @@ def dedup_command(
     against: Annotated[Optional[list[str]], typer.Option(
         "--against", help="Reference `laionkit score` folder (an evaluation set): drop rows within a layer's "
         "distance of any reference row; repeatable.")] = None,
+    keep: Annotated[Optional[str], typer.Option(
+        "--keep", help="Parquet file or folder with a `key` column (filter's output): dedup only these rows, so "
+        "each duplicate group keeps its best row among those the filter kept.")] = None,
     bucket_rows: Annotated[int, typer.Option(
         help="Rows per hash bucket / cluster partition: what one rank holds in memory at a time.")] = 4_000_000,
     wait: Annotated[float, typer.Option(help="Seconds a rank waits for the other ranks' outputs of a step.")] = 3600.0,
@@ -298,14 +303,16 @@ def dedup_command(
     config = dedup.DedupConfig(
         inputs=tuple(inputs), output=output, layers=tuple(x.strip() for x in layers.split(",") if x.strip()),
         phash_distance=phash_distance, phash_bands=phash_bands, epsilon=epsilon, clusters=clusters,
-        kmeans_iterations=kmeans_iterations, seed=seed, keep_by=keep_by, against=tuple(against or ()),
+        kmeans_iterations=kmeans_iterations, seed=seed, keep_by=keep_by, against=tuple(against or ()), keep=keep,
         bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, rank=rank, world_size=world_size,
         quiet=quiet,
     )
     stats = dedup.run(config)
     if not quiet and "kept" in stats:
         removed = ", ".join(f"{layer} {n:,}" for layer, n in stats["removed"].items())
-        err_console.print(f"dedup: kept {stats['kept']:,} of {stats['rows_in']:,} rows (removed: {removed}) -> {output}")
+        outside = f", {stats['not_in_keep']:,} not in --keep" if stats.get("keep") else ""
+        err_console.print(f"dedup: kept {stats['kept']:,} of {stats['rows_in']:,} rows (removed: {removed}{outside}) "
+                          f"-> {output}")
 
 
 @app.command("caption", epilog="""Examples:

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split, write_json
+from laionkit.common.keys import keys_identity, read_keep_keys
 from laionkit.common.outputs import atomic_output
 from laionkit.common.storage import claim_output, refuse_overlap
 from laionkit.dedup.config import LAYERS, DedupConfig
@@ -92,13 +93,14 @@ def check(config: DedupConfig) -> None:
             raise LaionkitError(f"{given}: dedup reads and writes local folders only (copy the scores down first)")
 
 
-def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit]) -> str:
+def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit], keep: dict | None = None) -> str:
     """Names the scratch folder and is recorded in stats.json: the inputs (path, rows, size, mtime), the
-    settings, and the versions of the engines whose hashes and float sums decide the intermediate files."""
+    settings, the --keep list (its keys' digest), and the versions of the engines whose hashes and float sums
+    decide the intermediate files."""
     files = [(str(u.scores.resolve()), u.rows, u.scores.stat().st_size, u.scores.stat().st_mtime_ns)
              for u in [*units, *references]]
     engines = [duckdb.__version__, faiss_module().__version__ if "semantic" in config.layers or references else None]
-    text = json.dumps([files, config.settings(), len(units), engines])
+    text = json.dumps([files, config.settings(), len(units), engines] + ([keep] if keep else []))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -148,14 +150,15 @@ def run(config: DedupConfig) -> dict:
     check(config)
     rank = resolve_rank(config.rank, config.world_size)
     output = Path(config.output)
-    refuse_overlap([*config.inputs, *config.against], str(output), "dedup")
+    refuse_overlap([*config.inputs, *config.against, *([config.keep] if config.keep else [])], str(output), "dedup")
     claim_output(str(output), "dedup", overwrite=config.overwrite)
     embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
     units = find_units(config.inputs, needed_columns(config), embeddings_why)
     reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
     references = find_units(config.against, reference_columns, "--against with the semantic layer reads them"
                             if embeddings_why else None, role="--against") if config.against else []
-    identity = plan_id(config, units, references)
+    keep = read_keep_keys(config.keep) if config.keep else None
+    identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None)
     stats_path = output / STATS_NAME
 
     def finished() -> dict | None:
@@ -177,7 +180,7 @@ def run(config: DedupConfig) -> dict:
     connection = duckdb.connect(config={"threads": threads, "preserve_insertion_order": True,
                                         "temp_directory": str(folder / f".spill-{rank.rank}")})  # dot: not an item
     work = Work(config, units, folder, lambda: finished() is not None, connection,
-                load_references(config, references) if references else None)
+                load_references(config, references) if references else None, keep)
     openmp_threads = None  # faiss shares the process's OpenMP runtime with torch: its thread count goes back after
     if "semantic" in config.layers or references:
         openmp_threads = faiss_module().omp_get_max_threads()
@@ -251,9 +254,12 @@ def write_outputs(work: Work, output: Path, identity: str) -> dict:
     with atomic_output(output / REMOVED_NAME) as tmp:
         pq.write_table(gone.cast(REMOVED.remove(0)), tmp)
     counts = dict(db.execute(f"SELECT layer, count(*) FROM {removed} GROUP BY layer").fetchall())
+    [(considered,)] = db.execute(f"SELECT count(*) FROM {rows}").fetchall()
     layers = (["against"] if work.references is not None else []) + work.layers
     stats = {"plan": identity, "settings": work.config.settings(), "inputs": [str(u.scores) for u in work.units],
              "against": list(work.config.against), "rows_in": work.rows,
+             # --keep: the rows of the list (the others are neither kept nor removed: the list had dropped them)
+             "keep": work.config.keep, "rows_in_keep": int(considered), "not_in_keep": work.rows - int(considered),
              "removed": {layer: int(counts.get(layer, 0)) for layer in layers},
              "kept": kept.num_rows, "buckets": work.buckets,
              "clusters": work.clusters if "semantic" in work.layers else None,

@@ -22,6 +22,7 @@ class DedupConfig:
     seed: int = 0
     keep_by: str | None = None  # per group keep the row with the highest value (ties: key, shard, input order)
     against: tuple[str, ...] = ()  # reference SCORES_DIRs (an evaluation set): drop rows near any of them
+    keep: str | None = None  # a parquet file / folder of keys (filter's output): dedup only those rows
     bucket_rows: int = DEFAULT_BUCKET_ROWS  # rows per hash bucket / cluster partition (one is held in memory)
     wait: float = 3600.0  # seconds a rank waits for the other ranks' outputs of a step
     threads: int | None = None  # DuckDB / faiss threads; None = every CPU this process may use

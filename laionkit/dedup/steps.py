@@ -59,13 +59,15 @@ class Work:
     poll_seconds = POLL_SECONDS  # filter.dedup.wait_for's poll of complete()
 
     def __init__(self, config: DedupConfig, units: list[Unit], folder: Path, done: Callable[[], bool],
-                 connection: duckdb.DuckDBPyConnection, references: References | None):
+                 connection: duckdb.DuckDBPyConnection, references: References | None,
+                 keep: frozenset[str] | None = None):
         self.config = config
         self.units = units
         self.folder = folder
         self.done = done
         self.db = connection
         self.references = references
+        self.keep = pa.array(sorted(keep), pa.string()) if keep is not None else None  # --keep's keys
         self.rows = units[-1].stop if units else 0
         self.buckets = max(1, math.ceil(self.rows / config.bucket_rows))
         self.layers = [layer for layer in LAYERS if layer in config.layers]
@@ -131,6 +133,8 @@ class Work:
             "score": table[config.keep_by].cast(pa.float64()) if config.keep_by else pa.nulls(unit.rows, pa.float64()),
         }
         rows = pa.table(columns)
+        if self.keep is not None:  # rows outside --keep's list take part in nothing; positions stay global
+            rows = rows.filter(pc.is_in(rows["key"], value_set=self.keep))
         with atomic_output(self.path(f"unit-{unit.index:06d}")) as tmp:
             tmp.mkdir()
             pq.write_table(rows, tmp / "rows.parquet")
@@ -171,7 +175,8 @@ class Work:
         if refs.index is not None:
             todo = np.nonzero(match < 0)[0]
             if len(todo):
-                similarity, nearest = refs.index.search(read_embeddings(unit, todo), 1)
+                local = rows["pos"].to_numpy()[todo] - unit.start  # --keep may have dropped rows before them
+                similarity, nearest = refs.index.search(read_embeddings(unit, local), 1)
                 hit = similarity[:, 0] >= 1 - self.config.epsilon
                 match[todo[hit]] = nearest[hit, 0]
                 distance[todo[hit]] = 1 - similarity[hit, 0]
