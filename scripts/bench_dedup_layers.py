@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/laionkit-bench-dedup-layers"))
     parser.add_argument("--keep-by", default="aesthetic")
     parser.add_argument("--clusters", type=int, default=0, help="0: the default, one per 10,000 rows")
+    parser.add_argument("--clusters-per-row", type=int, default=1, help="semantic: each row's nearest clusters searched")
     args = parser.parse_args()
     from laionkit.dedup import DedupConfig, run
 
@@ -93,7 +94,8 @@ def main() -> None:
     out = args.work / "out"
     shutil.rmtree(out, ignore_errors=True)
     config = DedupConfig(inputs=(str(scores),), output=str(out), layers=tuple(args.layers.split(",")),
-                         keep_by=args.keep_by, clusters=args.clusters, quiet=True)
+                         keep_by=args.keep_by, clusters=args.clusters, clusters_per_row=args.clusters_per_row,
+                         quiet=True)
     cpu0, started = os.times(), time.perf_counter()
     stats = run(config)
     cpu1 = os.times()

@@ -189,6 +189,27 @@ def test_keep_dedups_only_the_listed_rows_so_a_group_keeps_its_best_listed_row(t
     assert result.returncode == 2 and "--keep" in result.stderr and "nothing.parquet: no such file" in result.stderr
 
 
+def test_clusters_per_row_2_finds_the_pairs_k_means_split_between_clusters(tmp_path: Path):
+    """SemDeDup looks for pairs inside one cluster: a pair k-means put in two clusters is missed. With each row in
+    its 2 nearest clusters every planted pair is found, and only those."""
+    data = Planted()
+    planted = {}
+    for target in range(32, 64):  # 32 CLIP neighbours at cosine 0.96 (epsilon 0.05), 8 clusters for 64 rows
+        data.near(target, target - 32, 0.96)
+        planted[data.keys[target]] = ("semantic", data.keys[target - 32])
+    scores = data.write(tmp_path / "scored")
+    found = {}
+    for near in (1, 2):
+        run_cli("dedup", scores, "--output", tmp_path / f"near{near}", "--layers", "semantic", "--clusters", "8",
+                "--clusters-per-row", str(near), "--bucket-rows", "16", "-q")
+        _, found[near], stats = read(tmp_path / f"near{near}")
+        assert stats["settings"]["clusters_per_row"] == near
+    assert found[2] == planted
+    assert found[1].items() < planted.items()  # one nearest cluster (SemDeDup's) misses a split pair here
+    distances = pq.read_table(tmp_path / "near2" / "removed.parquet").column("distance").to_numpy()
+    assert np.allclose(distances, 0.04, atol=2e-3)  # 1 - cos to the kept row, whichever cluster linked them
+
+
 def launch(scores: Path, out: Path, rank: int, world: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "laionkit.cli", "dedup", str(scores), "--output", str(out), *FAST,
                              "--rank", str(rank), "--world-size", str(world), *extra],
@@ -249,7 +270,7 @@ def test_the_process_keeps_its_openmp_thread_count(tmp_path: Path):
     assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("marker", ["unit-000002", "pairs-*", "assign-*"])
+@pytest.mark.parametrize("marker", ["unit-000002", "pairs-*", "assign-*", "semantic-00001.parquet"])
 def test_kill_9_mid_run_then_rerun_gives_the_same_files(tmp_path: Path, marker: str):
     scores = planted().write(tmp_path / "scored")
     run_cli("dedup", scores, "--output", tmp_path / "clean", *FAST)

@@ -279,6 +279,9 @@ def dedup_command(
         help="semantic and --against: CLIP cosine similarity >= 1 - epsilon is a duplicate.")] = 0.05,
     clusters: Annotated[int, typer.Option(help="k-means clusters of the semantic layer; 0 = one per 10,000 rows.")] = 0,
     kmeans_iterations: Annotated[int, typer.Option(help="k-means iterations.")] = 20,
+    clusters_per_row: Annotated[int, typer.Option(
+        help="semantic: search each row's pairs in its N nearest clusters (SemDeDup: 1). 2 also finds the "
+        "duplicates k-means split between clusters, at twice the pair search.")] = 1,
     seed: Annotated[int, typer.Option(help="k-means seed.")] = 0,
     keep_by: Annotated[Optional[str], typer.Option(
         help="Score column: each group keeps its row with the highest value (ties: smallest key, shard).")] = None,
@@ -303,7 +306,7 @@ def dedup_command(
     config = dedup.DedupConfig(
         inputs=tuple(inputs), output=output, layers=tuple(x.strip() for x in layers.split(",") if x.strip()),
         phash_distance=phash_distance, phash_bands=phash_bands, epsilon=epsilon, clusters=clusters,
-        kmeans_iterations=kmeans_iterations, seed=seed, keep_by=keep_by, against=tuple(against or ()), keep=keep,
+        kmeans_iterations=kmeans_iterations, clusters_per_row=clusters_per_row, seed=seed, keep_by=keep_by, against=tuple(against or ()), keep=keep,
         bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, rank=rank, world_size=world_size,
         quiet=quiet,
     )

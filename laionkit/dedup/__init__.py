@@ -15,6 +15,9 @@ Layers, each optional, applied in this order to the rows the ones before left (`
   pairs (a~b~c keep one even when a and c are further apart).
 * ``semantic``: SemDeDup (Abbas et al. 2023): spherical k-means (faiss) over the L2-normalised CLIP
   embeddings, then inside each cluster the pairs with cosine >= 1 - ``--epsilon``, connected groups.
+  SemDeDup misses the pairs k-means splits between clusters (measured: up to 9 % of planted pairs,
+  docs/BENCHMARKS.md); ``--clusters-per-row N`` puts each row in its N nearest clusters' pair search, and
+  the groups of all clusters are then united globally, so a row in two clusters links their groups.
 
 Every group keeps its row with the highest ``--keep-by`` value (ties, and without the flag: the smallest
 key, shard, then input position); every other row is written to ``removed.parquet`` naming the kept one.
@@ -26,13 +29,17 @@ bucket, then connected components by label propagation with pointer jumping over
 loop on one rank, spilling to disk), and clustering is faiss. Ray Data was not measured against it: DuckDB
 is already a dependency and runs the group-by and the components on one node out of core (at 1M rows they
 take seconds, docs/BENCHMARKS.md), while Ray would add a cluster service every rank must reach; the
-per-shard and per-bucket work is what ranks split. Semantic
-groups never cross clusters, so each partition of clusters is resolved by the rank that owns it
-(blockwise similarity, union-find), with its exact cosine to the kept row. Measurements: docs/BENCHMARKS.md.
+per-shard and per-bucket work is what ranks split. Each
+partition of clusters is searched by the rank that owns it (blockwise similarity, union-find), which writes
+its groups as spanning forests (k - 1 edges per group of k, however many pairs it has); one rank then unites
+every partition's edges (groups cross clusters only with ``--clusters-per-row`` > 1) and writes each removed
+row's cosine distance to its group's kept row. Measurements: docs/BENCHMARKS.md.
 
 Steps (laionkit.dedup.steps), each a list of items whose outputs are complete when renamed: units
 (rows, --against, sha256 hash partitions) → exact buckets → pHash bands per unit → pair buckets → pHash
-groups (one item) → k-means (one item) → cluster assignment per unit → semantic partitions; then rank 0
+groups (one item) → k-means (one item) → cluster assignment per unit → semantic partitions (each cluster's
+groups as a spanning forest: k - 1 edges per group of k) → semantic groups (one item: connected components of
+every partition's edges in DuckDB, the kept row by priority, distances from the embeddings); then rank 0
 writes ``keep.parquet``, ``removed.parquet`` and ``stats.json`` (last) and removes the scratch folder. A
 rerun after kill -9 redoes only missing items and writes the same files; the outputs do not depend on the
 number of ranks (world size may change between runs).
@@ -88,6 +95,8 @@ def check(config: DedupConfig) -> None:
         raise LaionkitError(f"--epsilon {config.epsilon}: want 0 <= epsilon < 2 (cosine >= 1 - epsilon)")
     if config.bucket_rows < 1 or config.clusters < 0:
         raise LaionkitError("--bucket-rows must be >= 1 and --clusters >= 0")
+    if config.clusters_per_row < 1:
+        raise LaionkitError(f"--clusters-per-row {config.clusters_per_row}: want >= 1 (each row's nearest clusters)")
     for given in (config.output, *config.inputs, *config.against):
         if "://" in given:
             raise LaionkitError(f"{given}: dedup reads and writes local folders only (copy the scores down first)")
@@ -199,7 +208,8 @@ def run(config: DedupConfig) -> dict:
     if "semantic" in work.layers:
         steps += [("k-means", "centroids", [0], work.kmeans_step),
                   ("cluster assignment", "assign", unit_items, lambda i: work.assign_step(units[i])),
-                  ("semantic", "semantic", buckets, work.semantic_step)]
+                  ("semantic", "semantic", buckets, work.semantic_step),
+                  ("semantic groups", "semgroups", [0], work.semantic_groups_step)]
     try:
         for index, (what, prefix, items, do) in enumerate(steps):
             names = [item_name(prefix, item) for item in items]
@@ -235,8 +245,8 @@ def run(config: DedupConfig) -> dict:
 def item_name(prefix: str, item: int) -> str:
     if prefix in ("unit", "bands", "assign"):
         return f"{prefix}-{item:06d}"
-    if prefix in ("phash", "centroids"):
-        return {"phash": "phash.parquet", "centroids": "centroids.npy"}[prefix]
+    if prefix in ("phash", "centroids", "semgroups"):
+        return {"phash": "phash.parquet", "centroids": "centroids.npy", "semgroups": "semantic.parquet"}[prefix]
     return f"{prefix}-{item:05d}.parquet"
 
 

@@ -19,6 +19,8 @@ class DedupConfig:
     epsilon: float = 0.05  # semantic / --against: cosine similarity >= 1 - epsilon is a duplicate
     clusters: int = 0  # k-means clusters; 0 = ceil(rows / ROWS_PER_CLUSTER)
     kmeans_iterations: int = 20
+    clusters_per_row: int = 1  # semantic: each row joins its N nearest clusters' pair search (N > 1: pairs
+    # that k-means split between clusters are found too, at N times the pair search)
     seed: int = 0
     keep_by: str | None = None  # per group keep the row with the highest value (ties: key, shard, input order)
     against: tuple[str, ...] = ()  # reference SCORES_DIRs (an evaluation set): drop rows near any of them
@@ -36,4 +38,5 @@ class DedupConfig:
         return {"layers": [layer for layer in LAYERS if layer in self.layers], "phash_distance": self.phash_distance,
                 "phash_bands": self.phash_bands or self.phash_distance + 1, "epsilon": self.epsilon,
                 "clusters": self.clusters, "kmeans_iterations": self.kmeans_iterations, "seed": self.seed,
+                "clusters_per_row": self.clusters_per_row,
                 "keep_by": self.keep_by, "bucket_rows": self.bucket_rows}

@@ -98,7 +98,7 @@ class Work:
         if "phash" in layers and "phash" in self.layers:
             files.append(self.path("phash.parquet"))
         if "semantic" in layers and "semantic" in self.layers:
-            files += [self.path(f"semantic-{p:05d}.parquet") for p in range(self.buckets)]
+            files.append(self.path("semantic.parquet"))
         return files
 
     def survivors(self, unit: Unit, layers: tuple[str, ...]) -> str:
@@ -237,9 +237,21 @@ class Work:
     def phash_step(self, _: int = 0) -> None:
         """Connected groups of all buckets' pairs (label propagation with pointer jumping in DuckDB); each
         group keeps its first row by PRIORITY, the rest name it, at their Hamming distance from it."""
-        pairs = parquet_list([self.path(f"pairs-{b:05d}.parquet") for b in range(self.buckets)])
+        self.components(parquet_list([self.path(f"pairs-{b:05d}.parquet") for b in range(self.buckets)]))
+        rows = parquet_list([self.path(f"unit-{u.index:06d}") / "rows.parquet" for u in self.units])
+        sql = (f"SELECT r.pos, r.key, r.shard, r.score, r.phash, l.c FROM {rows} r JOIN label l ON l.n = r.pos")
+        sql = (f"SELECT pos, key, shard, 'phash' AS layer, first_value(key) OVER w AS duplicate_of, "
+               f"first_value(shard) OVER w AS duplicate_of_shard, "
+               f"bit_count(xor(phash, first_value(phash) OVER w))::DOUBLE AS distance, first_value(pos) OVER w AS first "
+               f"FROM ({sql}) WINDOW w AS (PARTITION BY c ORDER BY {PRIORITY})")
+        self.write_removed(self.path("phash.parquet"), f"SELECT * EXCLUDE (first) FROM ({sql}) WHERE pos <> first")
+        self.drop_components()
+
+    def components(self, edges: str) -> None:
+        """Temp table ``label(n, c)``: each row of an edge (a, b) of ``edges`` (a FROM clause) and its connected
+        component, named by its smallest position (label propagation with pointer jumping, in DuckDB)."""
         db = self.db
-        db.execute(f"CREATE OR REPLACE TEMP TABLE edges AS SELECT DISTINCT a, b FROM {pairs}")
+        db.execute(f"CREATE OR REPLACE TEMP TABLE edges AS SELECT DISTINCT a, b FROM {edges}")
         db.execute("CREATE OR REPLACE TEMP TABLE links AS SELECT a AS n, b AS m FROM edges UNION ALL "
                    "SELECT b, a FROM edges")
         db.execute("CREATE OR REPLACE TEMP TABLE label AS SELECT n, least(n, min(m)) AS c FROM links GROUP BY n")
@@ -253,15 +265,10 @@ class Work:
             db.execute("CREATE OR REPLACE TEMP TABLE label AS SELECT * FROM jump")
             if not changed:
                 break
-        rows = parquet_list([self.path(f"unit-{u.index:06d}") / "rows.parquet" for u in self.units])
-        sql = (f"SELECT r.pos, r.key, r.shard, r.score, r.phash, l.c FROM {rows} r JOIN label l ON l.n = r.pos")
-        sql = (f"SELECT pos, key, shard, 'phash' AS layer, first_value(key) OVER w AS duplicate_of, "
-               f"first_value(shard) OVER w AS duplicate_of_shard, "
-               f"bit_count(xor(phash, first_value(phash) OVER w))::DOUBLE AS distance, first_value(pos) OVER w AS first "
-               f"FROM ({sql}) WINDOW w AS (PARTITION BY c ORDER BY {PRIORITY})")
-        self.write_removed(self.path("phash.parquet"), f"SELECT * EXCLUDE (first) FROM ({sql}) WHERE pos <> first")
+
+    def drop_components(self) -> None:
         for table in ("edges", "links", "label", "step", "jump"):
-            db.execute(f"DROP TABLE IF EXISTS {table}")
+            self.db.execute(f"DROP TABLE IF EXISTS {table}")
 
     # ------------------------------------------------------------------ step 6-8: SemDeDup
 
@@ -295,7 +302,8 @@ class Work:
                 np.save(handle, np.asarray(centroids, np.float32))
 
     def assign_step(self, unit: Unit) -> None:
-        """Each survivor's nearest centroid; rows with their embedding, partitioned by cluster % buckets."""
+        """Each survivor's ``--clusters-per-row`` nearest centroids (one row per survivor and cluster), with its
+        embedding, partitioned by cluster % buckets."""
         centroids = np.load(self.path("centroids.npy"))
         rows = self.db.sql(self.survivors(unit, BEFORE_SEMANTIC)).to_arrow_table()
         local = rows["pos"].to_numpy() - unit.start
@@ -304,9 +312,14 @@ class Work:
             if not len(local):
                 return
             vectors = read_embeddings(unit, local)
-            cluster = np.empty(len(local), np.int64)
+            near = min(self.config.clusters_per_row, len(centroids))
+            cluster = np.empty((len(local), near), np.int64)
             for lo in range(0, len(local), SIMILARITY_BLOCK):
-                cluster[lo:lo + SIMILARITY_BLOCK] = np.argmax(vectors[lo:lo + SIMILARITY_BLOCK] @ centroids.T, axis=1)
+                sims = vectors[lo:lo + SIMILARITY_BLOCK] @ centroids.T  # nearest first, ties by cluster index
+                cluster[lo:lo + SIMILARITY_BLOCK] = np.argmax(sims, axis=1)[:, None] if near == 1 else \
+                    np.argsort(-sims, axis=1, kind="stable")[:, :near]
+            rows = rows.take(pa.array(np.repeat(np.arange(len(local)), near)))  # row i, its clusters in order
+            vectors, cluster = np.repeat(vectors, near, axis=0), cluster.reshape(-1)
             half = vectors.astype(np.float16)
             blobs = pa.FixedSizeBinaryArray.from_buffers(pa.binary(half.shape[1] * 2), len(half),
                                                          [None, pa.py_buffer(half.tobytes())])
@@ -318,46 +331,82 @@ class Work:
                 pq.write_table(table.filter(pa.array(part == p)), tmp / f"part={p}" / "rows.parquet")
 
     def semantic_step(self, partition: int) -> None:
-        """SemDeDup inside each cluster of the partition: pairs with cosine >= 1 - epsilon, connected groups,
-        each keeps its first row by PRIORITY; the rest name it, at cosine distance 1 - cos from it."""
+        """SemDeDup inside each cluster of the partition: pairs with cosine >= 1 - epsilon, their connected groups
+        by union-find, written as a spanning forest (each member -> its group's first row by PRIORITY): k - 1
+        edges for a group of k however many of its pairs are within epsilon. A row in several clusters
+        (``--clusters-per-row``) joins the groups of each; ``semantic_groups_step`` unites them."""
         files = sorted(self.folder.glob(f"assign-*/part={partition}/*.parquet"))
         target = self.path(f"semantic-{partition:05d}.parquet")
-        if not files:
-            return self.write_removed(target, None)
-        table = pa.concat_tables(pq.read_table(path) for path in files)
-        order = table.drop(["embedding"]).append_column("i", pa.array(np.arange(table.num_rows)))
-        self.db.register("partition_rows", order)
-        order = self.db.sql(f"SELECT i FROM partition_rows ORDER BY cluster, {PRIORITY}").fetchnumpy()["i"]
-        self.db.unregister("partition_rows")
-        table = table.take(pa.array(order))
-        cluster = table["cluster"].to_numpy()
-        width = table.schema.field("embedding").type.byte_width // 2
-        half = np.frombuffer(table["embedding"].combine_chunks().buffers()[1], np.float16,
-                             count=table.num_rows * width).reshape(-1, width)  # float32 one cluster at a time
-        threshold = np.float32(1 - self.config.epsilon)
-        removed, keeper, distance = [], [], []
-        edges = np.nonzero(np.diff(cluster))[0] + 1
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(cluster)]):
-            parent = np.arange(hi - lo)
-            block = normalise(half[lo:hi].astype(np.float32))
-            for i0 in range(0, hi - lo, SIMILARITY_BLOCK):
-                sims = block[i0:i0 + SIMILARITY_BLOCK] @ block[i0:].T
-                upper = np.arange(sims.shape[1])[None, :] > np.arange(sims.shape[0])[:, None]
-                for a, b in zip(*np.nonzero((sims >= threshold) & upper)):
-                    union(parent, i0 + int(a), i0 + int(b))
-            roots = np.array([find(parent, i) for i in range(hi - lo)])
-            for i in np.nonzero(roots != np.arange(hi - lo))[0]:
-                removed.append(lo + i)
-                keeper.append(lo + roots[i])
-                distance.append(float(1 - block[i] @ block[roots[i]]))
-        take = lambda name, rows: table[name].take(pa.array(rows, pa.int64()))  # noqa: E731
-        result = pa.table({"pos": take("pos", removed), "key": take("key", removed), "shard": take("shard", removed),
-                           "layer": pa.array(["semantic"] * len(removed), pa.string()),
-                           "duplicate_of": take("key", keeper), "duplicate_of_shard": take("shard", keeper),
+        edges_a: list[np.ndarray] = []
+        edges_b: list[np.ndarray] = []
+        if files:
+            table = pa.concat_tables(pq.read_table(path) for path in files)
+            order = table.drop(["embedding"]).append_column("i", pa.array(np.arange(table.num_rows)))
+            self.db.register("partition_rows", order)
+            order = self.db.sql(f"SELECT i FROM partition_rows ORDER BY cluster, {PRIORITY}").fetchnumpy()["i"]
+            self.db.unregister("partition_rows")
+            table = table.take(pa.array(order))
+            cluster = table["cluster"].to_numpy()
+            positions = table["pos"].to_numpy()
+            width = table.schema.field("embedding").type.byte_width // 2
+            half = np.frombuffer(table["embedding"].combine_chunks().buffers()[1], np.float16,
+                                 count=table.num_rows * width).reshape(-1, width)  # float32 one cluster at a time
+            threshold = np.float32(1 - self.config.epsilon)
+            edges = np.nonzero(np.diff(cluster))[0] + 1
+            for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(cluster)]):
+                parent = np.arange(hi - lo)
+                block = normalise(half[lo:hi].astype(np.float32))
+                for i0 in range(0, hi - lo, SIMILARITY_BLOCK):
+                    sims = block[i0:i0 + SIMILARITY_BLOCK] @ block[i0:].T
+                    upper = np.arange(sims.shape[1])[None, :] > np.arange(sims.shape[0])[:, None]
+                    for a, b in zip(*np.nonzero((sims >= threshold) & upper)):
+                        union(parent, i0 + int(a), i0 + int(b))
+                roots = np.array([find(parent, i) for i in range(hi - lo)])
+                members = np.nonzero(roots != np.arange(hi - lo))[0]
+                edges_a.append(positions[lo + roots[members]])
+                edges_b.append(positions[lo + members])
+        a = np.concatenate(edges_a) if edges_a else np.zeros(0, np.int64)
+        b = np.concatenate(edges_b) if edges_b else np.zeros(0, np.int64)
+        with atomic_output(target) as tmp:
+            pq.write_table(pa.table({"a": pa.array(a, pa.int64()), "b": pa.array(b, pa.int64())}), tmp)
+
+    def semantic_groups_step(self, _: int = 0) -> None:
+        """Connected groups of every cluster's edges (a row in two clusters links their groups); each keeps its
+        first row by PRIORITY, the rest name it, at cosine distance 1 - cos from it (embeddings re-read)."""
+        self.components(parquet_list([self.path(f"semantic-{p:05d}.parquet") for p in range(self.buckets)]))
+        rows = parquet_list([self.path(f"unit-{u.index:06d}") / "rows.parquet" for u in self.units])
+        sql = f"SELECT r.pos, r.key, r.shard, r.score, l.c FROM {rows} r JOIN label l ON l.n = r.pos"
+        sql = (f"SELECT pos, key, shard, first_value(key) OVER w AS duplicate_of, "
+               f"first_value(shard) OVER w AS duplicate_of_shard, first_value(pos) OVER w AS first "
+               f"FROM ({sql}) WINDOW w AS (PARTITION BY c ORDER BY {PRIORITY})")
+        found = self.db.sql(f"SELECT * FROM ({sql}) WHERE pos <> first ORDER BY pos").to_arrow_table()
+        self.drop_components()
+        pos, first = found["pos"].to_numpy(), found["first"].to_numpy()
+        vectors = self.embeddings_at(np.concatenate([pos, first]))
+        distance = 1 - np.einsum("ij,ij->i", vectors[:len(pos)], vectors[len(pos):]).astype(np.float64)
+        result = pa.table({"pos": found["pos"], "key": found["key"], "shard": found["shard"],
+                           "layer": pa.array(["semantic"] * len(pos), pa.string()),
+                           "duplicate_of": found["duplicate_of"], "duplicate_of_shard": found["duplicate_of_shard"],
                            "distance": pa.array(distance, pa.float64())}, schema=REMOVED)
         self.db.register("semantic_removed", result)
-        self.write_removed(target, "SELECT * FROM semantic_removed")
+        self.write_removed(self.path("semantic.parquet"), "SELECT * FROM semantic_removed")
         self.db.unregister("semantic_removed")
+
+    def embeddings_at(self, positions: np.ndarray) -> np.ndarray:
+        """The normalised float32 embeddings of rows at global ``positions`` (any order), as the float16 rows
+        the clusters compared (read_embeddings, rounded to float16 as assign stores them, normalised)."""
+        out = np.zeros((len(positions), 1), np.float32)
+        starts = np.array([u.start for u in self.units])
+        owner = np.searchsorted(starts, positions, side="right") - 1
+        for index in np.unique(owner):
+            unit = self.units[index]
+            where = np.nonzero(owner == index)[0]
+            local, inverse = np.unique(positions[where] - unit.start, return_inverse=True)
+            vectors = normalise(read_embeddings(unit, local).astype(np.float16).astype(np.float32))
+            if out.shape[1] != vectors.shape[1]:
+                out = np.zeros((len(positions), vectors.shape[1]), np.float32)
+            out[where] = vectors[inverse]
+        return out
 
 
 def find(parent: np.ndarray, i: int) -> int:
