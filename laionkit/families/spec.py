@@ -97,6 +97,9 @@ class FamilySpec:
     pipeline_text: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     # The pipeline's guidance_scale is the classifier-free scale less this (Z-Image: pos + s (pos - neg)).
     cfg_offset: float = 0.0
+    # The caption window of the pipeline where the tokenizer's model_max_length is not it: encode's token counts,
+    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens; Qwen's tokenizer says 131,072).
+    text_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:

@@ -116,9 +116,10 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}")
 
 
-def write_qwen(output: str | Path, vocab_size: int = 1000, max_length: int = 512) -> Path:
+def write_qwen(output: str | Path, vocab_size: int = 1000, max_length: int = 131072) -> Path:
     """A Qwen2Tokenizer folder (what Qwen3 ships): byte-level BPE after Qwen2's split regex and NFC, no bos and no
-    eos added, ``<|endoftext|>`` as pad, ``<|im_end|>`` as eos, Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``)."""
+    eos added, ``<|endoftext|>`` as pad, ``<|im_end|>`` as eos, Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``) and
+    Qwen3's model_max_length (131,072)."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
 

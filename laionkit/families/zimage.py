@@ -137,12 +137,12 @@ def expects(config) -> tuple:
 
 def tiny_qwen3(output: Path, hidden: int = TINY_QWEN):
     """A tiny Qwen3 text model (Qwen3Model, as ZImagePipeline loads it) with a Qwen2Tokenizer trained on the
-    shipped captions (Qwen3's chat template, model_max_length 512)."""
+    shipped captions (Qwen3's chat template and model_max_length; encode's window is ``text_window``)."""
     from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
     from laionkit.families.tokenizers import write_qwen
 
-    tokenizer = Qwen2Tokenizer.from_pretrained(write_qwen(output, max_length=MAX_SEQUENCE_LENGTH))
+    tokenizer = Qwen2Tokenizer.from_pretrained(write_qwen(output))
     encoder = Qwen3Model(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
@@ -202,5 +202,6 @@ SPEC = register_family(FamilySpec(
     sampler=SAMPLER_CONFIG,
     patch_size=2,
     pipeline_text=pipeline_text,
+    text_window=MAX_SEQUENCE_LENGTH,
     cfg_offset=1.0,
 ))
