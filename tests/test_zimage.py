@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -314,3 +315,50 @@ def test_tiny_qwen_tokenizer_is_reproducible_and_renders_qwen3s_prompt(tmp_path)
     assert rendered.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert tokenizer.convert_ids_to_tokens(tokenizer(prompts(tokenizer, ["a cat"])[0]).input_ids)[0] == "<|im_start|>"
     assert (tokenizer.pad_token, tokenizer.eos_token, tokenizer.bos_token) == ("<|endoftext|>", "<|im_end|>", None)
+
+
+def test_validation_grid_with_guidance_and_bf16_weights(zimage):
+    """train's validation sampler through ZImagePipeline: the stored states as its lists of prompt_embeds and
+    the empty caption's as negative_prompt_embeds, --guidance-scale 5 as the pipeline's 4 (pos + 4 (pos - neg) is
+    neg + 5 (pos - neg)), with bf16 weights whose prepared forward returns fp32 (the scheduler's fp32 latents go
+    back to bf16 between steps); at --guidance-scale 1 the pipeline gets 0, no guidance, and draws otherwise."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.evaluation import sample_latents, validate, validation_conditioning
+
+    data = open_latents(zimage.latents)
+    pipe = load_pipeline(zimage)
+    _, texts = validation_conditioning(data, 2)
+    config = TrainConfig(latents=zimage.latents, output=Path("unused"), unet=str(zimage.model), max_steps=1,
+                         validation_steps=2)
+    guided = sample_latents(pipe.transformer, pipe.vae, None, texts, data.empty, data, config, torch.device("cpu"))
+    plain = sample_latents(pipe.transformer, pipe.vae, None, texts, data.empty, data,
+                           replace(config, guidance_scale=1.0), torch.device("cpu"))
+    assert guided.shape == (2, 16, 8, 8) and (guided - plain).abs().max() > 1e-3
+    model = torch.nn.Module.to(pipe.transformer, torch.bfloat16)
+    model.forward = convert_outputs_to_fp32(model.forward)
+    empty = {key: value.to(torch.bfloat16) if value.is_floating_point() else value for key, value in data.empty.items()}
+    images = validate(model, pipe.vae, None, texts, empty, data, config, torch.device("cpu"))
+    assert images.shape == (2, 3, 64, 64) and torch.isfinite(images).all()
+
+
+def test_online_text_trains_as_stored_text_does(zimage, reference, image_shards, tmp_path):
+    """encode --text online keeps the chat-templated captions' token ids (-1 where the mask is 0); train runs
+    Qwen3 on them and gets the stored-text run's losses and validation loss."""
+    from laionkit.encode import EncodeConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
+
+    online = tmp_path / "online"
+    run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(zimage.model), resolution=64,
+                     batch_size=4, workers=0, quiet=True, text="online"))
+    manifest = json.loads((online / "manifest.json").read_text())
+    assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 512}
+    train(TrainConfig(latents=online, val_latents=online, output=tmp_path / "run", unet=str(zimage.model),
+                      **{**RUN, "max_steps": 2, "validate_every": 0, "ema": False}))
+    got, want = metrics(tmp_path / "run"), metrics(reference)
+    for step in (1, 2):  # stored text is the same encoder's output rounded to float16
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
+    assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-4)
