@@ -28,8 +28,11 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_enc
               "text_encoder_3", "tokenizer_3", "transformer")
 # Text encoder classes a component's config may name (its "architectures"); anything else loads as
 # CLIPTextModel, as SD's always did.
-TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model")
+# Checkpoints saved from a language model whose pipelines load its base model (Z-Image: Qwen3-4B's weights
+# under a Qwen3ForCausalLM config, loaded as Qwen3Model, as its model_index.json names it).
+TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja")  # .jinja: a chat template
 
 
 @dataclass(frozen=True)
@@ -152,17 +155,24 @@ def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
     except (OSError, ValueError) as error:
         raise LaionkitError(f"cannot read the {component} config from {where.location}: {error}") from None
     named = (config.get("architectures") or ["CLIPTextModel"])[0]
+    named = TEXT_ENCODER_ALIASES.get(named, named)
     cls = getattr(transformers, named if named in TEXT_ENCODER_CLASSES else "CLIPTextModel")
     model = _from_pretrained(cls, source, component, dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
 def load_tokenizer(source: str, component: str = "tokenizer"):
-    """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD), or
-    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux)."""
+    """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
+    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux), or
+    Qwen2Tokenizer where it names that (Z-Image)."""
     from transformers import CLIPTokenizer, T5TokenizerFast
 
-    cls = T5TokenizerFast if _tokenizer_class(source, component).startswith("T5") else CLIPTokenizer
+    named = _tokenizer_class(source, component)
+    if named.startswith("Qwen2"):  # Z-Image's Qwen3 tokenizer (byte-level BPE with a chat template)
+        from transformers import Qwen2Tokenizer
+
+        return _from_pretrained(Qwen2Tokenizer, source, component)
+    cls = T5TokenizerFast if named.startswith("T5") else CLIPTokenizer
     return _from_pretrained(cls, source, component)
 
 

@@ -163,6 +163,8 @@ class Encoders:
             self.vae_dtype = torch.float32
         self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
         self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
+        for tokenizer in self.tokenizers if self.family.text_window else ():
+            tokenizer.model_max_length = self.family.text_window  # the pipeline's window, not the tokenizer's
         self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
                               for _, enc in self.family.text_encoders]
         self.tokenizer = self.tokenizers[0]  # the DataLoader workers' (num_tokens, truncated)

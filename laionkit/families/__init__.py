@@ -43,6 +43,7 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   positions carry nothing, so encode trims the sequence tensors (``states`` and the mask) of each sample
   after its last unmasked position (``text_lengths``), the latent loader zero-pads them back to the
   longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike.
+- ``pipeline_text`` / ``cfg_offset``: the pipeline's own prompt keywords and guidance scale (Z-Image, zimage.py).
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
 whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per
@@ -59,6 +60,7 @@ from laionkit.families import pixart as _pixart  # noqa: F401
 from laionkit.families import sd as _sd  # noqa: F401
 from laionkit.families import sd3 as _sd3  # noqa: F401
 from laionkit.families import sdxl as _sdxl  # noqa: F401
+from laionkit.families import zimage as _zimage  # noqa: F401
 from laionkit.families.spec import (
     DEFAULT_FAMILY,
     FamilySpec,

@@ -91,6 +91,15 @@ class FamilySpec:
     # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
     # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
     encode_text: Callable[..., dict[str, Any]] | None = None
+    # pipeline_text(texts) -> the pipeline's prompt keywords for stored text tensors (by stored key, padded),
+    # where they are not the states / pooled / mask -> prompt_embeds / pooled_prompt_embeds /
+    # prompt_attention_mask of the other pipelines (Z-Image: a list of each prompt's unmasked states).
+    pipeline_text: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    # The pipeline's guidance_scale is the classifier-free scale less this (Z-Image: pos + s (pos - neg)).
+    cfg_offset: float = 0.0
+    # The caption window of the pipeline where the tokenizer's model_max_length is not it: encode's token counts,
+    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens; Qwen's tokenizer says 131,072).
+    text_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:

@@ -1,10 +1,11 @@
-"""Tiny T5- and Gemma-style tokenizers trained on the shipped captions, saved in the real layouts.
+"""Tiny T5-, Gemma- and Qwen-style tokenizers trained on the shipped captions, saved in the real layouts.
 
-T5 and Gemma tokenizers cannot be downloaded here, yet tests must load them through the same
-``T5TokenizerFast.from_pretrained`` / ``GemmaTokenizerFast.from_pretrained`` calls users make on a hub
-folder. So the ``tokenizers`` library trains small ones on ``laionkit/data/laion-sample.parquet``'s
-captions with each family's pipeline (T5: SentencePiece-style Unigram, Metaspace, ``</s>`` appended;
-Gemma: byte-fallback BPE, ``<bos>`` prepended) and they are saved as tokenizer.json,
+T5, Gemma and Qwen tokenizers cannot be downloaded here, yet tests must load them through the same
+``T5TokenizerFast.from_pretrained`` / ``GemmaTokenizerFast.from_pretrained`` / ``Qwen2Tokenizer.from_pretrained``
+calls users make on a hub folder. So the ``tokenizers`` library trains small ones on
+``laionkit/data/laion-sample.parquet``'s captions with each family's pipeline (T5: SentencePiece-style Unigram,
+Metaspace, ``</s>`` appended; Gemma: byte-fallback BPE, ``<bos>`` prepended; Qwen: byte-level BPE behind Qwen2's
+pre-tokenizer regex, nothing added, ChatML specials and a chat template) and they are saved as tokenizer.json,
 tokenizer_config.json and special_tokens_map.json. Training reads the captions in file order and the
 Unigram trainer's floating-point noise is rounded away, so the same data gives byte-identical files.
 """
@@ -93,3 +94,48 @@ def write_gemma(output: str | Path, vocab_size: int = 1000, max_length: int = 30
     config = {"tokenizer_class": "GemmaTokenizer", "model_max_length": max_length, "add_bos_token": True,
               "add_eos_token": False, "padding_side": "right", **specials}
     return _save(tokenizer, Path(output), config, specials)
+
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # the first three added tokens of Qwen2 / Qwen3
+# Qwen2's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX), before the byte-level map.
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen3's chat template for the messages a pipeline renders (system and user turns, earlier assistant turns
+# without reasoning, the generation prompt and its enable_thinking switch); Qwen3's full template also renders
+# tools and tool calls, which no text-to-image pipeline sends. For [{"role": "user", "content": C}] with
+# add_generation_prompt=True, enable_thinking=True it gives "<|im_start|>user\nC<|im_end|>\n<|im_start|>assistant\n",
+# as Qwen3's does.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def write_qwen(output: str | Path, vocab_size: int = 1000, max_length: int = 131072) -> Path:
+    """A Qwen2Tokenizer folder (what Qwen3 ships): byte-level BPE after Qwen2's split regex and NFC, no bos and no
+    eos added, ``<|endoftext|>`` as pad, ``<|im_end|>`` as eos, Qwen3's chat template (``QWEN3_CHAT_TEMPLATE``) and
+    Qwen3's model_max_length (131,072)."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(QWEN_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(captions(), trainer=trainer)
+    specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": max_length, "bos_token": None,
+              "unk_token": None, "errors": "replace", "add_prefix_space": False, "split_special_tokens": False,
+              "chat_template": QWEN3_CHAT_TEMPLATE, "additional_special_tokens": list(QWEN_SPECIALS[1:]),
+              **specials}
+    return _save(tokenizer, Path(output), config, {**specials, "additional_special_tokens": list(QWEN_SPECIALS[1:])})

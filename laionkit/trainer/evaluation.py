@@ -106,7 +106,10 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
     every = torch.ones(len(texts["states"]), dtype=torch.bool, device=device)
     negatives, texts = drop_captions(texts, empty, every), drop_captions(texts, empty, ~every)
     prompts = {}
-    for key, keyword in PIPELINE_KEYWORDS.items():
+    if spec.pipeline_text is not None:  # the family's own prompt keywords (Z-Image: lists of unmasked states)
+        prompts.update(spec.pipeline_text(texts))
+        prompts.update({f"negative_{key}": value for key, value in spec.pipeline_text(negatives).items()})
+    for key, keyword in PIPELINE_KEYWORDS.items() if spec.pipeline_text is None else ():
         if key in texts:
             prompts[keyword] = texts[key]
             if not guided_by_embedding:
@@ -136,7 +139,7 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
 
         each_step = {"callback": cast, "callback_steps": 1}
     latents = pipe(height=height * scale, width=width * scale, num_inference_steps=config.validation_steps,
-                   guidance_scale=config.guidance_scale, latents=latents.to(device, dtype), output_type="latent",
+                   guidance_scale=config.guidance_scale - spec.cfg_offset, latents=latents.to(device, dtype), output_type="latent",
                    **each_step, **prompts).images
     if spec.unpack_latents is not None:
         latents = spec.unpack_latents(latents, height, width)

@@ -262,9 +262,11 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
     if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
-    elif isinstance(model, (diffusers.SD3Transformer2DModel, diffusers.FluxTransformer2DModel)):
+    elif isinstance(model, (diffusers.SD3Transformer2DModel, diffusers.FluxTransformer2DModel,
+                            diffusers.ZImageTransformer2DModel)):
         # their pipelines name the denoiser "transformer"
         pipeline = (diffusers.StableDiffusion3Pipeline if isinstance(model, diffusers.SD3Transformer2DModel)
+                    else diffusers.ZImagePipeline if isinstance(model, diffusers.ZImageTransformer2DModel)
                     else diffusers.FluxPipeline)
         keyword = "transformer_lora_layers"
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained

@@ -42,7 +42,7 @@ PIPELINE = "pipeline"
 SINGLE_FILE = "single_file"  # RUN/single_file/<name>.safetensors
 # Files a component folder needs: configs, tokenizer files, safetensors weights (no pickles, no other
 # frameworks' weights, no precision variants when the plain file is there).
-KEEP_SUFFIXES = (".json", ".txt", ".model", ".safetensors")
+KEEP_SUFFIXES = (".json", ".txt", ".model", ".safetensors", ".jinja")  # .jinja: a chat template (Qwen, Z-Image)
 VARIANT = re.compile(r"\.(fp16|bf16|fp32|non_ema|ema)\.(safetensors|json)$|\.index\.(fp16|bf16)\.json$")
 # The sampler a family's pipeline gets when no base model brings one (DDPM families; flow families use
 # FamilySpec.sampler).
