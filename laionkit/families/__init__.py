@@ -56,6 +56,7 @@ from __future__ import annotations
 # Importing the family modules registers them (each calls spec.register_family).
 from laionkit.families import flux as _flux  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
+from laionkit.families import qwenimage as _qwenimage  # noqa: F401
 from laionkit.families import sd as _sd  # noqa: F401
 from laionkit.families import sd3 as _sd3  # noqa: F401
 from laionkit.families import sdxl as _sdxl  # noqa: F401

@@ -25,6 +25,9 @@ class Objective:
     mode_scale: float = 1.29
     shift: float | None = None  # flow: static shift s; None with dynamic_shift means per-resolution
     dynamic_shift: bool = False  # flow: Flux's rule on the image sequence length, per bucket
+    # flow, dynamic_shift: the rule's anchors (base_seq_len, max_seq_len, base_shift, max_shift), where they
+    # are not Flux's (256, 4096, 0.5, 1.15): the family's scheduler config's (Qwen-Image: 256, 8192, 0.5, 0.9)
+    shift_anchors: tuple[int, int, float, float] | None = None
     weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
     timestep_scale: float = 1000.0  # flow: the denoiser's timestep input is sigma * this (Flux: 1, SD3: 1000)
     guidance: float | None = None  # flow: the guidance embedding's input in training (Flux-dev: 3.5)
@@ -39,7 +42,8 @@ class Objective:
         from laionkit.families import flow
 
         if self.dynamic_shift:
-            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size))
+            anchors = dict(zip(("base_seq_len", "max_seq_len", "base_shift", "max_shift"), self.shift_anchors or ()))
+            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size), **anchors)
         return self.shift or 1.0
 
 
@@ -91,6 +95,18 @@ class FamilySpec:
     # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
     # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
     encode_text: Callable[..., dict[str, Any]] | None = None
+    # The VAE is a video VAE (Qwen-Image's AutoencoderKLQwenImage): it takes [B, C, frames, H, W]; encode gives
+    # it one frame and stores frame-free moments [2C, h, w], validation decodes with the frame axis put back.
+    vae_frames: bool = False
+    # The pipeline normalises latents per channel with the VAE config's latents_mean / latents_std (Qwen-Image):
+    # encode records them in the manifest, and train's latents are (z - shift - mean) * scaling / std.
+    latent_stats: bool = False
+    # The pipeline's keyword of each stored key where it is not PixArt's / SD3's (evaluation.PIPELINE_KEYWORDS):
+    # Qwen-Image's mask is prompt_embeds_mask.
+    pipeline_keywords: Mapping[str, str] = field(default_factory=dict)
+    # The caption's token window where the tokenizer's model_max_length is not it (Qwen-Image: 1024, the
+    # pipeline's tokenizer_max_length; its tokenizer says 131072): encode counts num_tokens / truncated in it.
+    token_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
