@@ -154,12 +154,14 @@ def tiny_text_encoder(tokenizer):
 
 def tiny_vae(latents_mean: Sequence[float] | None = None, latents_std: Sequence[float] | None = None):
     """A tiny AutoencoderKLQwenImage: 8x downsampling (three downsamples) and 16 channels as the real one, with
-    the real per-channel statistics unless others are given."""
+    the real per-channel statistics unless others are given. One width throughout (dim_mult 1): narrowing it
+    at depth left a random-init encoder's latents mostly a pattern shared by every image (8 photos' latents, at
+    unit spread, 0.6 apart in MSE against 1.3 here), which the proof-of-learning test cannot learn from."""
     from diffusers import AutoencoderKLQwenImage
 
     stats = {key: list(value) for key, value in (("latents_mean", latents_mean), ("latents_std", latents_std))
              if value is not None}
-    return AutoencoderKLQwenImage(base_dim=8, z_dim=TINY_Z, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+    return AutoencoderKLQwenImage(base_dim=16, z_dim=TINY_Z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                   temperal_downsample=[False, True, True], **stats)
 
 
