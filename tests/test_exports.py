@@ -37,6 +37,7 @@ def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latent
         "flux": (flow_latents("flux").latents, dict(unet_config="tiny"), "transformer"),
         "pixart": (flow_latents("pixart").latents, dict(unet=str(flow_latents("pixart").model), ema=True),
                    "transformer_ema"),
+        "qwen-image": (flow_latents("qwen-image").latents, dict(unet_config="tiny"), "transformer"),
     }
     found = {}
     for name, (latents, options, denoiser) in plans.items():
@@ -166,7 +167,7 @@ def _files(folder: Path) -> dict[str, bytes]:
             if path.is_file()}
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart"])
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "qwen-image"])
 def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
     """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
     checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
