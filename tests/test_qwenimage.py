@@ -86,6 +86,9 @@ def test_stored_states_are_encode_prompts_trimmed(qwen):
         states, mask = pipe.encode_prompt(captions, device="cpu")
     lengths = mask.sum(dim=1).tolist()
     assert len(set(lengths)) > 1  # captions of several lengths, padded to the longest
+    direct = get_family("qwen-image").encode_text([pipe.tokenizer], [pipe.text_encoder], captions)
+    torch.testing.assert_close(direct["states"], states, rtol=1e-6, atol=1e-6)  # before float16 storage
+    assert torch.equal(direct["mask"], mask.bool())
     for row, want, length in zip(rows, states, lengths):
         assert tuple(row["text"].shape) == (length, 32) and row["mask"].dtype == torch.bool and row["mask"].all()
         np.testing.assert_allclose(row["text"].float(), want[:length], atol=3e-3, rtol=1e-2)

@@ -74,9 +74,11 @@ def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequenc
     (tokenizer,), (encoder,) = tokenizers, text_encoders
     found = tokenizer([PROMPT_TEMPLATE.format(text) for text in captions], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
                       padding=True, truncation=True, return_tensors="pt").to(encoder.device)
+    # The pipeline calls the whole Qwen2_5_VLForConditionalGeneration; its inner model gives the same hidden
+    # states without the language-model head's logits (152k per token at real size: GBs per batch).
     with torch.no_grad():
-        hidden = encoder(input_ids=found.input_ids, attention_mask=found.attention_mask,
-                         output_hidden_states=True).hidden_states[-1]
+        hidden = encoder.model(input_ids=found.input_ids, attention_mask=found.attention_mask,
+                               output_hidden_states=True).hidden_states[-1]
     valid = found.attention_mask.bool()
     lengths = (valid.sum(dim=1) - DROP_IDX).clamp(min=0)
     width = max(int(lengths.max()), 1)
