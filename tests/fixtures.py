@@ -115,7 +115,7 @@ def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
 
 @dataclass(frozen=True)
 class FlowLatents:
-    name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text)
+    name: str  # a transformer family: sd3, flux or qwen-image (flow matching), pixart (DDPM, masked text)
     model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
     latents: Path  # `laionkit encode` of image_shards with it at 64 px
 

@@ -74,26 +74,37 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
       VAE's scaling factor intends. The between-image share of that variance is what the random encoder
       gives (most of it: the latents of different photos differ by an MSE of ~1.5).
     Returns the photos' scaled latent statistics (std, mean pairwise MSE between photos)."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    vae = getattr(diffusers, config["_class_name"]).from_pretrained(folder)
     config = vae.config
-    shift, scale = config.shift_factor or 0.0, config.scaling_factor
     layer = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
-    channels = config.latent_channels
-    pixels = photos(images, size or config.sample_size)
+    frames = "z_dim" in config  # Qwen-Image's video VAE: one frame, per-channel statistics instead of scaling
+    channels = config.z_dim if frames else config.latent_channels
+    pixels = photos(images, size or (64 if frames else config.sample_size))
+    pixels = pixels[:, :, None] if frames else pixels
+    dims = (0, *range(2, pixels.dim()))
     with torch.no_grad():
         mean = vae.encode(pixels).latent_dist.mean  # the layer's mean half, as it is
-        centre, spread = mean.mean((0, 2, 3)), mean.std((0, 2, 3))
-        # new mean = (old - centre) / spread / scale + shift, so that (new - shift) * scale = (old - centre) / spread
-        factor = 1.0 / (spread * scale)
+        centre, spread = mean.mean(dims), mean.std(dims)
+        if frames:  # new mean = (old - centre) / spread * std + mean, so that (new - mean) / std = (old - centre) / spread
+            want_mean, want_std = torch.tensor(config.latents_mean), torch.tensor(config.latents_std)
+            factor, offset = want_std / spread, want_mean
+        else:  # new mean = (old - centre) / spread / scale + shift, so that (new - shift) * scale = (old - centre) / spread
+            shift, scale = config.shift_factor or 0.0, config.scaling_factor
+            factor, offset = 1.0 / (spread * scale), shift
         layer.weight[:channels] *= factor.view(-1, *[1] * (layer.weight.dim() - 1))
-        layer.bias[:channels] = (layer.bias[:channels] - centre) * factor + shift
+        layer.bias[:channels] = (layer.bias[:channels] - centre) * factor + offset
         layer.weight[channels:] = 0.0
         layer.bias[channels:] = LOGVAR
         found = vae.encode(pixels).latent_dist
-        latents = (found.mean - shift) * scale
+        if frames:
+            shape = (1, -1, 1, 1, 1)
+            latents = ((found.mean - want_mean.view(shape)) / want_std.view(shape))[:, :, 0]
+        else:
+            latents = (found.mean - shift) * scale
     assert found.std.max().item() < 1e-5
     vae.save_pretrained(folder, safe_serialization=True)
     n = len(latents)
@@ -126,7 +137,10 @@ def shard_latents(latents: Path, vae: Path) -> dict:
     import torch
 
     config = json.loads((vae / "config.json").read_text())
-    shift, scale = config.get("shift_factor") or 0.0, config["scaling_factor"]
+    if "latents_mean" in config and "z_dim" in config:  # Qwen-Image: per channel, (z - mean) / std
+        shift, scale = torch.tensor(config["latents_mean"]).view(-1, 1, 1), 1 / torch.tensor(config["latents_std"]).view(-1, 1, 1)
+    else:
+        shift, scale = config.get("shift_factor") or 0.0, config["scaling_factor"]
     found = {}
     for caption, arrays in shard_samples(latents).items():
         moments = torch.from_numpy(arrays["moments"].astype("float32"))
@@ -202,6 +216,8 @@ for order, captions in enumerate(orders):
                        generator=torch.Generator().manual_seed(index), output_type="latent", **extra).images
         if name.startswith("Flux"):
             latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
+        if name.startswith("QwenImage"):  # packed, and one frame: [B, C, 1, h, w]
+            latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)[:, :, 0]
         found[f"{order}.{index}"] = latents[0].float().contiguous()
 save_file(found, output)
 print(name, type(pipe.scheduler).__name__, "laionkit" in sys.modules)

@@ -14,6 +14,7 @@ from laionkit.families import get_family
 
 RANK, ALPHA = 4, 16.0
 FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "z-image")
+FAMILIES += ("qwen-image",)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -60,7 +61,7 @@ def output(name, denoiser):
     spec = get_family(name)
     config = denoiser.config
     generator = torch.Generator().manual_seed(0)
-    channels = config.in_channels // 4 if name == "flux" else config.in_channels  # Flux's input is packed 2x2
+    channels = config.in_channels // 4 if name in ("flux", "qwen-image") else config.in_channels  # packed 2x2
     noisy = torch.randn(2, channels, 8, 8, generator=generator)
     timestep = torch.tensor([10, 500])
     if name in ("sd", "sdxl"):
@@ -73,6 +74,9 @@ def output(name, denoiser):
         cond = {"states": torch.randn(2, 7, config.caption_channels, generator=generator), "mask": torch.ones(2, 7)}
     elif name == "z-image":  # a list of 7 caption rows per sample; timestep: sigma (denoise gives 1 - sigma)
         cond = {"states": torch.randn(2, 7, config.cap_feat_dim, generator=generator), "mask": torch.ones(2, 7)}
+        timestep = torch.tensor([0.2, 0.7])
+    elif name == "qwen-image":
+        cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator), "mask": torch.ones(2, 7)}
         timestep = torch.tensor([0.2, 0.7])
     else:
         cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator),
@@ -120,7 +124,7 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
-    if name in ("sd3", "pixart", "z-image"):  # diffusers reads no kohya layout for them: the diffusers / PEFT file serves
+    if name in ("sd3", "pixart", "z-image", "qwen-image"):  # no kohya layout for them: the diffusers / PEFT file serves
         assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
         return
     kohya = load_file(path)

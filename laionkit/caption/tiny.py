@@ -61,9 +61,10 @@ def shipped_captions() -> list[str]:
     return [text for text in pq.read_table(path, columns=["TEXT"]).column(0).to_pylist() if text]
 
 
-def train_tokenizer(captions: list[str], vocab_size: int = 2048):
-    """A Qwen2-style byte-level BPE trained on ``captions``, with Qwen2-VL's special tokens after its vocabulary,
-    as a transformers Qwen2Tokenizer (eos <|im_end|>, pad <|endoftext|>, as Qwen2-VL-Instruct's)."""
+def train_tokenizer(captions: list[str], vocab_size: int = 2048, specials: tuple[str, ...] = SPECIAL_TOKENS):
+    """A Qwen2-style byte-level BPE trained on ``captions``, with ``specials`` (Qwen2-VL's special tokens by
+    default) after its vocabulary, as a transformers Qwen2Tokenizer (eos <|im_end|>, pad <|endoftext|>, as
+    Qwen2-VL-Instruct's)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2TokenizerFast
 
@@ -77,7 +78,7 @@ def train_tokenizer(captions: list[str], vocab_size: int = 2048):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(captions, trainer)
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return Qwen2TokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                               unk_token=None, bos_token=None, errors="replace", model_max_length=32768,
                               chat_template=CHAT_TEMPLATE)

@@ -28,10 +28,13 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_enc
               "text_encoder_3", "tokenizer_3", "transformer")
 # Text encoder classes a component's config may name (its "architectures"); anything else loads as
 # CLIPTextModel, as SD's always did.
-TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model")
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
+                        "Qwen2_5_VLForConditionalGeneration")
 # Checkpoints saved from a language model whose pipelines load its base model (Z-Image: Qwen3-4B's weights
 # under a Qwen3ForCausalLM config, loaded as Qwen3Model, as its model_index.json names it).
 TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
+# VAE classes a vae/config.json may name (its "_class_name"); anything else loads as AutoencoderKL, as always.
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja")  # .jinja: a chat template
 
 
@@ -137,10 +140,25 @@ def _from_pretrained(cls, source: str, component: str, **kwargs):
 
 
 def load_vae(source: str, dtype=None):
-    """A diffusers AutoencoderKL (SD-style: 4 latent channels, 8x downsampling for the SD VAEs)."""
-    from diffusers import AutoencoderKL
+    """A diffusers AutoencoderKL (SD-style: 4 latent channels, 8x downsampling for the SD VAEs), or the VAE
+    class of VAE_CLASSES its config names (Qwen-Image's AutoencoderKLQwenImage, whose latents have a frame axis)."""
+    import diffusers
 
-    return _from_pretrained(AutoencoderKL, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
+    named = load_vae_config(source).get("_class_name")
+    cls = getattr(diffusers, named if named in VAE_CLASSES else "AutoencoderKL")
+    return _from_pretrained(cls, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
+
+
+def vae_facts(config) -> dict:
+    """What the latent manifest records of a VAE config (AutoencoderKL's, or AutoencoderKLQwenImage's, which
+    names its channels z_dim, downsamples once per temperal_downsample entry and has no scaling factor:
+    its latents are normalised per channel with latents_mean / latents_std instead, scaling 1, no shift)."""
+    if "z_dim" in config:
+        return {"scaling_factor": 1.0, "shift_factor": None, "latent_channels": config["z_dim"],
+                "downsample_factor": 2 ** len(config["temperal_downsample"])}
+    return {"scaling_factor": config["scaling_factor"], "shift_factor": config.get("shift_factor"),
+            "latent_channels": config["latent_channels"],
+            "downsample_factor": 2 ** (len(config["block_out_channels"]) - 1)}
 
 
 def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
@@ -164,15 +182,11 @@ def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
 def load_tokenizer(source: str, component: str = "tokenizer"):
     """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
     T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux), or
-    Qwen2Tokenizer where it names that (Z-Image)."""
-    from transformers import CLIPTokenizer, T5TokenizerFast
+    Qwen2Tokenizer where it names a Qwen2 one (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL: byte-level BPE)."""
+    from transformers import CLIPTokenizer, Qwen2Tokenizer, T5TokenizerFast
 
     named = _tokenizer_class(source, component)
-    if named.startswith("Qwen2"):  # Z-Image's Qwen3 tokenizer (byte-level BPE with a chat template)
-        from transformers import Qwen2Tokenizer
-
-        return _from_pretrained(Qwen2Tokenizer, source, component)
-    cls = T5TokenizerFast if named.startswith("T5") else CLIPTokenizer
+    cls = T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2") else CLIPTokenizer
     return _from_pretrained(cls, source, component)
 
 

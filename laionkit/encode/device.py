@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
-from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
+from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config, vae_facts
 from laionkit.encode.config import EncodeConfig
 from laionkit.encode.reader import ShardDone, resize_rgb
 from laionkit.families import DEFAULT_FAMILY, families, get_family
@@ -181,7 +181,7 @@ class Encoders:
         """Refuse image sizes the family cannot encode."""
         patch = self.family.patch_size
         if patch > 1:  # Flux packs 2x2 latent patches, SD3 and PixArt embed them: latent sides are multiples of 2
-            multiple = patch * 2 ** (len(self.vae.config.block_out_channels) - 1)
+            multiple = patch * vae_facts(self.vae.config)["downsample_factor"]
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:
                 raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
@@ -190,6 +190,8 @@ class Encoders:
                                     f"{8 * multiple})")
 
     def _encode_images(self, pixels):
+        if self.family.vae_frames:  # a video VAE: one frame in, its frame axis dropped from the moments
+            return self.vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
         return self.vae.encode(pixels).latent_dist.parameters
 
     def _encode_ids(self, input_ids):
@@ -203,14 +205,15 @@ class Encoders:
         return self.family.encode_text(self.tokenizers, self.text_encoders, captions)
 
     def facts(self) -> dict:
-        vae, text = self.vae.config, self.text_encoder.config
+        vae, text = self.vae.config, self.text_encoder.config.get_text_config()
         facts = {
-            "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.get("shift_factor"),
-                    "latent_channels": vae.latent_channels,
-                    "downsample_factor": 2 ** (len(vae.block_out_channels) - 1)},
+            "vae": vae_facts(vae),
             "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
                      "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
         }
+        if self.family.latent_stats:  # per-channel normalisation, as the family's pipeline does it
+            facts["vae"]["latents_mean"] = [float(value) for value in vae.latents_mean]
+            facts["vae"]["latents_std"] = [float(value) for value in vae.latents_std]
         if self.vae_dtype != self.dtype:
             facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
         if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)

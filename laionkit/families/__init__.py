@@ -44,6 +44,14 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   after its last unmasked position (``text_lengths``), the latent loader zero-pads them back to the
   longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike.
 - ``pipeline_text`` / ``cfg_offset``: the pipeline's own prompt keywords and guidance scale (Z-Image, zimage.py).
+- video VAEs and per-channel latent statistics (Qwen-Image): ``vae_frames`` (the VAE takes [B, C, frames,
+  H, W]; encode gives it one frame and stores frame-free moments, validation decodes one frame),
+  ``latent_stats`` (the pipeline normalises latents with the VAE config's latents_mean / latents_std; encode
+  records them in the manifest and train's ``LatentSet.normalize`` applies them), ``Objective.shift_anchors``
+  (the dynamic shift's anchors where they are not Flux's), ``pipeline_keywords`` (the pipeline's keyword of a
+  stored key where it is not PixArt's / SD3's; ``pipeline_text`` replaces the whole mapping where a rename
+  is not enough); ``text_window`` (Z-Image, Qwen-Image): the caption window encode counts tokens in, where the
+  tokenizer's model_max_length is not it.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
 whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per
@@ -57,6 +65,7 @@ from __future__ import annotations
 # Importing the family modules registers them (each calls spec.register_family).
 from laionkit.families import flux as _flux  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
+from laionkit.families import qwenimage as _qwenimage  # noqa: F401
 from laionkit.families import sd as _sd  # noqa: F401
 from laionkit.families import sd3 as _sd3  # noqa: F401
 from laionkit.families import sdxl as _sdxl  # noqa: F401

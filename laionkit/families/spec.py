@@ -25,6 +25,9 @@ class Objective:
     mode_scale: float = 1.29
     shift: float | None = None  # flow: static shift s; None with dynamic_shift means per-resolution
     dynamic_shift: bool = False  # flow: Flux's rule on the image sequence length, per bucket
+    # flow, dynamic_shift: the rule's anchors (base_seq_len, max_seq_len, base_shift, max_shift), where they
+    # are not Flux's (256, 4096, 0.5, 1.15): the family's scheduler config's (Qwen-Image: 256, 8192, 0.5, 0.9)
+    shift_anchors: tuple[int, int, float, float] | None = None
     weighting: str = "none"  # flow: none | sigma_sqrt | cosmap
     timestep_scale: float = 1000.0  # flow: the denoiser's timestep input is sigma * this (Flux: 1, SD3: 1000)
     guidance: float | None = None  # flow: the guidance embedding's input in training (Flux-dev: 3.5)
@@ -39,7 +42,8 @@ class Objective:
         from laionkit.families import flow
 
         if self.dynamic_shift:
-            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size))
+            anchors = dict(zip(("base_seq_len", "max_seq_len", "base_shift", "max_shift"), self.shift_anchors or ()))
+            return flow.resolution_shift(flow.image_seq_len(latent_height, latent_width, patch_size), **anchors)
         return self.shift or 1.0
 
 
@@ -98,8 +102,18 @@ class FamilySpec:
     # The pipeline's guidance_scale is the classifier-free scale less this (Z-Image: pos + s (pos - neg)).
     cfg_offset: float = 0.0
     # The caption window of the pipeline where the tokenizer's model_max_length is not it: encode's token counts,
-    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens; Qwen's tokenizer says 131,072).
+    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens, Qwen-Image: 1,024;
+    # Qwen's tokenizers say 131,072).
     text_window: int | None = None
+    # The VAE is a video VAE (Qwen-Image's AutoencoderKLQwenImage): it takes [B, C, frames, H, W]; encode gives
+    # it one frame and stores frame-free moments [2C, h, w], validation decodes with the frame axis put back.
+    vae_frames: bool = False
+    # The pipeline normalises latents per channel with the VAE config's latents_mean / latents_std (Qwen-Image):
+    # encode records them in the manifest, and train's latents are (z - shift - mean) * scaling / std.
+    latent_stats: bool = False
+    # The pipeline's keyword of each stored key where it is not PixArt's / SD3's (evaluation.PIPELINE_KEYWORDS):
+    # Qwen-Image's mask is prompt_embeds_mask.
+    pipeline_keywords: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -275,7 +289,7 @@ def _family_of_components(path: Path) -> FamilySpec:
     """The family of a pipeline folder without model_index.json, from its component subfolders.
 
     A denoiser in transformer/ is one of the transformer families (its config's ``_class_name``, else its
-    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone); a second text
+    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone, Qwen-Image Qwen2.5-VL); a second text
     encoder beside a UNet is SDXL; anything else (bare component folders) is SD, as it always was. Taking a
     transformer folder for SD encoded SD-style text and latents that no transformer trains on.
     """
@@ -295,6 +309,8 @@ def _family_of_components(path: Path) -> FamilySpec:
                 return get_family("flux")
             if t5 == ["text_encoder"]:
                 return get_family("pixart")
+            if _read_class(path / "text_encoder" / "config.json", "architectures") == "Qwen2_5_VLForConditionalGeneration":
+                return get_family("qwen-image")
         raise LaionkitError(
             f"{path} has no model_index.json and its transformer/ ({name or 'no readable config.json'}) is "
             "none of " + ", ".join(f"{s.name} = {s.denoiser_class}" for s in _FAMILIES.values()

@@ -37,11 +37,12 @@ class TrainConfig:
         help="Run folder (a path or URL): checkpoints, metrics, samples, unet/.",
         flags=("--output", "-o"), type=str)
     unet: str | None = option(
-        None, "Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl) or "
+        None, "Fine-tune: a hub id, preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl, qwen-image) or "
         "folder with the family's unet/ or transformer/ weights.", flags=("--unet", "--transformer"))
     unet_config: str | None = option(
         None, "From scratch: an architecture of the latents' family (sd: sd15, sd2-base, tiny; sdxl: sdxl, "
-        "tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny; pixart: pixart-sigma-xl, tiny) or a config "
+        "tiny; sd3: sd3-medium, tiny; flux: flux-dev, tiny; pixart: pixart-sigma-xl, tiny; qwen-image: qwen-image, "
+        "tiny) or a config "
         "folder/file.", flags=("--unet-config", "--transformer-config"))
     noise_scheduler: str | None = option(
         None, "DDPM schedule source (default: --unet's, else SD's scaled_linear).")

@@ -59,6 +59,32 @@ class LatentSet:
     captions: tuple[str, ...] = ("alt",)
     scored_captions: tuple[str, ...] = ()
     manifest: str = ""  # where the manifest is, for messages
+    # The VAE's per-channel statistics where the family's pipeline normalises with them (the manifest's
+    # vae.latents_mean / latents_std; Qwen-Image), else None: see normalize.
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+
+    def normalize(self, z: torch.Tensor) -> torch.Tensor:
+        """VAE latents ([..., C, h, w]) as the denoiser sees them: (z - shift_factor) * scaling_factor, and with
+        per-channel statistics (z - shift_factor - mean) * scaling_factor / std (Qwen-Image's pipeline:
+        (z - mean) / std, scaling 1 and no shift; SDXL's pipeline on a VAE with latents_mean alike)."""
+        if self.latents_mean is None:
+            return (z - self.shift_factor) * self.scaling_factor
+        mean, std = self._stats(z)
+        return (z - self.shift_factor - mean) * self.scaling_factor / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of normalize: what the VAE decodes."""
+        if self.latents_mean is None:
+            return latents / self.scaling_factor + self.shift_factor
+        mean, std = self._stats(latents)
+        return latents * std / self.scaling_factor + mean + self.shift_factor
+
+    def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def shaped(values):
+            return torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).to(like.device, like.dtype)
+
+        return shaped(self.latents_mean), shaped(self.latents_std)
 
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
@@ -187,6 +213,8 @@ def open_latents(latents: Path | str) -> LatentSet:
         scored_captions=tuple(name for name, counts in (manifest.get("caption_counts") or {}).items()
                               if counts.get("scored")),
         manifest=str(manifest_path),
+        latents_mean=tuple(vae["latents_mean"]) if vae.get("latents_mean") is not None else None,
+        latents_std=tuple(vae["latents_std"]) if vae.get("latents_std") is not None else None,
     )
 
 
@@ -252,11 +280,13 @@ def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: 
     """A --stage folder must feed the same model as LATENTS: latent channels, text embeddings and the
     VAE's scaling (its validation grids decode with LATENTS' VAE)."""
     def facts(data: LatentSet) -> tuple:
-        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor)
+        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor,
+                data.latents_mean, data.latents_std)
 
     if facts(later) != facts(first[1]):
         raise LaionkitError(
-            f"--stage {folder}: (latent channels, text shape, scaling factor, shift factor) {facts(later)} differ "
+            f"--stage {folder}: (latent channels, text shape, scaling factor, shift factor, latents mean, latents std) "
+            f"{facts(later)} differ "
             f"from {first[0]}'s {facts(first[1])}: stages must come from the same VAE and text encoder")
     return later
 

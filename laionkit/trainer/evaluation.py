@@ -62,7 +62,11 @@ def validate(unet, vae, noise_scheduler, texts: dict, empty: dict, data: LatentS
     packed, unpacked here, ``sample_latents``): the decode is ours, in the VAE's own dtype, whatever the
     weights' dtype is."""
     latents = sample_latents(unet, vae, noise_scheduler, texts, empty, data, config, device)
-    images = vae.decode(latents.to(vae.dtype) / data.scaling_factor + data.shift_factor).sample
+    latents = data.denormalize(latents.to(vae.dtype))
+    if data.family.vae_frames:  # a video VAE decodes [B, C, 1, h, w]: one frame, dropped again
+        images = vae.decode(latents.unsqueeze(2)).sample.squeeze(2)
+    else:
+        images = vae.decode(latents).sample
     return (images.float() / 2 + 0.5).clamp(0, 1).cpu()
 
 
@@ -109,13 +113,14 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
     if spec.pipeline_text is not None:  # the family's own prompt keywords (Z-Image: lists of unmasked states)
         prompts.update(spec.pipeline_text(texts))
         prompts.update({f"negative_{key}": value for key, value in spec.pipeline_text(negatives).items()})
-    for key, keyword in PIPELINE_KEYWORDS.items() if spec.pipeline_text is None else ():
+    keywords = {**PIPELINE_KEYWORDS, **spec.pipeline_keywords}
+    for key, keyword in keywords.items() if spec.pipeline_text is None else ():
         if key in texts:
             prompts[keyword] = texts[key]
             if not guided_by_embedding:
                 prompts[f"negative_{keyword}"] = negatives[key].to(device, dtype)
-    if spec.embedded_guidance and not guided_by_embedding:
-        prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's classifier-free guidance
+    if "true_cfg_scale" in inspect.signature(pipeline_class.__call__).parameters and not guided_by_embedding:
+        prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's / QwenImagePipeline's classifier-free guidance
     channels, height, width = data.moments_shape
     scale = pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(config.seed)

@@ -251,6 +251,11 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+# The transformers whose pipeline loads LoRA (its save_lora_weights writes RUN/lora), by class name.
+TRANSFORMER_LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
+                              "QwenImageTransformer2DModel": "QwenImagePipeline", "ZImageTransformer2DModel": "ZImagePipeline"}
+
+
 def _save_lora(model, named: dict, folder: Path) -> str | None:
     """Write ``folder``; returns why the kohya file was left out, where one was expected but cannot be."""
     import diffusers
@@ -262,12 +267,10 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
     if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
-    elif isinstance(model, (diffusers.SD3Transformer2DModel, diffusers.FluxTransformer2DModel,
-                            diffusers.ZImageTransformer2DModel)):
+    elif isinstance(model, tuple(getattr(diffusers, name) for name in TRANSFORMER_LORA_PIPELINES)):
         # their pipelines name the denoiser "transformer"
-        pipeline = (diffusers.StableDiffusion3Pipeline if isinstance(model, diffusers.SD3Transformer2DModel)
-                    else diffusers.ZImagePipeline if isinstance(model, diffusers.ZImageTransformer2DModel)
-                    else diffusers.FluxPipeline)
+        pipeline = next(getattr(diffusers, pipeline) for name, pipeline in TRANSFORMER_LORA_PIPELINES.items()
+                        if isinstance(model, getattr(diffusers, name)))
         keyword = "transformer_lora_layers"
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
         _save_peft_adapter(model, peft_layers, folder)

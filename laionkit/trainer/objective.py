@@ -132,11 +132,11 @@ def randn(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor
 
 def latents_and_noise(moments, config: TrainConfig, data: LatentSet, generator: torch.Generator,
                       channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fresh latent drawn from the stored moments, shifted and scaled as the VAE's config says, and the
+    """A fresh latent drawn from the stored moments, normalised as the VAE's config says (data.normalize), and the
     noise for it (with --noise-offset), both from ``generator`` in that order."""
     mean, logvar = moments.float().chunk(2, dim=1)
     latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
-    latents = (latents - data.shift_factor) * data.scaling_factor
+    latents = data.normalize(latents)
     if channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)
     noise = randn(latents.shape, generator, latents)

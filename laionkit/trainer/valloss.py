@@ -84,6 +84,9 @@ def load(config, data) -> ValSet:
     val = open_latents(config.val_latents)
     ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)
     theirs = (val.moments_shape, val.text_shape, val.scaling_factor, val.shift_factor)
+    if (val.latents_mean, val.latents_std) != (data.latents_mean, data.latents_std):
+        raise LaionkitError(f"--val-latents {config.val_latents}: its VAE's latents_mean / latents_std differ from the "
+                            "training latents': encode it with the same VAE")
     if val.online != data.online:
         raise LaionkitError(f"--val-latents {config.val_latents}: its text is {'online' if val.online else 'stored'}, "
                             f"the training latents' {'online' if data.online else 'stored'}: encode both with the "
@@ -101,7 +104,7 @@ def load(config, data) -> ValSet:
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
         latent = mean + std * torch.randn(mean.shape, generator=generator)
         keys.append(sample["key"])
-        latents.append((latent - data.shift_factor) * data.scaling_factor)
+        latents.append(data.normalize(latent))
         noise.append(torch.randn(mean.shape, generator=generator))
         u.append(torch.rand((), generator=generator, dtype=torch.float64))
         for name, value in sample.items():
