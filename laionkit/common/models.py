@@ -28,7 +28,14 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_enc
               "text_encoder_3", "tokenizer_3", "transformer")
 # Text encoder classes a component's config may name (its "architectures"); anything else loads as
 # CLIPTextModel, as SD's always did.
-TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Gemma2Model")
+# VAE classes a vae/ config may name (its "_class_name"); anything else loads as AutoencoderKL, as it always did.
+# AutoencoderDC (Sana's DC-AE) is deterministic: encode(x).latent is the latent itself, with no posterior
+# (AutoencoderKL's encode(x).latent_dist) to draw from; ``vae_is_deterministic`` tells encode and train which.
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderDC")
+DETERMINISTIC_VAES = ("AutoencoderDC",)
+# Gemma's tokenizer_config.json names no window (model_max_length 1e30): Sana's, SanaPipeline's max_sequence_length.
+GEMMA_WINDOW = 300
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 
@@ -134,10 +141,27 @@ def _from_pretrained(cls, source: str, component: str, **kwargs):
 
 
 def load_vae(source: str, dtype=None):
-    """A diffusers AutoencoderKL (SD-style: 4 latent channels, 8x downsampling for the SD VAEs)."""
-    from diffusers import AutoencoderKL
+    """The diffusers VAE of the class its config names: AutoencoderKL (SD-style: 4 latent channels, 8x
+    downsampling for the SD VAEs; 16 channels for SD3 / Flux) or AutoencoderDC (Sana's deterministic 32x DC-AE)."""
+    import diffusers
 
-    return _from_pretrained(AutoencoderKL, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
+    named = load_vae_config(source).get("_class_name")
+    cls = getattr(diffusers, named if named in VAE_CLASSES else "AutoencoderKL")
+    return _from_pretrained(cls, source, "vae", torch_dtype=dtype).eval().requires_grad_(False)
+
+
+def vae_is_deterministic(vae) -> bool:
+    """Whether a VAE (a loaded model, or its config.json as a dict) encodes to the latent itself, with no
+    posterior to draw from (AutoencoderDC), rather than to a diagonal Gaussian's moments (AutoencoderKL)."""
+    named = vae.get("_class_name") if isinstance(vae, dict) else type(vae).__name__
+    return named in DETERMINISTIC_VAES
+
+
+def vae_downsample(config) -> int:
+    """A VAE's pixels per latent side: 2 ** (stages - 1) of its encoder (AutoencoderKL's block_out_channels,
+    AutoencoderDC's encoder_block_out_channels)."""
+    stages = config.get("block_out_channels") or config.get("encoder_block_out_channels")
+    return 2 ** (len(stages) - 1)
 
 
 def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
@@ -158,11 +182,17 @@ def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
 
 
 def load_tokenizer(source: str, component: str = "tokenizer"):
-    """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD), or
-    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux)."""
-    from transformers import CLIPTokenizer, T5TokenizerFast
+    """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
+    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux, PixArt), or
+    GemmaTokenizerFast where it names a Gemma one (Sana; its window at most GEMMA_WINDOW)."""
+    from transformers import CLIPTokenizer, GemmaTokenizerFast, T5TokenizerFast
 
-    cls = T5TokenizerFast if _tokenizer_class(source, component).startswith("T5") else CLIPTokenizer
+    named = _tokenizer_class(source, component)
+    if named.startswith("Gemma"):
+        tokenizer = _from_pretrained(GemmaTokenizerFast, source, component)
+        tokenizer.model_max_length = min(tokenizer.model_max_length, GEMMA_WINDOW)
+        return tokenizer
+    cls = T5TokenizerFast if named.startswith("T5") else CLIPTokenizer
     return _from_pretrained(cls, source, component)
 
 
@@ -196,7 +226,8 @@ def load_unet_config(source: str) -> dict:
 
 
 def load_vae_config(source: str) -> dict:
-    """The AutoencoderKL config alone: what encode must know (force_upcast) before choosing the load dtype."""
+    """The VAE config alone (any VAE class: load_config reads config.json): what encode must know
+    (force_upcast, the class) before choosing the load dtype and class."""
     from diffusers import AutoencoderKL
 
     return _load_config(AutoencoderKL, source, "vae")

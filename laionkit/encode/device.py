@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
-from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config
+from laionkit.common.models import (
+    load_text_encoder,
+    load_tokenizer,
+    load_vae,
+    load_vae_config,
+    vae_downsample,
+    vae_is_deterministic,
+)
 from laionkit.encode.config import EncodeConfig
 from laionkit.encode.reader import ShardDone, resize_rgb
 from laionkit.families import DEFAULT_FAMILY, families, get_family
@@ -162,6 +169,8 @@ class Encoders:
                 "force_upcast", True):
             self.vae_dtype = torch.float32
         self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
+        # AutoencoderDC has no posterior: moments.npy then holds the latent itself (C channels, not 2C)
+        self.deterministic = vae_is_deterministic(self.vae)
         self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
         self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
                               for _, enc in self.family.text_encoders]
@@ -179,7 +188,7 @@ class Encoders:
         """Refuse image sizes the family cannot encode."""
         patch = self.family.patch_size
         if patch > 1:  # Flux packs 2x2 latent patches, SD3 and PixArt embed them: latent sides are multiples of 2
-            multiple = patch * 2 ** (len(self.vae.config.block_out_channels) - 1)
+            multiple = patch * vae_downsample(self.vae.config)
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:
                 raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
@@ -188,6 +197,10 @@ class Encoders:
                                     f"{8 * multiple})")
 
     def _encode_images(self, pixels):
+        """What moments.npy stores: the posterior's mean and log-variance (2C channels, AutoencoderKL), or
+        the latent of a deterministic VAE (C channels, AutoencoderDC)."""
+        if self.deterministic:
+            return self.vae.encode(pixels).latent
         return self.vae.encode(pixels).latent_dist.parameters
 
     def _encode_ids(self, input_ids):
@@ -205,10 +218,12 @@ class Encoders:
         facts = {
             "vae": {"scaling_factor": vae.scaling_factor, "shift_factor": vae.get("shift_factor"),
                     "latent_channels": vae.latent_channels,
-                    "downsample_factor": 2 ** (len(vae.block_out_channels) - 1)},
+                    "downsample_factor": vae_downsample(vae)},
             "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
                      "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
         }
+        if self.deterministic:  # only then: other folders keep the manifest they had (resume)
+            facts["vae"]["deterministic"] = True
         if self.vae_dtype != self.dtype:
             facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
         if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)

@@ -59,6 +59,14 @@ class LatentSet:
     captions: tuple[str, ...] = ("alt",)
     scored_captions: tuple[str, ...] = ()
     manifest: str = ""  # where the manifest is, for messages
+    # The manifest's vae.deterministic: moments.npy holds the latent itself (C channels; AutoencoderDC), not
+    # a posterior's mean and log-variance (2C channels) to draw a latent from.
+    deterministic: bool = False
+
+    @property
+    def moments_per_channel(self) -> int:
+        """Stored channels per latent channel: 2 (mean and log-variance), 1 for a deterministic VAE."""
+        return 1 if self.deterministic else 2
 
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
@@ -187,6 +195,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         scored_captions=tuple(name for name, counts in (manifest.get("caption_counts") or {}).items()
                               if counts.get("scored")),
         manifest=str(manifest_path),
+        deterministic=bool(vae.get("deterministic")),
     )
 
 
@@ -252,7 +261,7 @@ def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: 
     """A --stage folder must feed the same model as LATENTS: latent channels, text embeddings and the
     VAE's scaling (its validation grids decode with LATENTS' VAE)."""
     def facts(data: LatentSet) -> tuple:
-        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor)
+        return (data.bucket_shapes[0][0] // data.moments_per_channel, data.text_shape, data.scaling_factor, data.shift_factor)
 
     if facts(later) != facts(first[1]):
         raise LaionkitError(
