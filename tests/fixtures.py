@@ -115,14 +115,14 @@ def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
 
 @dataclass(frozen=True)
 class FlowLatents:
-    name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text)
+    name: str  # a transformer family: sd3 or flux (flow matching), pixart (DDPM, masked text), sana (flow, masked text)
     model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
     latents: Path  # `laionkit encode` of image_shards with it at 64 px
 
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux" | "pixart")``: the family's tiny pipeline and its encode of image_shards at
+    """``flow_latents("sd3" | "flux" | "pixart" | "sana")``: the family's tiny pipeline and its encode of image_shards at
     64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
     tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run

@@ -1,5 +1,5 @@
-"""Model families: everything that differs between SD-, SDXL-, SD3-, Flux- and PixArt-class models, in one
-place.
+"""Model families: everything that differs between SD-, SDXL-, SD3-, Flux-, PixArt- and Sana-class models, in
+one place.
 
 encode's and train's loops stay family-agnostic; they look a family up by name (the name encode writes
 into the latent manifest, so train never asks for it twice) and call what its ``FamilySpec`` holds, the
@@ -56,6 +56,7 @@ from __future__ import annotations
 # Importing the family modules registers them (each calls spec.register_family).
 from laionkit.families import flux as _flux  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
+from laionkit.families import sana as _sana  # noqa: F401
 from laionkit.families import sd as _sd  # noqa: F401
 from laionkit.families import sd3 as _sd3  # noqa: F401
 from laionkit.families import sdxl as _sdxl  # noqa: F401

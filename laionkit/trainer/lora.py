@@ -25,7 +25,7 @@ export). The invariants:
   whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
   targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
   ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
-  PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
+  (Sana's SanaPipeline loads its RUN/lora the same way.) PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
   adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline.py).
@@ -257,15 +257,18 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
+    by_denoiser = {diffusers.SD3Transformer2DModel: "StableDiffusion3Pipeline",
+                   diffusers.FluxTransformer2DModel: "FluxPipeline",
+                   diffusers.SanaTransformer2DModel: "SanaPipeline"}
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
     peft_layers = get_peft_model_state_dict(model, state_dict=state)
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
     if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
-    elif isinstance(model, (diffusers.SD3Transformer2DModel, diffusers.FluxTransformer2DModel)):
+    elif isinstance(model, tuple(by_denoiser)):
         # their pipelines name the denoiser "transformer"
-        pipeline = (diffusers.StableDiffusion3Pipeline if isinstance(model, diffusers.SD3Transformer2DModel)
-                    else diffusers.FluxPipeline)
+        pipeline = next(getattr(diffusers, name) for denoiser, name in by_denoiser.items()
+                        if isinstance(model, denoiser))
         keyword = "transformer_lora_layers"
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
         _save_peft_adapter(model, peft_layers, folder)
@@ -325,7 +328,7 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     for SDXL too); Flux names BFL's modules (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...),
     where fused modules get the parts' adapters block-diagonally (A stacked, B on the diagonal, zeros for a part
     not trained): the same update per part, and a layout diffusers splits back into the parts' own adapters.
-    None for SD3 and PixArt (diffusers reads no kohya layout for them; the diffusers file is what loads), and
+    None for SD3, PixArt and Sana (diffusers reads no kohya layout for them; the diffusers file is what loads), and
     for a Flux module BFL's layout has no place for (with why: the file would miss adapters)."""
     import diffusers
 
