@@ -266,9 +266,10 @@ def _family_of_components(path: Path) -> FamilySpec:
     """The family of a pipeline folder without model_index.json, from its component subfolders.
 
     A denoiser in transformer/ is one of the transformer families (its config's ``_class_name``, else its
-    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone); a second text
+    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone, Sana Gemma-2); a second text
     encoder beside a UNet is SDXL; anything else (bare component folders) is SD, as it always was. Taking a
-    transformer folder for SD encoded SD-style text and latents that no transformer trains on.
+    transformer folder for SD encoded SD-style text and latents that no transformer trains on. Sana's text
+    encoder is Gemma-2 alone.
     """
     transformer = path / "transformer"
     if transformer.is_dir():
@@ -286,6 +287,8 @@ def _family_of_components(path: Path) -> FamilySpec:
                 return get_family("flux")
             if t5 == ["text_encoder"]:
                 return get_family("pixart")
+            if _read_class(path / "text_encoder" / "config.json", "architectures") == "Gemma2Model":
+                return get_family("sana")
         raise LaionkitError(
             f"{path} has no model_index.json and its transformer/ ({name or 'no readable config.json'}) is "
             "none of " + ", ".join(f"{s.name} = {s.denoiser_class}" for s in _FAMILIES.values()
