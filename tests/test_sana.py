@@ -70,7 +70,8 @@ def test_stored_states_and_latents_are_the_pipelines(sana):
     """Each sample stores the DC-AE's latent itself (32 channels: no posterior to draw from) and Gemma's
     states as SanaPipeline.encode_prompt builds them (instruction prefix, select_index), trimmed to the
     caption's last unmasked position: padded back they equal the pipeline's at every unmasked position, the
-    mask equals the pipeline's. The empty caption is the pipeline's negative prompt ""."""
+    mask equals the pipeline's, the caption "" included. The empty-caption files (caption dropout, validation's
+    negative) are the pipeline's negative prompt "" (no instruction)."""
     from laionkit.latents import collate
 
     manifest = json.loads((sana.latents / "manifest.json").read_text())
@@ -89,11 +90,9 @@ def test_stored_states_and_latents_are_the_pipelines(sana):
             complex_human_instruction=list(COMPLEX_HUMAN_INSTRUCTION))
         pixels = torch.stack([torch.from_numpy(np.zeros((3, 64, 64), np.float32))])
         assert pipe.vae.encode(pixels).latent.shape == (1, 32, 8, 8)
-    want_states, want_mask = states.clone(), mask.clone()
-    empty = captions.index("")
-    want_states[empty], want_mask[empty] = negative[empty], negative_mask[empty]  # "" is the negative prompt
+    want_states, want_mask = states, mask
     lengths = want_mask.sum(dim=1).tolist()
-    assert len(set(lengths)) > 1 and max(lengths) < 300 and lengths[empty] == 1
+    assert len(set(lengths)) > 1 and max(lengths) < 300 and lengths[captions.index("")] == 2  # <bos>, the prefix's end
     for row, want, keep, length in zip(rows, want_states, want_mask.bool(), lengths):
         assert row["moments"].shape == (32, 8, 8)  # the latent, not mean + log-variance
         assert tuple(row["text"].shape) == (length, 32) and row["mask"].dtype == torch.bool
@@ -102,6 +101,7 @@ def test_stored_states_and_latents_are_the_pipelines(sana):
     batch = collate(rows)
     assert torch.equal(batch["mask"], want_mask[:, :max(lengths)].bool())
     assert not batch["text"][~batch["mask"]].any()  # the padding is zeros, masked out
+    assert negative_mask[0].sum() == 1  # the negative prompt "": <bos> alone, no instruction
     np.testing.assert_allclose(np.load(sana.latents / "empty_caption.npy").astype(np.float32),
                                negative[0][:1].numpy(), atol=3e-3, rtol=1e-2)
     assert np.load(sana.latents / "empty_mask.npy").tolist() == [True]

@@ -42,7 +42,10 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
 - ``text_mask``: the stored key of a text attention mask the denoiser takes (PixArt: ``mask``). Masked
   positions carry nothing, so encode trims the sequence tensors (``states`` and the mask) of each sample
   after its last unmasked position (``text_lengths``), the latent loader zero-pads them back to the
-  longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike.
+  longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike;
+- ``unconditional``: the token ids of the text caption dropout and validation's negative use (the stored
+  empty-caption files), where the pipeline encodes its negative prompt otherwise than the caption ""
+  (Sana: "" without the instruction prefix its captions get); by default the caption "" itself.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
 whose empty-caption file stays ``empty_caption.npy`` (SD's format); any other key ``k`` is ``k.npy`` per

@@ -11,14 +11,15 @@ and their mask. The transformer takes the mask as ``encoder_attention_mask``, so
 (``FamilySpec.text_mask``), encode stores each caption's states trimmed after its last unmasked position
 (lossless; the selected mask is ones then zeros) and train pads them back per micro-batch.
 
-The empty caption is the unconditional one, as the pipeline encodes its negative prompt ``""``: no
-instruction and no ``select_index``, 300 tokens (``<bos>`` and padding). Caption dropout and validation's
-negative use it; a sample whose caption is empty gets it too (its caption says nothing). Sana's own trainer
-drops captions to the same null embedding (Gemma on ``""`` padded to 300 tokens). ``tokenize`` pads every
-row to the instruction length, the empty caption's with masked positions (-1, as PixArt's ids), so one int
-array carries ids and mask per sample (``--text online``), and ``encode_tokens`` tells the two kinds of row
-apart by their unmasked count: the empty caption's is 1 (``<bos>``), an instructed caption's at least n_chi.
-Gemma-2 is causal with the padding masked, so the extra masked positions change none of the first 300.
+The unconditional text (``FamilySpec.unconditional``: the empty-caption files that caption dropout and
+validation's negative use) is the pipeline's negative prompt ``""``: no instruction and no ``select_index``,
+300 tokens (``<bos>`` and padding); Sana's own trainer drops captions to the same null embedding (Gemma on
+``""`` padded to 300 tokens). A sample whose caption is empty is encoded as the pipeline encodes the prompt
+``""``: behind the instruction, like every caption. ``unconditional`` pads its ids to the instruction width
+with masked positions (-1, as PixArt's ids), so one int array carries ids and mask and one width serves both
+(``--text online``), and ``encode_tokens`` tells the two kinds of row apart by their unmasked count: the
+unconditional one's is 1 (``<bos>``), an instructed caption's at least n_chi. Gemma-2 is causal with the
+padding masked, so the extra masked positions change none of the first 300.
 
 VAE: AutoencoderDC is deterministic, ``encode(x).latent`` with no posterior: encode stores the latent itself
 (``vae.deterministic`` in the manifest, docs/FORMATS.md) and train uses it as it is; the pipeline decodes
@@ -106,31 +107,36 @@ def instruction_length(tokenizer) -> int:
 
 
 def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list:
-    """Gemma token ids [B, n_chi + max_sequence_length - 2], -1 where the attention mask is 0: an instructed
-    caption as ``_get_gemma_prompt_embeds`` tokenizes it, the empty caption as the pipeline's negative prompt
-    (no instruction, ``max_sequence_length`` tokens) padded with -1 to the same width."""
-    import torch
-
+    """Gemma token ids [B, n_chi + max_sequence_length - 2] of the instructed captions, as
+    ``_get_gemma_prompt_embeds`` tokenizes them, -1 where the attention mask is 0."""
     (tokenizer,) = tokenizers
     tokenizer.padding_side = "right"  # as the pipeline sets it
     chi = "\n".join(COMPLEX_HUMAN_INSTRUCTION)
-    width = instruction_length(tokenizer) + max_sequence_length - 2
-    texts = [_caption(text) for text in captions]
-    ids = torch.full((len(texts), width), -1, dtype=torch.long)
-    for rows, prompts, length in (([i for i, t in enumerate(texts) if t], chi, width),
-                                  ([i for i, t in enumerate(texts) if not t], None, max_sequence_length)):
-        if rows:
-            found = tokenizer([prompts + texts[i] if prompts else "" for i in rows], padding="max_length",
-                              max_length=length, truncation=True, add_special_tokens=True, return_tensors="pt")
-            ids[rows, :length] = found.input_ids.masked_fill(found.attention_mask == 0, -1)
+    found = tokenizer([chi + _caption(text) for text in captions], padding="max_length",
+                      max_length=instruction_length(tokenizer) + max_sequence_length - 2, truncation=True,
+                      add_special_tokens=True, return_tensors="pt")
+    return [found.input_ids.masked_fill(found.attention_mask == 0, -1)]
+
+
+def unconditional(tokenizers: Sequence, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list:
+    """The ids [1, n_chi + max_sequence_length - 2] of the pipeline's negative prompt "": no instruction,
+    ``max_sequence_length`` tokens as it pads them, then -1 (masked) to the instructed captions' width."""
+    import torch
+
+    (tokenizer,) = tokenizers
+    tokenizer.padding_side = "right"
+    found = tokenizer([""], padding="max_length", max_length=max_sequence_length, truncation=True,
+                      add_special_tokens=True, return_tensors="pt")
+    ids = torch.full((1, instruction_length(tokenizer) + max_sequence_length - 2), -1, dtype=torch.long)
+    ids[:, :max_sequence_length] = found.input_ids.masked_fill(found.attention_mask == 0, -1)
     return [ids]
 
 
 def encode_tokens(text_encoders: Sequence, ids: Sequence, max_sequence_length: int = MAX_SEQUENCE_LENGTH
                   ) -> dict[str, Any]:
-    """``states`` [B, 300, D] and ``mask`` [B, 300] (bool) from ``tokenize``'s ids: Gemma-2 runs with the
-    mask, then each instructed row keeps the pipeline's select_index positions, each empty-caption row its
-    first 300 (the negative prompt's)."""
+    """``states`` [B, 300, D] and ``mask`` [B, 300] (bool) from ``tokenize``'s (or ``unconditional``'s) ids:
+    Gemma-2 runs with the mask, then each instructed row keeps the pipeline's select_index positions, the
+    unconditional row its first 300 (the negative prompt's)."""
     import torch
 
     (encoder,) = text_encoders
@@ -246,6 +252,7 @@ SPEC = register_family(FamilySpec(
     text_mask="mask",
     tokenize=tokenize,
     encode_tokens=encode_tokens,
+    unconditional=unconditional,
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", shift=FLOW_SHIFT,
                         weighting="none"),

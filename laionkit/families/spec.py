@@ -91,6 +91,11 @@ class FamilySpec:
     # encode_text(tokenizers, text_encoders, captions) -> the ``stored`` tensors; by default
     # encode_tokens(text_encoders, tokenize(tokenizers, captions)), for families that give those two.
     encode_text: Callable[..., dict[str, Any]] | None = None
+    # unconditional(tokenizers) -> the token ids (as ``tokenize`` gives them) of the unconditional text that
+    # caption dropout and validation's negative use, where the family's pipeline encodes its negative prompt
+    # otherwise than a caption "" (Sana: "" without the instruction prefix every caption gets); None: the
+    # caption "" is the unconditional text.
+    unconditional: Callable[[Any], list] | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -113,6 +118,11 @@ class FamilySpec:
         mask = found[self.text_mask].bool()
         positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
         return (mask * positions).amax(dim=-1).clamp(min=1)
+
+    def empty_ids(self, tokenizers) -> list:
+        """The unconditional text's token ids per text encoder (a tokenizing family): ``unconditional``'s, else
+        the caption ""'s."""
+        return self.unconditional(tokenizers) if self.unconditional else self.tokenize(tokenizers, [""])
 
     def ids_member(self, index: int) -> str:
         """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""

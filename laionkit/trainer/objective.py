@@ -41,7 +41,7 @@ class OnlineText:
 
     def empty(self) -> dict:
         """The empty caption's stored tensors (caption dropout), from these encoders in this dtype."""
-        ids = self.family.tokenize(self.tokenizers, [""])
+        ids = self.family.empty_ids(self.tokenizers)
         names = [self.family.ids_member(i)[:-4] for i in range(len(ids))]
         return {key: value[0] for key, value in self(dict(zip(names, ids)), self.device, self.dtype).items()}
 
