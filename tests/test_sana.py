@@ -285,3 +285,26 @@ def test_online_text_and_buckets_from_scratch(sana, reference, image_shards, tmp
     record = metrics(tmp_path / "scratch")[4]
     assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
     assert len([n for n in record["samples_per_bucket"].values() if n]) > 1, "one bucket only"
+
+
+def test_a_32x_dc_ae_refuses_image_sides_off_its_grid(sana, image_shards, tmp_path):
+    """Sana's real DC-AE downsamples 32x (6 stages; the tiny one 8x): encode refuses image sides that are not
+    multiples of 32 px in one line, before encoding, as the patch families refuse theirs."""
+    import shutil
+
+    from conftest import run_cli
+    from diffusers import AutoencoderDC
+
+    model = Path(shutil.copytree(sana.model, tmp_path / "model"))
+    shutil.rmtree(model / "vae")
+    AutoencoderDC(latent_channels=32, attention_head_dim=8, encoder_block_out_channels=(8,) * 6,
+                  decoder_block_out_channels=(8,) * 6, encoder_layers_per_block=(1,) * 6,
+                  decoder_layers_per_block=(1,) * 6, encoder_block_types="ResBlock", decoder_block_types="ResBlock",
+                  encoder_qkv_multiscales=((),) * 6, decoder_qkv_multiscales=((),) * 6, downsample_block_type="Conv",
+                  upsample_block_type="interpolate", scaling_factor=0.41407).save_pretrained(model / "vae")
+    result = run_cli("encode", image_shards / "00000.tar", "--model", model, "--output", tmp_path / "out",
+                     "--resolution", "80", "--batch-size", "4", "--workers", "0", "--quiet", check=False)
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "sana encodes with a 32x downsampling VAE" in line and "multiples of 32 px" in line, line
+    assert not list((tmp_path / "out").glob("*.tar"))

@@ -187,12 +187,17 @@ class Encoders:
     def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
         """Refuse image sizes the family cannot encode."""
         patch = self.family.patch_size
-        if patch > 1:  # Flux packs 2x2 latent patches, SD3 and PixArt embed them: latent sides are multiples of 2
-            multiple = patch * vae_downsample(self.vae.config)
+        # Flux packs 2x2 latent patches, SD3 and PixArt embed them (latent sides are multiples of 2), and Sana's
+        # DC-AE downsamples 32x: image sides must be multiples of patch x downsample. Checked where that grid is
+        # coarser than the 8 px that bucket sides are rounded to (an 8x VAE without patches takes any size).
+        multiple = patch * vae_downsample(self.vae.config)
+        if multiple > 8:
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:
+                why = (f"takes {patch}x{patch} latent patches" if patch > 1
+                       else f"encodes with a {multiple}x downsampling VAE")
                 raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
-                                    f"{self.family.name} takes {patch}x{patch} latent patches, so image sides must be "
+                                    f"{self.family.name} {why}, so image sides must be "
                                     f"multiples of {multiple} px; {', '.join(odd)} are not (try a multiple of "
                                     f"{8 * multiple})")
 
