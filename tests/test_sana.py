@@ -308,3 +308,34 @@ def test_a_32x_dc_ae_refuses_image_sides_off_its_grid(sana, image_shards, tmp_pa
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "sana encodes with a 32x downsampling VAE" in line and "multiples of 32 px" in line, line
     assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_block_checkpointing_keeps_loss_and_gradients(sana):
+    """--checkpointing blocks on SanaTransformerBlock (the FSDP wrap and checkpointing unit): the same loss and
+    gradients as the plain forward, each block's forward recomputed in backward."""
+    from laionkit.latents import collate
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
+
+    data = open_latents(sana.latents)
+    batch = collate(first_rows(sana.latents, 2))
+    cond = batch_conditioning(batch, data, "cpu", torch.float32)
+    config = TrainConfig(latents=sana.latents, output=Path("unused"), unet=str(sana.model), max_steps=1)
+    objective = resolve_objective(config, data.family)
+    model = load_pipeline(sana).transformer.train()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = flow_loss(model, batch["moments"], cond, data.empty, config, data, torch.Generator().manual_seed(3),
+                         objective)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain_loss, plain = step()
+    chosen = data.family.checkpoint_blocks(model, 1)
+    assert len(chosen) == 2 and all(type(b).__name__ == "SanaTransformerBlock" for b in chosen)
+    loss, grads = step()
+    assert loss == plain_loss and len(grads) == len(plain)
+    for a, b in zip(plain, grads):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
