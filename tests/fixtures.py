@@ -115,14 +115,14 @@ def bucket_latents(tmp_path_factory, image_shards, tiny_models) -> Path:
 
 @dataclass(frozen=True)
 class FlowLatents:
-    name: str  # a transformer family: sd3, flux or qwen-image (flow matching), pixart (DDPM, masked text)
+    name: str  # a transformer family: sd3, flux or qwen-image (flow matching), pixart (DDPM, masked text), sana (flow, masked text)
     model: Path  # its tiny pipeline folder (`FamilySpec.write_tiny`)
     latents: Path  # `laionkit encode` of image_shards with it at 64 px
 
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux" | "pixart")``: the family's tiny pipeline and its encode of image_shards at
+    """``flow_latents("sd3" | "flux" | "pixart" | "sana")``: the family's tiny pipeline and its encode of image_shards at
     64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
     tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run
@@ -183,7 +183,7 @@ def sharp_models(tmp_path_factory, realdata):
     built on first use per family. A random-init VAE's latents are noise around nearly equal means, which
     no denoiser can learn to tell apart (see sharpen_vae): the proof-of-learning tests need these."""
     from conftest import run_cli
-    from learning import distinct_photos, sharpen_vae
+    from learning import distinct_photos, sharpen_dc_vae, sharpen_vae
 
     built: dict[str, SharpModels] = {}
 
@@ -193,7 +193,8 @@ def sharp_models(tmp_path_factory, realdata):
             photos = distinct_photos(realdata / "images", root / "photos", square=64 if name == "sdxl" else None)
             write_image_shards(photos, root / "packed")
             run_cli("models", "tiny", "--family", name, "--output", root / "model")
-            stats = sharpen_vae(root / "model" / "vae", photos)
+            sharpen = sharpen_dc_vae if name == "sana" else sharpen_vae  # Sana's DC-AE: deterministic
+            stats = sharpen(root / "model" / "vae", photos)
             run_cli("encode", root / "packed", "--model", root / "model", "--output", root / "latents",
                     "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet")
             built[name] = SharpModels(name, root / "model", photos, root / "latents", stats)

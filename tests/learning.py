@@ -112,6 +112,40 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
     return {"std": latents.std().item(), "pairwise_mse": pairwise}
 
 
+def sharpen_dc_vae(folder: Path, images: Path, size: int = 64) -> dict:
+    """sharpen_vae for a deterministic AutoencoderDC (Sana's DC-AE; ``folder`` saved by save_pretrained): it has
+    no posterior to make sharp, but its random-init latents, like AutoencoderKL's means, are not at the scale
+    a trained one's scaling factor intends. The encoder's last layer (``encoder.conv_out``) gets the affine
+    map per channel, chosen on the real photos at ``size`` px, that gives their latents mean 0 and std 1 per
+    channel after ``latent * scaling_factor`` (the pipeline's scaling; DC-AE has no shift factor). The encoder
+    adds a parameter-free shortcut (its last features averaged per group of channels) after that layer, which
+    no weight could rescale: it is turned off (``encoder_out_shortcut: false``, a config switch of the same
+    class; the weights are unchanged), so the layer alone gives the latent. Returns the photos' scaled latent
+    statistics (std, mean pairwise MSE between photos)."""
+    import torch
+    from diffusers import AutoencoderDC
+
+    vae = AutoencoderDC.from_pretrained(folder, encoder_out_shortcut=False)
+    scale, layer = vae.config.scaling_factor, vae.encoder.conv_out
+    pixels = photos(images, size)
+    with torch.no_grad():
+        latent = vae.encode(pixels).latent
+        centre, spread = latent.mean((0, 2, 3)), latent.std((0, 2, 3))
+        factor = 1.0 / (spread * scale)
+        layer.weight *= factor.view(-1, 1, 1, 1)
+        layer.bias[:] = (layer.bias - centre) * factor
+        latents = vae.encode(pixels).latent * scale
+    vae.save_pretrained(folder, safe_serialization=True)
+    n = len(latents)
+    pairwise = ((latents[:, None] - latents[None]) ** 2).mean((2, 3, 4)).sum().item() / (n * (n - 1))
+    return {"std": latents.std().item(), "pairwise_mse": pairwise}
+
+
+def deterministic(vae: Path) -> bool:
+    """Whether the VAE folder ``vae`` is a deterministic AutoencoderDC: its latents are stored as they are."""
+    return json.loads((vae / "config.json").read_text()).get("_class_name") == "AutoencoderDC"
+
+
 def shard_samples(latents: Path) -> dict:
     """{caption: {member kind: array}} of an encode folder's shards (docs/FORMATS.md section 3): ``moments``
     (posterior mean and log-variance), ``text`` (hidden states), ``mask`` and ``pooled`` where stored."""
@@ -132,8 +166,9 @@ def shard_samples(latents: Path) -> dict:
 
 
 def shard_latents(latents: Path, vae: Path) -> dict:
-    """{caption: the model-space latent [C, h, w]} of an encode folder: each sample's posterior mean,
-    shifted and scaled by ``vae``'s config, as train makes it (the log-variance here is -30)."""
+    """{caption: the model-space latent [C, h, w]} of an encode folder: each sample's posterior mean (the
+    log-variance here is -30), or a deterministic VAE's stored latent, shifted and scaled by ``vae``'s config,
+    as train makes it."""
     import torch
 
     config = json.loads((vae / "config.json").read_text())
@@ -141,10 +176,11 @@ def shard_latents(latents: Path, vae: Path) -> dict:
         shift, scale = torch.tensor(config["latents_mean"]).view(-1, 1, 1), 1 / torch.tensor(config["latents_std"]).view(-1, 1, 1)
     else:
         shift, scale = config.get("shift_factor") or 0.0, config["scaling_factor"]
+    stored = 1 if deterministic(vae) else 2  # stored channels per latent channel
     found = {}
     for caption, arrays in shard_samples(latents).items():
         moments = torch.from_numpy(arrays["moments"].astype("float32"))
-        found[caption] = (moments[: len(moments) // 2] - shift) * scale
+        found[caption] = (moments[: len(moments) // stored] - shift) * scale
     return found
 
 
@@ -208,7 +244,7 @@ if lora:
     pipe.load_lora_weights(lora)
 pipe.set_progress_bar_config(disable=True)
 name = type(pipe).__name__
-extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith("PixArt") else {}
+extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith(("PixArt", "Sana")) else {}
 found = {}
 for order, captions in enumerate(orders):
     for index, caption in enumerate(captions):

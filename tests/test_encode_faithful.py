@@ -33,7 +33,8 @@ def model_copy(model: Path, folder: Path, drop: tuple[str, ...] = ()) -> Path:
 
 @pytest.mark.parametrize("family, missing", [("sd", "tokenizer"), ("flux", "tokenizer_2"),
                                              ("flux", "text_encoder_2"), ("pixart", "tokenizer"),
-                                             ("z-image", "text_encoder"), ("qwen-image", "tokenizer")])
+                                             ("z-image", "text_encoder"), ("qwen-image", "tokenizer"),
+                                             ("sana", "tokenizer")])
 def test_missing_component_subfolder_is_a_one_line_error(tmp_path, image_shards, tiny_models, flow_latents,
                                                          family, missing):
     """Before: SD / PixArt without tokenizer/ failed with OverflowError, Flux without text_encoder_2/ with
@@ -61,7 +62,7 @@ def test_online_text_train_refuses_a_model_folder_missing_a_tokenizer(tmp_path, 
 
 # --- 3. a pipeline folder without model_index.json: the family from its components, or a one-line refusal ---
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "z-image", "qwen-image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sana", "z-image", "qwen-image"])
 def test_transformer_folder_without_model_index_encodes_as_its_family(tmp_path, image_shards, flow_latents, family):
     """Before: encoded as SD (CLIP text only, SD's latent scaling), which no transformer trains on. Now the
     same latents as the folder with its model_index.json, byte for byte."""
@@ -74,10 +75,10 @@ def test_transformer_folder_without_model_index_encodes_as_its_family(tmp_path, 
     assert (tmp_path / "out" / "00000.tar").read_bytes() == (flow.latents / "00000.tar").read_bytes()
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sdxl", "qwen-image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sana", "sdxl", "qwen-image"])
 def test_family_of_a_folder_without_model_index_comes_from_its_components(tmp_path, flow_latents, family):
     """transformer/config.json's class, else the text encoders (SD3's third, Flux's T5 second, PixArt's T5
-    alone); a UNet with a second text encoder is SDXL."""
+    alone, Sana's Gemma-2); a UNet with a second text encoder is SDXL."""
     from laionkit.families import detect_family, get_family
 
     if family == "sdxl":

@@ -39,6 +39,7 @@ def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latent
                    "transformer_ema"),
         "z-image": (flow_latents("z-image").latents, dict(unet_config="tiny"), "transformer"),
         "qwen-image": (flow_latents("qwen-image").latents, dict(unet_config="tiny"), "transformer"),
+        "sana": (flow_latents("sana").latents, dict(unet_config="tiny"), "transformer"),
     }
     found = {}
     for name, (latents, options, denoiser) in plans.items():
@@ -59,7 +60,7 @@ from safetensors.torch import load_file
 report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
-    extra = {"use_resolution_binning": False} if name == "pixart" else {}  # its bins start at 256 px
+    extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}  # bins start at 256 px
     image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     want = load_file(run["run"] + "/" + run["denoiser"] + "/diffusion_pytorch_model.safetensors")
@@ -168,7 +169,7 @@ def _files(folder: Path) -> dict[str, bytes]:
             if path.is_file()}
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "z-image", "qwen-image"])
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image", "qwen-image"])
 def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
     """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
     checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
@@ -219,6 +220,9 @@ def predict(name, model):
             return model(hidden_states=noisy, encoder_hidden_states=states, pooled_projections=pooled,
                          timestep=torch.tensor([200.0, 700.0])).sample
         states = torch.randn(2, 7, config.caption_channels, generator=generator)
+        if name == "sana":
+            return model(noisy, encoder_hidden_states=states, encoder_attention_mask=torch.ones(2, 7),
+                         timestep=torch.tensor([200.0, 700.0])).sample
         return model(noisy, encoder_hidden_states=states, encoder_attention_mask=torch.ones(2, 7),
                      timestep=torch.tensor([10, 500]), added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
 """
@@ -226,14 +230,15 @@ def predict(name, model):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, latent_shards, tiny_models, flow_latents) -> dict[str, dict]:
-    """LoRA runs (rank 4, alpha 16) with --export pipeline, for SD, SD3 and PixArt (PEFT's folder), and an SD
+    """LoRA runs (rank 4, alpha 16) with --export pipeline, for SD, SD3, PixArt (PEFT's folder) and Sana, and an SD
     one with the default --export auto."""
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.loop import run
 
     root = tmp_path_factory.mktemp("lora-exports")
     plans = {"sd": (latent_shards, tiny_models), "sd3": (flow_latents("sd3").latents, flow_latents("sd3").model),
-             "pixart": (flow_latents("pixart").latents, flow_latents("pixart").model)}
+             "pixart": (flow_latents("pixart").latents, flow_latents("pixart").model),
+             "sana": (flow_latents("sana").latents, flow_latents("sana").model)}
     found = {}
     for name, (latents, model) in plans.items():
         run(TrainConfig(latents=latents, output=root / name, unet=str(model), export="pipeline", **LORA))
@@ -271,7 +276,7 @@ from diffusers import DiffusionPipeline
 report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
-    extra = {"use_resolution_binning": False} if name == "pixart" else {}
+    extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}
     image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     denoiser = getattr(pipe, run["subfolder"])
@@ -292,7 +297,7 @@ def test_lora_run_exports_a_pipeline_that_generates_as_the_trained_model(lora_ru
 
     scope: dict = {}
     exec(PREDICT, scope)  # noqa: S102 - the same call the fresh interpreter makes
-    chosen = {name: lora_runs[name] for name in ("sd", "sd3", "pixart")}
+    chosen = {name: lora_runs[name] for name in ("sd", "sd3", "pixart", "sana")}
     free = subprocess.run([sys.executable, "-c", textwrap.dedent(LORA_GENERATE), json.dumps(chosen)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",

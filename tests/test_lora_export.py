@@ -13,7 +13,7 @@ from laionkit.families import flow as flow_math
 from laionkit.families import get_family
 
 RANK, ALPHA = 4, 16.0
-FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "z-image")
+FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image")
 FAMILIES += ("qwen-image",)
 
 
@@ -70,8 +70,10 @@ def output(name, denoiser):
             cond["pooled"] = torch.randn(2, config.projection_class_embeddings_input_dim
                                          - 6 * config.addition_time_embed_dim, generator=generator)
             cond["time_ids"] = torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)
-    elif name == "pixart":
+    elif name in ("pixart", "sana"):
         cond = {"states": torch.randn(2, 7, config.caption_channels, generator=generator), "mask": torch.ones(2, 7)}
+        if name == "sana":  # flow matching: sigma x 1000
+            timestep = torch.tensor([0.2, 0.7]) * spec.objective.timestep_scale
     elif name == "z-image":  # a list of 7 caption rows per sample; timestep: sigma (denoise gives 1 - sigma)
         cond = {"states": torch.randn(2, 7, config.cap_feat_dim, generator=generator), "mask": torch.ones(2, 7)}
         timestep = torch.tensor([0.2, 0.7])
@@ -124,7 +126,7 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
-    if name in ("sd3", "pixart", "z-image", "qwen-image"):  # no kohya layout for them: the diffusers / PEFT file serves
+    if name in ("sd3", "pixart", "sana", "z-image", "qwen-image"):  # no kohya layout for them: the diffusers / PEFT file serves
         assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
         return
     kohya = load_file(path)

@@ -268,7 +268,7 @@ def test_cli_checkpointing_flags(flux_run, tmp_path, capsys, monkeypatch):
     assert "--checkpointing" in help_text and "--compile --checkpointing blocks" in help_text
 
 
-@pytest.mark.parametrize("name", ["sd", "sd3", "flux", "pixart"])
+@pytest.mark.parametrize("name", ["sd", "sd3", "flux", "pixart", "sana"])
 def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, latent_shards, flow_latents):
     """train's model FLOPs (MFU's numerator) come from a meta-tensor copy of the denoiser, so counting them
     allocates nothing (a real one-sample fp32 step of Flux-12B at 1024 px, before the precision policy,

@@ -29,12 +29,18 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_enc
 # Text encoder classes a component's config may name (its "architectures"); anything else loads as
 # CLIPTextModel, as SD's always did.
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
-                        "Qwen2_5_VLForConditionalGeneration")
+                        "Qwen2_5_VLForConditionalGeneration", "Gemma2Model")
 # Checkpoints saved from a language model whose pipelines load its base model (Z-Image: Qwen3-4B's weights
 # under a Qwen3ForCausalLM config, loaded as Qwen3Model, as its model_index.json names it).
 TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
-# VAE classes a vae/config.json may name (its "_class_name"); anything else loads as AutoencoderKL, as always.
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage")
+# VAE classes a vae/ config may name (its "_class_name"); anything else loads as AutoencoderKL, as it always did.
+# AutoencoderDC (Sana's DC-AE) is deterministic: encode(x).latent is the latent itself, with no posterior
+# (AutoencoderKL's encode(x).latent_dist) to draw from; ``vae_is_deterministic`` tells encode and train which.
+# AutoencoderKLQwenImage is a video VAE (a frame axis; FamilySpec.vae_frames).
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage", "AutoencoderDC")
+DETERMINISTIC_VAES = ("AutoencoderDC",)
+# Gemma's tokenizer_config.json names no window (model_max_length 1e30): Sana's, SanaPipeline's max_sequence_length.
+GEMMA_WINDOW = 300
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja")  # .jinja: a chat template
 
 
@@ -140,8 +146,9 @@ def _from_pretrained(cls, source: str, component: str, **kwargs):
 
 
 def load_vae(source: str, dtype=None):
-    """A diffusers AutoencoderKL (SD-style: 4 latent channels, 8x downsampling for the SD VAEs), or the VAE
-    class of VAE_CLASSES its config names (Qwen-Image's AutoencoderKLQwenImage, whose latents have a frame axis)."""
+    """The diffusers VAE of the class its config names: AutoencoderKL (SD-style: 4 latent channels, 8x
+    downsampling for the SD VAEs; 16 channels for SD3 / Flux), AutoencoderDC (Sana's deterministic 32x DC-AE) or
+    AutoencoderKLQwenImage (Qwen-Image's, whose latents have a frame axis)."""
     import diffusers
 
     named = load_vae_config(source).get("_class_name")
@@ -150,15 +157,28 @@ def load_vae(source: str, dtype=None):
 
 
 def vae_facts(config) -> dict:
-    """What the latent manifest records of a VAE config (AutoencoderKL's, or AutoencoderKLQwenImage's, which
-    names its channels z_dim, downsamples once per temperal_downsample entry and has no scaling factor:
-    its latents are normalised per channel with latents_mean / latents_std instead, scaling 1, no shift)."""
+    """What the latent manifest records of a VAE config (AutoencoderKL's and AutoencoderDC's, or
+    AutoencoderKLQwenImage's, which names its channels z_dim, downsamples once per temperal_downsample entry
+    and has no scaling factor: its latents are normalised per channel with latents_mean / latents_std
+    instead, scaling 1, no shift)."""
     if "z_dim" in config:
         return {"scaling_factor": 1.0, "shift_factor": None, "latent_channels": config["z_dim"],
                 "downsample_factor": 2 ** len(config["temperal_downsample"])}
     return {"scaling_factor": config["scaling_factor"], "shift_factor": config.get("shift_factor"),
-            "latent_channels": config["latent_channels"],
-            "downsample_factor": 2 ** (len(config["block_out_channels"]) - 1)}
+            "latent_channels": config["latent_channels"], "downsample_factor": vae_downsample(config)}
+
+def vae_is_deterministic(vae) -> bool:
+    """Whether a VAE (a loaded model, or its config.json as a dict) encodes to the latent itself, with no
+    posterior to draw from (AutoencoderDC), rather than to a diagonal Gaussian's moments (AutoencoderKL)."""
+    named = vae.get("_class_name") if isinstance(vae, dict) else type(vae).__name__
+    return named in DETERMINISTIC_VAES
+
+
+def vae_downsample(config) -> int:
+    """A VAE's pixels per latent side: 2 ** (stages - 1) of its encoder (AutoencoderKL's block_out_channels,
+    AutoencoderDC's encoder_block_out_channels)."""
+    stages = config.get("block_out_channels") or config.get("encoder_block_out_channels")
+    return 2 ** (len(stages) - 1)
 
 
 def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
@@ -181,11 +201,16 @@ def load_text_encoder(source: str, dtype=None, component: str = "text_encoder"):
 
 def load_tokenizer(source: str, component: str = "tokenizer"):
     """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
-    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux), or
-    Qwen2Tokenizer where it names a Qwen2 one (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL: byte-level BPE)."""
-    from transformers import CLIPTokenizer, Qwen2Tokenizer, T5TokenizerFast
+    T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux, PixArt),
+    Qwen2Tokenizer where it names a Qwen2 one (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL: byte-level BPE), or
+    GemmaTokenizerFast where it names a Gemma one (Sana; its window at most GEMMA_WINDOW)."""
+    from transformers import CLIPTokenizer, GemmaTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
 
     named = _tokenizer_class(source, component)
+    if named.startswith("Gemma"):
+        tokenizer = _from_pretrained(GemmaTokenizerFast, source, component)
+        tokenizer.model_max_length = min(tokenizer.model_max_length, GEMMA_WINDOW)
+        return tokenizer
     cls = T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2") else CLIPTokenizer
     return _from_pretrained(cls, source, component)
 
@@ -220,7 +245,8 @@ def load_unet_config(source: str) -> dict:
 
 
 def load_vae_config(source: str) -> dict:
-    """The AutoencoderKL config alone: what encode must know (force_upcast) before choosing the load dtype."""
+    """The VAE config alone (any VAE class: load_config reads config.json): what encode must know
+    (force_upcast, the class) before choosing the load dtype and class."""
     from diffusers import AutoencoderKL
 
     return _load_config(AutoencoderKL, source, "vae")

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
-from laionkit.common.models import load_text_encoder, load_tokenizer, load_vae, load_vae_config, vae_facts
+from laionkit.common.models import (
+    load_text_encoder,
+    load_tokenizer,
+    load_vae,
+    load_vae_config,
+    vae_facts,
+    vae_is_deterministic,
+)
 from laionkit.encode.config import EncodeConfig
 from laionkit.encode.reader import ShardDone, resize_rgb
 from laionkit.families import DEFAULT_FAMILY, families, get_family
@@ -162,6 +169,8 @@ class Encoders:
                 "force_upcast", True):
             self.vae_dtype = torch.float32
         self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
+        # AutoencoderDC has no posterior: moments.npy then holds the latent itself (C channels, not 2C)
+        self.deterministic = vae_is_deterministic(self.vae)
         self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
         for tokenizer in self.tokenizers if self.family.text_window else ():
             tokenizer.model_max_length = self.family.text_window  # the pipeline's window, not the tokenizer's
@@ -180,16 +189,25 @@ class Encoders:
     def check_sizes(self, resolution: int, buckets: Sequence[tuple[int, int]] | None) -> None:
         """Refuse image sizes the family cannot encode."""
         patch = self.family.patch_size
-        if patch > 1:  # Flux packs 2x2 latent patches, SD3 and PixArt embed them: latent sides are multiples of 2
-            multiple = patch * vae_facts(self.vae.config)["downsample_factor"]
+        # Flux packs 2x2 latent patches, SD3 and PixArt embed them (latent sides are multiples of 2), and Sana's
+        # DC-AE downsamples 32x: image sides must be multiples of patch x downsample. Checked where that grid is
+        # coarser than the 8 px that bucket sides are rounded to (an 8x VAE without patches takes any size).
+        multiple = patch * vae_facts(self.vae.config)["downsample_factor"]
+        if multiple > 8:
             odd = [f"{w}x{h}" for w, h in buckets or [(resolution, resolution)] if w % multiple or h % multiple]
             if odd:
+                why = (f"takes {patch}x{patch} latent patches" if patch > 1
+                       else f"encodes with a {multiple}x downsampling VAE")
                 raise LaionkitError(f"--resolution {resolution}{' --buckets' if buckets else ''}: "
-                                    f"{self.family.name} takes {patch}x{patch} latent patches, so image sides must be "
+                                    f"{self.family.name} {why}, so image sides must be "
                                     f"multiples of {multiple} px; {', '.join(odd)} are not (try a multiple of "
                                     f"{8 * multiple})")
 
     def _encode_images(self, pixels):
+        """What moments.npy stores: the posterior's mean and log-variance (2C channels, AutoencoderKL), or
+        the latent of a deterministic VAE (C channels, AutoencoderDC)."""
+        if self.deterministic:
+            return self.vae.encode(pixels).latent
         if self.family.vae_frames:  # a video VAE: one frame in, its frame axis dropped from the moments
             return self.vae.encode(pixels.unsqueeze(2)).latent_dist.parameters.squeeze(2)
         return self.vae.encode(pixels).latent_dist.parameters
@@ -211,6 +229,8 @@ class Encoders:
             "text": {"hidden_size": text.hidden_size, "sequence_length": self.tokenizer.model_max_length,
                      "layer": self.layer, "pad_token_id": self.tokenizer.pad_token_id},
         }
+        if self.deterministic:  # only then: other folders keep the manifest they had (resume)
+            facts["vae"]["deterministic"] = True
         if self.family.latent_stats:  # per-channel normalisation, as the family's pipeline does it
             facts["vae"]["latents_mean"] = [float(value) for value in vae.latents_mean]
             facts["vae"]["latents_std"] = [float(value) for value in vae.latents_std]
@@ -231,13 +251,17 @@ class Encoders:
         return facts
 
     def empty_caption(self, trim: bool = True) -> dict[str, np.ndarray]:
-        """Every stored text tensor of the caption "" (caption dropout swaps all of them together), trimmed
-        as a sample's are (a family with a text mask) unless ``trim`` is False."""
+        """Every stored text tensor of the caption "" (caption dropout swaps all of them together), or of the
+        family's ``unconditional`` text, trimmed as a sample's are (a family with a text mask) unless ``trim``
+        is False."""
         window = self.tokenizer.model_max_length
         ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
                              return_tensors="pt").input_ids
         with torch.inference_mode():
-            found = self.text_of(ids.to(self.device), [""], compiled=False)
+            if self.family.unconditional is not None:  # the pipeline's negative prompt is not the caption ""
+                found = self.family.encode_tokens(self.text_encoders, self.family.empty_ids(self.tokenizers))
+            else:
+                found = self.text_of(ids.to(self.device), [""], compiled=False)
         empty = {key: _stored(value[0]).cpu().numpy() for key, value in found.items()}
         lengths = self.family.text_lengths(found) if trim else None
         for key in self.family.trimmed if lengths is not None else ():

@@ -1,5 +1,5 @@
-"""Model families: everything that differs between SD-, SDXL-, SD3-, Flux- and PixArt-class models, in one
-place.
+"""Model families: everything that differs between SD-, SDXL-, SD3-, Flux-, PixArt- and Sana-class models, in
+one place.
 
 encode's and train's loops stay family-agnostic; they look a family up by name (the name encode writes
 into the latent manifest, so train never asks for it twice) and call what its ``FamilySpec`` holds, the
@@ -42,7 +42,10 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
 - ``text_mask``: the stored key of a text attention mask the denoiser takes (PixArt: ``mask``). Masked
   positions carry nothing, so encode trims the sequence tensors (``states`` and the mask) of each sample
   after its last unmasked position (``text_lengths``), the latent loader zero-pads them back to the
-  longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike.
+  longest of each batch (masked out), and caption dropout / validation pad the empty caption's alike;
+- ``unconditional``: the token ids of the text caption dropout and validation's negative use (the stored
+  empty-caption files), where the pipeline encodes its negative prompt otherwise than the caption ""
+  (Sana: "" without the instruction prefix its captions get); by default the caption "" itself.
 - ``pipeline_text`` / ``cfg_offset``: the pipeline's own prompt keywords and guidance scale (Z-Image, zimage.py).
 - video VAEs and per-channel latent statistics (Qwen-Image): ``vae_frames`` (the VAE takes [B, C, frames,
   H, W]; encode gives it one frame and stores frame-free moments, validation decodes one frame),
@@ -66,6 +69,7 @@ from __future__ import annotations
 from laionkit.families import flux as _flux  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
 from laionkit.families import qwenimage as _qwenimage  # noqa: F401
+from laionkit.families import sana as _sana  # noqa: F401
 from laionkit.families import sd as _sd  # noqa: F401
 from laionkit.families import sd3 as _sd3  # noqa: F401
 from laionkit.families import sdxl as _sdxl  # noqa: F401

@@ -114,6 +114,11 @@ class FamilySpec:
     # The pipeline's keyword of each stored key where it is not PixArt's / SD3's (evaluation.PIPELINE_KEYWORDS):
     # Qwen-Image's mask is prompt_embeds_mask.
     pipeline_keywords: Mapping[str, str] = field(default_factory=dict)
+    # unconditional(tokenizers) -> the token ids (as ``tokenize`` gives them) of the unconditional text that
+    # caption dropout and validation's negative use, where the family's pipeline encodes its negative prompt
+    # otherwise than a caption "" (Sana: "" without the instruction prefix every caption gets); None: the
+    # caption "" is the unconditional text.
+    unconditional: Callable[[Any], list] | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -136,6 +141,11 @@ class FamilySpec:
         mask = found[self.text_mask].bool()
         positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
         return (mask * positions).amax(dim=-1).clamp(min=1)
+
+    def empty_ids(self, tokenizers) -> list:
+        """The unconditional text's token ids per text encoder (a tokenizing family): ``unconditional``'s, else
+        the caption ""'s."""
+        return self.unconditional(tokenizers) if self.unconditional else self.tokenize(tokenizers, [""])
 
     def ids_member(self, index: int) -> str:
         """The per-sample member of the token ids of text encoder ``index`` (``--text online``)."""
@@ -289,9 +299,10 @@ def _family_of_components(path: Path) -> FamilySpec:
     """The family of a pipeline folder without model_index.json, from its component subfolders.
 
     A denoiser in transformer/ is one of the transformer families (its config's ``_class_name``, else its
-    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone, Qwen-Image Qwen2.5-VL); a second text
+    text encoders: SD3 alone has text_encoder_3, Flux's second is T5, PixArt has T5 alone, Qwen-Image Qwen2.5-VL, Sana Gemma-2); a second text
     encoder beside a UNet is SDXL; anything else (bare component folders) is SD, as it always was. Taking a
-    transformer folder for SD encoded SD-style text and latents that no transformer trains on.
+    transformer folder for SD encoded SD-style text and latents that no transformer trains on. Sana's text
+    encoder is Gemma-2 alone.
     """
     transformer = path / "transformer"
     if transformer.is_dir():
@@ -311,6 +322,8 @@ def _family_of_components(path: Path) -> FamilySpec:
                 return get_family("pixart")
             if _read_class(path / "text_encoder" / "config.json", "architectures") == "Qwen2_5_VLForConditionalGeneration":
                 return get_family("qwen-image")
+            if _read_class(path / "text_encoder" / "config.json", "architectures") == "Gemma2Model":
+                return get_family("sana")
         raise LaionkitError(
             f"{path} has no model_index.json and its transformer/ ({name or 'no readable config.json'}) is "
             "none of " + ", ".join(f"{s.name} = {s.denoiser_class}" for s in _FAMILIES.values()

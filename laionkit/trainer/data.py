@@ -86,6 +86,15 @@ class LatentSet:
 
         return shaped(self.latents_mean), shaped(self.latents_std)
 
+    # The manifest's vae.deterministic: moments.npy holds the latent itself (C channels; AutoencoderDC), not
+    # a posterior's mean and log-variance (2C channels) to draw a latent from.
+    deterministic: bool = False
+
+    @property
+    def moments_per_channel(self) -> int:
+        """Stored channels per latent channel: 2 (mean and log-variance), 1 for a deterministic VAE."""
+        return 1 if self.deterministic else 2
+
     def bucket_of(self, shape) -> int:
         """The index in ``buckets`` of a batch's moments shape (2C, h, w)."""
         try:
@@ -215,6 +224,7 @@ def open_latents(latents: Path | str) -> LatentSet:
         manifest=str(manifest_path),
         latents_mean=tuple(vae["latents_mean"]) if vae.get("latents_mean") is not None else None,
         latents_std=tuple(vae["latents_std"]) if vae.get("latents_std") is not None else None,
+        deterministic=bool(vae.get("deterministic")),
     )
 
 
@@ -280,8 +290,8 @@ def same_model_latents(first: tuple[Path, LatentSet, int], folder: Path, later: 
     """A --stage folder must feed the same model as LATENTS: latent channels, text embeddings and the
     VAE's scaling (its validation grids decode with LATENTS' VAE)."""
     def facts(data: LatentSet) -> tuple:
-        return (data.bucket_shapes[0][0] // 2, data.text_shape, data.scaling_factor, data.shift_factor,
-                data.latents_mean, data.latents_std)
+        return (data.bucket_shapes[0][0] // data.moments_per_channel, data.text_shape, data.scaling_factor,
+                data.shift_factor, data.latents_mean, data.latents_std)
 
     if facts(later) != facts(first[1]):
         raise LaionkitError(

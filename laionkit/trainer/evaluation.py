@@ -124,7 +124,8 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
     channels, height, width = data.moments_shape
     scale = pipe.vae_scale_factor
     generator = torch.Generator().manual_seed(config.seed)
-    latents = torch.randn(len(texts["states"]), channels // 2, height, width, generator=generator)
+    latents = torch.randn(len(texts["states"]), channels // data.moments_per_channel, height, width,
+                          generator=generator)
     if spec.pack_latents is not None:
         latents = spec.pack_latents(latents)
     call = inspect.signature(pipeline_class.__call__).parameters

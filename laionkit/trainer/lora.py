@@ -25,7 +25,7 @@ export). The invariants:
   whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
   targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
   ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
-  PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
+  (Sana's SanaPipeline loads its RUN/lora the same way.) PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
   adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline.py).
@@ -253,7 +253,8 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
 
 # The transformers whose pipeline loads LoRA (its save_lora_weights writes RUN/lora), by class name.
 TRANSFORMER_LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
-                              "QwenImageTransformer2DModel": "QwenImagePipeline", "ZImageTransformer2DModel": "ZImagePipeline"}
+                              "QwenImageTransformer2DModel": "QwenImagePipeline", "ZImageTransformer2DModel": "ZImagePipeline",
+                              "SanaTransformer2DModel": "SanaPipeline"}
 
 
 def _save_lora(model, named: dict, folder: Path) -> str | None:
@@ -330,7 +331,7 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     for SDXL too); Flux names BFL's modules (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...),
     where fused modules get the parts' adapters block-diagonally (A stacked, B on the diagonal, zeros for a part
     not trained): the same update per part, and a layout diffusers splits back into the parts' own adapters.
-    None for SD3 and PixArt (diffusers reads no kohya layout for them; the diffusers file is what loads), and
+    None for SD3, PixArt and Sana (diffusers reads no kohya layout for them; the diffusers file is what loads), and
     for a Flux module BFL's layout has no place for (with why: the file would miss adapters)."""
     import diffusers
 

@@ -121,7 +121,8 @@ def dummy_batch(trainer, shape: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
     channels, height, width = shape
     generator = torch.Generator(t.device).manual_seed(0)
     moments = torch.randn(batch, channels, height, width, device=t.device, generator=generator)
-    moments[:, channels // 2:] = -30.0  # a sharp posterior: log-variance -30
+    if not t.data.deterministic:  # a deterministic VAE's moments are the latent alone
+        moments[:, channels // 2:] = -30.0  # a sharp posterior: log-variance -30
     cond = {key: value.expand(batch, *value.shape).contiguous() for key, value in t.empty.items()}
     cond.update({name: torch.tensor([[height * 8, width * 8]] * batch, device=t.device) for name in SIZE_FIELDS})
     return moments, cond

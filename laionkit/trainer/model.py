@@ -30,7 +30,7 @@ def build_unet(config: TrainConfig, data: LatentSet):
 
     spec = data.family
     channels, height, _ = data.moments_shape
-    latent_channels, text_dim = channels // 2, data.text_shape[-1]
+    latent_channels, text_dim = channels // data.moments_per_channel, data.text_shape[-1]
     pooled_dim = data.empty["pooled"].shape[-1] if "pooled" in data.empty else None
     if spec.fit_config is not None:
         return build_transformer(config, data, latent_channels, text_dim, pooled_dim)
@@ -130,7 +130,7 @@ def count_flops(model, data: LatentSet, device: torch.device, shape: tuple[int, 
 
     channels, height, width = shape
     dtype = next(model.parameters()).dtype  # a LoRA run's frozen base may already be bf16 (lora.attach)
-    sample = torch.zeros(1, channels // 2, height, width, device=device, dtype=dtype)
+    sample = torch.zeros(1, channels // data.moments_per_channel, height, width, device=device, dtype=dtype)
     cond = {key: torch.zeros(1, *value.shape, device=device, dtype=dtype) for key, value in data.empty.items()}
     cond.update({name: torch.tensor([[height * 8, width * 8]], device=device) for name in SIZE_FIELDS})
     if objective is not None:

@@ -41,7 +41,7 @@ class OnlineText:
 
     def empty(self) -> dict:
         """The empty caption's stored tensors (caption dropout), from these encoders in this dtype."""
-        ids = self.family.tokenize(self.tokenizers, [""])
+        ids = self.family.empty_ids(self.tokenizers)
         names = [self.family.ids_member(i)[:-4] for i in range(len(ids))]
         return {key: value[0] for key, value in self(dict(zip(names, ids)), self.device, self.dtype).items()}
 
@@ -130,12 +130,21 @@ def randn(shape, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor
     return torch.randn(shape, generator=generator, device=like.device, dtype=like.dtype)
 
 
+def draw_latents(moments, deterministic: bool, generator: torch.Generator) -> torch.Tensor:
+    """The VAE-space latent of stored moments [B, 2C | C, h, w] (fp32): a draw from the posterior (mean and
+    log-variance, AutoencoderKL), or the stored latent itself where the VAE is deterministic (AutoencoderDC)."""
+    if deterministic:
+        return moments.float()
+    mean, logvar = moments.float().chunk(2, dim=1)
+    return mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
+
+
 def latents_and_noise(moments, config: TrainConfig, data: LatentSet, generator: torch.Generator,
                       channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fresh latent drawn from the stored moments, normalised as the VAE's config says (data.normalize), and the
-    noise for it (with --noise-offset), both from ``generator`` in that order."""
-    mean, logvar = moments.float().chunk(2, dim=1)
-    latents = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * randn(mean.shape, generator, mean)
+    """A fresh latent drawn from the stored moments (a deterministic VAE's stored latent as it is, no draw),
+    normalised as the VAE's config says (data.normalize), and the noise for it (with --noise-offset), both from
+    ``generator`` in that order."""
+    latents = draw_latents(moments, data.deterministic, generator)
     latents = data.normalize(latents)
     if channels_last:
         latents = latents.contiguous(memory_format=torch.channels_last)

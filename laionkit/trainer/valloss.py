@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
+from laionkit.trainer.objective import draw_latents
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,10 @@ def load(config, data) -> ValSet:
     for raw in itertools.islice(samples, config.val_samples):
         sample = decode(raw)
         generator = sample_generator(config.seed, sample["key"])
-        mean, logvar = sample["moments"].float().chunk(2, dim=0)
-        std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-        latent = mean + std * torch.randn(mean.shape, generator=generator)
+        latent = draw_latents(sample["moments"][None], data.deterministic, generator)[0]  # no draw: deterministic VAE
         keys.append(sample["key"])
         latents.append(data.normalize(latent))
-        noise.append(torch.randn(mean.shape, generator=generator))
+        noise.append(torch.randn(latent.shape, generator=generator))
         u.append(torch.rand((), generator=generator, dtype=torch.float64))
         for name, value in sample.items():
             if name not in ("key", "moments"):
