@@ -122,7 +122,7 @@ class FlowLatents:
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux" | "pixart" | "sana")``: the family's tiny pipeline and its encode of image_shards at
+    """``flow_latents("sd3" | "flux" | "pixart" | "sana" | "z-image" | "qwen-image")``: the family's tiny pipeline and its encode of image_shards at
     64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
     tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run
@@ -140,6 +140,32 @@ def flow_latents(tmp_path_factory, image_shards):
         return built[name]
 
     return get
+
+
+# A transformer family's short run from a pretrained (tiny) pipeline folder, as each family's test file trains it
+# (test_pixart, test_sana, test_zimage, test_qwenimage): checkpoints at step 2, caption dropout, EMA, validation
+# images and the validation loss, as TrainConfig keyword arguments besides latents, val_latents, output, unet.
+FAMILY_RUN = dict(max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
+                  shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4, validation_count=2,
+                  validation_steps=2, val_samples=3, val_every=2, ema=True, ema_decay=0.9)
+
+
+def family_run(flow: FlowLatents, output: Path) -> Path:
+    """FAMILY_RUN on ``flow``'s latents (also its validation latents), from its tiny pipeline, into ``output``."""
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run
+
+    run(TrainConfig(latents=flow.latents, val_latents=flow.latents, output=output, unet=str(flow.model), **FAMILY_RUN))
+    return output
+
+
+def first_rows(latents: Path, count: int) -> list[dict]:
+    """The first ``count`` decoded samples of a latent folder's first shard."""
+    from laionkit.latents import Unit, decode, read_unit
+    from laionkit.trainer.data import open_latents
+
+    data = open_latents(latents)
+    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
 
 # The Flux run of flux_run, as keyword arguments of laionkit.trainer.TrainConfig (besides latents, val_latents

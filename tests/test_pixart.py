@@ -16,16 +16,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import FlowLatents, assert_kill9_resumes_like, metrics, train_flags
+from fixtures import (
+    FAMILY_RUN,
+    FlowLatents,
+    assert_kill9_resumes_like,
+    family_run,
+    first_rows,
+    metrics,
+    train_flags,
+)
 
 from laionkit.common import LaionkitError
 from laionkit.families import detect_family, get_family
 
 # The reference run: fine-tunes the tiny transformer with caption dropout, EMA, validation images (DDIM
 # through PixArtSigmaPipeline) and the validation loss; checkpoints at step 2 of 4.
-RUN = dict(max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
-           shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4, validation_count=2,
-           validation_steps=2, val_samples=3, val_every=2, ema=True, ema_decay=0.9)
+RUN = FAMILY_RUN
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +41,13 @@ def pixart(flow_latents) -> FlowLatents:
 
 @pytest.fixture(scope="module")
 def reference(pixart, tmp_path_factory) -> Path:
-    from laionkit.trainer.config import TrainConfig
-    from laionkit.trainer.loop import run
-
-    output = tmp_path_factory.mktemp("pixart-run") / "reference"
-    run(TrainConfig(latents=pixart.latents, val_latents=pixart.latents, output=output, unet=str(pixart.model), **RUN))
-    return output
+    return family_run(pixart, tmp_path_factory.mktemp("pixart-run") / "reference")
 
 
 def load_pipeline(pixart: FlowLatents):
     from diffusers import PixArtSigmaPipeline
 
     return PixArtSigmaPipeline.from_pretrained(pixart.model)
-
-
-def first_rows(latents: Path, count: int) -> list[dict]:
-    from laionkit.latents import Unit, decode, read_unit
-    from laionkit.trainer.data import open_latents
-
-    data = open_latents(latents)
-    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
 
 def test_stored_states_are_trimmed_losslessly(pixart):

@@ -17,15 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import FlowLatents, metrics
+from fixtures import FAMILY_RUN, FlowLatents, family_run, first_rows, metrics
 
 from laionkit.families import detect_family, get_family
 
 # The reference run: fine-tunes the tiny transformer with caption dropout, EMA, validation images (through
 # QwenImagePipeline) and the validation loss; checkpoints at step 2 of 4.
-RUN = dict(max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
-           shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4, validation_count=2,
-           validation_steps=2, val_samples=3, val_every=2, ema=True, ema_decay=0.9)
+RUN = FAMILY_RUN
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +33,13 @@ def qwen(flow_latents) -> FlowLatents:
 
 @pytest.fixture(scope="module")
 def reference(qwen, tmp_path_factory) -> Path:
-    from laionkit.trainer.config import TrainConfig
-    from laionkit.trainer.loop import run
-
-    output = tmp_path_factory.mktemp("qwen-run") / "reference"
-    run(TrainConfig(latents=qwen.latents, val_latents=qwen.latents, output=output, unet=str(qwen.model), **RUN))
-    return output
+    return family_run(qwen, tmp_path_factory.mktemp("qwen-run") / "reference")
 
 
 def load_pipeline(qwen: FlowLatents):
     from diffusers import QwenImagePipeline
 
     return QwenImagePipeline.from_pretrained(qwen.model)
-
-
-def first_rows(latents: Path, count: int) -> list[dict]:
-    from laionkit.latents import Unit, decode, read_unit
-    from laionkit.trainer.data import open_latents
-
-    data = open_latents(latents)
-    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
 
 def _captions(latents: Path, count: int) -> list[str]:

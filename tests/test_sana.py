@@ -16,16 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import FlowLatents, metrics
+from fixtures import FAMILY_RUN, FlowLatents, family_run, first_rows, metrics
 
 from laionkit.families import detect_family, get_family
 from laionkit.families.sana import COMPLEX_HUMAN_INSTRUCTION
 
 # The reference run: fine-tunes the tiny transformer with caption dropout, EMA, validation images (through
 # SanaPipeline) and the validation loss; checkpoints at step 2 of 4.
-RUN = dict(max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
-           shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4, validation_count=2,
-           validation_steps=2, val_samples=3, val_every=2, ema=True, ema_decay=0.9)
+RUN = FAMILY_RUN
 FREE_ENV = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -36,26 +34,13 @@ def sana(flow_latents) -> FlowLatents:
 
 @pytest.fixture(scope="module")
 def reference(sana, tmp_path_factory) -> Path:
-    from laionkit.trainer.config import TrainConfig
-    from laionkit.trainer.loop import run
-
-    output = tmp_path_factory.mktemp("sana-run") / "reference"
-    run(TrainConfig(latents=sana.latents, val_latents=sana.latents, output=output, unet=str(sana.model), **RUN))
-    return output
+    return family_run(sana, tmp_path_factory.mktemp("sana-run") / "reference")
 
 
 def load_pipeline(sana: FlowLatents):
     from diffusers import SanaPipeline
 
     return SanaPipeline.from_pretrained(sana.model)
-
-
-def first_rows(latents: Path, count: int) -> list[dict]:
-    from laionkit.latents import Unit, decode, read_unit
-    from laionkit.trainer.data import open_latents
-
-    data = open_latents(latents)
-    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
 
 def _captions(latents: Path, count: int) -> list[str]:

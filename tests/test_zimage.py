@@ -17,15 +17,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import FlowLatents, assert_kill9_resumes_like, metrics, train_flags
+from fixtures import (
+    FAMILY_RUN,
+    FlowLatents,
+    assert_kill9_resumes_like,
+    family_run,
+    first_rows,
+    metrics,
+    train_flags,
+)
 
 from laionkit.families import detect_family, get_family
 
 # The reference run: fine-tunes the tiny transformer with caption dropout, EMA, validation images (through
 # ZImagePipeline) and the validation loss; checkpoints at step 2 of 4.
-RUN = dict(max_steps=4, batch_size=4, lr=1e-3, log_with="none", quiet=True, log_every=1, workers=0,
-           shuffle_buffer=3, caption_dropout=0.5, checkpoint_every=2, validate_every=4, validation_count=2,
-           validation_steps=2, val_samples=3, val_every=2, ema=True, ema_decay=0.9)
+RUN = FAMILY_RUN
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +41,7 @@ def zimage(flow_latents) -> FlowLatents:
 
 @pytest.fixture(scope="module")
 def reference(zimage, tmp_path_factory) -> Path:
-    from laionkit.trainer.config import TrainConfig
-    from laionkit.trainer.loop import run
-
-    output = tmp_path_factory.mktemp("zimage-run") / "reference"
-    run(TrainConfig(latents=zimage.latents, val_latents=zimage.latents, output=output, unet=str(zimage.model), **RUN))
-    return output
+    return family_run(zimage, tmp_path_factory.mktemp("zimage-run") / "reference")
 
 
 def load_pipeline(zimage: FlowLatents):
@@ -49,14 +50,6 @@ def load_pipeline(zimage: FlowLatents):
     pipe = ZImagePipeline.from_pretrained(zimage.model)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def first_rows(latents: Path, count: int) -> list[dict]:
-    from laionkit.latents import Unit, decode, read_unit
-    from laionkit.trainer.data import open_latents
-
-    data = open_latents(latents)
-    return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]
 
 
 def _jsons(latents: Path, count: int) -> list[bytes]:
