@@ -39,6 +39,8 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,6 +132,59 @@ def child_peak(args) -> dict:
     return {"peak_tflops": best}
 
 
+@dataclass
+class Bare:
+    """One family's bare step: its latent x0 [B, C, h, w] on the device, ``forward(model, noisy, sigma, rows)``
+    (the velocity for the first ``rows`` samples, in x0's layout, called as diffusers' training script calls
+    the transformer) and the shift its sigmas are drawn with."""
+
+    x0: torch.Tensor
+    forward: Callable
+    shift: float
+
+
+def bare_sd3(arch: dict, resolution: int, batch: int, smoke: bool, device, dtype) -> Bare:
+    """SD3: 16 channels at 8x, CLIP-L + CLIP-G (77) and T5 (256) states and pooled, timestep sigma x 1000, shift 3."""
+    latent = resolution // 8
+    arch.update(sample_size=latent, pos_embed_max_size=max(arch["pos_embed_max_size"], latent // 2))
+    text_len = 77 + (16 if smoke else 256)
+    states = torch.randn(batch, text_len, arch["joint_attention_dim"], device=device, dtype=dtype)
+    pooled = torch.randn(batch, arch["pooled_projection_dim"], device=device, dtype=dtype)
+
+    def forward(model, noisy, sigma, rows):
+        return model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=states[:rows],
+                     pooled_projections=pooled[:rows], return_dict=False)[0]
+
+    return Bare(torch.randn(batch, 16, latent, latent, device=device, dtype=dtype), forward, 3.0)
+
+
+def bare_flux(arch: dict, resolution: int, batch: int, smoke: bool, device, dtype) -> Bare:
+    """Flux: 16 channels at 8x packed 2x2 with img_ids / txt_ids, T5 (512) states and CLIP pooled, guidance 3.5,
+    timestep sigma, train_dreambooth_flux.py's resolution shift."""
+    from diffusers import FluxPipeline
+
+    latent = resolution // 8
+    text_len = 16 if smoke else 512
+    states = torch.randn(batch, text_len, arch["joint_attention_dim"], device=device, dtype=dtype)
+    pooled = torch.randn(batch, arch["pooled_projection_dim"], device=device, dtype=dtype)
+    ids = FluxPipeline._prepare_latent_image_ids(batch, latent // 2, latent // 2, device, dtype)
+    txt_ids = torch.zeros(text_len, 3, device=device, dtype=dtype)
+    guidance = torch.full((batch,), 3.5, device=device, dtype=torch.float32)
+    mu = (1.15 - 0.5) / (4096 - 256) * ((latent // 2) ** 2 - 256) + 0.5  # train_dreambooth_flux's mu
+
+    def forward(model, noisy, sigma, rows):
+        packed = FluxPipeline._pack_latents(noisy, rows, 16, latent, latent)
+        out = model(hidden_states=packed, timestep=sigma, guidance=guidance[:rows], pooled_projections=pooled[:rows],
+                    encoder_hidden_states=states[:rows], txt_ids=txt_ids, img_ids=ids, return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, resolution, resolution, 8)
+
+    return Bare(torch.randn(batch, 16, latent, latent, device=device, dtype=dtype), forward,
+                float(torch.tensor(mu).exp()))
+
+
+BARE = {"sd3": bare_sd3, "flux": bare_flux}
+
+
 def child_bare(args) -> dict:
     """(a): the bare diffusers flow-matching step on in-GPU tensors, whole model in bf16."""
     import diffusers
@@ -143,14 +198,10 @@ def child_bare(args) -> dict:
     if not spec.cudnn_attention:  # its backward fails there (Flux): the fastest bare step that runs
         torch.backends.cuda.enable_cudnn_sdp(False)
     arch = dict(spec.configs["tiny" if args.smoke else CONFIG[args.family]])
-    latent = args.resolution // 8
-    text_len = 77 + 256 if args.family == "sd3" else 512
-    if args.smoke:
-        text_len = 77 + 16 if args.family == "sd3" else 16
-    if args.family == "sd3":
-        arch.update(sample_size=latent, pos_embed_max_size=max(arch["pos_embed_max_size"], latent // 2))
-    torch.manual_seed(0)
     dtype = torch.bfloat16 if cuda else torch.float32
+    batch = args.batch
+    bare = BARE[args.family](arch, args.resolution, batch, args.smoke, device, dtype)
+    torch.manual_seed(0)
     with torch.device(device):
         model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(dtype)
     model.train()
@@ -158,37 +209,14 @@ def child_bare(args) -> dict:
         for block in spec.blocks(model):
             block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    batch = args.batch
-    x0 = torch.randn(batch, 16, latent, latent, device=device, dtype=dtype)
-    width = arch["joint_attention_dim"]
-    states = torch.randn(batch, text_len, width, device=device, dtype=dtype)
-    pooled = torch.randn(batch, arch["pooled_projection_dim"], device=device, dtype=dtype)
-    if args.family == "flux":
-        from diffusers import FluxPipeline
-
-        ids = FluxPipeline._prepare_latent_image_ids(batch, latent // 2, latent // 2, device, dtype)
-        txt_ids = torch.zeros(text_len, 3, device=device, dtype=dtype)
-        guidance = torch.full((batch,), 3.5, device=device, dtype=torch.float32)
-        shift = (1.15 - 0.5) / (4096 - 256) * ((latent // 2) ** 2 - 256) + 0.5  # train_dreambooth_flux's mu
-        shift = float(torch.tensor(shift).exp())
-    else:
-        shift = 3.0
-
-    def forward(noisy, sigma, rows=batch):
-        if args.family == "flux":
-            packed = FluxPipeline._pack_latents(noisy, rows, 16, latent, latent)
-            out = model(hidden_states=packed, timestep=sigma, guidance=guidance[:rows], pooled_projections=pooled[:rows],
-                        encoder_hidden_states=states[:rows], txt_ids=txt_ids, img_ids=ids, return_dict=False)[0]
-            return FluxPipeline._unpack_latents(out, args.resolution, args.resolution, 8)
-        return model(hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=states[:rows],
-                     pooled_projections=pooled[:rows], return_dict=False)[0]
+    x0, shift = bare.x0, bare.shift
 
     def step():
         noise = torch.randn_like(x0)
         u = compute_density_for_timestep_sampling("logit_normal", batch, logit_mean=0.0, logit_std=1.0).to(device)
         sigma = shift * u / (1 + (shift - 1) * u)
         s = sigma.view(-1, 1, 1, 1).to(dtype)
-        pred = forward((1 - s) * x0 + s * noise, sigma.to(dtype))
+        pred = bare.forward(model, (1 - s) * x0 + s * noise, sigma.to(dtype), batch)
         loss = torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
         loss.backward()
         optimizer.step()
@@ -196,7 +224,7 @@ def child_bare(args) -> dict:
         return loss
 
     def one_sample():
-        forward(x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), rows=1).float().sum().backward()
+        bare.forward(model, x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), 1).float().sum().backward()
 
     return time_bare_step(step, one_sample, model, args.steps, args.warmup, batch, device)
 
