@@ -50,65 +50,189 @@ from bench_train import child_argv, family_bench_parser, measurer, print_table, 
 from bench_train_sdxl import prepare  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}, "pixart": {1024: 16, 512: 64, 64: 2}}
-CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev", "pixart": "pixart-sigma-xl"}
+BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}, "pixart": {1024: 16, 512: 64, 64: 2},
+         "sana": {4096: 1, 1024: 16, 512: 64, 64: 2}, "z-image": {1024: 2, 512: 8, 64: 2},
+         "qwen-image": {1024: 4, 512: 16, 64: 2}}  # qwen-image: LoRA-64 with --checkpointing blocks
+CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev", "pixart": "pixart-sigma-xl", "sana": "sana-1600m",
+          "z-image": "z-image", "qwen-image": "qwen-image"}
 LORA_BATCH = {1024: 4, 512: 16}  # Flux-12B LoRA with --checkpointing blocks
-FRACTIONS = ((8, 16),)  # Flux depth fractions (double, single blocks) trained full-parameter, default policy
+LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # diffusers' LoRA scripts' and laionkit's default targets
+# `laionkit train` flags of a family's (b), stored and online rows, and (a)'s matching bare configuration:
+# Z-Image (6.15B): the default policy's 20 bytes per parameter (123 GB) leaves no room for 1024 px
+# activations; full bf16 (8 bytes, what the bare step does) does. Qwen-Image (20B): 8 bytes per parameter
+# are 163 GB, over one H200: LoRA rank 64 on the frozen bf16 base with checkpointed blocks, on both sides.
+TRAIN_FLAGS = {"z-image": ("--full-bf16",),
+               "qwen-image": ("--lora-rank", "64", "--lora-random-base", "--checkpointing", "blocks")}
+BARE_FLAGS = {"qwen-image": {"lora": 64, "checkpointing": True}}
+# Full-parameter depth fractions (the transformer config with these overrides, and the train flags): the
+# largest full-parameter configurations of a family that does not fit whole. Flux: 8 double + 16 single blocks
+# under the default policy; Qwen-Image: 30 of 60 blocks (~10B) in full bf16.
+FRACTIONS = {"flux": (({"num_layers": 8, "num_single_layers": 16}, ()),),
+             "qwen-image": (({"num_layers": 30}, ("--full-bf16",)),)}
 
 
-def real_text_encoders(family: str, folder: Path, layers: int | None = None, dtype=torch.bfloat16) -> None:
-    """Replace the tiny writer's text encoders by real-size ones (random init, saved in ``dtype``): CLIP-L
-    (768, 12 layers; SD 1.x alone), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24 layers, 10240 ff).
-    ``layers``: that many layers each instead (the real widths, so the stored text has the real shapes, at a
-    fraction of the build time; bench_learning.py, which saves them in float32 as the rest of the pipeline
-    is: a pipeline loaded without a torch_dtype runs each part in its saved dtype)."""
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModel,
-        CLIPTextModelWithProjection,
-        T5Config,
-        T5EncoderModel,
-    )
+def _clip(cls, hidden: int, real_layers: int, act: str, layers: int | None):
+    from transformers import CLIPTextConfig
 
     from laionkit.common.models import CLIP_VOCAB_SIZE, CLIP_WINDOW
 
-    def clip(cls, hidden, real_layers, act):
-        return cls(CLIPTextConfig(vocab_size=CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
-                                  num_hidden_layers=layers or real_layers, num_attention_heads=hidden // 64, projection_dim=hidden,
-                                  max_position_embeddings=CLIP_WINDOW, hidden_act=act, bos_token_id=49406,
-                                  eos_token_id=49407, pad_token_id=1))
+    return cls(CLIPTextConfig(vocab_size=CLIP_VOCAB_SIZE, hidden_size=hidden, intermediate_size=4 * hidden,
+                              num_hidden_layers=layers or real_layers, num_attention_heads=hidden // 64,
+                              projection_dim=hidden, max_position_embeddings=CLIP_WINDOW, hidden_act=act,
+                              bos_token_id=49406, eos_token_id=49407, pad_token_id=1))
 
-    t5 = lambda: T5EncoderModel(T5Config(  # noqa: E731 - google/t5-v1_1-xxl's encoder
+
+def _clip_l(folder: Path, layers: int | None):
+    from transformers import CLIPTextModel
+
+    return _clip(CLIPTextModel, 768, 12, "quick_gelu", layers)
+
+
+def _clip_l_projected(folder: Path, layers: int | None):
+    from transformers import CLIPTextModelWithProjection
+
+    return _clip(CLIPTextModelWithProjection, 768, 12, "quick_gelu", layers)
+
+
+def _clip_g(folder: Path, layers: int | None):
+    from transformers import CLIPTextModelWithProjection
+
+    return _clip(CLIPTextModelWithProjection, 1280, 32, "gelu", layers)
+
+
+def _t5_xxl(folder: Path, layers: int | None):
+    """google/t5-v1_1-xxl's encoder."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
         vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=layers or 24, num_heads=64,
         feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, is_encoder_decoder=False))
-    if family == "sd3":
-        parts = {"text_encoder": lambda: clip(CLIPTextModelWithProjection, 768, 12, "quick_gelu"),
-                 "text_encoder_2": lambda: clip(CLIPTextModelWithProjection, 1280, 32, "gelu"),
-                 "text_encoder_3": t5}
-    elif family == "sd":  # SD 1.x: CLIP-L's last hidden state
-        parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu")}
-    elif family == "flux":
-        parts = {"text_encoder": lambda: clip(CLIPTextModel, 768, 12, "quick_gelu"), "text_encoder_2": t5}
-    else:  # pixart: T5-XXL alone
-        parts = {"text_encoder": t5}
+
+
+def _gemma2_2b(folder: Path, layers: int | None):
+    """google/gemma-2-2b-it's decoder (Sana's text_encoder/, a Gemma2Model); the tiny tokenizer's ids are Gemma's
+    specials (pad 0, eos 1, bos 2) and fit in the real vocabulary."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    return Gemma2Model(Gemma2Config(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=layers or 26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2))
+
+
+def _qwen3_4b(folder: Path, layers: int | None):
+    """Qwen/Qwen3-4B (Z-Image's text_encoder/, a Qwen3Model), with the tiny tokenizer's pad and eos ids."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    return Qwen3Model(Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=layers or 36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+
+
+def _qwen25_vl_7b(folder: Path, layers: int | None):
+    """Qwen/Qwen2.5-VL-7B-Instruct (Qwen-Image's text_encoder/, a Qwen2_5_VLForConditionalGeneration, vision
+    tower included though text encoding never runs it), with the tiny tokenizer's special ids."""
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in
+           ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                     "num_hidden_layers": layers or 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                     "max_position_embeddings": 128000, "rms_norm_eps": 1e-6, "bos_token_id": ids["<|endoftext|>"],
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                         "mrope_section": [16, 24, 24]}},
+        vision_config={"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                       "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False))
+
+
+# Each family's text encoders at real size (random init), by subfolder.
+TEXT_ENCODERS = {
+    "sd3": {"text_encoder": _clip_l_projected, "text_encoder_2": _clip_g, "text_encoder_3": _t5_xxl},
+    "sd": {"text_encoder": _clip_l},  # SD 1.x: CLIP-L's last hidden state
+    "flux": {"text_encoder": _clip_l, "text_encoder_2": _t5_xxl},
+    "pixart": {"text_encoder": _t5_xxl},
+    "sana": {"text_encoder": _gemma2_2b},
+    "z-image": {"text_encoder": _qwen3_4b},
+    "qwen-image": {"text_encoder": _qwen25_vl_7b},
+}
+
+
+def real_text_encoders(family: str, folder: Path, layers: int | None = None, dtype=torch.bfloat16) -> None:
+    """Replace the tiny writer's text encoders by real-size ones (random init, saved in ``dtype``; the tiny
+    tokenizers stay): CLIP-L (768, 12 layers; SD 1.x alone), CLIP-G (1280, 32 layers; SD3), T5-XXL (4096, 24
+    layers, 10240 ff), Gemma-2-2B (2304, 26 layers; Sana), Qwen3-4B (2560, 36 layers; Z-Image), Qwen2.5-VL-7B
+    (3584, 28 layers; Qwen-Image). ``layers``: that many layers each instead (the real widths, so the stored
+    text has the real shapes, at a fraction of the build time; bench_learning.py, which saves them in float32
+    as the rest of the pipeline is: a pipeline loaded without a torch_dtype runs each part in its saved dtype)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for sub, build in parts.items():
+    for sub, build in TEXT_ENCODERS[family].items():
         torch.manual_seed(0)
         with torch.device(device):
-            model = build().to(dtype)
+            model = build(folder, layers).to(dtype)
         shutil.rmtree(folder / sub)
         model.save_pretrained(folder / sub)
         del model
 
 
-def write_models(folder: Path, family: str, smoke: bool) -> Path:
+def dc_ae_32x(scaling_factor: float = 0.41407):
+    """A tiny AutoencoderDC with Sana's DC-AE downsampling (32x: six stages, ResBlocks then EfficientViT
+    blocks) and 32 latent channels, so Sana's latents have the real side (32 at 1024 px); the family's own
+    tiny one is 8x, for the tests' 64 px images."""
+    from diffusers import AutoencoderDC
+
+    blocks = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+    widths = (8, 8, 16, 16, 32, 32)
+    scales = ((), (), (), (5,), (5,), (5,))
+    return AutoencoderDC(
+        in_channels=3, latent_channels=32, attention_head_dim=8, encoder_block_types=blocks,
+        decoder_block_types=blocks, encoder_block_out_channels=widths, decoder_block_out_channels=widths,
+        encoder_layers_per_block=(1,) * 6, decoder_layers_per_block=(1,) * 6, encoder_qkv_multiscales=scales,
+        decoder_qkv_multiscales=scales, upsample_block_type="interpolate", downsample_block_type="Conv",
+        decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=scaling_factor)
+
+
+# VAEs that replace a family's tiny one where its downsampling is not the real model's.
+VAES = {"sana": dc_ae_32x}
+
+
+def write_models(folder: Path, family: str, smoke: bool, text_layers: int | None = None) -> Path:
+    """The family's tiny pipeline with the real VAE downsampling (``VAES``) and, unless ``smoke``, real-size
+    text encoders (``text_layers`` deep each where given)."""
     from laionkit.families import get_family
 
     if not (folder / "model_index.json").exists():
         get_family(family).write_tiny(folder, 0)
+        if family in VAES:
+            torch.manual_seed(0)
+            shutil.rmtree(folder / "vae")
+            VAES[family]().save_pretrained(folder / "vae")
         if not smoke:
-            real_text_encoders(family, folder)
+            real_text_encoders(family, folder, text_layers)
     return folder
+
+
+def stored_text_len(latents: Path) -> int:
+    """The longest stored caption (its mask's length) of the first latent shard: at most what (b)'s
+    micro-batches pad their text states to, and what the bare step of a masked family is given."""
+    import io
+    import tarfile
+
+    import numpy as np
+
+    with tarfile.open(sorted(latents.rglob("*.tar"))[0]) as tar:
+        return max(len(np.load(io.BytesIO(tar.extractfile(member).read()))) for member in tar.getmembers()
+                   if member.name.endswith(".mask.npy"))
 
 
 # --- children: one measurement per process ---------------------------------------------------------
@@ -136,14 +260,18 @@ def child_peak(args) -> dict:
 class Bare:
     """One family's bare step: its latent x0 [B, C, h, w] on the device, ``forward(model, noisy, sigma, rows)``
     (the velocity for the first ``rows`` samples, in x0's layout, called as diffusers' training script calls
-    the transformer) and the shift its sigmas are drawn with."""
+    the transformer) and the shift its sigmas are drawn with.
+
+    A ``bare_<family>(arch, resolution, batch, smoke, text_len, device, dtype)`` builds it (and fits ``arch``,
+    the transformer config, to the resolution before the model is built); ``text_len``: a masked family's
+    text length (the stored data's, which (b) trains on), else its pipeline's padded window."""
 
     x0: torch.Tensor
     forward: Callable
     shift: float
 
 
-def bare_sd3(arch: dict, resolution: int, batch: int, smoke: bool, device, dtype) -> Bare:
+def bare_sd3(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device, dtype) -> Bare:
     """SD3: 16 channels at 8x, CLIP-L + CLIP-G (77) and T5 (256) states and pooled, timestep sigma x 1000, shift 3."""
     latent = resolution // 8
     arch.update(sample_size=latent, pos_embed_max_size=max(arch["pos_embed_max_size"], latent // 2))
@@ -158,7 +286,7 @@ def bare_sd3(arch: dict, resolution: int, batch: int, smoke: bool, device, dtype
     return Bare(torch.randn(batch, 16, latent, latent, device=device, dtype=dtype), forward, 3.0)
 
 
-def bare_flux(arch: dict, resolution: int, batch: int, smoke: bool, device, dtype) -> Bare:
+def bare_flux(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device, dtype) -> Bare:
     """Flux: 16 channels at 8x packed 2x2 with img_ids / txt_ids, T5 (512) states and CLIP pooled, guidance 3.5,
     timestep sigma, train_dreambooth_flux.py's resolution shift."""
     from diffusers import FluxPipeline
@@ -182,11 +310,71 @@ def bare_flux(arch: dict, resolution: int, batch: int, smoke: bool, device, dtyp
                 float(torch.tensor(mu).exp()))
 
 
-BARE = {"sd3": bare_sd3, "flux": bare_flux}
+def bare_sana(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device, dtype) -> Bare:
+    """Sana (train_dreambooth_lora_sana.py): 32 channels at 32x (DC-AE, deterministic: the latent itself), Gemma-2
+    states (2304) with their mask as ``encoder_attention_mask``, timestep sigma x 1000, static shift 3."""
+    latent = resolution // 32
+    length = text_len or (16 if smoke else 300)
+    states = torch.randn(batch, length, arch["caption_channels"], device=device, dtype=dtype)
+    mask = torch.ones(batch, length, device=device, dtype=torch.bool)
+
+    def forward(model, noisy, sigma, rows):
+        return model(hidden_states=noisy, encoder_hidden_states=states[:rows], encoder_attention_mask=mask[:rows],
+                     timestep=sigma * 1000, return_dict=False)[0]
+
+    channels = arch["in_channels"]
+    return Bare(torch.randn(batch, channels, latent, latent, device=device, dtype=dtype), forward, 3.0)
+
+
+def bare_zimage(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device, dtype) -> Bare:
+    """Z-Image (train_dreambooth_lora_z_image.py): 16 channels at 8x as a list of [C, 1, h, w] frames, the list of
+    each caption's Qwen3 states (2560, unmasked rows only), timestep t = 1 - sigma, the output negated (the
+    model predicts x0 - noise), static shift 6."""
+    latent = resolution // 8
+    length = text_len or (16 if smoke else 512)
+    feats = [torch.randn(length, arch["cap_feat_dim"], device=device, dtype=dtype) for _ in range(batch)]
+
+    def forward(model, noisy, sigma, rows):
+        out = model(list(noisy.unsqueeze(2).unbind(dim=0)), 1 - sigma, feats[:rows], return_dict=False)[0]
+        return -torch.stack(out).squeeze(2)
+
+    channels = arch["in_channels"]
+    return Bare(torch.randn(batch, channels, latent, latent, device=device, dtype=dtype), forward, 6.0)
+
+
+def bare_qwenimage(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device,
+                   dtype) -> Bare:
+    """Qwen-Image (train_dreambooth_lora_qwen_image.py): 16 channels at 8x packed 2x2 with img_shapes (1 frame),
+    Qwen2.5-VL states (3584) with ``encoder_hidden_states_mask``, timestep sigma, the scheduler's exponential
+    shift exp(mu), mu linear in the packed length from 0.5 at 256 to 0.9 at 8192 tokens."""
+    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    latent = resolution // 8
+    channels = arch["out_channels"]
+    length = text_len or (16 if smoke else 1024)
+    states = torch.randn(batch, length, arch["joint_attention_dim"], device=device, dtype=dtype)
+    mask = torch.ones(batch, length, device=device, dtype=torch.bool)
+    shapes = [[(1, latent // 2, latent // 2)]] * batch
+
+    def forward(model, noisy, sigma, rows):
+        packed = QwenImagePipeline._pack_latents(noisy, rows, channels, latent, latent)
+        out = model(hidden_states=packed, timestep=sigma, encoder_hidden_states=states[:rows],
+                    encoder_hidden_states_mask=mask[:rows], img_shapes=shapes[:rows], return_dict=False)[0]
+        return QwenImagePipeline._unpack_latents(out, resolution, resolution, 8).squeeze(2)
+
+    mu = calculate_shift((latent // 2) ** 2, 256, 8192, 0.5, 0.9)
+    return Bare(torch.randn(batch, channels, latent, latent, device=device, dtype=dtype), forward,
+                float(torch.tensor(mu).exp()))
+
+
+BARE = {"sd3": bare_sd3, "flux": bare_flux, "sana": bare_sana, "z-image": bare_zimage, "qwen-image": bare_qwenimage}
 
 
 def child_bare(args) -> dict:
-    """(a): the bare diffusers flow-matching step on in-GPU tensors, whole model in bf16."""
+    """(a): the bare diffusers flow-matching step on in-GPU tensors, whole model in bf16; with ``--lora`` adapters
+    of that rank on the frozen bf16 model (peft, as diffusers' LoRA scripts add them), with ``--checkpointing``
+    diffusers' gradient checkpointing per block (off while the model FLOPs are counted)."""
     import diffusers
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
@@ -200,15 +388,21 @@ def child_bare(args) -> dict:
     arch = dict(spec.configs["tiny" if args.smoke else CONFIG[args.family]])
     dtype = torch.bfloat16 if cuda else torch.float32
     batch = args.batch
-    bare = BARE[args.family](arch, args.resolution, batch, args.smoke, device, dtype)
+    bare = BARE[args.family](arch, args.resolution, batch, args.smoke, args.text_len, device, dtype)
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(dtype)
     model.train()
+    if args.lora:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=args.lora, lora_alpha=args.lora, init_lora_weights="gaussian",
+                                     target_modules=LORA_TARGETS))
     if args.compile:
         for block in spec.blocks(model):
             block.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=cuda)
     x0, shift = bare.x0, bare.shift
 
     def step():
@@ -225,6 +419,8 @@ def child_bare(args) -> dict:
 
     def one_sample():
         bare.forward(model, x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), 1).float().sum().backward()
+        if args.checkpointing:  # model FLOPs, not the recomputed ones: checkpointing only for the timed steps
+            model.enable_gradient_checkpointing()
 
     return time_bare_step(step, one_sample, model, args.steps, args.warmup, batch, device)
 
@@ -232,12 +428,21 @@ def child_bare(args) -> dict:
 def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
-    parser.add_argument("--parts", default="peak,a,b,online,fp8", help="comma list of peak, a, b, online, fp8, big")
-    parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) at the first resolution")
+    parser.add_argument("--parts", default="peak,a,b,online,fp8",
+                        help="comma list of peak, a, b, online, fp8, lora, big")
+    parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) per --ab-resolutions")
+    parser.add_argument("--ab-resolutions", type=int, nargs="+",
+                        help="resolutions of the (a) and (b) rows (default: the first of --resolutions)")
+    parser.add_argument("--batches", default="", help="per-resolution batch overrides, e.g. 1024:8,4096:2")
+    parser.add_argument("--text-layers", type=int, help="real-width text encoders this many layers deep "
+                        "(default: the real depth, so online text costs what it would)")
     parser.add_argument("--fp8-steps", type=int, default=200)
     parser.add_argument("--fp8-resolution", type=int, default=512)
     parser.add_argument("--fp8-batch", type=int, default=16)
     parser.add_argument("--child", choices=["bare", "peak"])
+    parser.add_argument("--text-len", type=int, help="child: a masked family's text length")
+    parser.add_argument("--lora", type=int, help="child: LoRA adapters of this rank on the frozen model")
+    parser.add_argument("--checkpointing", action="store_true", help="child: gradient checkpointing per block")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -245,17 +450,28 @@ def main() -> None:
         (args.out / f"{args.name}.json").write_text(json.dumps(result))
         return
 
+    from laionkit.families import get_family
+
     started = time.perf_counter()
     if args.smoke:
         args.resolutions, args.images, args.steps, args.fp8_steps, args.fp8_resolution = [64], 16, 3, 4, 64
+        args.ab_resolutions = None
     family = args.family
-    batch_of = lambda resolution: BATCH[family].get(resolution, 2)  # noqa: E731
+    batches = {**BATCH[family], **{int(r): int(b) for r, b in (item.split(":") for item in args.batches.split(",")
+                                                               if item)}}
+    batch_of = lambda resolution: batches.get(resolution, 2)  # noqa: E731
     parts = set(args.parts.split(","))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    models = write_models(args.out / "models", family, args.smoke)
+    models = write_models(args.out / "models", family, args.smoke, args.text_layers)
     print(f"models ready after {time.perf_counter() - started:.0f} s", flush=True)
     results: dict[str, dict] = {}
     measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
+    # the family's own train flags (full bf16, LoRA): bf16 ones mean nothing in a CPU smoke run in float32
+    family_flags = [flag for flag in TRAIN_FLAGS.get(family, ()) if not (args.smoke and flag == "--full-bf16")]
+
+    def latents_at(resolution: int, text: str = "stored") -> Path:
+        images = args.images if resolution <= 2048 else min(args.images, 64)  # 4096 px photos: ~5 MB each
+        return prepare(args.out, resolution, images, False, models, text)
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None, log_every: int | None = None) -> Path:
@@ -270,26 +486,36 @@ def main() -> None:
         return run
 
     first = args.resolutions[0]
+    ab_resolutions = args.ab_resolutions or [first]
+    masked = get_family(family).text_mask is not None
     if "peak" in parts:
         measure("peak", child_argv(args.out, "peak", "peak", script=__file__))
-    for mode in args.modes.split(","):
-        compiled = mode == "compiled"
-        flags = ["--compile", "--bf16-weights"] if compiled else []
-        if "a" in parts:
-            measure(f"a-{first}-{mode}", child_argv(args.out, f"a-{first}-{mode}", "bare", script=__file__,
-                                                    family=family, resolution=first, batch=batch_of(first),
-                                                    steps=args.steps, compile=compiled, smoke=args.smoke))
-        if "b" in parts:
-            train(f"b-{first}-{mode}", prepare(args.out, first, args.images, False, models, "stored"),
-                  batch_of(first), *flags)
+    for resolution in ab_resolutions:
+        # a masked family's bare step gets the text length (b)'s stored data pads to
+        text_len = stored_text_len(latents_at(resolution)) if masked and parts & {"a", "b"} else None
+        for mode in args.modes.split(","):
+            compiled = mode == "compiled"
+            flags = ["--compile", "--bf16-weights"] if compiled else []
+            if "a" in parts:
+                measure(f"a-{resolution}-{mode}", child_argv(
+                    args.out, f"a-{resolution}-{mode}", "bare", script=__file__, family=family, resolution=resolution,
+                    batch=batch_of(resolution), steps=args.steps, compile=compiled, smoke=args.smoke,
+                    text_len=text_len, **BARE_FLAGS.get(family, {})))
+            if "b" in parts:
+                train(f"b-{resolution}-{mode}", latents_at(resolution), batch_of(resolution), *flags, *family_flags)
+    texts = ("stored", "online") if "online" in parts else ()
+    if texts and get_family(family).tokenize is None:  # encode --text online needs the family's tokenize
+        print(f"online: skipped, `encode --text online` does not serve {family} (stored text only)", flush=True)
+        texts = ()
     for resolution in args.resolutions:
-        for text in ("stored", "online") if "online" in parts else ():
-            if text == "stored" and resolution == first and "b" in parts:
-                continue  # b-<first>-eager is this row
-            train(f"{text}-{resolution}-eager", prepare(args.out, resolution, args.images, False, models, text),
-                  batch_of(resolution))
+        for text in texts:
+            if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes:
+                continue  # b-<resolution>-eager is this row
+            train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags)
+    if "lora" in parts and family not in BARE_FLAGS:  # Qwen-Image's (b) rows are LoRA-64 already
+        train(f"lora64-{first}-eager", latents_at(first), batch_of(first), "--lora-rank", "64", "--lora-random-base")
     if "fp8" in parts:
-        latents = prepare(args.out, args.fp8_resolution, args.images, False, models, "stored")
+        latents = latents_at(args.fp8_resolution)
         common = ["--compile", "--bf16-weights", "--seed", "0"]
         window = max(1, args.fp8_steps // 10)
         for name, extra in (("fp8-off", []), ("fp8-on", ["--fp8"])):
@@ -301,7 +527,7 @@ def main() -> None:
                 rates = [record["samples_per_s"] for record in records]
                 results[name]["samples_per_s"] = statistics.median(rates[window:]) if len(rates) > window else None
     if "big" in parts and family == "flux":
-        latents = prepare(args.out, first, args.images, False, models, "stored")
+        latents = latents_at(first)
         # Full-parameter: the default policy (bf16 weights, fp32 master + AdamW) needs 20 bytes per parameter,
         # 238 GB for 11.9B: a depth fraction fits; --full-bf16 (8 bytes per parameter, 95 GB) fits all 12B.
         train(f"big-full-12b-fullbf16-{first}", latents, 1, "--full-bf16", "--mixed-precision", "bf16",
@@ -310,16 +536,16 @@ def main() -> None:
         # the one where stored vs online text is measured for Flux (full-parameter 12B fits only below).
         for resolution in args.resolutions:
             for text in ("stored", "online"):
-                train(f"big-lora64-12b-{text}-{resolution}", prepare(args.out, resolution, args.images, False,
-                                                                      models, text),
+                train(f"big-lora64-12b-{text}-{resolution}", latents_at(resolution, text),
                       LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--lora-random-base",
                       "--checkpointing", "blocks")
-        for layers, single in FRACTIONS:
-            arch = {**__import__("laionkit.families.flux", fromlist=["x"]).TRANSFORMER_CONFIG,
-                    "num_layers": layers, "num_single_layers": single}
-            path = args.out / f"flux-{layers}-{single}.json"
-            path.write_text(json.dumps(arch))
-            train(f"big-full-{layers}x{single}-{first}", latents, 1, "--checkpointing", "blocks", config=str(path))
+    for overrides, flags in FRACTIONS.get(family, ()) if "big" in parts else ():
+        arch = {**get_family(family).configs[CONFIG[family]], **overrides}
+        tag = "x".join(str(value) for value in overrides.values())
+        path = args.out / f"{family}-{tag}.json"
+        path.write_text(json.dumps(arch))
+        flags = [flag for flag in flags if not (args.smoke and flag == "--full-bf16")]
+        train(f"big-full-{tag}-{first}", latents_at(first), 1, "--checkpointing", "blocks", *flags, config=str(path))
 
     summary = {"date": time.strftime("%Y-%m-%d"), "family": family, "device": torch.cuda.get_device_name(0)
                if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
@@ -328,12 +554,14 @@ def main() -> None:
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
     peak = results.get("peak", {}).get("peak_tflops")
     print(f"\nmeasured bf16 matmul peak: {peak}")
-    for mode in args.modes.split(","):
-        a, b = rate(f"a-{first}-{mode}"), rate(f"b-{first}-{mode}")
-        if a and b:
-            flops = results[f"a-{first}-{mode}"]["flops_per_sample"]
-            print(f"  b/a {first} {mode}: {b / a:.3f} (target >= 0.98); b model TFLOP/s {flops * b / 1e12:.0f}"
-                  + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak (target >= 0.5)" if peak else ""))
+    for resolution in ab_resolutions:
+        for mode in args.modes.split(","):
+            a, b = rate(f"a-{resolution}-{mode}"), rate(f"b-{resolution}-{mode}")
+            if a and b:
+                flops = results[f"a-{resolution}-{mode}"]["flops_per_sample"]
+                print(f"  b/a {resolution} {mode}: {b / a:.3f} (target >= 0.98); b model TFLOP/s "
+                      f"{flops * b / 1e12:.0f}" + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak "
+                                                  "(target >= 0.5)" if peak else ""))
     for resolution in args.resolutions:
         stored = rate(f"stored-{resolution}-eager") or rate(f"b-{resolution}-eager")
         online = rate(f"online-{resolution}-eager")
