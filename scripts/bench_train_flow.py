@@ -1,34 +1,59 @@
-"""Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux) against the bare diffusers step
-(not a test; results in docs/BENCHMARKS.md).
+"""Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux, Sana, Z-Image, Qwen-Image) against the
+bare diffusers step (not a test; results in docs/BENCHMARKS.md).
 
 Per family, at real size and random init (``--transformer-config sd3-medium``: 2.0B; ``flux-dev``: 11.9B;
-``pixart-sigma-xl``: 0.61B, stored vs online text only),
-bf16, per resolution (1024 px and 512 px):
+``pixart-sigma-xl``: 0.61B, stored vs online text only; ``sana-1600m``: 1.6B; ``z-image``: 6.15B;
+``qwen-image``: 20B), bf16, per resolution (1024 px and 512 px; Sana also 4096 px):
 
 (peak)    the bf16 matmul peak of this GPU (torch.mm, 8192^3), measured in this run: MFU is against it.
 (a)       the ceiling, bare diffusers + torch, no laionkit code: the transformer ``from_config``, flow matching
-          as diffusers' train_dreambooth_sd3.py / train_dreambooth_flux.py compute it (logit-normal sigma via
-          ``compute_density_for_timestep_sampling``, the family's shift, x_t = (1 - s) x0 + s e, target e - x0,
-          MSE; Flux: 2x2-packed latents, img_ids / txt_ids, guidance 3.5), backward, fused AdamW, on tensors
+          as diffusers' training scripts compute it (logit-normal sigma via ``compute_density_for_timestep_sampling``,
+          the family's shift, x_t = (1 - s) x0 + s e, target e - x0, MSE), backward, fused AdamW, on tensors
           already on the GPU; the whole model in bf16 (the fastest bare step). Eager, and compiled per block
-          (``block.compile()``, as torchtitan's Flux does).
-(b)       `laionkit train` on latent shards with stored text (``encode --text stored``), eager and compiled.
-(online)  the same on ``encode --text online`` latents: the frozen text encoders (real sizes: CLIP-L,
-          CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux, random init) run in the train loop.
+          (``block.compile()``, as torchtitan's Flux does). Per family (``bare_<family>``, the ``BARE`` table),
+          the inputs and call of its script:
+          SD3 (train_dreambooth_sd3.py): 16 channels at 8x, CLIP + T5 states and pooled, timestep sigma x 1000,
+          shift 3. Flux (train_dreambooth_flux.py): 2x2-packed latents, img_ids / txt_ids, guidance 3.5,
+          timestep sigma, the resolution shift.
+          Sana (train_dreambooth_lora_sana.py): 32 channels at 32x, Gemma-2 states (2304) with
+          ``encoder_attention_mask``, timestep sigma x 1000, shift 3.
+          Z-Image (train_dreambooth_lora_z_image.py): a list of [C, 1, h, w] frames and a list of each caption's
+          Qwen3 states (2560), timestep t = 1 - sigma, the output negated (the model predicts x0 - e), shift 6.
+          Qwen-Image (train_dreambooth_lora_qwen_image.py): 2x2-packed latents with ``img_shapes``, Qwen2.5-VL
+          states (3584) with ``encoder_hidden_states_mask``, timestep sigma, the scheduler's exponential shift
+          (mu from the packed length); 20B does not train full-parameter on one GPU, so its (a) is LoRA rank 64
+          (peft ``add_adapter`` on to_q/to_k/to_v/to_out.0 of the frozen bf16 model) with diffusers' gradient
+          checkpointing, as its (b) is.
+          The masked families' (Sana, Z-Image, Qwen-Image) text is as long as the longest stored caption of
+          (b)'s first latent shard (``stored_text_len``), so both sides attend over the same text.
+(b)       `laionkit train` on latent shards with stored text (``encode --text stored``), eager and compiled,
+          with the family's ``TRAIN_FLAGS``: Z-Image ``--full-bf16`` (the bare step's 8 bytes per parameter;
+          the default policy's 20 leave no room for 1024 px activations), Qwen-Image ``--lora-rank 64
+          --lora-random-base --checkpointing blocks`` (its LoRA-64 rows).
+(online)  the same on ``encode --text online`` latents: the frozen text encoders (real sizes, random init:
+          CLIP-L, CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux; Gemma-2-2B for Sana; Qwen3-4B for Z-Image)
+          run in the train loop. Qwen-Image stores its text only (encode has no online text for it).
+(lora)    `laionkit train --lora-rank 64` on the whole random-init model at the first resolution (Sana,
+          Z-Image; Qwen-Image's (b) rows are this).
 (fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
           data: samples/s and the two loss curves (mean |difference| against the bf16 run's own step noise).
-(big)     Flux only: the largest configurations that train on this GPU, samples/s, MFU and peak memory: LoRA
-          rank 64 on the whole 12B with stored and with online text per resolution (Flux's stored vs online
-          comparison), full-parameter 12B under ``--full-bf16``, and a full-parameter depth fraction under
-          the default policy (fp32 master weights), all with ``--checkpointing blocks``.
+(big)     The largest configurations that train on this GPU, samples/s, MFU and peak memory, all with
+          ``--checkpointing blocks``. Flux: LoRA rank 64 on the whole 12B with stored and with online text per
+          resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
+          full-parameter depth fraction under the default policy (fp32 master weights). Qwen-Image: a
+          full-parameter depth fraction (``FRACTIONS``) under ``--full-bf16``.
 
-The latents come from `laionkit encode` of generated photos with a tiny 16-channel VAE (8x, like SD3's and
-Flux's) and real-size text encoders: the train step sees real shapes, and online text costs what it would.
-Every measurement runs in its own process.
+The latents come from `laionkit encode` of generated photos with the family's tiny VAE at the real
+downsampling (16 channels at 8x for SD3, Flux, Z-Image and Qwen-Image; for Sana a tiny 32-channel DC-AE at 32x,
+``dc_ae_32x``) and real-size text encoders (``TEXT_ENCODERS``; ``--text-layers`` keeps their width at fewer
+layers): the train step sees real shapes, and online text costs what it would. Every measurement runs in its
+own process.
 
     python scripts/bench_train_flow.py --family sd3 --out /tmp/flow --report $OUT        # GPU machine
     python scripts/bench_train_flow.py --family sd3 --smoke --out /tmp/flow-smoke         # CPU plumbing check
     python scripts/bench_train_flow.py --family pixart --parts online --out /tmp/pixart   # stored vs online only
+    python scripts/bench_train_flow.py --family sana --resolutions 1024 512 --ab-resolutions 1024 512 \
+        --parts peak,a,b,online,lora --out /tmp/sana --report $OUT
 """
 
 from __future__ import annotations
