@@ -69,7 +69,7 @@ def test_ddpm_validation_sampling_reproduces_an_unclipped_x0(family, tmp_path):
     if family == "pixart":
         texts["mask"] = torch.ones(COUNT, 6)
     empty = {key: torch.zeros_like(value[0]) for key, value in texts.items()}
-    data = SimpleNamespace(family=spec, moments_shape=(2 * SHAPE[0], *SHAPE[1:]), scaling_factor=1.0,
+    data = SimpleNamespace(family=spec, moments_shape=(2 * SHAPE[0], *SHAPE[1:]), moments_per_channel=2, scaling_factor=1.0,
                            shift_factor=0.0)
     found = sample_latents(oracle, vae, scheduler, texts, empty, data, config, torch.device("cpu")).float()
     assert found.shape == x0.shape
