@@ -4,6 +4,7 @@ JPEG bytes on), tokenize, batch by size, sample json records."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import io
 import json
@@ -392,7 +393,12 @@ class ShardBatches(torch.utils.data.IterableDataset):
         self.keep = keep
         self.captions = tuple(captions) if captions else None  # --captions: several per sample
         self.shards = list(shards)
-        self.tokenizer = tokenizer
+        # Its own copy: a fast tokenizer's padding and truncation are state of one Rust object, set on each call.
+        # With --workers 0 this reader runs in the prepare thread while the main thread tokenizes the same
+        # batch's captions for the text encoder (padding="max_length"); sharing the object let a call here
+        # (padding=False) land between the other's settings and its encode: unpadded, ragged ids (seen with
+        # Z-Image's Qwen tokenizer, about one encode in ten).
+        self.tokenizer = copy.deepcopy(tokenizer)
         self.resolution = resolution
         self.buckets = list(buckets) if buckets else None
         self.batch_size = batch_size
