@@ -39,8 +39,6 @@ TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
 # AutoencoderKLQwenImage is a video VAE (a frame axis; FamilySpec.vae_frames).
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage", "AutoencoderDC")
 DETERMINISTIC_VAES = ("AutoencoderDC",)
-# Gemma's tokenizer_config.json names no window (model_max_length 1e30): Sana's, SanaPipeline's max_sequence_length.
-GEMMA_WINDOW = 300
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja")  # .jinja: a chat template
 
 
@@ -203,15 +201,12 @@ def load_tokenizer(source: str, component: str = "tokenizer"):
     """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
     T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux, PixArt),
     Qwen2Tokenizer where it names a Qwen2 one (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL: byte-level BPE), or
-    GemmaTokenizerFast where it names a Gemma one (Sana; its window at most GEMMA_WINDOW)."""
+    GemmaTokenizerFast where it names a Gemma one (Sana; its caption window is the family's text_window)."""
     from transformers import CLIPTokenizer, GemmaTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
 
     named = _tokenizer_class(source, component)
-    if named.startswith("Gemma"):
-        tokenizer = _from_pretrained(GemmaTokenizerFast, source, component)
-        tokenizer.model_max_length = min(tokenizer.model_max_length, GEMMA_WINDOW)
-        return tokenizer
-    cls = T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2") else CLIPTokenizer
+    cls = (T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2")
+           else GemmaTokenizerFast if named.startswith("Gemma") else CLIPTokenizer)
     return _from_pretrained(cls, source, component)
 
 

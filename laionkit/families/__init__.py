@@ -53,7 +53,7 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   records them in the manifest and train's ``LatentSet.normalize`` applies them), ``Objective.shift_anchors``
   (the dynamic shift's anchors where they are not Flux's), ``pipeline_keywords`` (the pipeline's keyword of a
   stored key where it is not PixArt's / SD3's; ``pipeline_text`` replaces the whole mapping where a rename
-  is not enough); ``text_window`` (Z-Image, Qwen-Image): the caption window encode counts tokens in, where the
+  is not enough); ``text_window`` (Z-Image, Qwen-Image, Sana): the caption window encode counts tokens in, where the
   tokenizer's model_max_length is not it.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
