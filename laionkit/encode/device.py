@@ -254,13 +254,13 @@ class Encoders:
         """Every stored text tensor of the caption "" (caption dropout swaps all of them together), or of the
         family's ``unconditional`` text, trimmed as a sample's are (a family with a text mask) unless ``trim``
         is False."""
-        window = self.tokenizer.model_max_length
-        ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
-                             return_tensors="pt").input_ids
         with torch.inference_mode():
             if self.family.unconditional is not None:  # the pipeline's negative prompt is not the caption ""
                 found = self.family.encode_tokens(self.text_encoders, self.family.empty_ids(self.tokenizers))
             else:
+                window = self.tokenizer.model_max_length
+                ids = self.tokenizer([""], padding="max_length", max_length=window, truncation=True,
+                                     return_tensors="pt").input_ids
                 found = self.text_of(ids.to(self.device), [""], compiled=False)
         empty = {key: _stored(value[0]).cpu().numpy() for key, value in found.items()}
         lengths = self.family.text_lengths(found) if trim else None

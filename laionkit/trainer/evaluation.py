@@ -119,7 +119,8 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
             prompts[keyword] = texts[key]
             if not guided_by_embedding:
                 prompts[f"negative_{keyword}"] = negatives[key].to(device, dtype)
-    if "true_cfg_scale" in inspect.signature(pipeline_class.__call__).parameters and not guided_by_embedding:
+    call = inspect.signature(pipeline_class.__call__).parameters
+    if "true_cfg_scale" in call and not guided_by_embedding:
         prompts["true_cfg_scale"] = config.guidance_scale  # FluxPipeline's / QwenImagePipeline's classifier-free guidance
     channels, height, width = data.moments_shape
     scale = pipe.vae_scale_factor
@@ -128,7 +129,6 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
                           generator=generator)
     if spec.pack_latents is not None:
         latents = spec.pack_latents(latents)
-    call = inspect.signature(pipeline_class.__call__).parameters
     if "use_resolution_binning" in call:  # PixArt: draw at the data's size, not at the nearest of its bins
         prompts["use_resolution_binning"] = False
     if "negative_prompt_embeds" in prompts and "negative_prompt" in call:
