@@ -291,3 +291,24 @@ def test_buckets_from_scratch(qwen, image_shards, tmp_path):
     record = metrics(tmp_path / "run")[4]
     assert sum(record["samples_per_bucket"].values()) == 8 and np.isfinite(record["loss"])
     assert len([n for n in record["samples_per_bucket"].values() if n]) > 1, "one bucket only"
+
+
+def test_online_text_trains_as_stored_text_does(qwen, reference, image_shards, tmp_path):
+    """encode --text online keeps the template's token ids (-1 where the mask is 0, the template's 1,058-token
+    window); train runs Qwen2.5-VL on them, drops the template as the pipeline does, and gets the stored-text
+    run's losses and validation loss."""
+    from laionkit.encode import EncodeConfig, run
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.loop import run as train
+
+    online = tmp_path / "online"
+    run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(qwen.model), resolution=64,
+                     batch_size=4, workers=0, quiet=True, text="online"))
+    manifest = json.loads((online / "manifest.json").read_text())
+    assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 1024 + 34}
+    train(TrainConfig(latents=online, val_latents=online, output=tmp_path / "run", unet=str(qwen.model),
+                      **{**RUN, "max_steps": 2, "validate_every": 0, "ema": False}))
+    got, want = metrics(tmp_path / "run"), metrics(reference)
+    for step in (1, 2):  # stored text is the same encoder's output rounded to float16
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
+    assert got[2]["val_loss"] == pytest.approx(want[2]["val_loss"], rel=1e-4)

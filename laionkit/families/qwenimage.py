@@ -65,21 +65,34 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
 }
 
 
-def encode_text(tokenizers: Sequence, text_encoders: Sequence, captions: Sequence[str]) -> dict[str, Any]:
-    """``states`` [B, T, D] and ``mask`` [B, T] (bool) as QwenImagePipeline._get_qwen_prompt_embeds builds them:
-    the template around each caption, the last hidden states with the attention mask, each sample's unmasked
-    positions after the first DROP_IDX left-aligned, zeros and False after them (T: the longest of the batch)."""
+def tokenize(tokenizers: Sequence, captions: Sequence[str]) -> list:
+    """Qwen2 token ids [B, 1024 + 34] of the pipeline's template around each caption (truncated as the pipeline
+    truncates), -1 where the attention mask is 0: one int tensor carries ids and mask (``encode --text
+    online`` stores it per sample; the fixed width lets any batch of them stack)."""
+    (tokenizer,) = tokenizers
+    found = tokenizer([PROMPT_TEMPLATE.format(text) for text in captions], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
+                      padding="max_length", truncation=True, return_tensors="pt")
+    return [found.input_ids.masked_fill(found.attention_mask == 0, -1)]
+
+
+def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
+    """``states`` [B, T, D] and ``mask`` [B, T] (bool) from ``tokenize``'s ids, as
+    QwenImagePipeline._get_qwen_prompt_embeds builds them: the columns no caption of the batch uses are cut
+    first (the pipeline pads to the batch's longest), then the last hidden states with the attention mask, each
+    sample's unmasked positions after the first DROP_IDX left-aligned, zeros and False after them (T: the
+    longest caption of the batch)."""
     import torch
 
-    (tokenizer,), (encoder,) = tokenizers, text_encoders
-    found = tokenizer([PROMPT_TEMPLATE.format(text) for text in captions], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
-                      padding=True, truncation=True, return_tensors="pt").to(encoder.device)
+    (encoder,), (found,) = text_encoders, ids
+    found = found.to(encoder.device)
+    valid = found >= 0
+    keep = valid.any(dim=0)
+    found, valid = found[:, keep], valid[:, keep]
     # The pipeline calls the whole Qwen2_5_VLForConditionalGeneration; its inner model gives the same hidden
     # states without the language-model head's logits (152k per token at real size: GBs per batch).
     with torch.no_grad():
-        hidden = encoder.model(input_ids=found.input_ids, attention_mask=found.attention_mask,
+        hidden = encoder.model(input_ids=found.clamp(min=0), attention_mask=valid.long(),
                                output_hidden_states=True).hidden_states[-1]
-    valid = found.attention_mask.bool()
     lengths = (valid.sum(dim=1) - DROP_IDX).clamp(min=0)
     width = max(int(lengths.max()), 1)
     # the positions of each sample's unmasked tokens in order (stable: padding on either side), template dropped
@@ -198,7 +211,8 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"),),
     stored=("states", "mask"),
     text_mask="mask",
-    encode_text=encode_text,
+    tokenize=tokenize,
+    encode_tokens=encode_tokens,
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
                         shift_anchors=SHIFT_ANCHORS, timestep_scale=1.0),
