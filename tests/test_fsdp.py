@@ -5,7 +5,7 @@ fully_shard per wrap unit, sharded distributed checkpoints, gathered exports.
 
 Each launch costs seconds of imports on 2 cores, so the tests share the work: SD3 (one FSDP unit per
 transformer block) is killed with -9 and resumed; the UNet is checked against DDP step by step; LoRA
-trains adapters over a sharded frozen base."""
+trains adapters over a sharded frozen base, for SD and for Qwen-Image (whose 20B needs it)."""
 
 from __future__ import annotations
 
@@ -159,3 +159,26 @@ def test_full_bf16_is_refused_under_fsdp_in_one_line(latent_shards, tmp_path):
     assert "error: --full-bf16: FSDP / DeepSpeed set their own precision" in result.stderr
     # the launcher reports its failed children with its own traceback; no frame of laionkit's is in it
     assert str(REPO / "laionkit") not in result.stderr and "site-packages/laionkit" not in result.stderr
+
+
+def test_qwen_image_lora_under_fsdp_shards_each_block_and_exports_what_its_pipeline_loads(flow_latents, tmp_path):
+    """The way Qwen-Image (20B: no full-parameter run fits one GPU) trains on several: LoRA over a frozen base
+    sharded one unit per QwenImageTransformerBlock (fsdp.yaml as shipped, bf16). The checkpoint holds the
+    adapters only, sharded; the export holds the whole trained adapter tensors, which QwenImagePipeline's
+    load_lora_weights puts into the transformer."""
+    from diffusers import QwenImagePipeline
+
+    qwen = flow_latents("qwen-image")
+    run = tmp_path / "run"
+    result = finish(accelerate_launch(29591, "fsdp.yaml", "bf16", qwen.latents, run, "--transformer", qwen.model,
+                                      "--lora-rank", "4", "--lr", "1e-2", "--max-steps", "2", "--checkpoint-every", "2"))
+    assert "FSDP2 on CPU ranks (gloo)" in result.stdout and "wrapping each QwenImageTransformerBlock" in result.stdout
+    trained = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")
+    assert trained and assert_sharded(run / "checkpoints" / "step-00000002") == set(trained)
+    pipe = QwenImagePipeline.from_pretrained(qwen.model)
+    pipe.load_lora_weights(run / "lora")
+    loaded = {re.sub(r"\.default(_\d+)?\.", ".", name): p.detach() for name, p in pipe.transformer.named_parameters()
+              if "lora_" in name}
+    assert loaded.keys() == {re.sub(r"\.default\.", ".", name) for name in trained}
+    for name, value in trained.items():  # whole tensors (not one rank's shard), the trained values
+        torch.testing.assert_close(loaded[re.sub(r"\.default\.", ".", name)].float(), value, rtol=0, atol=0)
