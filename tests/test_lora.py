@@ -153,11 +153,12 @@ def test_lora_flag_mistakes_are_refused_before_anything_loads(tmp_path, options,
     assert str(error.value).startswith(message)
 
 
-@pytest.mark.parametrize("family", ["sd", "sd3"])
+@pytest.mark.parametrize("family", ["sd", "sd3", "sana", "z-image", "qwen-image"])
 def test_lora_with_compile_trains_as_eager(family, latent_shards, tiny_models, flow_latents, tmp_path, monkeypatch):
     """--lora-rank with --compile: dynamo and AOT autograd trace PEFT's LoRA layers, inside the whole
-    compiled UNet (SD) and inside each compiled transformer block (SD3, regional), and the run logs eager's
-    losses and checkpoints and exports the adapters alone. On CPU the backend is aot_eager (forward and
+    compiled UNet (SD) and inside each compiled transformer block (the transformer families: regional; Z-Image's
+    list of captions and Qwen-Image's img_shapes included), and the run logs eager's losses and checkpoints and
+    exports the adapters alone. On CPU the backend is aot_eager (forward and
     backward graphs as inductor gets them, run without codegen): inductor there takes minutes on 2 cores."""
     import torch
     from safetensors.torch import load_file
@@ -166,8 +167,8 @@ def test_lora_with_compile_trains_as_eager(family, latent_shards, tiny_models, f
     if family == "sd":
         latents, model = latent_shards, tiny_models
     else:
-        sd3 = flow_latents("sd3")
-        latents, model = sd3.latents, sd3.model
+        flow = flow_latents(family)
+        latents, model = flow.latents, flow.model
     args = (*FAST, "--unet", model, "--lora-rank", "4", "--max-steps", "3", "--log-every", "1",
             "--checkpoint-every", "3", "--shuffle-buffer", "3")
     eager = tmp_path / "eager"
