@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from laionkit.common.errors import LaionkitError
 from laionkit.families.spec import FamilySpec, Objective, register_family
 
 # The undistilled base is what one trains (the distilled FLUX.2-klein-4B samples in 4 steps, without guidance).
@@ -62,6 +63,16 @@ SAMPLER_CONFIG: dict[str, Any] = {
     "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
     "base_image_seq_len": 256, "max_image_seq_len": 4096, "time_shift_type": "exponential",
 }
+
+
+def require_klein() -> None:
+    """Flux2KleinPipeline came with diffusers 0.37 (laionkit's floor is 0.36, which has FLUX.2-dev's classes): a
+    one-line error where encode, train or `models tiny` first needs the family, not an AttributeError later."""
+    import diffusers
+
+    if not hasattr(diffusers, "Flux2KleinPipeline"):
+        raise LaionkitError(f"family flux2 (FLUX.2 [klein]) needs diffusers >= 0.37 for Flux2KleinPipeline; "
+                            f"diffusers {diffusers.__version__} is installed: pip install -U 'diffusers>=0.37'")
 
 
 def prompts(tokenizer, captions: Sequence[str]) -> list[str]:
@@ -152,6 +163,7 @@ def vae_stats(vae) -> tuple[list[float], list[float]]:
     per patchified channel (4 x the latent channels)."""
     import torch
 
+    require_klein()
     mean = vae.bn.running_mean.float()
     std = torch.sqrt(vae.bn.running_var.float() + vae.config.batch_norm_eps)
     return [float(v) for v in mean], [float(v) for v in std]
@@ -161,12 +173,14 @@ def fit_config(arch: dict[str, Any], latent_channels: int, latent_size: int, tex
                pooled_dim: int | None) -> dict[str, Any]:
     """A from-scratch FLUX.2 architecture fitted to the latents: 2x2-patchified channels, the text width
     (positions are rotary: no size to fit)."""
+    require_klein()
     arch.update(in_channels=4 * latent_channels, out_channels=None, joint_attention_dim=text_dim)
     return arch
 
 
 def expects(config) -> tuple:
     """(latent channels, text width, pooled width) a built Flux2Transformer2DModel takes."""
+    require_klein()
     return config.in_channels // 4, config.joint_attention_dim, None
 
 
@@ -211,6 +225,8 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
     as FLUX.2-klein ships it).
     """
     import torch
+
+    require_klein()
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 
     output = Path(output)
