@@ -62,7 +62,7 @@ report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
     extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}  # bins start at 256 px
-    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+    image = pipe(prompt="a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     want = load_file(run["run"] + "/" + run["denoiser"] + "/diffusion_pytorch_model.safetensors")
     have = getattr(pipe, run["subfolder"]).state_dict()
@@ -278,7 +278,7 @@ report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
     extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}
-    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+    image = pipe(prompt="a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     denoiser = getattr(pipe, run["subfolder"])
     report[name] = {"class": type(pipe).__name__, "finite": bool(np.isfinite(image).all()),
