@@ -122,7 +122,7 @@ class FlowLatents:
 
 @pytest.fixture(scope="session")
 def flow_latents(tmp_path_factory, image_shards):
-    """``flow_latents("sd3" | "flux" | "pixart" | "sana" | "z-image" | "qwen-image")``: the family's tiny pipeline and its encode of image_shards at
+    """``flow_latents("sd3" | "flux" | "pixart" | "sana" | "z-image" | "qwen-image" | "flux2")``: the family's tiny pipeline and its encode of image_shards at
     64 px, built on first use and shared by every test of the session (tests/test_sd3_flux.py,
     tests/test_scale.py, tests/test_pixart.py)."""
     from laionkit.encode import EncodeConfig, run

@@ -82,6 +82,7 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
     config = vae.config
     layer = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
     frames = "z_dim" in config  # Qwen-Image's video VAE: one frame, per-channel statistics instead of scaling
+    batch_norm = "batch_norm_eps" in config  # FLUX.2's AutoencoderKLFlux2: batch-norm statistics instead of scaling
     channels = config.z_dim if frames else config.latent_channels
     pixels = photos(images, size or (64 if frames else config.sample_size))
     pixels = pixels[:, :, None] if frames else pixels
@@ -92,6 +93,8 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
         if frames:  # new mean = (old - centre) / spread * std + mean, so that (new - mean) / std = (old - centre) / spread
             want_mean, want_std = torch.tensor(config.latents_mean), torch.tensor(config.latents_std)
             factor, offset = want_std / spread, want_mean
+        elif batch_norm:  # FLUX.2: unit latents, and the batch-norm statistics set from them below
+            factor, offset = 1.0 / spread, 0.0
         else:  # new mean = (old - centre) / spread / scale + shift, so that (new - shift) * scale = (old - centre) / spread
             shift, scale = config.shift_factor or 0.0, config.scaling_factor
             factor, offset = 1.0 / (spread * scale), shift
@@ -103,6 +106,11 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
         if frames:
             shape = (1, -1, 1, 1, 1)
             latents = ((found.mean - want_mean.view(shape)) / want_std.view(shape))[:, :, 0]
+        elif batch_norm:  # the running statistics of the 2x2-patchified latents, as a trained one's are
+            patches = patchify(found.mean)
+            vae.bn.running_mean[:] = patches.mean((0, 2, 3))
+            vae.bn.running_var[:] = (patches.var((0, 2, 3)) - config.batch_norm_eps).clamp(min=1e-4)
+            latents = bn_normalize(found.mean, vae.bn.running_mean, vae.bn.running_var, config.batch_norm_eps)
         else:
             latents = (found.mean - shift) * scale
     assert found.std.max().item() < 1e-5
@@ -110,6 +118,22 @@ def sharpen_vae(folder: Path, images: Path, size: int | None = None) -> dict:
     n = len(latents)
     pairwise = ((latents[:, None] - latents[None]) ** 2).mean((2, 3, 4)).sum().item() / (n * (n - 1))
     return {"std": latents.std().item(), "pairwise_mse": pairwise}
+
+
+def patchify(latents):
+    """[B, C, h, w] -> [B, 4C, h/2, w/2], FLUX.2 pipelines' _patchify_latents."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+
+
+def bn_normalize(latents, mean, var, eps: float):
+    """FLUX.2's normalisation of [B, C, h, w] latents, kept unpatchified: (patchify(z) - mean) / sqrt(var + eps)
+    per patchified channel, laid back over the 2x2 pattern."""
+    import torch
+
+    b, c, h, w = latents.shape
+    pattern = lambda values: values.view(c, 2, 2).repeat(1, h // 2, w // 2)  # noqa: E731
+    return (latents - pattern(mean)) / pattern(torch.sqrt(var + eps))
 
 
 def sharpen_dc_vae(folder: Path, images: Path, size: int = 64) -> dict:
@@ -172,6 +196,16 @@ def shard_latents(latents: Path, vae: Path) -> dict:
     import torch
 
     config = json.loads((vae / "config.json").read_text())
+    if "batch_norm_eps" in config:  # FLUX.2: its batch-norm statistics over the 2x2 pattern
+        from safetensors.torch import load_file
+
+        weights = load_file(vae / "diffusion_pytorch_model.safetensors")
+        found = {}
+        for caption, arrays in shard_samples(latents).items():
+            mean = torch.from_numpy(arrays["moments"].astype("float32")).chunk(2)[0]
+            found[caption] = bn_normalize(mean[None], weights["bn.running_mean"], weights["bn.running_var"],
+                                          config["batch_norm_eps"])[0]
+        return found
     if "latents_mean" in config and "z_dim" in config:  # Qwen-Image: per channel, (z - mean) / std
         shift, scale = torch.tensor(config["latents_mean"]).view(-1, 1, 1), 1 / torch.tensor(config["latents_std"]).view(-1, 1, 1)
     else:
@@ -250,7 +284,12 @@ for order, captions in enumerate(orders):
     for index, caption in enumerate(captions):
         latents = pipe(prompt=caption, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
                        generator=torch.Generator().manual_seed(index), output_type="latent", **extra).images
-        if name.startswith("Flux"):
+        if name.startswith("Flux2"):  # un-normalised and unpatchified: normalised again, as the model sees it
+            mean, var = pipe.vae.bn.running_mean, pipe.vae.bn.running_var
+            patches = (pipe._patchify_latents(latents) - mean.view(1, -1, 1, 1)) / torch.sqrt(
+                var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+            latents = pipe._unpatchify_latents(patches)
+        elif name.startswith("Flux"):
             latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
         if name.startswith("QwenImage"):  # packed, and one frame: [B, C, 1, h, w]
             latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)[:, :, 0]

@@ -40,6 +40,7 @@ def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latent
         "z-image": (flow_latents("z-image").latents, dict(unet_config="tiny"), "transformer"),
         "qwen-image": (flow_latents("qwen-image").latents, dict(unet_config="tiny"), "transformer"),
         "sana": (flow_latents("sana").latents, dict(unet_config="tiny"), "transformer"),
+        "flux2": (flow_latents("flux2").latents, dict(unet_config="tiny"), "transformer"),
     }
     found = {}
     for name, (latents, options, denoiser) in plans.items():
@@ -61,7 +62,7 @@ report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
     extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}  # bins start at 256 px
-    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+    image = pipe(prompt="a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     want = load_file(run["run"] + "/" + run["denoiser"] + "/diffusion_pytorch_model.safetensors")
     have = getattr(pipe, run["subfolder"]).state_dict()
@@ -169,7 +170,7 @@ def _files(folder: Path) -> dict[str, bytes]:
             if path.is_file()}
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image", "qwen-image"])
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image", "qwen-image", "flux2"])
 def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
     """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
     checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""
@@ -277,7 +278,7 @@ report = {}
 for name, run in json.loads(sys.argv[1]).items():
     pipe = DiffusionPipeline.from_pretrained(run["run"] + "/pipeline")
     extra = {"use_resolution_binning": False} if name in ("pixart", "sana") else {}
-    image = pipe("a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
+    image = pipe(prompt="a dog running on the beach", height=64, width=64, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), **extra).images[0]
     denoiser = getattr(pipe, run["subfolder"])
     report[name] = {"class": type(pipe).__name__, "finite": bool(np.isfinite(image).all()),

@@ -37,7 +37,8 @@ TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
 # AutoencoderDC (Sana's DC-AE) is deterministic: encode(x).latent is the latent itself, with no posterior
 # (AutoencoderKL's encode(x).latent_dist) to draw from; ``vae_is_deterministic`` tells encode and train which.
 # AutoencoderKLQwenImage is a video VAE (a frame axis; FamilySpec.vae_frames).
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage", "AutoencoderDC")
+# AutoencoderKLFlux2 (FLUX.2's) has no scaling factor: its latents are normalised with its batch-norm statistics.
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage", "AutoencoderDC", "AutoencoderKLFlux2")
 DETERMINISTIC_VAES = ("AutoencoderDC",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".jinja")  # .jinja: a chat template
 
@@ -162,6 +163,9 @@ def vae_facts(config) -> dict:
     if "z_dim" in config:
         return {"scaling_factor": 1.0, "shift_factor": None, "latent_channels": config["z_dim"],
                 "downsample_factor": 2 ** len(config["temperal_downsample"])}
+    if "batch_norm_eps" in config:  # AutoencoderKLFlux2: normalised by its batch-norm statistics (FamilySpec.vae_stats)
+        return {"scaling_factor": 1.0, "shift_factor": None, "latent_channels": config["latent_channels"],
+                "downsample_factor": vae_downsample(config)}
     return {"scaling_factor": config["scaling_factor"], "shift_factor": config.get("shift_factor"),
             "latent_channels": config["latent_channels"], "downsample_factor": vae_downsample(config)}
 

@@ -232,8 +232,9 @@ class Encoders:
         if self.deterministic:  # only then: other folders keep the manifest they had (resume)
             facts["vae"]["deterministic"] = True
         if self.family.latent_stats:  # per-channel normalisation, as the family's pipeline does it
-            facts["vae"]["latents_mean"] = [float(value) for value in vae.latents_mean]
-            facts["vae"]["latents_std"] = [float(value) for value in vae.latents_std]
+            mean, std = self.family.vae_stats(self.vae) if self.family.vae_stats else (vae.latents_mean, vae.latents_std)
+            facts["vae"]["latents_mean"] = [float(value) for value in mean]
+            facts["vae"]["latents_std"] = [float(value) for value in std]
         if self.vae_dtype != self.dtype:
             facts["vae"]["compute_dtype"] = str(self.vae_dtype).removeprefix("torch.")
         if self.family.name != DEFAULT_FAMILY:  # SD folders keep the settings they always had (resume)

@@ -53,7 +53,8 @@ way torchtitan's ``TrainSpec`` lets one trainer drive many models. The contract,
   records them in the manifest and train's ``LatentSet.normalize`` applies them), ``Objective.shift_anchors``
   (the dynamic shift's anchors where they are not Flux's), ``pipeline_keywords`` (the pipeline's keyword of a
   stored key where it is not PixArt's / SD3's; ``pipeline_text`` replaces the whole mapping where a rename
-  is not enough); ``text_window`` (Z-Image, Qwen-Image, Sana): the caption window encode counts tokens in, where the
+  is not enough); ``vae_stats`` (FLUX.2: the statistics are the VAE's batch-norm buffers, per 2x2-patchified
+  channel) and ``pipeline_denormalizes`` (its pipeline returns latents the VAE decodes); ``text_window`` (Z-Image, Qwen-Image, Sana): the caption window encode counts tokens in, where the
   tokenizer's model_max_length is not it.
 
 Stored tensors travel under their ``stored`` key, except ``states``, whose member stays ``text.npy`` and
@@ -67,6 +68,7 @@ from __future__ import annotations
 
 # Importing the family modules registers them (each calls spec.register_family).
 from laionkit.families import flux as _flux  # noqa: F401
+from laionkit.families import flux2 as _flux2  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
 from laionkit.families import qwenimage as _qwenimage  # noqa: F401
 from laionkit.families import sana as _sana  # noqa: F401

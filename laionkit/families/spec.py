@@ -3,7 +3,7 @@ the registry that the family modules register into."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -111,6 +111,14 @@ class FamilySpec:
     # The pipeline normalises latents per channel with the VAE config's latents_mean / latents_std (Qwen-Image):
     # encode records them in the manifest, and train's latents are (z - shift - mean) * scaling / std.
     latent_stats: bool = False
+    # vae_stats(vae) -> (mean, std): where latent_stats come from the VAE's weights, not its config's latents_mean /
+    # latents_std (FLUX.2: its batch-norm running statistics, sqrt(var + eps)). Statistics of 2x2-patchified
+    # channels (4C values for C latent channels) apply over the 2x2 pattern: see LatentSet.normalize.
+    vae_stats: Callable[[Any], tuple[Sequence[float], Sequence[float]]] | None = None
+    # The pipeline's output_type="latent" is already what the VAE decodes (FLUX.2's pipelines un-normalise and
+    # unpatchify before returning), so validation normalises it back to the denoiser's scale instead of taking it
+    # as the denoiser's latents; the loop's latents and the pipeline's input stay normalised as for every family.
+    pipeline_denormalizes: bool = False
     # The pipeline's keyword of each stored key where it is not PixArt's / SD3's (evaluation.PIPELINE_KEYWORDS):
     # Qwen-Image's mask is prompt_embeds_mask.
     pipeline_keywords: Mapping[str, str] = field(default_factory=dict)

@@ -81,8 +81,20 @@ class LatentSet:
         return latents * std / self.scaling_factor + mean + self.shift_factor
 
     def _stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The statistics shaped to ``like`` [..., C, h, w]: one per channel, or, with 4C of them (FLUX.2's,
+        of 2x2-patchified channels c*4 + 2 dy + dx), laid over the 2x2 pattern: normalising the latent so is
+        patchifying it, normalising per patchified channel and unpatchifying."""
+        channels, height, width = like.shape[-3:]
+
         def shaped(values):
-            return torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).to(like.device, like.dtype)
+            found = torch.tensor(values, dtype=torch.float32).to(like.device, like.dtype)
+            if len(values) == channels:
+                return found.view(-1, 1, 1)
+            patch = math.isqrt(len(values) // channels)
+            if patch * patch * channels != len(values) or height % patch or width % patch:
+                raise LaionkitError(f"{self.manifest}: {len(values)} latent statistics fit neither the "
+                                    f"{channels} latent channels nor their square patches")
+            return found.view(channels, patch, patch).repeat(1, height // patch, width // patch)
 
         return shaped(self.latents_mean), shaped(self.latents_std)
 

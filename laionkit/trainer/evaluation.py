@@ -149,6 +149,8 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
                    **each_step, **prompts).images
     if spec.unpack_latents is not None:
         latents = spec.unpack_latents(latents, height, width)
+    if spec.pipeline_denormalizes:  # FLUX.2: the pipeline returned what the VAE decodes
+        latents = data.normalize(latents)
     return latents
 
 

@@ -254,7 +254,8 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
 # The transformers whose pipeline loads LoRA (its save_lora_weights writes RUN/lora), by class name.
 TRANSFORMER_LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
                               "QwenImageTransformer2DModel": "QwenImagePipeline", "ZImageTransformer2DModel": "ZImagePipeline",
-                              "SanaTransformer2DModel": "SanaPipeline"}
+                              "SanaTransformer2DModel": "SanaPipeline",
+                              "Flux2Transformer2DModel": "Flux2KleinPipeline"}
 
 
 def _save_lora(model, named: dict, folder: Path) -> str | None:
