@@ -264,8 +264,10 @@ def spread(latents: dict) -> float:
 # A fresh interpreter's generation with the family's own diffusers pipeline (no laionkit import):
 # argv = pipeline folder, JSON list of caption orders (each a list of captions), output file, steps, size in
 # px, guidance_scale and, where given, a LoRA folder (RUN/lora) loaded with pipe.load_lora_weights. Writes
-# {"ORDER.INDEX": latent}, each caption drawn alone with seed = its index in its order. Several orders in one
-# interpreter: importing torch and diffusers costs more CPU time (~11 s) than drawing 8 captions (~5 s).
+# {"ORDER.INDEX": latent}, each caption with its own generator seeded with its index in its order, all captions
+# of an order in one batch (a list of generators draws each sample's noise as a batch of one would; latents equal
+# the one-at-a-time draws within 1e-5). Several orders in one interpreter: importing torch and diffusers costs
+# more CPU time (~11 s) than drawing 8 captions.
 GENERATE = r"""
 import json, sys
 import torch, diffusers
@@ -280,20 +282,21 @@ pipe.set_progress_bar_config(disable=True)
 name = type(pipe).__name__
 extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith(("PixArt", "Sana")) else {}
 found = {}
-for order, captions in enumerate(orders):
-    for index, caption in enumerate(captions):
-        latents = pipe(prompt=caption, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
-                       generator=torch.Generator().manual_seed(index), output_type="latent", **extra).images
-        if name.startswith("Flux2"):  # un-normalised and unpatchified: normalised again, as the model sees it
-            mean, var = pipe.vae.bn.running_mean, pipe.vae.bn.running_var
-            patches = (pipe._patchify_latents(latents) - mean.view(1, -1, 1, 1)) / torch.sqrt(
-                var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
-            latents = pipe._unpatchify_latents(patches)
-        elif name.startswith("Flux"):
-            latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
-        if name.startswith("QwenImage"):  # packed, and one frame: [B, C, 1, h, w]
-            latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)[:, :, 0]
-        found[f"{order}.{index}"] = latents[0].float().contiguous()
+for order, captions in enumerate(orders):  # one batch per order, each caption with its own generator
+    generators = [torch.Generator().manual_seed(index) for index in range(len(captions))]
+    latents = pipe(prompt=list(captions), num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
+                   generator=generators, output_type="latent", **extra).images
+    if name.startswith("Flux2"):  # un-normalised and unpatchified: normalised again, as the model sees it
+        mean, var = pipe.vae.bn.running_mean, pipe.vae.bn.running_var
+        patches = (pipe._patchify_latents(latents) - mean.view(1, -1, 1, 1)) / torch.sqrt(
+            var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+        latents = pipe._unpatchify_latents(patches)
+    elif name.startswith("Flux"):
+        latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
+    if name.startswith("QwenImage"):  # packed, and one frame: [B, C, 1, h, w]
+        latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)[:, :, 0]
+    for index in range(len(captions)):
+        found[f"{order}.{index}"] = latents[index].float().contiguous()
 save_file(found, output)
 print(name, type(pipe.scheduler).__name__, "laionkit" in sys.modules)
 """
