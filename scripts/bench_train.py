@@ -75,12 +75,13 @@ def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int,
 def steady_rate(run: Path) -> dict:
     """samples/s, MFU and data-wait of the log windows after the first (start-up, compilation)."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    timed = len(records[1:])
     records = records[1:] or records  # a run cut short after one window: that window, start-up included
     if not records:
         return {}
     pick = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
     return {"samples_per_s": pick("samples_per_s"), "mfu": pick("mfu"), "data_wait_pct": pick("data_wait_pct"),
-            "gpu_mem_gib": max(r["gpu_mem_gib"] for r in records)}
+            "gpu_mem_gib": max(r["gpu_mem_gib"] for r in records), "timed_windows": timed}
 
 
 # --- children: one measurement per process ---------------------------------------------------------
@@ -244,11 +245,10 @@ def time_bare_step(step, one_sample, model, steps: int, warmup: int, batch: int,
     """A bare ceiling's figures: the model FLOPs of ``one_sample()`` (forward + backward of one sample, by
     torch's flop counter), ``warmup`` untimed calls of ``step()``, then ``steps`` timed ones, reported as
     train's metrics.jsonl reports a window (laionkit.trainer.metrics.throughput: samples/s, MFU, peak memory)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from laionkit.trainer.metrics import throughput
+    from laionkit.trainer.model import flop_counter
 
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()  # train's own counter (grouped convolutions' backward per group)
     with counter:
         one_sample()
     model.zero_grad(set_to_none=True)

@@ -577,12 +577,19 @@ def main() -> None:
     save_results(summary, args.out, args.report, suffix=f"-{family}", tail=8000)
     print_table({k: v for k, v in results.items() if k != "peak"}, f"{summary['device']}, torch {torch.__version__}")
     rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
+    # a train run (b) that errored before 3 timed log windows (b: 3 windows after the first), or a bare one (a)
+    # that errored at all (its rate is written only after its timed steps)
+    cut_short = lambda name: "error" in results.get(name, {}) and results[name].get("timed_windows", 3) < 3  # noqa: E731
     peak = results.get("peak", {}).get("peak_tflops")
     print(f"\nmeasured bf16 matmul peak: {peak}")
     for resolution in ab_resolutions:
         for mode in args.modes.split(","):
             a, b = rate(f"a-{resolution}-{mode}"), rate(f"b-{resolution}-{mode}")
-            if a and b:
+            cut = [name for name in (f"a-{resolution}-{mode}", f"b-{resolution}-{mode}") if cut_short(name)]
+            if a and b and cut:  # a run stopped in its warm-up or compilation: a rate of start-up, not of steps
+                print(f"  b/a {resolution} {mode}: not computed, {' and '.join(cut)} stopped before its timed "
+                      "steps ended")
+            elif a and b:
                 flops = results[f"a-{resolution}-{mode}"]["flops_per_sample"]
                 print(f"  b/a {resolution} {mode}: {b / a:.3f} (target >= 0.98); b model TFLOP/s "
                       f"{flops * b / 1e12:.0f}" + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak "
