@@ -1,9 +1,9 @@
-"""Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux, Sana, Z-Image, Qwen-Image) against the
+"""Benchmark `laionkit train` on the flow-matching transformers (SD3, Flux, Sana, Z-Image, Qwen-Image, FLUX.2) against the
 bare diffusers step (not a test; results in docs/BENCHMARKS.md).
 
 Per family, at real size and random init (``--transformer-config sd3-medium``: 2.0B; ``flux-dev``: 11.9B;
 ``pixart-sigma-xl``: 0.61B, stored vs online text only; ``sana-1600m``: 1.6B; ``z-image``: 6.15B;
-``qwen-image``: 20B), bf16, per resolution (1024 px and 512 px; Sana also 4096 px):
+``qwen-image``: 20B; ``flux2-klein-4b``: 3.9B; ``flux2-dev``: 32B), bf16, per resolution (1024 px and 512 px; Sana also 4096 px):
 
 (peak)    the bf16 matmul peak of this GPU (torch.mm, 8192^3), measured in this run: MFU is against it.
 (a)       the ceiling, bare diffusers + torch, no laionkit code: the transformer ``from_config``, flow matching
@@ -23,7 +23,10 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           states (3584) with ``encoder_hidden_states_mask``, timestep sigma, the scheduler's exponential shift
           (mu from the packed length); 20B does not train full-parameter on one GPU, so its (a) is LoRA rank 64
           (peft ``add_adapter`` on to_q/to_k/to_v/to_out.0 of the frozen bf16 model) with diffusers' gradient
-          checkpointing, as its (b) is.
+          checkpointing, as its (b) is. FLUX.2 (train_dreambooth_lora_flux2_klein.py, _flux2.py): 32 channels
+          at 8x patchified 2x2 and packed, 512 text rows (klein: Qwen3, 3 x 2560; dev: Mistral-3, 3 x 5120),
+          timestep sigma, unshifted sigmas; dev (32B) embeds guidance 3.5 and is LoRA-64 on both sides, as
+          Qwen-Image.
           The masked families' (Sana, Z-Image, Qwen-Image) text is as long as the longest stored caption of
           (b)'s first latent shard (``stored_text_len``), so both sides attend over the same text.
 (b)       `laionkit train` on latent shards with stored text (``encode --text stored``), eager and compiled,
@@ -77,18 +80,21 @@ from bench_train_sdxl import prepare  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 BATCH = {"sd3": {1024: 8, 512: 32, 64: 2}, "flux": {1024: 1, 512: 4, 64: 2}, "pixart": {1024: 16, 512: 64, 64: 2},
          "sana": {4096: 1, 1024: 16, 512: 64, 64: 2}, "z-image": {1024: 2, 512: 8, 64: 2},
-         "qwen-image": {1024: 4, 512: 16, 64: 2}}  # qwen-image: LoRA-64 with --checkpointing blocks
+         "qwen-image": {1024: 4, 512: 16, 64: 2},  # qwen-image, flux2-dev: LoRA-64 with --checkpointing blocks
+         "flux2": {1024: 2, 512: 8, 64: 2}, "flux2-dev": {1024: 2, 512: 8, 64: 2}}
 CONFIG = {"sd3": "sd3-medium", "flux": "flux-dev", "pixart": "pixart-sigma-xl", "sana": "sana-1600m",
-          "z-image": "z-image", "qwen-image": "qwen-image"}
+          "z-image": "z-image", "qwen-image": "qwen-image", "flux2": "flux2-klein-4b", "flux2-dev": "flux2-dev"}
 LORA_BATCH = {1024: 4, 512: 16}  # Flux-12B LoRA with --checkpointing blocks
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # diffusers' LoRA scripts' and laionkit's default targets
 # `laionkit train` flags of a family's (b), stored and online rows, and (a)'s matching bare configuration:
 # Z-Image (6.15B): the default policy's 20 bytes per parameter (123 GB) leaves no room for 1024 px
 # activations; full bf16 (8 bytes, what the bare step does) does. Qwen-Image (20B): 8 bytes per parameter
 # are 163 GB, over one H200: LoRA rank 64 on the frozen bf16 base with checkpointed blocks, on both sides.
+# FLUX.2 [dev] (32B: 64 GB in bf16) trains as Qwen-Image does.
 TRAIN_FLAGS = {"z-image": ("--full-bf16",),
-               "qwen-image": ("--lora-rank", "64", "--lora-random-base", "--checkpointing", "blocks")}
-BARE_FLAGS = {"qwen-image": {"lora": 64, "checkpointing": True}}
+               "qwen-image": ("--lora-rank", "64", "--lora-random-base", "--checkpointing", "blocks"),
+               "flux2-dev": ("--lora-rank", "64", "--lora-random-base", "--checkpointing", "blocks")}
+BARE_FLAGS = {"qwen-image": {"lora": 64, "checkpointing": True}, "flux2-dev": {"lora": 64, "checkpointing": True}}
 # Full-parameter depth fractions (the transformer config with these overrides, and the train flags): the
 # largest full-parameter configurations of a family that does not fit whole. Flux: 8 double + 16 single blocks
 # under the default policy; Qwen-Image: 30 of 60 blocks (~10B) in full bf16.
@@ -181,6 +187,31 @@ def _qwen25_vl_7b(folder: Path, layers: int | None):
         tie_word_embeddings=False))
 
 
+def _mistral_small_3(folder: Path, layers: int | None):
+    """mistralai/Mistral-Small-3.2-24B (FLUX.2-dev's text_encoder/, a Mistral3ForConditionalGeneration with its
+    Pixtral vision tower), with the tiny processor's special ids; FLUX.2 reads hidden states 10, 20 and 30, so
+    ``layers`` must be at least 31."""
+    from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    return Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                     "num_hidden_layers": max(layers or 40, 31), "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1_000_000_000.0, "pad_token_id": tokenizer.pad_token_id,
+                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
+                       "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64, "image_size": 1540,
+                       "patch_size": 14},
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+        multimodal_projector_bias=False))
+
+
+def _qwen3_4b_klein(folder: Path, layers: int | None):
+    """Qwen3-4B as FLUX.2-klein-4B reads it: hidden states 9, 18 and 27, so at least 28 layers."""
+    return _qwen3_4b(folder, max(layers or 36, 28))
+
+
 # Each family's text encoders at real size (random init), by subfolder.
 TEXT_ENCODERS = {
     "sd3": {"text_encoder": _clip_l_projected, "text_encoder_2": _clip_g, "text_encoder_3": _t5_xxl},
@@ -190,6 +221,8 @@ TEXT_ENCODERS = {
     "sana": {"text_encoder": _gemma2_2b},
     "z-image": {"text_encoder": _qwen3_4b},
     "qwen-image": {"text_encoder": _qwen25_vl_7b},
+    "flux2": {"text_encoder": _qwen3_4b_klein},
+    "flux2-dev": {"text_encoder": _mistral_small_3},
 }
 
 
@@ -393,7 +426,32 @@ def bare_qwenimage(arch: dict, resolution: int, batch: int, smoke: bool, text_le
                 float(torch.tensor(mu).exp()))
 
 
-BARE = {"sd3": bare_sd3, "flux": bare_flux, "sana": bare_sana, "z-image": bare_zimage, "qwen-image": bare_qwenimage}
+def bare_flux2(arch: dict, resolution: int, batch: int, smoke: bool, text_len: int | None, device, dtype) -> Bare:
+    """FLUX.2 (train_dreambooth_lora_flux2_klein.py / _flux2.py): 32 channels at 8x, patchified 2x2 to 128 and
+    packed one token per patch with _prepare_latent_ids, the 512 text states (Qwen3 3 x 2560 for klein, Mistral
+    3 x 5120 for dev) with _prepare_text_ids, timestep sigma, guidance 3.5 where the transformer embeds it (dev),
+    sigmas unshifted as those scripts draw them."""
+    from diffusers import Flux2Pipeline
+
+    latent = resolution // 8
+    length = 16 if smoke else 512
+    states = torch.randn(batch, length, arch["joint_attention_dim"], device=device, dtype=dtype)
+    txt_ids = Flux2Pipeline._prepare_text_ids(states).to(device)
+    guidance = torch.full((batch,), 3.5, device=device) if arch.get("guidance_embeds") else None
+
+    def forward(model, noisy, sigma, rows):
+        patches = Flux2Pipeline._patchify_latents(noisy)
+        ids = Flux2Pipeline._prepare_latent_ids(patches).to(device)
+        out = model(hidden_states=Flux2Pipeline._pack_latents(patches), timestep=sigma,
+                    guidance=None if guidance is None else guidance[:rows], encoder_hidden_states=states[:rows],
+                    txt_ids=txt_ids[:rows], img_ids=ids, return_dict=False)[0]
+        return Flux2Pipeline._unpatchify_latents(Flux2Pipeline._unpack_latents_with_ids(out, ids))
+
+    return Bare(torch.randn(batch, 32, latent, latent, device=device, dtype=dtype), forward, 1.0)
+
+
+BARE = {"sd3": bare_sd3, "flux": bare_flux, "sana": bare_sana, "z-image": bare_zimage, "qwen-image": bare_qwenimage,
+        "flux2": bare_flux2, "flux2-dev": bare_flux2}
 
 
 def child_bare(args) -> dict:

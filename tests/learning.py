@@ -286,7 +286,10 @@ for order, captions in enumerate(orders):  # one batch per order, each caption w
     generators = [torch.Generator().manual_seed(index) for index in range(len(captions))]
     latents = pipe(prompt=list(captions), num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
                    generator=generators, output_type="latent", **extra).images
-    if name.startswith("Flux2"):  # un-normalised and unpatchified: normalised again, as the model sees it
+    if name == "Flux2Pipeline":  # FLUX.2 [dev]: packed 2x2 patches, still normalised: unpacked, unpatchified
+        b, tokens, channels = latents.shape
+        latents = pipe._unpatchify_latents(latents.transpose(1, 2).reshape(b, channels, size // 16, size // 16))
+    elif name.startswith("Flux2"):  # klein: un-normalised and unpatchified: normalised again, as the model sees it
         mean, var = pipe.vae.bn.running_mean, pipe.vae.bn.running_var
         patches = (pipe._patchify_latents(latents) - mean.view(1, -1, 1, 1)) / torch.sqrt(
             var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)

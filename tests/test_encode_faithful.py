@@ -34,7 +34,8 @@ def model_copy(model: Path, folder: Path, drop: tuple[str, ...] = ()) -> Path:
 @pytest.mark.parametrize("family, missing", [("sd", "tokenizer"), ("flux", "tokenizer_2"),
                                              ("flux", "text_encoder_2"), ("pixart", "tokenizer"),
                                              ("z-image", "text_encoder"), ("qwen-image", "tokenizer"),
-                                             ("sana", "tokenizer"), ("flux2", "text_encoder")])
+                                             ("sana", "tokenizer"), ("flux2", "text_encoder"),
+                                             ("flux2-dev", "tokenizer")])
 def test_missing_component_subfolder_is_a_one_line_error(tmp_path, image_shards, tiny_models, flow_latents,
                                                          family, missing):
     """Before: SD / PixArt without tokenizer/ failed with OverflowError, Flux without text_encoder_2/ with
@@ -62,7 +63,7 @@ def test_online_text_train_refuses_a_model_folder_missing_a_tokenizer(tmp_path, 
 
 # --- 3. a pipeline folder without model_index.json: the family from its components, or a one-line refusal ---
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sana", "z-image", "qwen-image", "flux2"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "pixart", "sana", "z-image", "qwen-image", "flux2", "flux2-dev"])
 def test_transformer_folder_without_model_index_encodes_as_its_family(tmp_path, image_shards, flow_latents, family):
     """Before: encoded as SD (CLIP text only, SD's latent scaling), which no transformer trains on. Now the
     same latents as the folder with its model_index.json, byte for byte."""

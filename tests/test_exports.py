@@ -41,6 +41,7 @@ def runs(tmp_path_factory, latent_shards, tiny_models, image_shards, flow_latent
         "qwen-image": (flow_latents("qwen-image").latents, dict(unet_config="tiny"), "transformer"),
         "sana": (flow_latents("sana").latents, dict(unet_config="tiny"), "transformer"),
         "flux2": (flow_latents("flux2").latents, dict(unet_config="tiny"), "transformer"),
+        "flux2-dev": (flow_latents("flux2-dev").latents, dict(unet_config="tiny"), "transformer"),
     }
     found = {}
     for name, (latents, options, denoiser) in plans.items():
@@ -170,7 +171,8 @@ def _files(folder: Path) -> dict[str, bytes]:
             if path.is_file()}
 
 
-@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image", "qwen-image", "flux2"])
+@pytest.mark.parametrize("family", ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image", "qwen-image", "flux2",
+                                    "flux2-dev"])
 def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tmp_path, family):
     """`laionkit export RUN --format pipeline` on a run trained with --export none rebuilds, from its newest
     checkpoint's record (latents, base, --prediction-type), the pipeline train writes: file for file."""

@@ -118,6 +118,10 @@ FAMILIES["flux2"] = dict(flag="--transformer-config", steps=200, lr=2e-3, config
     "patch_size": 1, "in_channels": 128, "num_layers": 1, "num_single_layers": 2, "attention_head_dim": 32,
     "num_attention_heads": 4, "joint_attention_dim": 48, "timestep_guidance_channels": 64, "guidance_embeds": False,
     "axes_dims_rope": [8, 8, 8, 8]})
+# FLUX.2 [dev] (2026-12-04): klein's case with the guidance embedding (train feeds 3.5, the pipeline draws at 3.5)
+# and Mistral-3 states; 200 steps drew 8 of 8 with train's --seed 0 and 1.
+FAMILIES["flux2-dev"] = dict(FAMILIES["flux2"], guidance=3.5, config={
+    **FAMILIES["flux2"]["config"], "guidance_embeds": True})
 # The LoRA case: its family (SD: why in the module docstring), the adapters and their run.
 LORA = dict(family="sd", rank=16, targets="to_q,to_k,to_v,to_out.0,proj_in,proj_out,ff.net.0.proj,ff.net.2",
             steps=400, lr=4e-3)

@@ -14,7 +14,7 @@ from laionkit.families import get_family
 
 RANK, ALPHA = 4, 16.0
 FAMILIES = ("sd", "sdxl", "sd3", "flux", "pixart", "sana", "z-image")
-FAMILIES += ("qwen-image", "flux2")
+FAMILIES += ("qwen-image", "flux2", "flux2-dev")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -61,7 +61,7 @@ def output(name, denoiser):
     spec = get_family(name)
     config = denoiser.config
     generator = torch.Generator().manual_seed(0)
-    channels = config.in_channels // 4 if name in ("flux", "qwen-image", "flux2") else config.in_channels  # packed 2x2
+    channels = config.in_channels // 4 if name in ("flux", "qwen-image", "flux2", "flux2-dev") else config.in_channels  # packed 2x2
     noisy = torch.randn(2, channels, 8, 8, generator=generator)
     timestep = torch.tensor([10, 500])
     if name in ("sd", "sdxl"):
@@ -80,8 +80,10 @@ def output(name, denoiser):
     elif name == "qwen-image":
         cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator), "mask": torch.ones(2, 7)}
         timestep = torch.tensor([0.2, 0.7])
-    elif name == "flux2":  # no pooled text, no mask; timestep: sigma
+    elif name in ("flux2", "flux2-dev"):  # no pooled text, no mask; timestep: sigma; dev embeds guidance
         cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator)}
+        if config.guidance_embeds:
+            cond["guidance"] = torch.full((2,), 3.5)
         timestep = torch.tensor([0.2, 0.7])
     else:
         cond = {"states": torch.randn(2, 7, config.joint_attention_dim, generator=generator),
@@ -129,7 +131,7 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
-    if name in ("sd3", "pixart", "sana", "z-image", "qwen-image", "flux2"):  # no kohya layout for them: the diffusers / PEFT file serves
+    if name in ("sd3", "pixart", "sana", "z-image", "qwen-image", "flux2", "flux2-dev"):  # no kohya layout for them: the diffusers / PEFT file serves
         assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
         return
     kohya = load_file(path)

@@ -375,7 +375,7 @@ caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig
 def encode(
     shards: Annotated[list[str], typer.Argument(help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output formats too.")],
     output: Annotated[str, typer.Option("--output", "-o", help="Output folder (a path or URL): one latent tar per input tar.")],
-    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl, sana-1600m, sana-600m, z-image, z-image-turbo, qwen-image, flux2-klein-4b, flux2-klein-9b), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux, pixart, sana, z-image, qwen-image or flux2), recorded in the manifest.")] = "sd15",
+    model: Annotated[str, typer.Option(help="Preset (sd15, sd2, sdxl, sd3-medium, flux-dev, pixart-sigma-xl, sana-1600m, sana-600m, z-image, z-image-turbo, qwen-image, flux2-klein-4b, flux2-klein-9b, flux2-dev), diffusers folder or hub id for all components; its model_index.json decides the family (sd, sdxl, sd3, flux, pixart, sana, z-image, qwen-image, flux2 or flux2-dev), recorded in the manifest.")] = "sd15",
     vae: Annotated[Optional[str], typer.Option(help="VAE source (default: --model).")] = None,
     text_encoder: Annotated[Optional[str], typer.Option(help="Text encoder source (default: --model).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer source (default: --model).")] = None,

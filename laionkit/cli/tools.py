@@ -74,7 +74,7 @@ app.add_typer(models_app, name="models")
 def models_tiny(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
-    family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3, flux, pixart (PixArt-Σ), sana, z-image, qwen-image or flux2 (FLUX.2 [klein]).")] = "sd",
+    family: Annotated[str, typer.Option(help="Model family: sd (SD 1.x/2.x), sdxl, sd3, flux, pixart (PixArt-Σ), sana, z-image, qwen-image, flux2 (FLUX.2 [klein]) or flux2-dev (FLUX.2 [dev]).")] = "sd",
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace --output if it is not empty (refused otherwise: it is replaced whole).")] = False,
 ) -> None:

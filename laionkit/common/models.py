@@ -29,7 +29,7 @@ COMPONENTS = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "text_enc
 # Text encoder classes a component's config may name (its "architectures"); anything else loads as
 # CLIPTextModel, as SD's always did.
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
-                        "Qwen2_5_VLForConditionalGeneration", "Gemma2Model")
+                        "Qwen2_5_VLForConditionalGeneration", "Gemma2Model", "Mistral3ForConditionalGeneration")
 # Checkpoints saved from a language model whose pipelines load its base model (Z-Image: Qwen3-4B's weights
 # under a Qwen3ForCausalLM config, loaded as Qwen3Model, as its model_index.json names it).
 TEXT_ENCODER_ALIASES = {"Qwen3ForCausalLM": "Qwen3Model"}
@@ -205,13 +205,38 @@ def load_tokenizer(source: str, component: str = "tokenizer"):
     """The tokenizer matching the text encoder: CLIP's BPE (window = model_max_length, 77 for SD),
     T5TokenizerFast where the component's tokenizer_config.json names a T5 tokenizer (SD3, Flux, PixArt),
     Qwen2Tokenizer where it names a Qwen2 one (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL: byte-level BPE), or
-    GemmaTokenizerFast where it names a Gemma one (Sana; its caption window is the family's text_window)."""
+    GemmaTokenizerFast where it names a Gemma one (Sana; its caption window is the family's text_window), or the
+    processor where the component is a processor's folder (FLUX.2-dev's PixtralProcessor, whose chat template
+    renders the prompt; its ``.tokenizer`` counts tokens)."""
     from transformers import CLIPTokenizer, GemmaTokenizerFast, Qwen2Tokenizer, T5TokenizerFast
 
+    if _is_processor(source, component):
+        from transformers import AutoProcessor
+
+        return _from_pretrained(AutoProcessor, source, component)
     named = _tokenizer_class(source, component)
     cls = (T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2")
            else GemmaTokenizerFast if named.startswith("Gemma") else CLIPTokenizer)
     return _from_pretrained(cls, source, component)
+
+
+def text_tokenizer(tokenizer):
+    """The tokenizer itself of what load_tokenizer gave (a processor's ``.tokenizer``): what counts tokens."""
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
+def _is_processor(source: str, component: str) -> bool:
+    """Whether the component is a transformers processor's folder (processor_config.json beside the tokenizer)."""
+    where = resolve_source(source, component)
+    if where.local:
+        return Path(where.location, where.subfolder or "", "processor_config.json").is_file()
+    try:
+        from huggingface_hub import hf_hub_download
+
+        hf_hub_download(where.location, "processor_config.json", subfolder=where.subfolder)
+        return True
+    except Exception:  # noqa: BLE001 - none reachable: a plain tokenizer, as before
+        return False
 
 
 def _tokenizer_class(source: str, component: str) -> str:

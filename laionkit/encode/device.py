@@ -18,6 +18,7 @@ from laionkit.common.models import (
     load_tokenizer,
     load_vae,
     load_vae_config,
+    text_tokenizer,
     vae_facts,
     vae_is_deterministic,
 )
@@ -173,10 +174,10 @@ class Encoders:
         self.deterministic = vae_is_deterministic(self.vae)
         self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
         for tokenizer in self.tokenizers if self.family.text_window else ():
-            tokenizer.model_max_length = self.family.text_window  # the pipeline's window, not the tokenizer's
+            text_tokenizer(tokenizer).model_max_length = self.family.text_window  # the pipeline's, not the tokenizer's
         self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
                               for _, enc in self.family.text_encoders]
-        self.tokenizer = self.tokenizers[0]  # the DataLoader workers' (num_tokens, truncated)
+        self.tokenizer = text_tokenizer(self.tokenizers[0])  # the DataLoader workers' (num_tokens, truncated)
         self.text_encoder = self.text_encoders[0]
         self.encode_images = self._encode_images
         self.encode_ids = self._encode_ids

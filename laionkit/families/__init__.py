@@ -69,6 +69,7 @@ from __future__ import annotations
 # Importing the family modules registers them (each calls spec.register_family).
 from laionkit.families import flux as _flux  # noqa: F401
 from laionkit.families import flux2 as _flux2  # noqa: F401
+from laionkit.families import flux2_dev as _flux2_dev  # noqa: F401
 from laionkit.families import pixart as _pixart  # noqa: F401
 from laionkit.families import qwenimage as _qwenimage  # noqa: F401
 from laionkit.families import sana as _sana  # noqa: F401

@@ -82,27 +82,50 @@ def prompts(tokenizer, captions: Sequence[str]) -> list[str]:
 
 
 def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list:
-    """Qwen token ids [B, 512] of the rendered prompts, padded as the pipeline pads them, -1 where its attention
-    mask is 0 (one int tensor carries ids and mask: encode --text online stores it)."""
+    """Qwen token ids [B, 512] of the rendered prompts, padded as the pipeline pads them (``masked_ids``: one int
+    tensor carries ids and mask: encode --text online stores it)."""
     (tokenizer,) = tokenizers
     found = tokenizer(prompts(tokenizer, captions), padding="max_length", max_length=max_sequence_length,
                       truncation=True, return_tensors="pt")
-    return [found.input_ids.masked_fill(found.attention_mask == 0, -1)]
+    return [masked_ids(found.input_ids, found.attention_mask)]
+
+
+def masked_ids(ids, mask):
+    """Token ids with their attention mask in one tensor: ``-1 - id`` where the mask is 0. FLUX.2's transformer
+    attends to all 512 rows, so the padding rows' states count, and they depend on the padding id the text
+    encoder read there (a Qwen3 pad is 151,643, Mistral's 11): ``unmasked_ids`` gives both back exactly."""
+    import torch
+
+    return torch.where(mask.bool(), ids, -1 - ids)
+
+
+def unmasked_ids(found):
+    """(ids, mask) of ``masked_ids``' tensor. Ids stored with -1 for every masked position (laionkit before
+    2026-12-04) read as id 0 there, as they did."""
+    import torch
+
+    mask = found >= 0
+    return torch.where(mask, found, -1 - found), mask
+
+
+def hidden_states_side_by_side(encoder, ids, layers: Sequence[int]) -> dict[str, Any]:
+    """``states`` [B, 512, len(layers) x D]: ``encoder`` run on ``masked_ids``' tensor with its mask, its hidden
+    states ``layers`` side by side per token (FLUX.2 pipelines' stack over layers, permuted and reshaped), the
+    padding rows included: the transformer sees them."""
+    import torch
+
+    found, mask = unmasked_ids(ids.to(encoder.device))
+    with torch.no_grad():
+        hidden = encoder(input_ids=found, attention_mask=mask.long(), output_hidden_states=True,
+                         use_cache=False).hidden_states
+    return {"states": torch.cat([hidden[layer] for layer in layers], dim=-1)}
 
 
 def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
-    """``states`` [B, 512, 3 D]: Qwen3 with the mask, hidden states 9, 18 and 27 side by side per token (the
-    pipeline's stack over layers, permuted and reshaped), padding rows included: the transformer sees them."""
-    import torch
-
+    """``states`` [B, 512, 3 D]: Qwen3's hidden states 9, 18 and 27 side by side per token."""
     (encoder,) = text_encoders
     (found,) = ids
-    found = found.to(encoder.device)
-    mask = found >= 0
-    with torch.no_grad():
-        hidden = encoder(input_ids=found.clamp(min=0), attention_mask=mask.long(), output_hidden_states=True,
-                         use_cache=False).hidden_states
-    return {"states": torch.cat([hidden[layer] for layer in TEXT_LAYERS], dim=-1)}
+    return hidden_states_side_by_side(encoder, found, TEXT_LAYERS)
 
 
 def text_ids(states):
@@ -159,11 +182,16 @@ def denoise(model, noisy, timestep, kwargs: Mapping[str, Any]):
 
 
 def vae_stats(vae) -> tuple[list[float], list[float]]:
+    """klein's ``vae_stats`` (diffusers with Flux2KleinPipeline): ``batch_norm_stats``."""
+    require_klein()
+    return batch_norm_stats(vae)
+
+
+def batch_norm_stats(vae) -> tuple[list[float], list[float]]:
     """The pipeline's latent statistics: AutoencoderKLFlux2's batch-norm running mean and sqrt(var + eps), one
     per patchified channel (4 x the latent channels)."""
     import torch
 
-    require_klein()
     mean = vae.bn.running_mean.float()
     std = torch.sqrt(vae.bn.running_var.float() + vae.config.batch_norm_eps)
     return [float(v) for v in mean], [float(v) for v in std]
@@ -171,16 +199,27 @@ def vae_stats(vae) -> tuple[list[float], list[float]]:
 
 def fit_config(arch: dict[str, Any], latent_channels: int, latent_size: int, text_dim: int,
                pooled_dim: int | None) -> dict[str, Any]:
+    """klein's ``fit_config`` (diffusers with Flux2KleinPipeline): ``fit_transformer``."""
+    require_klein()
+    return fit_transformer(arch, latent_channels, latent_size, text_dim, pooled_dim)
+
+
+def fit_transformer(arch: dict[str, Any], latent_channels: int, latent_size: int, text_dim: int,
+                    pooled_dim: int | None) -> dict[str, Any]:
     """A from-scratch FLUX.2 architecture fitted to the latents: 2x2-patchified channels, the text width
     (positions are rotary: no size to fit)."""
-    require_klein()
     arch.update(in_channels=4 * latent_channels, out_channels=None, joint_attention_dim=text_dim)
     return arch
 
 
 def expects(config) -> tuple:
-    """(latent channels, text width, pooled width) a built Flux2Transformer2DModel takes."""
+    """klein's ``expects`` (diffusers with Flux2KleinPipeline): ``transformer_inputs``."""
     require_klein()
+    return transformer_inputs(config)
+
+
+def transformer_inputs(config) -> tuple:
+    """(latent channels, text width, pooled width) a built Flux2Transformer2DModel takes."""
     return config.in_channels // 4, config.joint_attention_dim, None
 
 
@@ -270,4 +309,5 @@ SPEC = register_family(FamilySpec(
     vae_stats=vae_stats,
     pipeline_denormalizes=True,
     text_window=MAX_SEQUENCE_LENGTH,
+    text_encoder_classes=("Qwen3ForCausalLM", "Qwen3Model"),
 ))

@@ -127,6 +127,9 @@ class FamilySpec:
     # otherwise than a caption "" (Sana: "" without the instruction prefix every caption gets); None: the
     # caption "" is the unconditional text.
     unconditional: Callable[[Any], list] | None = None
+    # The text encoder classes (config "architectures") of the family's pipelines: which family a folder without
+    # model_index.json is where several families share the denoiser class (FLUX.2 dev: Mistral-3; klein: Qwen3).
+    text_encoder_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -317,6 +320,9 @@ def _family_of_components(path: Path) -> FamilySpec:
         name = _read_class(transformer / "config.json", "_class_name")
         by_class = [spec for spec in _FAMILIES.values() if spec.denoiser_subfolder == "transformer"
                     and spec.denoiser_class == name]
+        if len(by_class) > 1:  # one transformer class, several families (FLUX.2 dev / klein): the text encoder
+            encoder = _read_class(path / "text_encoder" / "config.json", "architectures")
+            by_class = [spec for spec in by_class if encoder in spec.text_encoder_classes] or by_class
         if by_class:
             return by_class[0]
         if name is None:  # no readable transformer config: the text encoders tell the families apart

@@ -139,3 +139,49 @@ def write_qwen(output: str | Path, vocab_size: int = 1000, max_length: int = 131
               "chat_template": QWEN3_CHAT_TEMPLATE, "additional_special_tokens": list(QWEN_SPECIALS[1:]),
               **specials}
     return _save(tokenizer, Path(output), config, {**specials, "additional_special_tokens": list(QWEN_SPECIALS[1:])})
+
+
+# Mistral's tekken tokenizer (Mistral-Small-3.x, the text encoder FLUX.2-dev ships): byte-level BPE after this split
+# (tiktoken's pattern as tekken's config gives it), the control tokens first; PixtralProcessor wraps it.
+MISTRAL_SPLIT = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
+                 r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
+                 r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+# Mistral-Small-3.1's chat template for what text-to-image pipelines send (a system turn and user turns whose
+# content is a string or a list of {"type": "text"} parts, as diffusers' Flux2Pipeline format_input builds them;
+# images and tools are not rendered): "<s>[SYSTEM_PROMPT]S[/SYSTEM_PROMPT][INST]C[/INST]".
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text')"
+    " | join('') %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + content + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + content + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- content + eos_token }}{%- endif %}"
+    "{%- endfor %}")
+
+
+def write_mistral(output: str | Path, vocab_size: int = 1000, max_length: int = 131072) -> Path:
+    """A tekken-style tokenizer folder (what PixtralProcessor loads with AutoTokenizer): byte-level BPE after
+    tekken's split, ``<s>`` prepended by the chat template (and by plain calls, as Mistral's HF tokenizer
+    does), ``<pad>`` for padding, Mistral-Small-3.1's control tokens and ``MISTRAL_CHAT_TEMPLATE``."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(MISTRAL_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(MISTRAL_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(captions(), trainer=trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)])
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "padding_side": "right",
+              "chat_template": MISTRAL_CHAT_TEMPLATE, "processor_class": "PixtralProcessor", **specials}
+    return _save(tokenizer, Path(output), config, specials)

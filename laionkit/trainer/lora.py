@@ -251,11 +251,12 @@ def export(accelerator, unet, ema, master, output: Path) -> None:
     accelerator.wait_for_everyone()
 
 
-# The transformers whose pipeline loads LoRA (its save_lora_weights writes RUN/lora), by class name.
+# The transformers whose pipeline loads LoRA (its save_lora_weights writes RUN/lora), by class name. FLUX.2's
+# klein and dev pipelines share Flux2LoraLoaderMixin (one file format); Flux2Pipeline is in diffusers 0.36 too.
 TRANSFORMER_LORA_PIPELINES = {"SD3Transformer2DModel": "StableDiffusion3Pipeline", "FluxTransformer2DModel": "FluxPipeline",
                               "QwenImageTransformer2DModel": "QwenImagePipeline", "ZImageTransformer2DModel": "ZImagePipeline",
                               "SanaTransformer2DModel": "SanaPipeline",
-                              "Flux2Transformer2DModel": "Flux2KleinPipeline"}
+                              "Flux2Transformer2DModel": "Flux2Pipeline"}
 
 
 def _save_lora(model, named: dict, folder: Path) -> str | None:
