@@ -19,11 +19,12 @@ Latents, positions, the objective and the blocks are klein's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from laionkit.families import flux2
-from laionkit.families.spec import FamilySpec, Objective, register_family
+from laionkit.families.spec import register_family
 
 PRESETS = {"flux2-dev": "black-forest-labs/FLUX.2-dev"}
 # black-forest-labs/FLUX.2-dev transformer/config.json (32B parameters): Flux2Transformer2DModel's defaults.
@@ -127,34 +128,24 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
     return output
 
 
-SPEC = register_family(FamilySpec(
+# klein's spec with what differs (encode_text=None: rebuilt from this tokenize / encode_tokens).
+SPEC = register_family(replace(
+    flux2.SPEC,
     name="flux2-dev",
     pipeline_class="Flux2Pipeline",
-    denoiser_class="Flux2Transformer2DModel",
-    denoiser_subfolder="transformer",
-    text_encoders=(("tokenizer", "text_encoder"),),
-    stored=("states",),
     tokenize=tokenize,
     encode_tokens=encode_tokens,
-    conditioning=flux2.conditioning,
+    encode_text=None,
     text_layer="10,20,30",
-    objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
-                        timestep_scale=1.0, guidance=TRAIN_GUIDANCE),
-    block_classes=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    regional_compile=True,
+    objective=replace(flux2.SPEC.objective, guidance=TRAIN_GUIDANCE),
     write_tiny=write_tiny,
     presets=PRESETS,
     configs={"flux2-dev": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
-    denoise=flux2.denoise,
     fit_config=flux2.fit_transformer,
     expects=flux2.transformer_inputs,
-    sampler=SAMPLER_CONFIG,
-    pack_latents=flux2.patchify,
     unpack_latents=unpack,
     embedded_guidance=True,
-    patch_size=2,
-    latent_stats=True,
     vae_stats=flux2.batch_norm_stats,
-    text_window=flux2.MAX_SEQUENCE_LENGTH,
+    pipeline_denormalizes=False,
     text_encoder_classes=("Mistral3ForConditionalGeneration",),
 ))
