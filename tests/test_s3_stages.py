@@ -345,3 +345,63 @@ def test_train_bucket_run_folder_fresh_run_rules_and_resume_choice(s3):
         decide(resume=s3.url("elsewhere", "step-00000002"))
     assert decide(overwrite=True) is None
     assert run.list(complete_only=False) == []
+
+
+def test_dedup_reads_scores_from_the_bucket_and_writes_there_like_local_disk_and_resumes_after_kill_9(s3, tmp_path):
+    """dedup with SCORES_DIR and --output in the bucket: the score files are mirrored to --scratch, the steps run
+    there, and keep.parquet, removed.parquet and stats.json (last) are uploaded with done records. Killed after
+    the lists are uploaded but before stats.json's record, the output does not read as finished; the rerun gives
+    the local run's files (stats.json naming the inputs by URL) and removes its work folder."""
+    from test_dedup_layers import FAST, planted
+
+    scores = planted().write(tmp_path / "scored")
+    run_cli("dedup", scores, "--output", tmp_path / "local", *FAST, "--keep-by", "aesthetic")
+    for path in sorted(p for p in scores.rglob("*") if p.is_file()):
+        upload(s3, path, "scored", *path.relative_to(scores).parts)
+    output, scratch = s3.url("dedup"), tmp_path / "scratch"
+    argv = [s3.url("scored"), "--output", output, *FAST, "--keep-by", "aesthetic", "--scratch", str(scratch)]
+    run = f"""
+        import sys
+        from laionkit.cli import main
+        sys.argv = ["laionkit", "dedup", *{argv!r}]
+        main()
+    """
+    result = killed_run(s3, tmp_path, run, "location.name == 'stats.json'")
+    assert result.returncode == -9, result.stderr
+    target = Location.parse(output)
+    assert (target / "keep.parquet").is_complete() and not (target / "stats.json").is_complete()
+    assert len(list((scratch / "inputs").rglob("*.npy"))) == 4  # the embeddings mirrored once
+
+    run_cli("dedup", *argv, env=s3.env)
+    for name in ("keep.parquet", "removed.parquet"):
+        assert (target / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+    stats, local = (target / "stats.json").read_json(), json.loads((tmp_path / "local" / "stats.json").read_text())
+    assert stats["inputs"] == [s3.url("scored", "scores", f"{stem:05d}.parquet") for stem in range(4)]
+    where = ("inputs", "plan")  # the plan covers the inputs' paths and times
+    assert {k: v for k, v in stats.items() if k not in where} == {k: v for k, v in local.items() if k not in where}
+    assert not list((scratch / "work").iterdir())  # the work folder is removed once the output is whole
+    rerun = run_cli("dedup", *argv, env=s3.env)  # finished: the same output, nothing redone
+    assert rerun.returncode == 0 and (target / "stats.json").read_json() == stats
+
+
+def test_dedup_mirror_reuses_unchanged_objects_and_fetches_changed_ones(s3, tmp_path):
+    """A mirrored score file is reused while the object's size and time are the same (a rerun downloads nothing)
+    and fetched again when the object changed; an interrupted download leaves only a dot-temporary."""
+    import time
+
+    from laionkit.dedup.remote import mirror
+
+    (tmp_path / "a.parquet").write_bytes(b"first version")
+    upload(s3, tmp_path / "a.parquet", "scored", "scores", "00000.parquet")
+    local = mirror(s3.url("scored"), tmp_path / "scratch", embeddings=False)
+    copy = local / "scores" / "00000.parquet"
+    assert copy.read_bytes() == b"first version"
+    stamp, inode = copy.stat().st_mtime_ns, copy.stat().st_ino
+    assert mirror(s3.url("scored"), tmp_path / "scratch", embeddings=False) == local
+    assert (copy.stat().st_mtime_ns, copy.stat().st_ino) == (stamp, inode)  # reused, not downloaded again
+    time.sleep(1.1)  # S3 times are whole seconds
+    (tmp_path / "a.parquet").write_bytes(b"second, longer version")
+    upload(s3, tmp_path / "a.parquet", "scored", "scores", "00000.parquet")
+    mirror(s3.url("scored"), tmp_path / "scratch", embeddings=False)
+    assert copy.read_bytes() == b"second, longer version" and copy.stat().st_mtime_ns != stamp
+    assert [p.name for p in copy.parent.iterdir()] == ["00000.parquet"]

@@ -263,6 +263,8 @@ def score(
 
     torchrun --nproc-per-node 8 -m laionkit.cli dedup scored/ --output out/dedup   # 8 ranks, no coordinator
 
+    laionkit dedup s3://bucket/scored --output s3://bucket/dedup --scratch /nvme/dedup   # a bucket, worked on local disk
+
 out/dedup/keep.parquet holds the kept rows' key and shard (a `--keep` list); removed.parquet says why each
 other row went. Rerun the same command after a crash: finished steps are kept.
 """)
@@ -296,6 +298,10 @@ def dedup_command(
     wait: Annotated[float, typer.Option(help="Seconds a rank waits for the other ranks' outputs of a step.")] = 3600.0,
     threads: Annotated[Optional[int], typer.Option(help="DuckDB / faiss threads (default: the CPUs this rank may use).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the outputs of a run with other inputs or settings.")] = False,
+    scratch: Annotated[Optional[str], typer.Option(
+        help="With URL inputs or --output: the local folder remote inputs are mirrored to and the steps run in "
+        "(ranks on several nodes: a folder they all see). Default: laionkit-dedup in $LAIONKIT_STAGING or the "
+        "temp folder.")] = None,
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
@@ -307,8 +313,8 @@ def dedup_command(
         inputs=tuple(inputs), output=output, layers=tuple(x.strip() for x in layers.split(",") if x.strip()),
         phash_distance=phash_distance, phash_bands=phash_bands, epsilon=epsilon, clusters=clusters,
         kmeans_iterations=kmeans_iterations, clusters_per_row=clusters_per_row, seed=seed, keep_by=keep_by, against=tuple(against or ()), keep=keep,
-        bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, rank=rank, world_size=world_size,
-        quiet=quiet,
+        bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, scratch=scratch, rank=rank,
+        world_size=world_size, quiet=quiet,
     )
     stats = dedup.run(config)
     if not quiet and "kept" in stats:

@@ -35,6 +35,9 @@ its groups as spanning forests (k - 1 edges per group of k, however many pairs i
 every partition's edges (groups cross clusters only with ``--clusters-per-row`` > 1) and writes each removed
 row's cosine distance to its group's kept row. Measurements: docs/BENCHMARKS.md.
 
+Inputs and ``--output`` may be URLs (s3://, gs://, ...): remote SCORES_DIRs are mirrored to local disk and a
+remote output is worked in a local folder and uploaded with stats.json last (laionkit.dedup.remote; ``--scratch``).
+
 Steps (laionkit.dedup.steps), each a list of items whose outputs are complete when renamed: units
 (rows, --against, sha256 hash partitions) → exact buckets → pHash bands per unit → pair buckets → pHash
 groups (one item) → k-means (one item) → cluster assignment per unit → semantic partitions (each cluster's
@@ -61,9 +64,10 @@ import pyarrow.parquet as pq
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split, write_json
 from laionkit.common.keys import keys_identity, read_keep_keys
 from laionkit.common.outputs import atomic_output
-from laionkit.common.storage import claim_output, refuse_overlap
+from laionkit.common.storage import Location, claim_output, refuse_overlap
 from laionkit.dedup.config import LAYERS, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
+from laionkit.dedup.remote import digest, is_remote, mirror, publish, read_stats, scratch_root
 from laionkit.dedup.steps import REMOVED, Finished, References, Work
 from laionkit.filter.dedup import parquet_list, wait_for
 
@@ -97,15 +101,14 @@ def check(config: DedupConfig) -> None:
         raise LaionkitError("--bucket-rows must be >= 1 and --clusters >= 0")
     if config.clusters_per_row < 1:
         raise LaionkitError(f"--clusters-per-row {config.clusters_per_row}: want >= 1 (each row's nearest clusters)")
-    for given in (config.output, *config.inputs, *config.against):
-        if "://" in given:
-            raise LaionkitError(f"{given}: dedup reads and writes local folders only (copy the scores down first)")
+    if config.keep and is_remote(config.keep):
+        raise LaionkitError(f"--keep {config.keep}: a local parquet file or folder (copy the key list down first)")
 
 
 def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit], keep: dict | None = None) -> str:
-    """Names the scratch folder and is recorded in stats.json: the inputs (path, rows, size, mtime), the
-    settings, the --keep list (its keys' digest), and the versions of the engines whose hashes and float sums
-    decide the intermediate files."""
+    """Names the scratch folder and is recorded in stats.json: the inputs (path, rows, size, mtime; a remote
+    input's local mirror, stamped with the object's time), the settings, the --keep list (its keys' digest),
+    and the versions of the engines whose hashes and float sums decide the intermediate files."""
     files = [(str(u.scores.resolve()), u.rows, u.scores.stat().st_size, u.scores.stat().st_mtime_ns)
              for u in [*units, *references]]
     engines = [duckdb.__version__, faiss_module().__version__ if "semantic" in config.layers or references else None]
@@ -158,27 +161,39 @@ def run(config: DedupConfig) -> dict:
     seconds per step (``seconds``, ``cpu_seconds``: not written anywhere, they differ between runs)."""
     check(config)
     rank = resolve_rank(config.rank, config.world_size)
-    output = Path(config.output)
-    refuse_overlap([*config.inputs, *config.against, *([config.keep] if config.keep else [])], str(output), "dedup")
-    claim_output(str(output), "dedup", overwrite=config.overwrite)
+    target = Location.parse(config.output)
+    refuse_overlap([*config.inputs, *config.against, *([config.keep] if config.keep else [])], target, "dedup")
+    claim_output(target, "dedup", overwrite=config.overwrite)
     embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
-    units = find_units(config.inputs, needed_columns(config), embeddings_why)
+    remote = [given for given in (config.output, *config.inputs, *config.against) if is_remote(given)]
+    root = scratch_root(config.scratch) if remote else None  # laionkit.dedup.remote: mirrors and the work folder
+    inputs = tuple(str(mirror(given, root, embeddings_why is not None)) if is_remote(given) else given
+                   for given in config.inputs)
+    against = tuple(str(mirror(given, root, embeddings_why is not None)) if is_remote(given) else given
+                    for given in config.against)
+    shown = {str(Path(local) / "scores"): str(Location.parse(given) / "scores")
+             for local, given in zip((*inputs, *against), (*config.inputs, *config.against), strict=True)}
+    units = find_units(inputs, needed_columns(config), embeddings_why)
     reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
-    references = find_units(config.against, reference_columns, "--against with the semantic layer reads them"
-                            if embeddings_why else None, role="--against") if config.against else []
+    references = find_units(against, reference_columns, "--against with the semantic layer reads them"
+                            if embeddings_why else None, role="--against") if against else []
     keep = read_keep_keys(config.keep) if config.keep else None
     identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None)
+    output = Path(config.output) if target.local else root / "work" / digest(str(target))
     stats_path = output / STATS_NAME
 
     def finished() -> dict | None:
-        if not stats_path.is_file():
+        if target.local:
+            stats = read_json(stats_path) if stats_path.is_file() else None
+        else:
+            stats = read_stats(target)
+        if stats is None:
             return None
-        stats = read_json(stats_path)
         if stats.get("plan") == identity:
             return stats
         if config.overwrite:
             return None
-        raise LaionkitError(f"{stats_path} is from another run (other inputs or settings: {stats.get('settings')}); "
+        raise LaionkitError(f"{target / STATS_NAME} is from another run (other inputs or settings: {stats.get('settings')}); "
                             "choose another --output, or --overwrite to replace it")
 
     if (stats := finished()) is not None:
@@ -234,11 +249,13 @@ def run(config: DedupConfig) -> dict:
     if not rank.is_main:
         return {"plan": identity, "seconds": seconds, "cpu_seconds": cpu_seconds}
     started, cpu = time.perf_counter(), time.process_time()
-    stats = write_outputs(work, output, identity)
+    stats = write_outputs(work, output, identity, shown)
+    if not target.local:  # stats.json last: the record that the output is whole
+        publish(output, target, (KEEP_NAME, REMOVED_NAME, STATS_NAME))
     seconds["outputs"] = time.perf_counter() - started
     cpu_seconds["outputs"] = time.process_time() - cpu
     connection.close()
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder if target.local else output, ignore_errors=True)
     return {**stats, "seconds": seconds, "cpu_seconds": cpu_seconds}
 
 
@@ -250,9 +267,17 @@ def item_name(prefix: str, item: int) -> str:
     return f"{prefix}-{item:05d}.parquet"
 
 
-def write_outputs(work: Work, output: Path, identity: str) -> dict:
+def shown_name(scores: Path, shown: dict[str, str]) -> str:
+    """A scores parquet as stats.json names it: its URL where it is a remote input's mirror."""
+    folder = shown.get(str(scores.parent))
+    return str(Location.parse(folder) / scores.name) if folder else str(scores)
+
+
+def write_outputs(work: Work, output: Path, identity: str, shown: dict[str, str] | None = None) -> dict:
     """keep.parquet (key, shard of every row no layer removed, in input order), removed.parquet (the
-    removed rows by input order), then stats.json: the record that the run is complete."""
+    removed rows by input order), then stats.json: the record that the run is complete. ``shown``: the name
+    stats.json gives a mirrored input's scores folder (its URL)."""
+    shown = shown or {}
     db = work.db
     removed = parquet_list(work.removed_files(None, ("against", *work.layers)))
     rows = parquet_list([work.path(f"unit-{u.index:06d}") / "rows.parquet" for u in work.units])
@@ -266,7 +291,7 @@ def write_outputs(work: Work, output: Path, identity: str) -> dict:
     counts = dict(db.execute(f"SELECT layer, count(*) FROM {removed} GROUP BY layer").fetchall())
     [(considered,)] = db.execute(f"SELECT count(*) FROM {rows}").fetchall()
     layers = (["against"] if work.references is not None else []) + work.layers
-    stats = {"plan": identity, "settings": work.config.settings(), "inputs": [str(u.scores) for u in work.units],
+    stats = {"plan": identity, "settings": work.config.settings(), "inputs": [shown_name(u.scores, shown) for u in work.units],
              "against": list(work.config.against), "rows_in": work.rows,
              # --keep: the rows of the list (the others are neither kept nor removed: the list had dropped them)
              "keep": work.config.keep, "rows_in_keep": int(considered), "not_in_keep": work.rows - int(considered),

@@ -29,6 +29,7 @@ class DedupConfig:
     wait: float = 3600.0  # seconds a rank waits for the other ranks' outputs of a step
     threads: int | None = None  # DuckDB / faiss threads; None = every CPU this process may use
     overwrite: bool = False  # replace the outputs of a run with other settings
+    scratch: str | None = None  # remote inputs / output: the local (or shared) folder they are mirrored and worked in
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
