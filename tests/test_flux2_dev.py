@@ -186,3 +186,20 @@ def test_tiny_mistral_tokenizer_is_reproducible_and_renders_the_pipelines_prompt
     ids = tokenizer.apply_chat_template(format_input(["a red circle"], SYSTEM_MESSAGE)[0], tokenize=True,
                                         return_dict=True)["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
+
+
+def test_a_tokenizer_folder_loads_as_its_pipeline_names_it(dev, flow_latents, tmp_path):
+    """model_index.json decides: FLUX.2-dev's tokenizer/ is a PixtralProcessor, while a pipeline that names a
+    tokenizer class gets the tokenizer even where its folder also holds a processor_config.json; without a
+    model_index.json, the processor_config.json decides."""
+    import shutil
+
+    from laionkit.common.models import load_tokenizer, text_tokenizer
+
+    assert type(load_tokenizer(str(dev.model))).__name__ == "PixtralProcessor"
+    klein = shutil.copytree(flow_latents("flux2").model, tmp_path / "klein")
+    shutil.copy(dev.model / "tokenizer" / "processor_config.json", klein / "tokenizer")
+    tokenizer = load_tokenizer(str(klein))
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer" and text_tokenizer(tokenizer) is tokenizer
+    bare = shutil.copytree(dev.model, tmp_path / "bare", ignore=shutil.ignore_patterns("model_index.json"))
+    assert type(load_tokenizer(str(bare))).__name__ == "PixtralProcessor"

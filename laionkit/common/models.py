@@ -226,17 +226,28 @@ def text_tokenizer(tokenizer):
 
 
 def _is_processor(source: str, component: str) -> bool:
-    """Whether the component is a transformers processor's folder (processor_config.json beside the tokenizer)."""
-    where = resolve_source(source, component)
-    if where.local:
-        return Path(where.location, where.subfolder or "", "processor_config.json").is_file()
-    try:
-        from huggingface_hub import hf_hub_download
+    """Whether the component loads as a processor: the class the pipeline's model_index.json names for it
+    (FLUX.2-dev's "tokenizer": ["transformers", "PixtralProcessor"]; a tokenizer folder may hold a
+    processor_config.json beside a pipeline that loads only its tokenizer), else, in a local folder without a
+    model_index.json, a processor_config.json in the component's folder."""
+    import json
 
-        hf_hub_download(where.location, "processor_config.json", subfolder=where.subfolder)
-        return True
-    except Exception:  # noqa: BLE001 - none reachable: a plain tokenizer, as before
+    where = resolve_source(source, component)
+    if where.subfolder is None:
         return False
+    try:
+        if where.local:
+            index = Path(where.location, "model_index.json")
+            if not index.is_file():
+                return Path(where.location, where.subfolder, "processor_config.json").is_file()
+        else:
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(where.location, "model_index.json"))
+        named = json.loads(index.read_text()).get(component) or [None, None]
+    except Exception:  # noqa: BLE001 - no index reachable: a plain tokenizer, as before
+        return False
+    return isinstance(named, list) and str(named[-1] or "").endswith("Processor")
 
 
 def _tokenizer_class(source: str, component: str) -> str:
