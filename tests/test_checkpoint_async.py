@@ -288,3 +288,18 @@ def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tm
     with pytest.raises(LaionkitError, match=r"not plain checkpoint metadata, refused to load it .*(posix|os)\.system"):
         _reader(tmp_path / "state").read_metadata()
     assert not Path("/tmp/laionkit-pwned").exists()
+
+
+def test_auto_writer_is_async_and_accelerate_under_deepspeed():
+    """--checkpoint-writer auto (the cluster recipes' choice): DCP in the background, except under DeepSpeed,
+    whose partitioned state only accelerate's layout saves; async / sync there are refused in one line. (A
+    DeepSpeed run needs GPUs: on CPU accelerate runs its config as plain processes, so this is the choice alone.)"""
+    from laionkit.common import LaionkitError
+    from laionkit.trainer.checkpoint_async import writer_kind
+
+    assert [writer_kind(choice, False) for choice in ("auto", "async", "sync", "accelerate")] == [
+        "async", "async", "sync", "accelerate"]
+    assert writer_kind("auto", True) == writer_kind("accelerate", True) == "accelerate"
+    for choice in ("async", "sync"):
+        with pytest.raises(LaionkitError, match=f"--checkpoint-writer {choice}: DeepSpeed saves its own"):
+            writer_kind(choice, True)

@@ -23,6 +23,8 @@ from fixtures import process_tree, signal_all
 from test_preemption import free_port
 from torch.distributed.checkpoint import FileSystemReader
 
+from laionkit.trainer.checkpoint_async import is_dcp
+
 REPO = Path(__file__).resolve().parents[1]
 # The recipes call `torchrun` / `accelerate` by name, as on a cluster node where the environment is
 # activated: this interpreter's bin folder comes first on PATH (CI runs .venv/bin/python without activating).
@@ -191,6 +193,7 @@ def test_kubernetes_train_job_validates_and_its_pods_train_as_two_nodes(latent_s
     other = [record["rank_forward_s"][0] + record["rank_data_wait_s"][0] for record in slowed]
     assert sum(paused) > 1.5 * sum(other), slowed
     assert (run / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert is_dcp(sorted((run / "checkpoints").glob("step-*"))[-1])  # --checkpoint-writer auto: async DCP
     if scraped:  # the run may end before a scrape; the endpoint's content is checked when it did not
         assert scraped["laionkit_train_straggler_rank"] == 1
         assert {'laionkit_train_rank_forward_seconds{rank="0"}', 'laionkit_train_rank_forward_seconds{rank="1"}',
@@ -267,6 +270,7 @@ def test_slurm_train_sbatch_checkpoints_and_requeues_before_the_time_limit(laten
     [checkpoint] = sorted((run / "checkpoints").iterdir())
     stopped_at = int(checkpoint.name.split("-")[1])
     assert 0 < stopped_at < 1000 and (checkpoint / "trainer.json").is_file()
+    assert is_dcp(checkpoint)  # the recipe's --checkpoint-writer auto: DCP, the stop's checkpoint written whole
     assert err.count(f"stopped by signal 15 at step {stopped_at}") + out.count(f"stopped by signal 15 at step {stopped_at}") >= 1
     assert not (run / "unet").exists()
 

@@ -478,17 +478,26 @@ class CheckpointWriter:
             self.remote._prune(keep)
 
 
+def writer_kind(choice: str, deepspeed: bool) -> str:
+    """What --checkpoint-writer ``choice`` writes with: ``auto`` is async, and accelerate's layout under DeepSpeed
+    (which saves its own partitioned state: async and sync are refused there, one line)."""
+    if choice == "auto":
+        return "accelerate" if deepspeed else "async"
+    if deepspeed and choice != "accelerate":
+        raise LaionkitError(f"--checkpoint-writer {choice}: DeepSpeed saves its own partitioned state; use "
+                            "--checkpoint-writer accelerate (or auto) with a DeepSpeed config")
+    return choice
+
+
 def writer(trainer) -> CheckpointWriter | None:
     """The writer --checkpoint-writer asks for (None: accelerate's save_state layout, save_checkpoint)."""
     from accelerate.utils import DistributedType
 
     config = trainer.config
-    if config.checkpoint_writer == "accelerate":
+    kind = writer_kind(config.checkpoint_writer, trainer.accelerator.distributed_type == DistributedType.DEEPSPEED)
+    if kind == "accelerate":
         return None
-    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise LaionkitError(f"--checkpoint-writer {config.checkpoint_writer}: DeepSpeed saves its own partitioned "
-                            "state; use --checkpoint-writer accelerate with a DeepSpeed config")
-    made = CheckpointWriter(trainer.accelerator, config, trainer.remote, background=config.checkpoint_writer == "async")
+    made = CheckpointWriter(trainer.accelerator, config, trainer.remote, background=kind == "async")
     if config.lora_rank is not None:
         made.lora_base = lora.base_identity(config, trainer.data.family)
     return made

@@ -136,11 +136,11 @@ class TrainConfig:
     checkpoint_minutes: float | None = option(
         None, "Also checkpoint when M minutes have passed since the last checkpoint (rank 0's clock; every rank "
         "saves at the same step).")
-    checkpoint_writer: Literal["accelerate", "async", "sync"] = option(
+    checkpoint_writer: Literal["accelerate", "async", "sync", "auto"] = option(
         "accelerate", "accelerate: accelerate's save_state layout, rank 0 writes while every rank waits (DeepSpeed "
         "needs it); async: sharded DCP checkpoints, the GPUs wait only for a copy into host memory and a thread "
-        "writes (and uploads) them; sync: the same DCP checkpoints written before training goes on. --resume "
-        "reads either layout (docs/FORMATS.md).")
+        "writes (and uploads) them; sync: the same DCP checkpoints written before training goes on; auto: async, "
+        "accelerate under DeepSpeed (what the cluster recipes use). --resume reads either layout (docs/FORMATS.md).")
     keep_checkpoints: int = option(3, "Keep the last K checkpoints.")
     resume: str | None = option(
         None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
