@@ -153,7 +153,7 @@ def test_lora_flag_mistakes_are_refused_before_anything_loads(tmp_path, options,
     assert str(error.value).startswith(message)
 
 
-@pytest.mark.parametrize("family", ["sd", "sd3", "sana", "z-image", "qwen-image", "flux2"])
+@pytest.mark.parametrize("family", ["sd", "sd3", "sana", "z-image", "qwen-image", "flux2", "flux2-dev"])
 def test_lora_with_compile_trains_as_eager(family, latent_shards, tiny_models, flow_latents, tmp_path, monkeypatch):
     """--lora-rank with --compile: dynamo and AOT autograd trace PEFT's LoRA layers, inside the whole
     compiled UNet (SD) and inside each compiled transformer block (the transformer families: regional; Z-Image's

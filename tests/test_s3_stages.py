@@ -405,3 +405,25 @@ def test_dedup_mirror_reuses_unchanged_objects_and_fetches_changed_ones(s3, tmp_
     mirror(s3.url("scored"), tmp_path / "scratch", embeddings=False)
     assert copy.read_bytes() == b"second, longer version" and copy.stat().st_mtime_ns != stamp
     assert [p.name for p in copy.parent.iterdir()] == ["00000.parquet"]
+
+
+def test_dedup_with_two_ranks_on_the_bucket_gives_the_one_rank_output(s3, tmp_path):
+    """Two ranks on one node mirror the same score files into one --scratch at once (each download under its
+    own temporary) and meet in its work folder; the bucket's output equals one rank's."""
+    from test_dedup_layers import FAST, planted
+
+    scores = planted().write(tmp_path / "scored")
+    for path in sorted(p for p in scores.rglob("*") if p.is_file()):
+        upload(s3, path, "scored", *path.relative_to(scores).parts)
+    common = [s3.url("scored"), *FAST, "--keep-by", "aesthetic"]
+    run_cli("dedup", *common, "--output", s3.url("one"), "--scratch", str(tmp_path / "one"), env=s3.env)
+    ranks = [subprocess.Popen([sys.executable, "-m", "laionkit.cli", "dedup", *common, "--output", s3.url("two"),
+                               "--scratch", str(tmp_path / "two"), "--rank", str(rank), "--world-size", "2"],
+                              env=s3.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for rank in (0, 1)]
+    for process in ranks:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+    one, two = Location.parse(s3.url("one")), Location.parse(s3.url("two"))
+    for name in ("keep.parquet", "removed.parquet", "stats.json"):
+        assert (two / name).is_complete() and (two / name).read_bytes() == (one / name).read_bytes(), name

@@ -105,12 +105,15 @@ def check(config: DedupConfig) -> None:
         raise LaionkitError(f"--keep {config.keep}: a local parquet file or folder (copy the key list down first)")
 
 
-def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit], keep: dict | None = None) -> str:
+def plan_id(config: DedupConfig, units: list[Unit], references: list[Unit], keep: dict | None = None,
+            shown: dict[str, str] | None = None) -> str:
     """Names the scratch folder and is recorded in stats.json: the inputs (path, rows, size, mtime; a remote
-    input's local mirror, stamped with the object's time), the settings, the --keep list (its keys' digest),
-    and the versions of the engines whose hashes and float sums decide the intermediate files."""
-    files = [(str(u.scores.resolve()), u.rows, u.scores.stat().st_size, u.scores.stat().st_mtime_ns)
-             for u in [*units, *references]]
+    input by its URL, with its mirror's size and time, which are the object's), the settings, the --keep list
+    (its keys' digest), and the versions of the engines whose hashes and float sums decide the intermediate
+    files."""
+    shown = shown or {}
+    files = [(shown_name(u.scores, shown) if str(u.scores.parent) in shown else str(u.scores.resolve()), u.rows,
+              u.scores.stat().st_size, u.scores.stat().st_mtime_ns) for u in [*units, *references]]
     engines = [duckdb.__version__, faiss_module().__version__ if "semantic" in config.layers or references else None]
     text = json.dumps([files, config.settings(), len(units), engines] + ([keep] if keep else []))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -171,14 +174,15 @@ def run(config: DedupConfig) -> dict:
                    for given in config.inputs)
     against = tuple(str(mirror(given, root, embeddings_why is not None)) if is_remote(given) else given
                     for given in config.against)
-    shown = {str(Path(local) / "scores"): str(Location.parse(given) / "scores")
-             for local, given in zip((*inputs, *against), (*config.inputs, *config.against), strict=True)}
+    shown = {str(Path(local) / "scores"): str(Location.parse(given) / "scores")  # mirrors by their URLs
+             for local, given in zip((*inputs, *against), (*config.inputs, *config.against), strict=True)
+             if is_remote(given)}
     units = find_units(inputs, needed_columns(config), embeddings_why)
     reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
     references = find_units(against, reference_columns, "--against with the semantic layer reads them"
                             if embeddings_why else None, role="--against") if against else []
     keep = read_keep_keys(config.keep) if config.keep else None
-    identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None)
+    identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None, shown)
     output = Path(config.output) if target.local else root / "work" / digest(str(target))
     stats_path = output / STATS_NAME
 
