@@ -159,6 +159,26 @@ def family_run(flow: FlowLatents, output: Path) -> Path:
     return output
 
 
+def stored_states_are_the_pipelines(pipe, latents: Path, count: int = 4) -> tuple[list[dict], object, object]:
+    """The first ``count`` samples' stored text states (and the folder's empty caption) equal the pipeline's
+    ``encode_prompt`` of their captions (fp16 storage: atol 3e-3, rtol 1e-2); returns (rows, states, text ids)."""
+    import numpy as np
+    import torch
+    import webdataset as wds
+
+    shard = sorted(latents.glob("*.tar"))[0]
+    captions = [json.loads(sample["json"])["caption"]
+                for sample, _ in zip(wds.WebDataset(str(shard), shardshuffle=False), range(count))]
+    rows = first_rows(latents, count)
+    with torch.no_grad():
+        want, text_ids = pipe.encode_prompt(captions, device="cpu")
+        empty, _ = pipe.encode_prompt("", device="cpu")
+    for row, states in zip(rows, want, strict=True):
+        np.testing.assert_allclose(row["text"].float(), states, atol=3e-3, rtol=1e-2)
+    np.testing.assert_allclose(np.load(latents / "empty_caption.npy"), empty[0], atol=3e-3, rtol=1e-2)
+    return rows, want, text_ids
+
+
 def first_rows(latents: Path, count: int) -> list[dict]:
     """The first ``count`` decoded samples of a latent folder's first shard."""
     from laionkit.latents import Unit, decode, read_unit

@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from fixtures import FAMILY_RUN, FlowLatents, family_run, first_rows
+from fixtures import FAMILY_RUN, FlowLatents, family_run, first_rows, stored_states_are_the_pipelines
 
 from laionkit.families import detect_family, get_family
 
@@ -34,14 +34,6 @@ def load_pipeline(dev: FlowLatents):
     return pipe
 
 
-def _captions(latents, count: int) -> list[str]:
-    import webdataset as wds
-
-    shard = sorted(latents.glob("*.tar"))[0]
-    return [json.loads(s["json"])["caption"] for s, _ in zip(wds.WebDataset(str(shard), shardshuffle=False),
-                                                             range(count))]
-
-
 def test_stored_states_and_prediction_are_the_pipelines(dev):
     """Each sample stores exactly Flux2Pipeline.encode_prompt's [512, 3 x 16] states, padding rows included (the
     tiny tokenizer's pad id is 6: a padding read as id 0 gives other states there, which the transformer sees),
@@ -57,13 +49,7 @@ def test_stored_states_and_prediction_are_the_pipelines(dev):
     assert manifest["family"] == "flux2-dev" and manifest["text"]["stored"] == {"states": [512, 48]}
     pipe = load_pipeline(dev)
     assert type(pipe.tokenizer).__name__ == "PixtralProcessor" and pipe.tokenizer.tokenizer.pad_token_id != 0
-    rows = first_rows(dev.latents, 4)
-    with torch.no_grad():
-        want, text_ids = pipe.encode_prompt(_captions(dev.latents, 4), device="cpu")
-        empty, _ = pipe.encode_prompt("", device="cpu")
-    for row, states in zip(rows, want, strict=True):
-        np.testing.assert_allclose(row["text"].float(), states, atol=3e-3, rtol=1e-2)
-    np.testing.assert_allclose(np.load(dev.latents / "empty_caption.npy"), empty[0], atol=3e-3, rtol=1e-2)
+    rows, want, text_ids = stored_states_are_the_pipelines(pipe, dev.latents)
 
     data = open_latents(dev.latents)
     batch = collate(rows)
