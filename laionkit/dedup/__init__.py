@@ -36,7 +36,8 @@ every partition's edges (groups cross clusters only with ``--clusters-per-row`` 
 row's cosine distance to its group's kept row. Measurements: docs/BENCHMARKS.md.
 
 Inputs and ``--output`` may be URLs (s3://, gs://, ...): remote SCORES_DIRs are mirrored to local disk and a
-remote output is worked in a local folder and uploaded with stats.json last (laionkit.dedup.remote; ``--scratch``).
+remote output is worked in a local folder (laionkit.dedup.remote; ``--scratch``) and its files are uploaded by
+the same writer as local ones (laionkit.common.storage.atomic_write: each with its done record, stats.json last).
 
 Steps (laionkit.dedup.steps), each a list of items whose outputs are complete when renamed: units
 (rows, --against, sha256 hash partitions) → exact buckets → pHash bands per unit → pair buckets → pHash
@@ -61,13 +62,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split, write_json
+from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split
 from laionkit.common.keys import keys_identity, read_keep_keys
-from laionkit.common.outputs import atomic_output
-from laionkit.common.storage import Location, claim_output, refuse_overlap
+from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
 from laionkit.dedup.config import LAYERS, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
-from laionkit.dedup.remote import digest, is_remote, mirror, publish, read_stats, scratch_root
+from laionkit.dedup.remote import digest, is_remote, mirror, read_stats, scratch_root
 from laionkit.dedup.steps import REMOVED, Finished, References, Work
 from laionkit.filter.dedup import parquet_list, wait_for
 
@@ -170,10 +170,8 @@ def run(config: DedupConfig) -> dict:
     embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
     remote = [given for given in (config.output, *config.inputs, *config.against) if is_remote(given)]
     root = scratch_root(config.scratch) if remote else None  # laionkit.dedup.remote: mirrors and the work folder
-    inputs = tuple(str(mirror(given, root, embeddings_why is not None)) if is_remote(given) else given
-                   for given in config.inputs)
-    against = tuple(str(mirror(given, root, embeddings_why is not None)) if is_remote(given) else given
-                    for given in config.against)
+    inputs = tuple(str(mirror(given, root, embeddings_why is not None)) for given in config.inputs)  # local: as is
+    against = tuple(str(mirror(given, root, embeddings_why is not None)) for given in config.against)
     shown = {str(Path(local) / "scores"): str(Location.parse(given) / "scores")  # mirrors by their URLs
              for local, given in zip((*inputs, *against), (*config.inputs, *config.against), strict=True)
              if is_remote(given)}
@@ -183,8 +181,8 @@ def run(config: DedupConfig) -> dict:
                             if embeddings_why else None, role="--against") if against else []
     keep = read_keep_keys(config.keep) if config.keep else None
     identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None, shown)
-    output = Path(config.output) if target.local else root / "work" / digest(str(target))
-    stats_path = output / STATS_NAME
+    work_root = Path(config.output) if target.local else root / "work" / digest(str(target))  # .work-<plan> in it
+    stats_path = work_root / STATS_NAME  # a local output's
 
     def finished() -> dict | None:
         if target.local:
@@ -203,7 +201,7 @@ def run(config: DedupConfig) -> dict:
     if (stats := finished()) is not None:
         return stats
     threads = config.threads or available_cpus()
-    folder = output / f".work-{identity}"
+    folder = work_root / f".work-{identity}"
     folder.mkdir(parents=True, exist_ok=True)
     connection = duckdb.connect(config={"threads": threads, "preserve_insertion_order": True,
                                         "temp_directory": str(folder / f".spill-{rank.rank}")})  # dot: not an item
@@ -253,13 +251,11 @@ def run(config: DedupConfig) -> dict:
     if not rank.is_main:
         return {"plan": identity, "seconds": seconds, "cpu_seconds": cpu_seconds}
     started, cpu = time.perf_counter(), time.process_time()
-    stats = write_outputs(work, output, identity, shown)
-    if not target.local:  # stats.json last: the record that the output is whole
-        publish(output, target, (KEEP_NAME, REMOVED_NAME, STATS_NAME))
+    stats = write_outputs(work, target, identity, shown)
     seconds["outputs"] = time.perf_counter() - started
     cpu_seconds["outputs"] = time.process_time() - cpu
     connection.close()
-    shutil.rmtree(folder if target.local else output, ignore_errors=True)
+    shutil.rmtree(folder if target.local else work_root, ignore_errors=True)
     return {**stats, "seconds": seconds, "cpu_seconds": cpu_seconds}
 
 
@@ -277,10 +273,11 @@ def shown_name(scores: Path, shown: dict[str, str]) -> str:
     return str(Location.parse(folder) / scores.name) if folder else str(scores)
 
 
-def write_outputs(work: Work, output: Path, identity: str, shown: dict[str, str] | None = None) -> dict:
+def write_outputs(work: Work, output: Location, identity: str, shown: dict[str, str] | None = None) -> dict:
     """keep.parquet (key, shard of every row no layer removed, in input order), removed.parquet (the
-    removed rows by input order), then stats.json: the record that the run is complete. ``shown``: the name
-    stats.json gives a mirrored input's scores folder (its URL)."""
+    removed rows by input order), then stats.json: the record that the run is complete (a folder: each renamed
+    into place; an object store: each uploaded with its done record). ``shown``: the name stats.json gives a
+    mirrored input's scores folder (its URL)."""
     shown = shown or {}
     db = work.db
     removed = parquet_list(work.removed_files(None, ("against", *work.layers)))
@@ -288,9 +285,9 @@ def write_outputs(work: Work, output: Path, identity: str, shown: dict[str, str]
     kept = db.sql(f"SELECT key, shard FROM {rows} WHERE pos NOT IN (SELECT pos FROM {removed}) "
                       "ORDER BY pos").to_arrow_table()
     gone = db.sql(f"SELECT * EXCLUDE (pos) FROM {removed} ORDER BY pos").to_arrow_table()
-    with atomic_output(output / KEEP_NAME) as tmp:
+    with atomic_write(output / KEEP_NAME) as tmp:
         pq.write_table(kept, tmp)
-    with atomic_output(output / REMOVED_NAME) as tmp:
+    with atomic_write(output / REMOVED_NAME) as tmp:
         pq.write_table(gone.cast(REMOVED.remove(0)), tmp)
     counts = dict(db.execute(f"SELECT layer, count(*) FROM {removed} GROUP BY layer").fetchall())
     [(considered,)] = db.execute(f"SELECT count(*) FROM {rows}").fetchall()

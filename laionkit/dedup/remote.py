@@ -11,9 +11,10 @@ is written from a local work folder:
   plan (the scratch folder's name, recorded in stats.json) covers each mirrored file's size and time, so a
   changed input starts a new plan as a changed local file does.
 * a remote ``--output``: the steps run in ``--scratch``/work/<digest of the URL>/ (where ranks meet, as in a
-  local output folder: several nodes need a ``--scratch`` they all see); rank 0 then uploads keep.parquet and
-  removed.parquet, and stats.json last, each with its done record, so a run killed during the upload is
-  rerun to the same objects and a reader never takes a partial output for a finished one.
+  local output folder: several nodes need a ``--scratch`` they all see); rank 0 then writes keep.parquet,
+  removed.parquet and stats.json last to the bucket as to a folder (storage.atomic_write: each uploaded with
+  its done record), so a run killed during the upload is rerun to the same objects and a reader never takes a
+  partial output for a finished one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from laionkit.common import LaionkitError
 from laionkit.common.storage import Location
 from laionkit.common.storage.errors import one_line_errors
-from laionkit.common.storage.writes import atomic_write, staging_dir
+from laionkit.common.storage.writes import staging_dir
 
 
 def is_remote(text: str) -> bool:
@@ -91,10 +92,3 @@ def read_stats(output: Location) -> dict | None:
         return None
     return stats.read_json()
 
-
-def publish(local: Path, output: Location, names: tuple[str, ...]) -> None:
-    """Upload ``names`` from ``local`` to ``output`` in order, each with its done record after it (stats.json
-    last: the record that the output is complete)."""
-    for name in names:
-        with atomic_write(output / name) as tmp:
-            tmp.write_bytes((local / name).read_bytes())
