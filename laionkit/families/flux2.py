@@ -178,7 +178,14 @@ def denoise(model, noisy, timestep, kwargs: Mapping[str, Any]):
     tokens = patches.flatten(2).transpose(1, 2)
     ids = image_ids(b, height, width, noisy.device, noisy.dtype)
     out = model(tokens, timestep=timestep, img_ids=ids, **kwargs, return_dict=False)[0]
-    return unpatchify(out.transpose(1, 2).reshape(patches.shape))
+    return unpack_tokens(out, height, width)
+
+
+def unpack_tokens(tokens, height: int, width: int):
+    """[B, h/2 * w/2, 4C] tokens, one per 2x2 patch in row-major order (_pack_latents'), as [B, C, h, w]: the
+    transformer's output, and FLUX.2-dev's pipeline's output_type="latent"."""
+    b, _, channels = tokens.shape
+    return unpatchify(tokens.transpose(1, 2).reshape(b, channels, height // 2, width // 2))
 
 
 def vae_stats(vae) -> tuple[list[float], list[float]]:

@@ -66,12 +66,6 @@ def encode_tokens(text_encoders: Sequence, ids: Sequence) -> dict[str, Any]:
     return flux2.hidden_states_side_by_side(encoder, found, TEXT_LAYERS)
 
 
-def unpack(latents, height: int, width: int):
-    """The pipeline's output_type="latent" ([B, h/2 * w/2, 128] tokens, row-major) as train's [B, 32, h, w]."""
-    b, _, channels = latents.shape
-    return flux2.unpatchify(latents.transpose(1, 2).reshape(b, channels, height // 2, width // 2))
-
-
 def tiny_mistral3(output: Path, hidden: int = TINY_MISTRAL):
     """A tiny Mistral3ForConditionalGeneration (the class FLUX.2-dev ships: a Pixtral vision tower and a Mistral
     language model) of 32 layers, so that hidden states 10, 20 and 30 are inner layers, and a PixtralProcessor
@@ -143,7 +137,7 @@ SPEC = register_family(replace(
     configs={"flux2-dev": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
     fit_config=flux2.fit_transformer,
     expects=flux2.transformer_inputs,
-    unpack_latents=unpack,
+    unpack_latents=flux2.unpack_tokens,  # its pipeline's latent output is still packed
     embedded_guidance=True,
     vae_stats=flux2.batch_norm_stats,
     pipeline_denormalizes=False,
