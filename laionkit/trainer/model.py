@@ -156,7 +156,7 @@ def flop_counter():
                                    output_padding, groups, output_mask, out_shape, **kwargs) -> int:
         def part(mask):
             return dense(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed,
-                                      output_padding, groups, mask, out_shape=out_shape, **kwargs)
+                         output_padding, groups, mask, out_shape=out_shape, **kwargs)
 
         return part([output_mask[0], False, False]) + part([False, output_mask[1], False]) // groups
 
