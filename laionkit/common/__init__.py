@@ -6,6 +6,8 @@ from laionkit.common.outputs import (
     read_json,
     refuse_other_settings,
     refuse_overlap,
+    save_image_grid,
+    strict_json,
     versions,
     write_json,
 )
@@ -13,6 +15,6 @@ from laionkit.common.ranks import Rank, available_cpus, resolve_rank, split, sta
 
 __all__ = [
     "LaionkitError", "Rank", "atomic_output", "available_cpus", "read_json", "refuse_other_settings", "refuse_overlap",
-    "resolve_rank", "split", "stage_device",
+    "resolve_rank", "save_image_grid", "split", "stage_device", "strict_json",
     "versions", "write_json",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shutil
@@ -71,6 +72,21 @@ def write_json(path: str | os.PathLike[str], obj: Any, shared: bool = False) -> 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def strict_json(record: dict) -> str:
+    """One JSON line as the standard has it: a non-finite number (a diverged loss) becomes null, not NaN."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def save_image_grid(images, path: str | os.PathLike[str]) -> None:
+    """A PNG grid of float (N, 3, H, W) images in [0, 1], about square, written crash-safe (train's
+    validation grids, eval's grid)."""
+    from torchvision.utils import save_image
+
+    with atomic_output(path) as tmp:
+        save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
 
 
 def refuse_other_settings(record: Path, found: dict, wanted: dict, made: str, remedy: str) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from laionkit.common import LaionkitError, atomic_output, write_json
+from laionkit.common import LaionkitError, atomic_output, save_image_grid, strict_json, write_json
 
 GRID_IMAGES = 64
 
@@ -186,8 +186,6 @@ def score(config: EvalConfig, images: np.ndarray, prompts: list[str], device, ca
 
 def append_record(run: Path, record: dict) -> None:
     """A metrics.jsonl line in a run folder, and eval.png beside training.png."""
-    from laionkit.trainer.metrics import strict_json
-
     with open(run / "metrics.jsonl", "a") as handle:
         handle.write(strict_json(record) + "\n")
     plot_scores(run / "metrics.jsonl", run / "eval.png")
@@ -216,9 +214,7 @@ def plot_scores(metrics: Path, output: Path) -> None:
 def save_grid(images: np.ndarray, path: Path) -> None:
     import torch
 
-    from laionkit.trainer.evaluation import save_grid as save
-
-    save(torch.from_numpy(images[:GRID_IMAGES]).permute(0, 3, 1, 2).float() / 255, path)
+    save_image_grid(torch.from_numpy(images[:GRID_IMAGES]).permute(0, 3, 1, 2).float() / 255, path)
 
 
 def last_step(metrics: Path) -> int | None:

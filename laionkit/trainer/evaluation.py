@@ -1,18 +1,13 @@
 """Validation images: fixed prompts (validation_conditioning), DDIM / the family's sampler over the
-latents (sample_latents, validate), and the grid written to RUN/samples (save_grid)."""
+latents (sample_latents, validate), and the grid written to RUN/samples."""
 
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
 import torch
 
-from laionkit.common import (
-    LaionkitError,
-    atomic_output,
-)
+from laionkit.common import LaionkitError, save_image_grid
 from laionkit.common.storage import Location
 from laionkit.families import FamilySpec
 from laionkit.latents import (
@@ -154,13 +149,6 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
     return latents
 
 
-def save_grid(images: torch.Tensor, path: Path) -> None:
-    from torchvision.utils import save_image
-
-    with atomic_output(path) as tmp:
-        save_image(images, tmp, nrow=math.ceil(math.sqrt(len(images))), format="png")
-
-
 # --- --validate-every in the loop (the Trainer of laionkit/trainer/loop.py) ---
 
 def validation_prompts(trainer) -> tuple | None:
@@ -189,4 +177,4 @@ def validation_grid(trainer, validation: tuple, latents: LatentSet) -> None:
                       t.config, t.device)
     t.unet.train()
     if t.accelerator.is_main_process:
-        save_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")
+        save_image_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")

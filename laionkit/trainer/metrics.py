@@ -1,18 +1,14 @@
-"""metrics.jsonl: the window of steps since the last log (MetricsWindow), its throughput and MFU, and strict
-JSON (no NaN) for every record."""
+"""metrics.jsonl: the window of steps since the last log (MetricsWindow), its throughput and MFU, written as strict
+JSON (no NaN)."""
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
-from laionkit.common import (
-    LaionkitError,
-)
+from laionkit.common import LaionkitError, strict_json
 from laionkit.trainer import ranktimes
 from laionkit.trainer.checkpoint import last_good
 
@@ -112,8 +108,3 @@ class MetricsWindow:
         if self.exporter is not None:
             self.exporter.close()
 
-
-def strict_json(record: dict) -> str:
-    """JSON as the standard has it: a non-finite number (a diverged loss) becomes null, not NaN."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False)
