@@ -107,4 +107,3 @@ class MetricsWindow:
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.close()
-
