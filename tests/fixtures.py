@@ -159,9 +159,10 @@ def family_run(flow: FlowLatents, output: Path) -> Path:
     return output
 
 
-def stored_states_are_the_pipelines(pipe, latents: Path, count: int = 4) -> tuple[list[dict], object, object]:
+def stored_states_are_the_pipelines(pipe, latents: Path, count: int = 4, **window) -> tuple[list[dict], object, object]:
     """The first ``count`` samples' stored text states (and the folder's empty caption) equal the pipeline's
-    ``encode_prompt`` of their captions (fp16 storage: atol 3e-3, rtol 1e-2); returns (rows, states, text ids)."""
+    ``encode_prompt`` of their captions (fp16 storage: atol 3e-3, rtol 1e-2); returns (rows, states, text ids).
+    ``window``: encode_prompt's max_sequence_length, where encode was given one."""
     import numpy as np
     import torch
     import webdataset as wds
@@ -171,8 +172,8 @@ def stored_states_are_the_pipelines(pipe, latents: Path, count: int = 4) -> tupl
                 for sample, _ in zip(wds.WebDataset(str(shard), shardshuffle=False), range(count))]
     rows = first_rows(latents, count)
     with torch.no_grad():
-        want, text_ids = pipe.encode_prompt(captions, device="cpu")
-        empty, _ = pipe.encode_prompt("", device="cpu")
+        want, text_ids = pipe.encode_prompt(captions, device="cpu", **window)
+        empty, _ = pipe.encode_prompt("", device="cpu", **window)
     for row, states in zip(rows, want, strict=True):
         np.testing.assert_allclose(row["text"].float(), states, atol=3e-3, rtol=1e-2)
     np.testing.assert_allclose(np.load(latents / "empty_caption.npy"), empty[0], atol=3e-3, rtol=1e-2)
@@ -217,6 +218,7 @@ class SharpModels:
     model: Path  # `laionkit models tiny --family NAME` with its VAE sharpened (tests/learning.py: sharpen_vae)
     photos: Path  # the 8 distinct real photos it encoded (a folder of image files)
     latents: Path  # `laionkit encode` of 8 distinct real photos (CAPTIONS) with it at 64 px, text stored
+    # (with --max-sequence-length where given)
     # (SDXL: the photos cut to 64 x 64 px first, so that its size time ids do not tell them apart)
     vae_stats: dict  # the photos' scaled latents: std and mean pairwise MSE between photos
 
@@ -227,14 +229,15 @@ def sharp_models(tmp_path_factory, realdata):
     (log-variance -30, so each draw is the mean) and latents of unit spread after its scaling factor that
     differ between photos, and its encode of the real photos (one mirrored: two of them are one photo);
     built on first use per family. A random-init VAE's latents are noise around nearly equal means, which
-    no denoiser can learn to tell apart (see sharpen_vae): the proof-of-learning tests need these."""
+    no denoiser can learn to tell apart (see sharpen_vae): the proof-of-learning tests need these.
+    ``sharp_models(family, window)``: encoded with ``--max-sequence-length window``."""
     from conftest import run_cli
     from learning import distinct_photos, sharpen_dc_vae, sharpen_vae
 
     built: dict[str, SharpModels] = {}
 
-    def get(name: str) -> SharpModels:
-        if name not in built:
+    def get(name: str, window: int | None = None) -> SharpModels:
+        if (name, window) not in built:
             root = tmp_path_factory.mktemp(f"sharp-{name}")
             photos = distinct_photos(realdata / "images", root / "photos", square=64 if name == "sdxl" else None)
             write_image_shards(photos, root / "packed")
@@ -242,9 +245,10 @@ def sharp_models(tmp_path_factory, realdata):
             sharpen = sharpen_dc_vae if name == "sana" else sharpen_vae  # Sana's DC-AE: deterministic
             stats = sharpen(root / "model" / "vae", photos)
             run_cli("encode", root / "packed", "--model", root / "model", "--output", root / "latents",
-                    "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet")
-            built[name] = SharpModels(name, root / "model", photos, root / "latents", stats)
-        return built[name]
+                    "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet",
+                    *(("--max-sequence-length", window) if window else ()))
+            built[name, window] = SharpModels(name, root / "model", photos, root / "latents", stats)
+        return built[name, window]
 
     return get
 

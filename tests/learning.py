@@ -273,7 +273,8 @@ import json, sys
 import torch, diffusers
 from safetensors.torch import save_file
 folder, orders, output, steps, size = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-guidance, lora = float(sys.argv[6]), sys.argv[7] if len(sys.argv) > 7 else None
+guidance, lora = float(sys.argv[6]), sys.argv[7] if len(sys.argv) > 7 and sys.argv[7] != "-" else None
+window = int(sys.argv[8]) if len(sys.argv) > 8 else 0  # the caption window encode used (0: the pipeline's)
 assert "laionkit" not in sys.modules
 pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
 if lora:
@@ -281,6 +282,8 @@ if lora:
 pipe.set_progress_bar_config(disable=True)
 name = type(pipe).__name__
 extra = {"use_resolution_binning": False, "clean_caption": False} if name.startswith(("PixArt", "Sana")) else {}
+if window:
+    extra["max_sequence_length"] = window
 found = {}
 for order, captions in enumerate(orders):  # one batch per order, each caption with its own generator
     generators = [torch.Generator().manual_seed(index) for index in range(len(captions))]

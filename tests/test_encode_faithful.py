@@ -283,3 +283,57 @@ def test_metadata_parquet_is_not_taken_for_image_shards(tmp_path, img2dataset_fo
         tar.unlink()
     result = run_cli("encode", source, "--model", tiny_models, "--output", tmp_path / "out", *ENCODE, check=False)
     one_line_error(result, "00000.parquet has no image column", "metadata parquet")
+
+
+# --- the caption window (--max-sequence-length): the pipelines' states at that length, recorded, followed -------
+
+def test_a_caption_window_stores_the_pipelines_states_at_that_length(tmp_path, image_shards, flow_latents):
+    """FLUX.2 [klein] attends to every padding row, so a caption window is what a step costs: encode
+    --max-sequence-length 64 stores Flux2KleinPipeline.encode_prompt(max_sequence_length=64)'s states (and the
+    empty caption's), records the window, and train's conditioning follows it. Another window into the same
+    folder is refused in one line, not mixed in."""
+    from diffusers import Flux2KleinPipeline
+    from fixtures import stored_states_are_the_pipelines
+
+    from laionkit.trainer.data import open_latents
+
+    model, latents = flow_latents("flux2").model, tmp_path / "latents"
+    run_cli("encode", image_shards / "00000.tar", "--model", model, "--output", latents, "--text", "stored",
+            "--max-sequence-length", "64", *ENCODE)
+    manifest = json.loads((latents / "manifest.json").read_text())
+    assert manifest["text"]["max_sequence_length"] == 64 and manifest["text"]["stored"]["states"][0] == 64
+    stored_states_are_the_pipelines(Flux2KleinPipeline.from_pretrained(model), latents, max_sequence_length=64)
+    assert open_latents(latents).family.max_sequence_length == 64
+    default = json.loads((flow_latents("flux2").latents / "manifest.json").read_text())["text"]
+    assert "max_sequence_length" not in default and default["stored"]["states"][0] == 512
+
+    again = run_cli("encode", image_shards / "00000.tar", "--model", model, "--output", latents, "--text", "stored",
+                    "--max-sequence-length", "48", *ENCODE, check=False)
+    one_line_error(again, str(latents))
+
+
+def test_online_text_trains_in_the_recorded_window_and_sd_refuses_one(tmp_path, image_shards, flow_latents,
+                                                                       tiny_models):
+    """Flux with --text online and --max-sequence-length 32: the ids are 32 wide, train runs T5 on them and
+    its caption dropout's "" in the same window (a [32, D] empty text; at T5's own 512 the batch would not
+    stack), and says which max_sequence_length the exported pipeline generates with. SD's CLIP window is
+    fixed: one line."""
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.objective import OnlineText
+
+    latents = tmp_path / "latents"
+    run_cli("encode", image_shards / "00000.tar", "--model", flow_latents("flux").model, "--output", latents,
+            "--text", "online", "--max-sequence-length", "32", *ENCODE)
+    manifest = json.loads((latents / "manifest.json").read_text())
+    assert manifest["text"]["ids"] == {"ids_tokenizer.npy": 77, "ids_tokenizer_2.npy": 32}
+    data = open_latents(latents)
+    assert OnlineText(data, "cpu", None).empty()["states"].shape[0] == 32
+    result = run_cli("train", latents, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps", "2",
+                     "--batch-size", "2", "--caption-dropout", "0.5", "--workers", "0", "--log-with", "none")
+    assert "generate with max_sequence_length=32" in result.stdout + result.stderr
+    assert (tmp_path / "run" / "pipeline" / "model_index.json").is_file()
+
+    refused = run_cli("encode", image_shards / "00000.tar", "--model", tiny_models, "--output", tmp_path / "sd",
+                      "--max-sequence-length", "32", *ENCODE, check=False)
+    one_line_error(refused, "family sd's caption window is fixed")
+    assert not (tmp_path / "sd").exists() or not list((tmp_path / "sd").glob("*.tar"))

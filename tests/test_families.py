@@ -77,14 +77,16 @@ def test_tiny_sdxl_has_the_real_layout(tiny_sdxl, sdxl_pipeline):
     assert type(sdxl_pipeline.scheduler).__name__ == "EulerDiscreteScheduler"
 
 
-def _pipeline_prompt(pipe, name, captions):
-    """(states, pooled) from the family's own pipeline, run without autograd as encode runs."""
+def _pipeline_prompt(pipe, name, captions, **window):
+    """(states, pooled) from the family's own pipeline, run without autograd as encode runs (``window``:
+    its max_sequence_length)."""
     with torch.no_grad():
         if name == "flux":
-            states, pooled, _ = pipe.encode_prompt(captions, None, device="cpu")
+            states, pooled, _ = pipe.encode_prompt(captions, None, device="cpu", **window)
         else:
             args = (None,) if name == "sdxl" else (None, None)
-            states, _, pooled, _ = pipe.encode_prompt(captions, *args, device="cpu", do_classifier_free_guidance=False)
+            states, _, pooled, _ = pipe.encode_prompt(captions, *args, device="cpu", do_classifier_free_guidance=False,
+                                                      **window)
     return states, pooled
 
 
@@ -101,6 +103,38 @@ def test_encode_text_is_the_pipelines_encode_prompt(pipelines, name):
     torch.testing.assert_close(ours["pooled"], pooled, rtol=0, atol=0)
     # The long caption is cut at each window, not an error; the empty one is encoded, not skipped.
     assert ours["states"].shape[0] == 3 and not torch.equal(ours["states"][0], ours["states"][1])
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_a_caption_window_is_the_pipelines_max_sequence_length(pipelines, name):
+    """encode --max-sequence-length 16: the family's text equals its pipeline's encode_prompt with
+    max_sequence_length=16 (T5's window; SD3's CLIP pair keeps 77), the long caption cut there."""
+    pipe, spec = pipelines[name], get_family(name).with_max_sequence_length(16)
+    captions = ["a dog running on the beach, golden hour", "", " ".join(["a very long caption"] * 30)]
+    tokenizers = [getattr(pipe, tokenizer) for tokenizer, _ in spec.text_encoders]
+    encoders = [getattr(pipe, encoder) for _, encoder in spec.text_encoders]
+    ours = spec.encode_text(tokenizers, encoders, captions)
+    states, pooled = _pipeline_prompt(pipe, name, captions, max_sequence_length=16)
+    assert ours["states"].shape[1] == (77 if name == "sd3" else 0) + 16
+    torch.testing.assert_close(ours["states"], states, rtol=0, atol=0)
+    torch.testing.assert_close(ours["pooled"], pooled, rtol=0, atol=0)
+    assert [ids.shape[-1] for ids in spec.empty_ids(tokenizers)][-1] == 16  # caption dropout's "" too
+
+
+def test_a_caption_window_is_refused_where_fixed_or_beyond_the_pipelines():
+    assert get_family("flux").with_max_sequence_length(512) is get_family("flux")  # its own: the family itself
+    assert get_family("flux").with_max_sequence_length(None) is get_family("flux")
+    for name in ("sd", "sdxl"):
+        with pytest.raises(LaionkitError, match=f"family {name}'s caption window is fixed"):
+            get_family(name).with_max_sequence_length(64)
+    with pytest.raises(LaionkitError, match="family flux takes 1 to 512 tokens"):
+        get_family("flux").with_max_sequence_length(513)
+    with pytest.raises(LaionkitError, match="family pixart takes 1 to any number of tokens"):
+        get_family("pixart").with_max_sequence_length(0)
+    sana = get_family("sana").with_max_sequence_length(40)  # its tokenize, encode_tokens and unconditional
+    assert [function.keywords for function in (sana.tokenize, sana.encode_tokens, sana.unconditional)] == [
+        {"max_sequence_length": 40}] * 3
+    assert sana.text_window == 40 and get_family("flux").with_max_sequence_length(40).text_window is None
 
 
 def test_sdxl_text_shapes(sdxl_pipeline):

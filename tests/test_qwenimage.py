@@ -86,6 +86,25 @@ def test_stored_states_are_encode_prompts_trimmed(qwen):
                                atol=3e-3, rtol=1e-2)
 
 
+def test_a_caption_beyond_the_window_keeps_what_the_pipelines_call_keeps(qwen):
+    """QwenImagePipeline.__call__ cuts encode_prompt's states at its max_sequence_length, 512 (encode_prompt
+    alone keeps 1024): a caption of 700 tokens trains on the 512 its generation sees. laionkit tokenizes only
+    as far as those reach (Qwen2.5-VL is causal: the states of the first tokens do not depend on later ones);
+    --max-sequence-length 600 keeps 600, as the pipeline called with max_sequence_length=600."""
+    pipe = load_pipeline(qwen)
+    captions = [" ".join(["photo"] * 700), "a cat"]
+    assert len(pipe.tokenizer(captions[0]).input_ids) == 700
+    for spec, window in ((get_family("qwen-image"), 512), (get_family("qwen-image").with_max_sequence_length(600), 600)):
+        ours = spec.encode_text([pipe.tokenizer], [pipe.text_encoder], captions)
+        with torch.no_grad():
+            states, mask = pipe.encode_prompt(captions, device="cpu", max_sequence_length=window)
+        assert ours["states"].shape[1] == window and ours["mask"][0].all()
+        torch.testing.assert_close(ours["states"], states, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours["mask"], mask.bool())
+    with torch.no_grad():
+        assert pipe.encode_prompt(captions, device="cpu")[0].shape[1] > 600  # encode_prompt's own default: 1024
+
+
 def test_latents_are_normalised_as_the_pipeline_normalises(qwen):
     """encode stores the VAE's moments without the frame axis; train's latents (LatentSet.normalize) equal
     QwenImageImg2ImgPipeline's own normalisation of a VAE sample ((z - mean) / std per channel), and the
@@ -294,8 +313,8 @@ def test_buckets_from_scratch(qwen, image_shards, tmp_path):
 
 
 def test_online_text_trains_as_stored_text_does(qwen, reference, image_shards, tmp_path):
-    """encode --text online keeps the template's token ids (-1 where the mask is 0, the template's 1,058-token
-    window); train runs Qwen2.5-VL on them, drops the template as the pipeline does, and gets the stored-text
+    """encode --text online keeps the template's token ids (-1 where the mask is 0; 34 template tokens and the
+    512 of the window); train runs Qwen2.5-VL on them, drops the template as the pipeline does, and gets the stored-text
     run's losses and validation loss."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.trainer.config import TrainConfig
@@ -305,7 +324,7 @@ def test_online_text_trains_as_stored_text_does(qwen, reference, image_shards, t
     run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(qwen.model), resolution=64,
                      batch_size=4, workers=0, quiet=True, text="online"))
     manifest = json.loads((online / "manifest.json").read_text())
-    assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 1024 + 34}
+    assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 34 + 512}
     train(TrainConfig(latents=online, val_latents=online, output=tmp_path / "run", unet=str(qwen.model),
                       **{**RUN, "max_steps": 2, "validate_every": 0, "ema": False}))
     got, want = metrics(tmp_path / "run"), metrics(reference)

@@ -365,6 +365,8 @@ caption_command.__signature__ = inspect.Signature(typer_parameters(CaptionConfig
 
     laionkit encode data/shards --model flux-dev --resolution 1024 --buckets --output data/latents-flux
 
+    laionkit encode data/shards --model flux-dev --resolution 512 --max-sequence-length 128 --output lat   # short captions
+
     accelerate launch -m laionkit.cli encode data/shards --model sd15 --output data/latents   # one rank per GPU
 
     laionkit models tiny --output models/tiny && laionkit encode data/shards --model models/tiny --output lat --resolution 64
@@ -398,6 +400,7 @@ def encode(
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
     keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
     captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
+    max_sequence_length: Annotated[Optional[int], typer.Option(help="The caption window in tokens, as the pipelines' max_sequence_length keyword (default: theirs: flux 512, sd3's T5 256, pixart and sana 300, z-image, qwen-image and flux2 512; sd and sdxl keep CLIP's 77). Shorter captions cost less to train (Flux, SD3 and FLUX.2 attend to every padding token); generate with the same max_sequence_length. Recorded in the manifest.")] = None,
     caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
     storage_options: StorageOption = None,
@@ -415,6 +418,7 @@ def encode(
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
         caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
+        max_sequence_length=max_sequence_length,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

@@ -190,6 +190,7 @@ def eval_command(
     kid_subset_size: Annotated[int, typer.Option(help="KID: images per subset (torchmetrics: 1000; cut to the smaller set).")] = 1000,
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda if available, else cpu).")] = None,
     dtype: Annotated[str, typer.Option(help="Pipeline dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    max_sequence_length: Annotated[Optional[int], typer.Option(help="The pipeline's max_sequence_length: the caption window the model trained with, where encode was given --max-sequence-length (default: the pipeline's).")] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Score an exported pipeline: FID and KID against reference images, CLIP score against the prompts."""
@@ -200,5 +201,5 @@ def eval_command(
         count=count, seed=seed, steps=steps, guidance_scale=guidance_scale, resolution=resolution,
         batch_size=batch_size, reference_count=reference_count, inception=inception or "", clip_model=clip_model,
         clip_pretrained=clip_pretrained, kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device,
-        dtype=dtype, quiet=quiet)
+        dtype=dtype, quiet=quiet, max_sequence_length=max_sequence_length)
     evaluate.run(config, log=typer.echo)

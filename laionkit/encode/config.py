@@ -52,6 +52,9 @@ class EncodeConfig:
     # --caption-scores DIR: each --captions name's CLIP score from `laionkit score --captions`'s similarity_NAME
     # columns, joined by shard and key (encode.caption_scores); None: json caption_scores, as before
     caption_scores: str | None = None
+    # --max-sequence-length: the caption window (the pipelines' max_sequence_length) where it is not the family's
+    # own (FamilySpec.with_max_sequence_length); recorded in the manifest, which train and its exports follow
+    max_sequence_length: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "captions", parse_names(self.captions))
@@ -81,8 +84,9 @@ class EncodeConfig:
 
     @property
     def family(self) -> FamilySpec:
-        """The model family, from --model (preset or model_index.json): it decides the encoders run."""
-        return detect_family(self.model)
+        """The model family, from --model (preset or model_index.json): it decides the encoders run; with its
+        caption window set to --max-sequence-length where that is given."""
+        return detect_family(self.model).with_max_sequence_length(self.max_sequence_length)
 
     @property
     def text_mode(self) -> str:

@@ -53,6 +53,9 @@ class EvalConfig:
     device: str | None = None
     dtype: str = "auto"
     quiet: bool = False
+    # the pipeline's max_sequence_length: the caption window the model was trained with (encode
+    # --max-sequence-length), where it is not the pipeline's default
+    max_sequence_length: int | None = None
 
     def __post_init__(self) -> None:
         from laionkit.evaluate.inception import INCEPTION_URL
@@ -108,9 +111,9 @@ def load_pipeline(folder: Path, device, dtype: str = "auto"):
 
 
 def generate(pipe, prompts: list[str], seed: int, steps: int, batch_size: int, guidance_scale: float | None,
-             resolution: int | None, quiet: bool = True) -> np.ndarray:
+             resolution: int | None, quiet: bool = True, max_sequence_length: int | None = None) -> np.ndarray:
     """(N, H, W, 3) uint8 images, image i from a CPU generator seeded ``seed + i`` (batching does not
-    change any image)."""
+    change any image); ``max_sequence_length``: the caption window, where the pipeline takes one."""
     import torch
     from tqdm import tqdm
 
@@ -119,6 +122,8 @@ def generate(pipe, prompts: list[str], seed: int, steps: int, batch_size: int, g
         options["guidance_scale"] = guidance_scale
     if resolution is not None:
         options["height"] = options["width"] = resolution
+    if max_sequence_length is not None:
+        options["max_sequence_length"] = max_sequence_length
     images = []
     with tqdm(total=len(prompts), desc="generate", unit="img", disable=quiet) as bar:
         for start in range(0, len(prompts), batch_size):
@@ -236,7 +241,7 @@ def run(config: EvalConfig, log=print) -> dict:
     load_scorers(config, device, cache)
     pipe = load_pipeline(Path(config.pipeline), device, config.dtype)
     images = generate(pipe, prompts, config.seed, config.steps, config.batch_size, config.guidance_scale,
-                      config.resolution, config.quiet)
+                      config.resolution, config.quiet, config.max_sequence_length)
     del pipe
     scores = score(config, images, prompts, device, cache)
     output = Path(config.output)

@@ -186,6 +186,8 @@ SPEC = register_family(FamilySpec(
     unpack_latents=unpack,
     embedded_guidance=True,
     patch_size=2,
+    max_sequence_length=T5_MAX_LENGTH,
+    max_sequence_limit=512,  # FluxPipeline refuses more
     # On an H200 (torch 2.11, cuDNN 9.19) cuDNN's SDPA backward failed on Flux's attention (head dim 128,
     # RoPE'd q/k) in bare diffusers as in train, with or without checkpointing; flash, memory-efficient
     # and math attention ran (docs/BENCHMARKS.md, train, fifth session).

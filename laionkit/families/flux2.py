@@ -295,6 +295,7 @@ SPEC = register_family(FamilySpec(
     text_encoders=(("tokenizer", "text_encoder"),),
     stored=("states",),
     tokenize=tokenize,
+    max_sequence_length=MAX_SEQUENCE_LENGTH,
     encode_tokens=encode_tokens,
     conditioning=conditioning,
     text_layer="9,18,27",

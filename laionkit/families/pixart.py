@@ -160,6 +160,7 @@ SPEC = register_family(FamilySpec(
     configs={"pixart-sigma-xl": TRANSFORMER_CONFIG, "tiny": TINY_TRANSFORMER_CONFIG},
     vae_upcast=True,
     patch_size=2,
+    max_sequence_length=T5_MAX_LENGTH,
     denoise=denoise,
     fit_config=fit_config,
     expects=expects,

@@ -3,10 +3,10 @@ matching with Qwen-Image's resolution-dependent shift, conditioned on masked Qwe
 
 Text conditioning, as ``QwenImagePipeline.encode_prompt`` builds it: each caption goes into the pipeline's
 prompt template (a system message asking for a description, then the caption as the user's message), is
-tokenized (Qwen2 BPE, at most 1024 + 34 tokens, padded to the longest of the batch), and Qwen2.5-VL's last
-hidden states are taken with the attention mask; the first ``DROP_IDX`` = 34 unmasked positions (the
-template's system part: the real tokenizer's 34 tokens) are dropped, and the rest is left-aligned, with a
-mask of ones over it. The transformer takes that mask as ``encoder_hidden_states_mask``, so padding carries
+tokenized (Qwen2 BPE, padded to the longest of the batch), and Qwen2.5-VL's last hidden states are taken with
+the attention mask; the first ``DROP_IDX`` = 34 unmasked positions (the template's system part: the real
+tokenizer's 34 tokens) are dropped, and the rest is left-aligned, with a mask of ones over it, and cut to
+``max_sequence_length`` (512: ``__call__``'s default, where ``encode_prompt`` alone keeps 1024). The transformer takes that mask as ``encoder_hidden_states_mask``, so padding carries
 nothing: encode stores the states trimmed to each caption's length (``FamilySpec.text_mask``), as PixArt's.
 
 Latents: AutoencoderKLQwenImage is a video VAE ([B, C, frames, H, W]); encode gives it one frame and stores the
@@ -53,6 +53,10 @@ PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the colo
                    "<|im_end|>\n<|im_start|>assistant\n")
 DROP_IDX = 34
 TOKENIZER_MAX_LENGTH = 1024
+# QwenImagePipeline.__call__'s max_sequence_length: encode_prompt's states (of up to TOKENIZER_MAX_LENGTH tokens
+# after the template) are cut to it. Qwen2.5-VL's attention is causal, so tokenizing only the template's
+# DROP_IDX tokens and this many gives those states exactly, without encoding what the cut drops.
+MAX_SEQUENCE_LENGTH = 512
 # Qwen2.5-VL's special tokens: Qwen2-VL's, then the tool and fill-in-the-middle ones (ids 151643.. on the hub).
 SPECIAL_TOKENS_25 = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
                      "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
@@ -65,12 +69,12 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
 }
 
 
-def tokenize(tokenizers: Sequence, captions: Sequence[str]) -> list:
-    """Qwen2 token ids [B, 1024 + 34] of the pipeline's template around each caption (truncated as the pipeline
-    truncates), -1 where the attention mask is 0: one int tensor carries ids and mask (``encode --text
-    online`` stores it per sample; the fixed width lets any batch of them stack)."""
+def tokenize(tokenizers: Sequence, captions: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list:
+    """Qwen2 token ids [B, 34 + 512] of the pipeline's template around each caption (as many as the pipeline's
+    states keep: MAX_SEQUENCE_LENGTH), -1 where the attention mask is 0: one int tensor carries ids and mask
+    (``encode --text online`` stores it per sample; the fixed width lets any batch of them stack)."""
     (tokenizer,) = tokenizers
-    found = tokenizer([PROMPT_TEMPLATE.format(text) for text in captions], max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
+    found = tokenizer([PROMPT_TEMPLATE.format(text) for text in captions], max_length=DROP_IDX + max_sequence_length,
                       padding="max_length", truncation=True, return_tensors="pt")
     return [found.input_ids.masked_fill(found.attention_mask == 0, -1)]
 
@@ -231,5 +235,7 @@ SPEC = register_family(FamilySpec(
     vae_frames=True,
     latent_stats=True,
     pipeline_keywords={"mask": "prompt_embeds_mask"},
-    text_window=TOKENIZER_MAX_LENGTH,
+    text_window=MAX_SEQUENCE_LENGTH,
+    max_sequence_length=MAX_SEQUENCE_LENGTH,
+    max_sequence_limit=TOKENIZER_MAX_LENGTH,  # QwenImagePipeline refuses more
 ))

@@ -3,8 +3,9 @@ the registry that the family modules register into."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import MethodType
@@ -102,7 +103,7 @@ class FamilySpec:
     # The pipeline's guidance_scale is the classifier-free scale less this (Z-Image: pos + s (pos - neg)).
     cfg_offset: float = 0.0
     # The caption window of the pipeline where the tokenizer's model_max_length is not it: encode's token counts,
-    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens, Qwen-Image: 1,024, Sana: 300;
+    # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens, Qwen-Image: 512, Sana: 300;
     # Qwen's tokenizers say 131,072, Gemma's 1e30).
     text_window: int | None = None
     # The VAE is a video VAE (Qwen-Image's AutoencoderKLQwenImage): it takes [B, C, frames, H, W]; encode gives
@@ -130,6 +131,12 @@ class FamilySpec:
     # The text encoder classes (config "architectures") of the family's pipelines: which family a folder without
     # model_index.json is where several families share the denoiser class (FLUX.2 dev: Mistral-3; klein: Qwen3).
     text_encoder_classes: tuple[str, ...] = ()
+    # The caption window of the family's pipelines, their ``max_sequence_length`` keyword's default (Flux 512, SD3's
+    # T5 256, PixArt and Sana 300, Qwen-Image's __call__ 512), which ``encode --max-sequence-length`` replaces
+    # (with_max_sequence_length); None: a fixed window (SD, SDXL: CLIP's 77). ``max_sequence_limit``: the most the
+    # pipelines or the denoiser take (Flux and SD3 refuse more than 512, Qwen-Image more than 1,024).
+    max_sequence_length: int | None = None
+    max_sequence_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -152,6 +159,28 @@ class FamilySpec:
         mask = found[self.text_mask].bool()
         positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
         return (mask * positions).amax(dim=-1).clamp(min=1)
+
+    def with_max_sequence_length(self, length: int | None) -> FamilySpec:
+        """This family with a caption window of ``length`` tokens, as its pipelines give it for
+        ``max_sequence_length=length``: each of tokenize / encode_tokens / unconditional that takes a
+        ``max_sequence_length`` gets ``length`` (so encode's ids and states, train's online text and its caption
+        dropout all use it). Itself for None or the family's own window."""
+        if length is None or length == self.max_sequence_length:
+            return self
+        if self.max_sequence_length is None:
+            raise LaionkitError(f"--max-sequence-length {length}: family {self.name}'s caption window is fixed "
+                                "(CLIP's 77 tokens); leave the flag out")
+        most = self.max_sequence_limit
+        if length < 1 or (most is not None and length > most):
+            raise LaionkitError(f"--max-sequence-length {length}: family {self.name} takes 1 to "
+                                f"{most or 'any number of'} tokens (its pipelines' default is {self.max_sequence_length})")
+        windowed = {name: partial(function, max_sequence_length=length) for name in
+                    ("tokenize", "encode_tokens", "unconditional")
+                    if (function := getattr(self, name)) is not None
+                    and "max_sequence_length" in inspect.signature(function).parameters}
+        # encode counts a caption's tokens with the first tokenizer: the windowed one where it is the only one
+        return replace(self, **windowed, encode_text=None, max_sequence_length=length,
+                       text_window=length if len(self.text_encoders) == 1 else self.text_window)
 
     def empty_ids(self, tokenizers) -> list:
         """The unconditional text's token ids per text encoder (a tokenizing family): ``unconditional``'s, else

@@ -203,5 +203,9 @@ SPEC = register_family(FamilySpec(
     patch_size=2,
     pipeline_text=pipeline_text,
     text_window=MAX_SEQUENCE_LENGTH,
+    max_sequence_length=MAX_SEQUENCE_LENGTH,
+    # within the caption axis of the real transformer's rotary table (axes_lens[0]: 1,536 positions), which holds
+    # the caption padded to a multiple of 32 and the image's first position after it
+    max_sequence_limit=1024,
     cfg_offset=1.0,
 ))

@@ -140,7 +140,9 @@ def open_latents(latents: Path | str) -> LatentSet:
         scaling_factor = float(vae["scaling_factor"])
         empty_path = latents / manifest["empty_caption"]
         records = manifest.get("records") or {}
-        family = get_family(manifest.get("family") or "sd")
+        # with the caption window encode used (--max-sequence-length): online text and caption dropout use it too
+        family = get_family(manifest.get("family") or "sd").with_max_sequence_length(
+            (manifest.get("text") or {}).get("max_sequence_length"))
     except (KeyError, TypeError, ValueError) as error:
         raise LaionkitError(f"{manifest_path} has no valid {error} (not a laionkit-latents manifest)") from None
     if not manifest.get("complete"):

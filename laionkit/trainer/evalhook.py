@@ -194,11 +194,12 @@ def score(trainer, scoring: Scoring, folder: Path) -> dict:
     merged = merge_lora(folder, spec, base, config.ema) if config.lora_rank is not None else None
     pipeline = write_pipeline(folder, spec, t.data.models, base=base, noise_scheduler=t.noise_scheduler,
                               use_ema=config.ema, files="hardlink", denoiser=merged)
-    found = replace(scoring.settings, pipeline=pipeline)
+    # the caption window the run trained with (encode --max-sequence-length; None: a CLIP family's fixed one)
+    found = replace(scoring.settings, pipeline=pipeline, max_sequence_length=spec.max_sequence_length)
     device = t.device
     pipe = evaluate.load_pipeline(pipeline, device, found.dtype)
     images = evaluate.generate(pipe, scoring.prompts, found.seed, found.steps, found.batch_size,
-                               found.guidance_scale, found.resolution)
+                               found.guidance_scale, found.resolution, max_sequence_length=found.max_sequence_length)
     del pipe
     inception = scoring.cache[("inception", found.inception)]
     clip = scoring.cache[("clip", found.clip_model, found.clip_pretrained)][0]
