@@ -36,6 +36,9 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
 (online)  the same on ``encode --text online`` latents: the frozen text encoders (real sizes, random init:
           CLIP-L, CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux; Gemma-2-2B for Sana; Qwen3-4B for Z-Image)
           run in the train loop. Qwen-Image stores its text only (encode has no online text for it).
+(window)  `laionkit train` (eager, stored text) at the first resolution on latents encoded with each
+          ``--windows`` caption window (``encode --max-sequence-length``): what a shorter caption window buys
+          the families that attend to every padding row (Flux, SD3, FLUX.2).
 (lora)    `laionkit train --lora-rank 64` on the whole random-init model at the first resolution (Sana,
           Z-Image; Qwen-Image's (b) rows are this).
 (fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
@@ -512,7 +515,9 @@ def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
     parser.add_argument("--parts", default="peak,a,b,online,fp8",
-                        help="comma list of peak, a, b, online, fp8, lora, big")
+                        help="comma list of peak, a, b, online, fp8, lora, big, window")
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256],
+                        help="(window): caption windows to train at, besides the family's own (b-<first>-eager)")
     parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) per --ab-resolutions")
     parser.add_argument("--ab-resolutions", type=int, nargs="+",
                         help="resolutions of the (a) and (b) rows (default: the first of --resolutions)")
@@ -552,9 +557,9 @@ def main() -> None:
     # the family's own train flags (full bf16, LoRA): bf16 ones mean nothing in a CPU smoke run in float32
     family_flags = [flag for flag in TRAIN_FLAGS.get(family, ()) if not (args.smoke and flag == "--full-bf16")]
 
-    def latents_at(resolution: int, text: str = "stored") -> Path:
+    def latents_at(resolution: int, text: str = "stored", window: int | None = None) -> Path:
         images = args.images if resolution <= 2048 else min(args.images, 64)  # 4096 px photos: ~5 MB each
-        return prepare(args.out, resolution, images, False, models, text)
+        return prepare(args.out, resolution, images, False, models, text, window)
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None, log_every: int | None = None) -> Path:
@@ -595,6 +600,14 @@ def main() -> None:
             if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes:
                 continue  # b-<resolution>-eager is this row
             train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags)
+    windows = [w for w in args.windows if w != get_family(family).max_sequence_length] if "window" in parts else []
+    if windows and get_family(family).max_sequence_length is None:
+        print(f"window: skipped, {family}'s caption window is fixed", flush=True)
+        windows = []
+    if windows and not ("b" in parts and "eager" in args.modes and first in ab_resolutions):
+        train(f"b-{first}-eager", latents_at(first), batch_of(first), *family_flags)  # the family's own window
+    for window in windows:
+        train(f"window{window}-{first}-eager", latents_at(first, window=window), batch_of(first), *family_flags)
     if "lora" in parts and family not in BARE_FLAGS:  # Qwen-Image's (b) rows are LoRA-64 already
         train(f"lora64-{first}-eager", latents_at(first), batch_of(first), "--lora-rank", "64", "--lora-random-base")
     if "fp8" in parts:
@@ -657,6 +670,11 @@ def main() -> None:
         online = rate(f"online-{resolution}-eager")
         if stored and online:
             print(f"  online/stored text {resolution}: {online / stored:.3f}")
+    for window in windows:
+        own, short = rate(f"b-{first}-eager"), rate(f"window{window}-{first}-eager")
+        if own and short:
+            print(f"  caption window {window} / {get_family(family).max_sequence_length} tokens, {first} px: "
+                  f"{short / own:.3f} x the samples/s")
     if rate("fp8-on") and rate("fp8-off"):
         on, off = results["fp8-on"]["losses"], results["fp8-off"]["losses"]
         tail = len(off) // 2

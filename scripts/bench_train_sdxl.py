@@ -112,13 +112,14 @@ def _write_shard(job: tuple[Path, int, int, int, bool]) -> None:
                                             "width": width, "height": height})})
 
 
-def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, text: str = "stored") -> Path:
+def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, text: str = "stored",
+            window: int | None = None) -> Path:
     """JPEG shards (square-ish or mixed aspects) and their latents by ``models`` (`laionkit encode --text
-    TEXT`); shards and latents are made once per work folder."""
+    TEXT`, with --max-sequence-length ``window`` where given); shards and latents are made once per work folder."""
     from laionkit.encode import EncodeConfig, run
 
     tag = f"{resolution}-{'buckets' if mixed else 'square'}"
-    latents = out / f"latents-{tag}{'' if text == 'stored' else f'-{text}'}"
+    latents = out / f"latents-{tag}{'' if text == 'stored' else f'-{text}'}{f'-w{window}' if window else ''}"
     if (latents / "manifest.json").exists():
         return latents
     jpegs = out / f"jpeg-{tag}"
@@ -129,7 +130,8 @@ def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, 
         with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
             pool.map(_write_shard, jobs)
     run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution,
-                     buckets=mixed, text=text, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True),
+                     buckets=mixed, text=text, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True,
+                     max_sequence_length=window),
         log=lambda _: None)
     return latents
 

@@ -304,6 +304,7 @@ def test_a_caption_window_stores_the_pipelines_states_at_that_length(tmp_path, i
     assert manifest["text"]["max_sequence_length"] == 64 and manifest["text"]["stored"]["states"][0] == 64
     stored_states_are_the_pipelines(Flux2KleinPipeline.from_pretrained(model), latents, max_sequence_length=64)
     assert open_latents(latents).family.max_sequence_length == 64
+    assert "caption window 64 tokens (--max-sequence-length)" in run_cli("stats", latents).stdout
     default = json.loads((flow_latents("flux2").latents / "manifest.json").read_text())["text"]
     assert "max_sequence_length" not in default and default["stored"]["states"][0] == 512
 

@@ -278,32 +278,51 @@ def test_slurm_train_sbatch_checkpoints_and_requeues_before_the_time_limit(laten
 def test_pg_timeout_minutes_ends_a_run_whose_peer_stopped_responding(latent_shards, tmp_path):
     """A rank that stops answering (SIGSTOP: a hung node) makes the others' next collective fail after
     --pg-timeout-minutes (here 0.1: 6 s) instead of torch's default (30 min for gloo, 10 for NCCL): the run ends
-    with a timeout error, and its scheduler can restart it."""
+    with a timeout error, and its scheduler can restart it. Once the live rank has failed, the hung one is let
+    go on (SIGCONT) so that the launcher's SIGTERM ends it: torchrun waits 30 s before it kills a rank that
+    ignores SIGTERM on this path (its TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not read there), which would only
+    slow the test."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "laionkit.cli", "train", str(latent_shards), "--output", str(run), *TINY,
                "--max-steps", "1000", "--log-every", "1", "--pg-timeout-minutes", "0.1"]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                env={**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}, start_new_session=True)
+    launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env=ENV, start_new_session=True)
+    lines, armed, timed_out = [], threading.Event(), threading.Event()
+
+    def read() -> None:  # a timeout reported once the rank is stopped
+        for line in launcher.stderr:
+            lines.append(line)
+            if armed.is_set() and ("timed out" in line.lower() or "timeout" in line.lower()):
+                timed_out.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 240
         while not records(run):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert launcher.poll() is None, "".join(lines)[-3000:]
             assert time.monotonic() < deadline, "no step in 240 s"
             time.sleep(0.05)
         [first, second] = sorted(ranks_of(launcher.pid))
         hung = [second] if b"LOCAL_RANK=1" in Path(f"/proc/{second}/environ").read_bytes() else [first]
+        armed.set()
         signal_all(hung, signal.SIGSTOP)
         stopped = time.monotonic()
-        out, err = launcher.communicate(timeout=120)  # the default timeout would hang here for 30 minutes
+        assert timed_out.wait(timeout=120), "".join(lines)[-3000:]  # the default would wait 30 minutes here
         waited = time.monotonic() - stopped
+        signal_all(hung, signal.SIGCONT)
+        launcher.wait(timeout=120)
+        reader.join(timeout=10)
     finally:
         if launcher.poll() is None:
             signal_all(process_tree(launcher.pid), signal.SIGKILL)
             launcher.wait()
-    assert launcher.returncode != 0
-    assert "timed out" in err.lower() or "timeout" in err.lower(), err[-3000:]
+    assert launcher.returncode != 0, "".join(lines)[-3000:]
     assert waited < 100, waited
+    said = "".join(lines)
+    assert "error: a collective timed out (Timed out waiting 6000ms" in said, said[-3000:]  # one line, no traceback
+    assert "--pg-timeout-minutes; restart the run with --resume latest" in said and "[rank0]: Traceback" not in said
 
 
 def test_hsdp_shards_inside_a_node_and_replicates_across_nodes(latent_shards, tmp_path):

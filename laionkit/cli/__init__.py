@@ -15,7 +15,13 @@ from rich.text import Text
 
 from laionkit.cli import stages, tools, training  # noqa: F401 - registers the commands on app
 from laionkit.cli.app import app, err_console
-from laionkit.cli.errors import device_failed, memory_advice, out_of_memory
+from laionkit.cli.errors import (
+    collective_timed_out,
+    device_failed,
+    memory_advice,
+    out_of_memory,
+    timeout_advice,
+)
 from laionkit.common import LaionkitError
 
 __all__ = ["app", "device_failed", "main", "memory_advice", "out_of_memory"]
@@ -23,7 +29,8 @@ __all__ = ["app", "device_failed", "main", "memory_advice", "out_of_memory"]
 
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback; so
-    does an out-of-memory (exit code 1), with the settings that lower memory. A failed device prints its
+    does an out-of-memory (exit code 1), with the settings that lower memory, and a collective that timed out
+    waiting for another rank (exit code 1). A failed device prints its
     traceback and exits 1 at once, skipping the teardown that can hang on a failed CUDA context (a launcher
     or a Slurm step then sees the failure instead of a silent hang)."""
     try:
@@ -34,6 +41,9 @@ def main() -> None:
     except Exception as error:
         if out_of_memory(error):  # a batch too large for the device: a setting to change, not a bug to trace
             err_console.print(Text.assemble(("error:", "bold red"), f" {memory_advice(error)}"), soft_wrap=True)
+            sys.exit(1)
+        if collective_timed_out(error):  # a peer that stopped answering: the run is to restart, not to debug
+            err_console.print(Text.assemble(("error:", "bold red"), f" {timeout_advice(error)}"), soft_wrap=True)
             sys.exit(1)
         if not device_failed(error):
             raise

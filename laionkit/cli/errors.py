@@ -1,4 +1,5 @@
-"""How the command ends on an error: a user mistake or an out-of-memory as one line, a failed device at once."""
+"""How the command ends on an error: a user mistake, an out-of-memory or a peer that stopped answering as one line,
+a failed device at once."""
 
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ def out_of_memory(error: BaseException) -> bool:
     stays usable, so the normal exit runs)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(error, getattr(torch, "OutOfMemoryError", ()))
+
+
+def collective_timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out waiting for another rank (gloo's "Timed out waiting
+    ...ms", torch.distributed's DistError): a hung or lost peer, after --pg-timeout-minutes."""
+    torch = sys.modules.get("torch")
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ()) if torch is not None else ()
+    said = str(error)
+    return isinstance(error, RuntimeError) and "timed out" in said.lower() and (
+        isinstance(error, dist_error) or "gloo" in said or "ProcessGroup" in said)
+
+
+def timeout_advice(error: BaseException) -> str:
+    """One line for a collective that timed out: what torch said and what to do."""
+    said = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    said = said.split("] ", 1)[-1]  # gloo's source location before the message
+    return (f"a collective timed out ({said}): another rank stopped answering (a hung or lost node) within "
+            "--pg-timeout-minutes; restart the run with --resume latest (its launcher or scheduler can)")
 
 
 def memory_advice(error: BaseException) -> str:

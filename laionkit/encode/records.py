@@ -247,7 +247,9 @@ def summarize(folder: Path | Location):
     overview.add_row("text", f"{manifest['text']['sequence_length']} x {manifest['text']['hidden_size']} "
                              f"({manifest['text']['layer']} layer)"
                      + (", online: token ids stored, train encodes" if manifest["text"].get("mode") == "online"
-                        else ""))
+                        else "")
+                     + (f", caption window {manifest['text']['max_sequence_length']} tokens (--max-sequence-length)"
+                        if manifest["text"].get("max_sequence_length") else ""))
     for component, model in manifest["models"].items():
         overview.add_row(component, f"{model['source']} ({model['subfolder']})")
     size = sum(p.size() for p in Location.parse(folder).list("*.tar"))
