@@ -23,6 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 REALDATA = REPO.parent / "shared" / "realdata"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The proof-of-learning tests first (a stable sort: the rest keep their order). They are the suite's
+    longest, a minute or more each on 2 cores; collected in file order, one of them could start last and run
+    alone while the other xdist worker idles. Started first, the short tests fill in around them."""
+    items.sort(key=lambda item: item.path.name != "test_learning.py")
+
+
 @pytest.fixture(scope="session")
 def realdata() -> Path:
     if not REALDATA.is_dir():

@@ -234,17 +234,13 @@ def regenerates(family: str, sharp, tmp_path: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family != LORA["family"]])
-def test_trained_model_regenerates_each_captions_image(family, sharp_models, tmp_path):
-    regenerates(family, sharp_models(family, FAMILIES[family].get("window")), tmp_path)
-
-
 def test_trained_sd_regenerates_each_captions_image_and_a_lora_on_it_a_new_mapping(sharp_models, tmp_path):
-    """SD's case of the test above; then, on the base it trained, a LoRA trained on the same photos with each
-    photo given the next one's caption: with RUN/lora loaded (pipe.load_lora_weights) the base's own pipeline
-    draws the new mapping, with its negative, and those samples do not follow the old one. Without the LoRA
-    the base draws the old mapping, with its negative: the SD case's own check of that same pipeline. One
-    base for both (each trained its own, 600 steps, before)."""
+    """SD's case of test_trained_model_regenerates_each_captions_image (below; this one first, the longest of
+    the suite); then, on the base it trained, a LoRA trained on the same photos with each photo given the next
+    one's caption: with RUN/lora loaded (pipe.load_lora_weights) the base's own pipeline draws the new mapping,
+    with its negative, and those samples do not follow the old one. Without the LoRA the base draws the old
+    mapping, with its negative: the SD case's own check of that same pipeline. One base for both (each trained
+    its own, 600 steps, before)."""
     import torch
 
     family = LORA["family"]
@@ -268,3 +264,8 @@ def test_trained_sd_regenerates_each_captions_image_and_a_lora_on_it_a_new_mappi
     drawn = assert_learned(family, base / "pipeline", new, with_lora, lora / "lora")
     old = retrieval(drawn, own)  # the same samples judged by the old mapping
     assert old["nearest_own"] <= 2 and old["own_mse"] > 2 * retrieval(drawn, new)["own_mse"], old
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != LORA["family"]])
+def test_trained_model_regenerates_each_captions_image(family, sharp_models, tmp_path):
+    regenerates(family, sharp_models(family, FAMILIES[family].get("window")), tmp_path)
