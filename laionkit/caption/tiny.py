@@ -2,10 +2,10 @@
 
 Written as Qwen/Qwen2-VL-2B-Instruct's folder is: config.json + model.safetensors (Qwen2VLForConditionalGeneration),
 generation_config.json, and a Qwen2VLProcessor (preprocessor_config.json for Qwen2VLImageProcessor, its video
-processor, chat_template) whose tokenizer is a byte-level BPE trained here, with the `tokenizers` library, on
-the captions of laionkit's shipped LAION sample, saved in Qwen2's tokenizer layout (tokenizer.json,
-vocab.json, merges.txt, tokenizer_config.json) with Qwen2-VL's special tokens (<|im_start|>, <|image_pad|>,
-...). `AutoProcessor` + `AutoModelForImageTextToText.from_pretrained(folder)` load it as they load the real
+processor, chat_template) whose tokenizer is a byte-level BPE trained with the `tokenizers` library on the
+captions of laionkit's shipped LAION sample (laionkit.families.tokenizers.qwen2_vl_tokenizer, which Qwen-Image's
+tiny text encoder shares), saved in Qwen2's tokenizer layout (tokenizer.json, vocab.json, merges.txt,
+tokenizer_config.json) with Qwen2-VL's special tokens (<|im_start|>, <|image_pad|>, ...). `AutoProcessor` + `AutoModelForImageTextToText.from_pretrained(folder)` load it as they load the real
 one, offline. Random weights generate gibberish tokens: the folder tests the plumbing, not captions.
 ``QWEN2_VL_2B`` is the real 2B architecture (Qwen2-VL-2B's config.json), for benchmarks at real size.
 """
@@ -14,27 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Qwen2's pre-tokenizer split (tokenizer.json of the Qwen2 / Qwen2-VL repos): contractions, letters, single
-# digits, punctuation runs, newlines, spaces.
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen2-VL's special tokens, in the hub tokenizer's order (ids 151643.. there; after the trained vocabulary here).
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen2-VL-2B-Instruct's chat template (tokenizer_config.json / chat_template.json of the hub repo).
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
-    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
-    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type']"
-    " == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
-    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in "
-    "content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from laionkit.families.tokenizers import QWEN2_VL_CHAT_TEMPLATE as CHAT_TEMPLATE
+from laionkit.families.tokenizers import QWEN2_VL_SPECIALS as SPECIAL_TOKENS
+from laionkit.families.tokenizers import captions, qwen2_vl_tokenizer
+
 # Qwen/Qwen2-VL-2B-Instruct's config.json (the real architecture, 2.2B parameters), in transformers 5's layout.
 QWEN2_VL_2B = {
     "text_config": {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
@@ -53,37 +36,6 @@ TINY_MIN_PIXELS = 56 * 56
 TINY_MAX_PIXELS = 112 * 112
 
 
-def shipped_captions() -> list[str]:
-    """The alt-texts of laionkit's shipped LAION sample (laionkit/data/laion-sample.parquet), in row order."""
-    import pyarrow.parquet as pq
-
-    path = Path(__file__).resolve().parents[1] / "data" / "laion-sample.parquet"
-    return [text for text in pq.read_table(path, columns=["TEXT"]).column(0).to_pylist() if text]
-
-
-def train_tokenizer(captions: list[str], vocab_size: int = 2048, specials: tuple[str, ...] = SPECIAL_TOKENS):
-    """A Qwen2-style byte-level BPE trained on ``captions``, with ``specials`` (Qwen2-VL's special tokens by
-    default) after its vocabulary, as a transformers Qwen2Tokenizer (eos <|im_end|>, pad <|endoftext|>, as
-    Qwen2-VL-Instruct's)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import AddedToken, Qwen2TokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(captions, trainer)
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
-    return Qwen2TokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                              unk_token=None, bos_token=None, errors="replace", model_max_length=32768,
-                              chat_template=CHAT_TEMPLATE)
-
-
 def write_tiny_vlm(output: str | Path, seed: int = 0) -> Path:
     """Save a tiny random-init Qwen2-VL (model + processor) to ``output``; returns the folder."""
     import torch
@@ -97,7 +49,7 @@ def write_tiny_vlm(output: str | Path, seed: int = 0) -> Path:
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(shipped_captions())
+    tokenizer = qwen2_vl_tokenizer(captions())
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     size = {"shortest_edge": TINY_MIN_PIXELS, "longest_edge": TINY_MAX_PIXELS}
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(size=size),

@@ -141,13 +141,13 @@ def expects(config) -> tuple:
 
 
 def tiny_tokenizer():
-    """A Qwen2 BPE trained on the shipped captions (laionkit.caption.tiny's) with Qwen2.5-VL's special tokens. The
-    prompt template's words are trained in too, each to one token, so the template's system part is 34 tokens as
-    with the real tokenizer, and the pipeline's DROP_IDX drops exactly it."""
-    from laionkit.caption.tiny import SPECIAL_TOKENS, shipped_captions, train_tokenizer
+    """A Qwen2 BPE trained on the shipped captions with Qwen2.5-VL's special tokens. The prompt template's words
+    are trained in too, each to one token, so the template's system part is 34 tokens as with the real tokenizer,
+    and the pipeline's DROP_IDX drops exactly it."""
+    from laionkit.families.tokenizers import QWEN2_VL_SPECIALS, captions, qwen2_vl_tokenizer
 
     template = PROMPT_TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "").replace("{}", "")
-    return train_tokenizer(shipped_captions() + [template] * 200, specials=SPECIAL_TOKENS + SPECIAL_TOKENS_25)
+    return qwen2_vl_tokenizer(captions() + [template] * 200, specials=QWEN2_VL_SPECIALS + SPECIAL_TOKENS_25)
 
 
 def tiny_text_encoder(tokenizer):

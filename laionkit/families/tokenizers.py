@@ -141,6 +141,50 @@ def write_qwen(output: str | Path, vocab_size: int = 1000, max_length: int = 131
     return _save(tokenizer, Path(output), config, {**specials, "additional_special_tokens": list(QWEN_SPECIALS[1:])})
 
 
+# Qwen2-VL's special tokens, in the hub tokenizer's order (ids 151643.. there; after the trained vocabulary here).
+QWEN2_VL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL-2B-Instruct's chat template (tokenizer_config.json / chat_template.json of the hub repo; Qwen2.5-VL's
+# is the same).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type']"
+    " == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in "
+    "content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen2_vl_tokenizer(texts: list[str], vocab_size: int = 2048, specials: tuple[str, ...] = QWEN2_VL_SPECIALS):
+    """A Qwen2-VL-style tokenizer in memory (the VLM of `laionkit caption`'s tiny model, Qwen-Image's text
+    encoder): byte-level BPE after Qwen2's split regex (QWEN_SPLIT) trained on ``texts``, with ``specials``
+    after its vocabulary, as a transformers Qwen2TokenizerFast (eos <|im_end|>, pad <|endoftext|>, Qwen2-VL's
+    chat template, as Qwen2-VL-Instruct's)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import AddedToken, Qwen2TokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    return Qwen2TokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              unk_token=None, bos_token=None, errors="replace", model_max_length=32768,
+                              chat_template=QWEN2_VL_CHAT_TEMPLATE)
+
+
 # Mistral's tekken tokenizer (Mistral-Small-3.x, the text encoder FLUX.2-dev ships): byte-level BPE after this split
 # (tiktoken's pattern as tekken's config gives it), the control tokens first; PixtralProcessor wraps it.
 MISTRAL_SPLIT = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
