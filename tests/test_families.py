@@ -135,6 +135,8 @@ def test_a_caption_window_is_refused_where_fixed_or_beyond_the_pipelines():
     assert [function.keywords for function in (sana.tokenize, sana.encode_tokens, sana.unconditional)] == [
         {"max_sequence_length": 40}] * 3
     assert sana.text_window == 40 and get_family("flux").with_max_sequence_length(40).text_window is None
+    # what the manifest records and the export names: only a window that is not the family's own
+    assert sana.given_max_sequence_length == 40 and get_family("sana").given_max_sequence_length is None
 
 
 def test_sdxl_text_shapes(sdxl_pipeline):

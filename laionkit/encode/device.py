@@ -246,8 +246,8 @@ class Encoders:
             facts["text"]["stored"] = {key: list(value.shape) for key, value in empty.items()}
             if self.family.trimmed:  # per sample, these end at the caption's length (up to the shape above)
                 facts["text"]["trimmed"] = list(self.family.trimmed)
-            if self.family.max_sequence_length != get_family(self.family.name).max_sequence_length:
-                facts["text"]["max_sequence_length"] = self.family.max_sequence_length  # --max-sequence-length
+            if self.family.given_max_sequence_length is not None:  # --max-sequence-length
+                facts["text"]["max_sequence_length"] = self.family.given_max_sequence_length
             if self.online:  # only then: stored folders keep the settings they had (resume)
                 facts["text"]["mode"] = "online"
                 facts["text"]["ids"] = {self.family.ids_member(i): int(ids.shape[-1]) for i, ids in

@@ -182,6 +182,13 @@ class FamilySpec:
         return replace(self, **windowed, encode_text=None, max_sequence_length=length,
                        text_window=length if len(self.text_encoders) == 1 else self.text_window)
 
+    @property
+    def given_max_sequence_length(self) -> int | None:
+        """The caption window where it is not the registered family's own (``with_max_sequence_length``, from
+        encode --max-sequence-length), else None: what the manifest records and the export names."""
+        own = _FAMILIES[self.name].max_sequence_length if self.name in _FAMILIES else None
+        return self.max_sequence_length if self.max_sequence_length != own else None
+
     def empty_ids(self, tokenizers) -> list:
         """The unconditional text's token ids per text encoder (a tokenizing family): ``unconditional``'s, else
         the caption ""'s."""

@@ -14,7 +14,6 @@ from laionkit.common import (
     LaionkitError,
     atomic_output,
 )
-from laionkit.families import get_family
 from laionkit.trainer.pipeline import _base, merge_lora, write_pipeline
 from laionkit.trainer.precision import MasterWeights
 from laionkit.trainer.singlefile import write_single_files
@@ -80,8 +79,8 @@ def after_training(accelerator, config, data, noise_scheduler) -> None:
         folder = write_pipeline(run, data.family, data.models, base=base, noise_scheduler=noise_scheduler,
                                 use_ema=config.ema, files=config.export_files, denoiser=merged)
         accelerator.print(f"pipeline: {folder} (DiffusionPipeline.from_pretrained loads it)")
-        window = data.family.max_sequence_length
-        if window is not None and window != get_family(data.family.name).max_sequence_length:
+        window = data.family.given_max_sequence_length
+        if window is not None:
             accelerator.print(f"pipeline: trained on a caption window of {window} tokens (encode "
                               f"--max-sequence-length): generate with max_sequence_length={window}")
         if "single-file" in formats:
