@@ -190,3 +190,19 @@ def test_reference_from_pack_tars_reads_every_photo(image_shards, realdata):
     assert skipped == 0 and tars.shape == folder.shape == (8, 32, 32, 3)
     distance = np.abs(tars.astype(float)[:, None] - folder.astype(float)[None]).mean(axis=(2, 3, 4))
     assert (distance.min(axis=1) < 3).all()  # each tar image has its photo in the folder
+
+
+def test_eval_generates_in_the_caption_window_the_model_trained_in(flow_latents):
+    """`laionkit eval --max-sequence-length` (and train --eval-every, with its run's window) hands the pipeline
+    that max_sequence_length: the images are those of FluxPipeline called with it, and not those of its default
+    512-token window (Flux attends to every padding token)."""
+    from laionkit import evaluate
+
+    pipe = evaluate.load_pipeline(flow_latents("flux").model, torch.device("cpu"))
+    prompts = ["a red square on grey", "a blue circle"]
+    ours = evaluate.generate(pipe, prompts, 0, 2, 2, None, 64, max_sequence_length=32)
+    with torch.no_grad():
+        direct = pipe(prompt=prompts, generator=[torch.Generator("cpu").manual_seed(i) for i in range(2)],
+                      num_inference_steps=2, height=64, width=64, max_sequence_length=32, output_type="np").images
+    assert np.array_equal(ours, (np.asarray(direct) * 255).round().clip(0, 255).astype(np.uint8))
+    assert not np.array_equal(ours, evaluate.generate(pipe, prompts, 0, 2, 2, None, 64))
