@@ -5,8 +5,8 @@ generation_config.json, and a Qwen2VLProcessor (preprocessor_config.json for Qwe
 processor, chat_template) whose tokenizer is a byte-level BPE trained with the `tokenizers` library on the
 captions of laionkit's shipped LAION sample (laionkit.families.tokenizers.qwen2_vl_tokenizer, which Qwen-Image's
 tiny text encoder shares), saved in Qwen2's tokenizer layout (tokenizer.json, vocab.json, merges.txt,
-tokenizer_config.json) with Qwen2-VL's special tokens (<|im_start|>, <|image_pad|>, ...). `AutoProcessor` + `AutoModelForImageTextToText.from_pretrained(folder)` load it as they load the real
-one, offline. Random weights generate gibberish tokens: the folder tests the plumbing, not captions.
+tokenizer_config.json) with Qwen2-VL's special tokens (<|im_start|>, <|image_pad|>, ...). `AutoProcessor` +
+`AutoModelForImageTextToText.from_pretrained(folder)` load it as they load the real one, offline. Random weights generate gibberish tokens: the folder tests the plumbing, not captions.
 ``QWEN2_VL_2B`` is the real 2B architecture (Qwen2-VL-2B's config.json), for benchmarks at real size.
 """
 

@@ -28,8 +28,7 @@ def out_of_memory(error: BaseException) -> bool:
 def collective_timed_out(error: BaseException) -> bool:
     """Whether ``error`` is a collective that timed out waiting for another rank (gloo's "Timed out waiting
     ...ms", torch.distributed's DistError): a hung or lost peer, after --pg-timeout-minutes."""
-    torch = sys.modules.get("torch")
-    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ()) if torch is not None else ()
+    dist_error = getattr(getattr(sys.modules.get("torch"), "distributed", None), "DistError", ())
     said = str(error)
     return isinstance(error, RuntimeError) and "timed out" in said.lower() and (
         isinstance(error, dist_error) or "gloo" in said or "ProcessGroup" in said)
@@ -37,8 +36,7 @@ def collective_timed_out(error: BaseException) -> bool:
 
 def timeout_advice(error: BaseException) -> str:
     """One line for a collective that timed out: what torch said and what to do."""
-    said = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-    said = said.split("] ", 1)[-1]  # gloo's source location before the message
+    said = str(error).strip().splitlines()[-1].split("] ", 1)[-1]  # gloo's source location before the message
     return (f"a collective timed out ({said}): another rank stopped answering (a hung or lost node) within "
             "--pg-timeout-minutes; restart the run with --resume latest (its launcher or scheduler can)")
 

@@ -6,8 +6,9 @@ prompt template (a system message asking for a description, then the caption as 
 tokenized (Qwen2 BPE, padded to the longest of the batch), and Qwen2.5-VL's last hidden states are taken with
 the attention mask; the first ``DROP_IDX`` = 34 unmasked positions (the template's system part: the real
 tokenizer's 34 tokens) are dropped, and the rest is left-aligned, with a mask of ones over it, and cut to
-``max_sequence_length`` (512: ``__call__``'s default, where ``encode_prompt`` alone keeps 1024). The transformer takes that mask as ``encoder_hidden_states_mask``, so padding carries
-nothing: encode stores the states trimmed to each caption's length (``FamilySpec.text_mask``), as PixArt's.
+``max_sequence_length`` (512: ``__call__``'s default, where ``encode_prompt`` alone keeps 1024). The
+transformer takes that mask as ``encoder_hidden_states_mask``, so padding carries nothing: encode stores the
+states trimmed to each caption's length (``FamilySpec.text_mask``), as PixArt's.
 
 Latents: AutoencoderKLQwenImage is a video VAE ([B, C, frames, H, W]); encode gives it one frame and stores the
 frame-free moments [2C, h, w] (``vae_frames``). Its config has no scaling / shift factor but per-channel

@@ -244,8 +244,8 @@ def write_tiny(output: str | Path, seed: int = 0) -> Path:
 
 SPEC = register_family(FamilySpec(
     name="sana",
-    text_window=MAX_SEQUENCE_LENGTH,
-    max_sequence_length=MAX_SEQUENCE_LENGTH,  # Gemma's tokenizer_config.json names no window (model_max_length 1e30)
+    text_window=MAX_SEQUENCE_LENGTH,  # Gemma's tokenizer_config.json names no window (model_max_length 1e30)
+    max_sequence_length=MAX_SEQUENCE_LENGTH,
     pipeline_class="SanaPipeline",
     denoiser_class="SanaTransformer2DModel",
     denoiser_subfolder="transformer",
