@@ -194,8 +194,8 @@ def score(trainer, scoring: Scoring, folder: Path) -> dict:
     merged = merge_lora(folder, spec, base, config.ema) if config.lora_rank is not None else None
     pipeline = write_pipeline(folder, spec, t.data.models, base=base, noise_scheduler=t.noise_scheduler,
                               use_ema=config.ema, files="hardlink", denoiser=merged)
-    # the caption window the run trained with (encode --max-sequence-length; None: a CLIP family's fixed one)
-    found = replace(scoring.settings, pipeline=pipeline, max_sequence_length=spec.max_sequence_length)
+    # the caption window the run trained with where it is not the pipeline's default (encode --max-sequence-length)
+    found = replace(scoring.settings, pipeline=pipeline, max_sequence_length=spec.given_max_sequence_length)
     device = t.device
     pipe = evaluate.load_pipeline(pipeline, device, found.dtype)
     images = evaluate.generate(pipe, scoring.prompts, found.seed, found.steps, found.batch_size,
