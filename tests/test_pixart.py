@@ -6,9 +6,11 @@ tiny model and stored-text encode for the session (flow_latents("pixart"), tests
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import tarfile
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures import (
+    CAPTIONS,
     FAMILY_RUN,
     FlowLatents,
     assert_kill9_resumes_like,
@@ -24,6 +27,7 @@ from fixtures import (
     first_rows,
     metrics,
     train_flags,
+    write_image_shards,
 )
 
 from laionkit.common import LaionkitError
@@ -92,6 +96,38 @@ def test_stored_states_are_trimmed_losslessly(pixart):
         unmasked = pipe.transformer(noisy, timestep=t, encoder_hidden_states=states, **extra)
     torch.testing.assert_close(trimmed.sample, full.sample, rtol=1e-2, atol=2e-3)  # fp16 storage of the states
     assert (unmasked.sample - full.sample).abs().max() > 1e-2  # the mask matters: padding would carry content
+
+
+def test_a_caption_past_the_pipelines_window_is_counted_as_cut(pixart, realdata, tmp_path):
+    """PixArtSigmaPipeline reads 300 T5 tokens whatever the tokenizer's model_max_length (T5's tokenizers say
+    512): encode counts a caption's tokens and flags it ``truncated`` in that window, so a caption of 300-512
+    tokens is recorded as cut, as its states are."""
+    import shutil
+
+    from laionkit.encode import EncodeConfig, run
+
+    model = tmp_path / "model"
+    shutil.copytree(pixart.model, model)
+    config = model / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": 512}))
+    long = " ".join(["a very detailed photo of a mountain lake at dusk"] * 16)
+    write_image_shards(realdata / "images", tmp_path / "images", {**CAPTIONS, "416_264.jpg": long})
+    run(EncodeConfig(shards=(str(tmp_path / "images"),), output=tmp_path / "latents", model=str(model),
+                     resolution=64, batch_size=4, workers=0, quiet=True))
+    records = {}
+    for shard in sorted((tmp_path / "latents").glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                data = tar.extractfile(member).read()
+                records.setdefault(key, {})[ext] = json.loads(data) if ext == "json" else data
+    long_one = next(record for record in records.values() if record["json"]["caption"] == long)
+    assert 300 < len(load_pipeline(pixart).tokenizer(long).input_ids) <= 512
+    assert long_one["json"]["num_tokens"] == 300 and long_one["json"]["truncated"] is True
+    assert np.load(io.BytesIO(long_one["text.npy"])).shape[0] == 300  # the states stop at the window too
+    assert sum(record["json"]["truncated"] for record in records.values()) == 1
+    manifest = json.loads((tmp_path / "latents" / "manifest.json").read_text())
+    assert manifest["counts"]["truncated_captions"] == 1
 
 
 def _jsons(latents: Path, count: int) -> list[bytes]:

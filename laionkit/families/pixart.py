@@ -161,6 +161,7 @@ SPEC = register_family(FamilySpec(
     vae_upcast=True,
     patch_size=2,
     max_sequence_length=T5_MAX_LENGTH,
+    text_window=T5_MAX_LENGTH,  # T5's tokenizer_config.json says 512
     denoise=denoise,
     fit_config=fit_config,
     expects=expects,
