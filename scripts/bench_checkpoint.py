@@ -27,6 +27,7 @@ runs in its own process.
 
     python scripts/bench_checkpoint.py --out /data/bench-ckpt                 # GPU machine
     python scripts/bench_checkpoint.py --models sdxl --s3 --out /data/ckpt    # also into a local bucket
+    python scripts/bench_checkpoint.py --models sdxl --s3 --s3-only --out /data/ckpt  # the bucket runs only
     python scripts/bench_checkpoint.py --smoke --out /tmp/bench-ckpt          # CPU, tiny models, plumbing only
 """
 
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="plain steps for the baseline step time")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--s3", action="store_true", help="also into an s3:// run folder on a local S3 server")
+    parser.add_argument("--s3-only", action="store_true",
+                        help="with --s3: only the s3:// runs (the local ones measured in an earlier call)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models: the plumbing only")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS))
@@ -171,7 +174,7 @@ def main() -> None:
     try:
         for model in args.models.split(","):
             latents = latents_for(model, args.out, args.smoke)
-            for remote in (False, True) if args.s3 else (False,):
+            for remote in ((True,) if args.s3_only else (False, True)) if args.s3 else (False,):
                 for writer in args.writers.split(","):
                     name = f"{model}-{writer}{'-s3' if remote else ''}"
                     url = bucket.url("runs", name) if remote else None
