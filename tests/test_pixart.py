@@ -99,7 +99,7 @@ def test_stored_states_are_trimmed_losslessly(pixart):
 
 
 def test_a_caption_past_the_pipelines_window_is_counted_as_cut(pixart, realdata, tmp_path):
-    """PixArtSigmaPipeline reads 300 T5 tokens whatever the tokenizer's model_max_length (T5's tokenizers say
+    """PixArtSigmaPipeline reads 300 T5 tokens whatever the tokenizer's model_max_length (T5's own says
     512): encode counts a caption's tokens and flags it ``truncated`` in that window, so a caption of 300-512
     tokens is recorded as cut, as its states are."""
     import shutil

@@ -104,7 +104,7 @@ class FamilySpec:
     cfg_offset: float = 0.0
     # The caption window of the pipeline where the tokenizer's model_max_length is not it: encode's token counts,
     # ``truncated`` flags and id buffers use it (Z-Image: 512 tokens, Qwen-Image: 512, Sana: 300, PixArt: 300;
-    # Qwen's tokenizers say 131,072, Gemma's 1e30, T5's 512).
+    # Qwen's tokenizers say 131,072, Gemma's 1e30, T5's 512 or nothing).
     text_window: int | None = None
     # The VAE is a video VAE (Qwen-Image's AutoencoderKLQwenImage): it takes [B, C, frames, H, W]; encode gives
     # it one frame and stores frame-free moments [2C, h, w], validation decodes with the frame axis put back.
