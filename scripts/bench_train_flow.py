@@ -600,11 +600,15 @@ def main() -> None:
             if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes:
                 continue  # b-<resolution>-eager is this row
             train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags)
+    def own_window(resolution: int) -> str | None:  # the stored-text eager row at the family's window, if one ran
+        return next((name for name in (f"stored-{resolution}-eager", f"b-{resolution}-eager") if name in results),
+                    None)
+
     windows = [w for w in args.windows if w != get_family(family).max_sequence_length] if "window" in parts else []
     if windows and get_family(family).max_sequence_length is None:
         print(f"window: skipped, {family}'s caption window is fixed", flush=True)
         windows = []
-    if windows and not ("b" in parts and "eager" in args.modes and first in ab_resolutions):
+    if windows and own_window(first) is None:
         train(f"b-{first}-eager", latents_at(first), batch_of(first), *family_flags)  # the family's own window
     for window in windows:
         train(f"window{window}-{first}-eager", latents_at(first, window=window), batch_of(first), *family_flags)
@@ -666,12 +670,12 @@ def main() -> None:
                       f"{flops * b / 1e12:.0f}" + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak "
                                                   "(target >= 0.5)" if peak else ""))
     for resolution in args.resolutions:
-        stored = rate(f"stored-{resolution}-eager") or rate(f"b-{resolution}-eager")
+        stored = rate(own_window(resolution))
         online = rate(f"online-{resolution}-eager")
         if stored and online:
             print(f"  online/stored text {resolution}: {online / stored:.3f}")
     for window in windows:
-        own, short = rate(f"b-{first}-eager"), rate(f"window{window}-{first}-eager")
+        own, short = rate(own_window(first)), rate(f"window{window}-{first}-eager")
         if own and short:
             print(f"  caption window {window} / {get_family(family).max_sequence_length} tokens, {first} px: "
                   f"{short / own:.3f} x the samples/s")
