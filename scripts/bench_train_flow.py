@@ -34,8 +34,9 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           the default policy's 20 leave no room for 1024 px activations), Qwen-Image ``--lora-rank 64
           --lora-random-base --checkpointing blocks`` (its LoRA-64 rows).
 (online)  the same on ``encode --text online`` latents: the frozen text encoders (real sizes, random init:
-          CLIP-L, CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux; Gemma-2-2B for Sana; Qwen3-4B for Z-Image)
-          run in the train loop. Qwen-Image stores its text only (encode has no online text for it).
+          CLIP-L, CLIP-G, T5-XXL for SD3; CLIP-L, T5-XXL for Flux; Gemma-2-2B for Sana; Qwen3-4B for Z-Image
+          and FLUX.2 [klein]; Qwen2.5-VL-7B for Qwen-Image; Mistral-Small-3 (24B) for FLUX.2 [dev]) run in the
+          train loop.
 (window)  `laionkit train` (eager, stored text) at the first resolution on latents encoded with each
           ``--windows`` caption window (``encode --max-sequence-length``): what a shorter caption window buys
           the families that attend to every padding row (Flux, SD3, FLUX.2).
