@@ -26,8 +26,10 @@ def test_configs_copy_from_an_installed_wheel_writes_train_and_pipelines(tmp_pat
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
-                   check=True, capture_output=True, cwd=tmp_path)
+    # --no-build-isolation: the build backend comes from this environment (the test extra's setuptools), offline
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                            str(source)], capture_output=True, text=True, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp_path / "dist").glob("laionkit-*.whl")
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
