@@ -268,9 +268,18 @@ class _RunsCode:
         return (os.system, ("touch /tmp/laionkit-pwned",))
 
 
+class _GetsCode:
+    """getattr (the global torch 2.7's metadata calls for its enum members) on an allowed class: a method that
+    would write files (PosixPath.write_text), called by a later pickle opcode."""
+
+    def __reduce__(self):
+        return (getattr, (Path, "write_text"))
+
+
 def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tmp_path):
     """DCP's .metadata is a pickle: laionkit's reader builds DCP's metadata classes (sizes, dtypes, chunks) and
-    refuses any other global, in one line, before anything is called."""
+    refuses any other global (getattr only for the members of DCP's own enums), in one line, before anything is
+    called."""
     import pickle
 
     import torch.distributed.checkpoint as dcp
@@ -288,6 +297,9 @@ def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tm
     with pytest.raises(LaionkitError, match=r"not plain checkpoint metadata, refused to load it .*(posix|os)\.system"):
         _reader(tmp_path / "state").read_metadata()
     assert not Path("/tmp/laionkit-pwned").exists()
+    (tmp_path / "state" / ".metadata").write_bytes(pickle.dumps(_GetsCode()))
+    with pytest.raises(LaionkitError, match=r"refused to load it .*getattr\(<class 'pathlib.*Path'>, 'write_text'\)"):
+        _reader(tmp_path / "state").read_metadata()
 
 
 def test_auto_writer_is_async_and_accelerate_under_deepspeed():

@@ -152,9 +152,20 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module in self.MODULES or (module, name) in self.PLAIN:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # an enum member by name (torch 2.7's memory formats)
+            return self._member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+    @classmethod
+    def _member(cls, owner, name: str):
+        """``getattr`` as the pickle calls it, for the members of DCP's own enums and nothing else."""
+        import enum
+
+        if isinstance(owner, type) and issubclass(owner, enum.Enum) and owner.__module__ in cls.MODULES:
+            return owner[name]
+        raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not part of DCP's metadata")
 
 
 def _reader(folder: Path):
@@ -163,7 +174,9 @@ def _reader(folder: Path):
 
     class DataReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as handle:
+            named = getattr(self, "_get_metadata_path", None)  # torch 2.8 added rank-local metadata files
+            path = named(kwargs.get("rank")) if named else self.fs.concat_path(self.path, ".metadata")
+            with open(path, "rb") as handle:
                 try:
                     metadata = _MetadataUnpickler(handle).load()
                 except pickle.UnpicklingError as error:
