@@ -304,9 +304,11 @@ def adapter_metadata(model) -> dict:
     ``lora_adapter_metadata``, under the denoiser's prefix): without it, it infers the rank from the tensors and
     takes alpha = rank, so a run with --lora-alpha != --lora-rank would load at the wrong strength. Only the
     fields that shape the adapters, not PEFT's whole ``to_dict()``: the loader passes them to ``LoraConfig(**...)``,
-    and an older PEFT than the trainer's refuses the fields it does not know."""
+    and an older PEFT than the trainer's refuses the fields it does not know. The (empty) rank and alpha patterns
+    too: diffusers 0.36's loader reads ``rank_pattern`` from the metadata unguarded (a KeyError without it)."""
     config = model.peft_config["default"]
-    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+    return {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules),
+            "rank_pattern": dict(config.rank_pattern or {}), "alpha_pattern": dict(config.alpha_pattern or {})}
 
 
 # Flux's modules in BFL's layout (what kohya's sd-scripts and ComfyUI name), per diffusers module of a block:
