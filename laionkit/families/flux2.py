@@ -66,8 +66,9 @@ SAMPLER_CONFIG: dict[str, Any] = {
 
 
 def require_klein() -> None:
-    """Flux2KleinPipeline came with diffusers 0.37 (laionkit's floor is 0.36, which has FLUX.2-dev's classes): a
-    one-line error where encode, train or `models tiny` first needs the family, not an AttributeError later."""
+    """Flux2KleinPipeline came with diffusers 0.37 (laionkit declares 0.42.1; an environment that pins an older one,
+    installed with --no-deps, gets a one-line error where encode, train or `models tiny` first needs the family,
+    not an AttributeError later)."""
     import diffusers
 
     if not hasattr(diffusers, "Flux2KleinPipeline"):
