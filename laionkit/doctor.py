@@ -13,7 +13,9 @@ import importlib.metadata
 import os
 import platform
 import socket
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +64,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def stdout_to_stderr():
+    """File descriptor 1 goes to 2 for the block: some torch releases' Gloo prints its connection lines ("[Gloo]
+    Rank 1 is connected to 1 peer ranks...") from C++ onto stdout, where `doctor --json` writes its report."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, numel: int, iters: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    with stdout_to_stderr():
+        dist.init_process_group(backend, rank=rank, world_size=world)
     seconds = _time_allreduce(rank, backend, numel, iters)
     if rank == 0:
         queue.put(seconds)
@@ -114,7 +131,8 @@ def launched_busbw(backend: str, megabytes: int, iters: int = 20) -> float:
     numel = megabytes * 2**20 // 4
     world = int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group(backend)  # env://: the launcher's MASTER_ADDR / MASTER_PORT, RANK, WORLD_SIZE
+        with stdout_to_stderr():
+            dist.init_process_group(backend)  # env://: the launcher's MASTER_ADDR / MASTER_PORT, RANK, WORLD_SIZE
     except Exception as error:  # an unreachable MASTER_ADDR, a closed port: say which
         raise LaionkitError(f"--allreduce: cannot join the process group at {os.environ['MASTER_ADDR']}:"
                             f"{os.environ.get('MASTER_PORT')} ({error})") from None

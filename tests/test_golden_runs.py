@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+import torch
 from conftest import REPO, run_cli
 from fixtures import metrics
 
@@ -22,6 +24,9 @@ REWRITE = ("golden digests are only to be rewritten with `python scripts/golden_
 
 
 def test_golden_runs_write_the_recorded_files(tmp_path, realdata):
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < golden_runs.DIGESTS_FROM_TORCH:
+        pytest.skip(f"the golden digests hold from torch {'.'.join(map(str, golden_runs.DIGESTS_FROM_TORCH))}: "
+                    f"torch {torch.__version__}'s CPU kernels give other float results")
     got = golden_runs.golden_runs(tmp_path, cli=lambda *args, env=None: run_cli(*args))
     lines = golden_runs.differences(json.loads(golden_runs.GOLDEN.read_text()), got)
     assert not lines, "the golden runs differ from tests/data/golden_runs.json:\n" + "\n".join(lines) + "\n" + REWRITE
