@@ -10,7 +10,15 @@ Measured in one run, one after the other on the same device:
     image + caption embeddings, aesthetic v2 and NSFW heads (``core``: what NeMo Curator's floor counts:
     read + embed + aesthetic), the same with ``--decode draft`` (JPEGs decoded at a reduced DCT scale: less
     CPU per image), and again with LAION's watermark detector (``+watermark``: an EfficientNet-B3 forward at
-    256 px per image on top).
+    256 px per image on top);
+(c) the CPU side alone: the same workers reading and preparing the same shards through score's own
+    DataLoader dataset (laionkit.score.reader.ScoreSamples: read, decode, sha256, pHash, CLIP pixels; per
+    label, as (b) runs it) with no model, which bounds (b) from above on a host with few cores per GPU.
+
+Rates are samples / seconds from run() called (models already loaded) to its return, for (b) and (c) alike
+(``loop_seconds`` is kept: from the first batch's arrival, which counts the samples decoded before it and
+so reads high on short runs). The shards are split evenly over the workers (``--shards``, default one per
+worker), since workers take whole shards: fewer shards than workers leave cores idle.
 
 Prints images/s, (b) / (a) (issue 30's target: >= 0.9) and images/s per GPU against NeMo Curator's
 published nightly floor (>= 900 images/s for read + embed + aesthetic on 8 GPUs: 112.5 per GPU).
@@ -38,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
 
-from laionkit.score import ScoreConfig, Scorers, run  # noqa: E402
+from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
 NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 8 GPUs
@@ -84,9 +92,20 @@ def bare_forward(model_name: str, pretrained: str | None, batch: int, device: to
     return {"batch": batch, "variants": results, "best": best, "images_per_s": results[best]}
 
 
-def end_to_end(shards: Path, out: Path, config: ScoreConfig, label: str) -> dict:
+def cpu_side(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
+    """(c): score's own DataLoader (read, decode, hash, CLIP and watermark pixels) with no model behind it."""
+    from laionkit.encode.reader import find_shards
+
+    shards = list(find_shards(config.shards, lambda _: None, None, "score"))
+    started, count = time.perf_counter(), 0
+    for item in score_loader(config, scorers, shards):
+        count += len(item["key"]) if isinstance(item, dict) else 0
+    seconds = time.perf_counter() - started
+    return {"label": label, "samples": count, "seconds": seconds, "images_per_s": count / seconds}
+
+
+def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     shutil.rmtree(config.output, ignore_errors=True)  # a fresh folder: nothing resumed
-    scorers = Scorers(config, torch.device(config.device), lambda _: None)
     size = scorers.clip.visual.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
     with torch.inference_mode():  # kernels warmed outside the timing, as the bare forward's are
@@ -95,8 +114,8 @@ def end_to_end(shards: Path, out: Path, config: ScoreConfig, label: str) -> dict
     summary = run(config, log=lambda _: None, scorers=scorers)
     wall = time.perf_counter() - started
     return {"label": label, "samples": summary["samples_out"], "loop_seconds": summary["seconds"],
-            "wall_seconds": wall, "images_per_s": summary["samples_out"] / summary["seconds"],
-            "images_per_s_wall": summary["samples_out"] / wall, "workers": config.workers,
+            "wall_seconds": wall, "images_per_s": summary["samples_out"] / wall,
+            "images_per_s_from_first_batch": summary["samples_out"] / summary["seconds"], "workers": config.workers,
             "batch": config.batch_size}
 
 
@@ -109,6 +128,7 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=512, help="short side of the generated JPEGs")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -126,11 +146,14 @@ def main() -> None:
     layers = [torch.nn.Linear(i, o) for i, o in ((768, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))]
     torch.save({f"layers.{n}.{k}": v for n, layer in zip((0, 2, 4, 6, 7), layers)
                 for k, v in layer.state_dict().items()}, aesthetic)  # the released v2 predictor's keys
-    shard_size = 16 if args.smoke else 1000
-    shards = make_shards(args.out / "shards", args.images, args.image_size, min(8, os.cpu_count() or 1), shard_size)
+    count = args.shards or args.workers
+    shard_size = max(1, args.images // count)
+    shards = make_shards(args.out / "shards", shard_size * count, args.image_size, min(8, os.cpu_count() or 1),
+                         shard_size)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": args.images,
-               "image_size": args.image_size, "cpus": os.cpu_count(), "bare": [], "score": []}
+               "image_size": args.image_size, "cpus": os.cpu_count(), "shards": count, "shard_size": shard_size,
+               "bare": [], "score": [], "cpu_side": []}
     for batch in args.batch_sizes:
         results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
         print(json.dumps(results["bare"][-1]), flush=True)
@@ -140,8 +163,13 @@ def main() -> None:
                                  clip_model=model, clip_pretrained=pretrained,
                                  scores=(f"aesthetic=aesthetic-v2:{aesthetic}",), nsfw=str(nsfw), batch_size=batch,
                                  workers=args.workers, device=str(device), quiet=True, overwrite=True, **extra)
-            found = end_to_end(shards, args.out, config, label)
+            scorers = Scorers(config, torch.device(config.device), lambda _: None)
+            found = end_to_end(scorers, config, label)
             found["vs_bare"] = found["images_per_s"] / results["bare"][-1]["images_per_s"]
+            if batch == args.batch_sizes[0]:  # the CPU side does not depend on the GPU's batch much: once per label
+                results["cpu_side"].append(cpu_side(scorers, config, label))
+                print(json.dumps(results["cpu_side"][-1]), flush=True)
+                found["vs_cpu_side"] = found["images_per_s"] / results["cpu_side"][-1]["images_per_s"]
             found["vs_nemo_floor_per_gpu"] = found["images_per_s"] / NEMO_FLOOR_PER_GPU
             results["score"].append(found)
             print(json.dumps(found), flush=True)

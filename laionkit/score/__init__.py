@@ -227,8 +227,9 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
     return summary
 
 
-def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
-                  output: Location, progress: tqdm) -> dict:
+def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) -> torch.utils.data.DataLoader:
+    """The DataLoader of ``todo``'s batches as ``scorers`` take them (the CPU side of the stage; the
+    benchmark times it alone)."""
     clip_transform = scorers.pil_transform or scorers.preprocess
     draft_side = None
     if config.decode == "draft":
@@ -238,9 +239,14 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
                            config.batch_size, config.caption_key, draft_side, scorers.captions)
     workers = min(config.workers, len(todo))
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
         prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
+
+
+def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
+                  output: Location, progress: tqdm) -> dict:
+    loader = score_loader(config, scorers, todo)
     pending: dict[str, dict] = {}
     summary = {"samples_out": 0, "skipped": 0}
     first = None
