@@ -40,6 +40,8 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
 (window)  `laionkit train` (eager, stored text) at the first resolution on latents encoded with each
           ``--windows`` caption window (``encode --max-sequence-length``): what a shorter caption window buys
           the families that attend to every padding row (Flux, SD3, FLUX.2).
+(b16)     (b) eager under ``--full-bf16`` (the bare step's precision: bf16 weights and AdamW state, no fp32
+          master), for a family whose (b) keeps fp32 master weights: b16/a is the loop's cost alone.
 (lora)    `laionkit train --lora-rank 64` on the whole random-init model at the first resolution (Sana,
           Z-Image; Qwen-Image's (b) rows are this).
 (fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
@@ -592,6 +594,9 @@ def main() -> None:
                     text_len=text_len, **BARE_FLAGS.get(family, {})))
             if "b" in parts:
                 train(f"b-{resolution}-{mode}", latents_at(resolution), batch_of(resolution), *flags, *family_flags)
+            if "b16" in parts and not compiled and "--full-bf16" not in family_flags and not args.smoke:
+                train(f"b16-{resolution}-{mode}", latents_at(resolution), batch_of(resolution), "--full-bf16",
+                      *family_flags)
     texts = ("stored", "online") if "online" in parts else ()
     if texts and get_family(family).tokenize is None:  # encode --text online needs the family's tokenize
         print(f"online: skipped, `encode --text online` does not serve {family} (stored text only)", flush=True)
@@ -670,6 +675,9 @@ def main() -> None:
                 print(f"  b/a {resolution} {mode}: {b / a:.3f} (target >= 0.98); b model TFLOP/s "
                       f"{flops * b / 1e12:.0f}" + (f" = {flops * b / 1e12 / peak:.2f} x the measured peak "
                                                   "(target >= 0.5)" if peak else ""))
+            b16 = rate(f"b16-{resolution}-{mode}")
+            if a and b16 and not cut_short(f"b16-{resolution}-{mode}"):
+                print(f"  b16/a {resolution} {mode}: {b16 / a:.3f} (--full-bf16: the bare step's precision)")
     for resolution in args.resolutions:
         stored = rate(own_window(resolution))
         online = rate(f"online-{resolution}-eager")
