@@ -151,7 +151,7 @@ def main() -> None:
     shards = make_shards(args.out / "shards", shard_size * count, args.image_size, min(8, os.cpu_count() or 1),
                          shard_size)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-               "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": args.images,
+               "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": shard_size * count,
                "image_size": args.image_size, "cpus": os.cpu_count(), "shards": count, "shard_size": shard_size,
                "bare": [], "score": [], "cpu_side": []}
     for batch in args.batch_sizes:
