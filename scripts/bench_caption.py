@@ -158,13 +158,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = (tiny_fixed_length(args.work / "tiny-vlm") if args.smoke
                  else write_real_size_vlm(args.work / "qwen2-vl-2b-random", device))
-    shards = args.work / f"shards-{args.image_size}-{args.images}"
+    # caption batches within a shard (outputs independent of the split), so a shard holds whole batches of
+    # every size measured: smaller shards would cap the batch laionkit runs below the ceiling's
+    shard_size = min(2 * max(args.batch_sizes), args.images)
+    uneven = [size for size in args.batch_sizes if shard_size % size]
+    if uneven:
+        parser.error(f"--batch-sizes {uneven} do not divide the shard size {shard_size} (twice the largest)")
+    shards = args.work / f"shards-{args.image_size}-{args.images}-{shard_size}"
     if not shards.exists():
-        make_shards(shards, args.images, args.image_size, processes=max(1, args.workers), shard_size=min(64, args.images))
+        make_shards(shards, args.images, args.image_size, processes=max(1, args.workers), shard_size=shard_size)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                "model": "tiny-vlm (smoke)" if args.smoke else "Qwen2-VL-2B architecture, random init",
                "max_new_tokens": args.max_new_tokens, "images": args.images, "image_size": args.image_size,
-               "workers": args.workers, "runs": []}
+               "shard_size": shard_size, "workers": args.workers, "runs": []}
     for batch_size in args.batch_sizes:
         bare = ceiling(model_dir, shards, batch_size, args.max_new_tokens, device, args.repeats)
         for backend in args.backends:

@@ -18,14 +18,18 @@ Measured in one run, one after the other on the same device:
 Rates are samples / seconds from run() called (models already loaded) to its return, for (b) and (c) alike
 (``loop_seconds`` is kept: from the first batch's arrival, which counts the samples decoded before it and
 so reads high on short runs). The shards are split evenly over the workers (``--shards``, default one per
-worker), since workers take whole shards: fewer shards than workers leave cores idle.
+worker), since workers take whole shards: fewer shards than workers leave cores idle. Each shard holds
+several batches (default 4 of the largest; a worker yields a batch only once all of it is prepared, so
+one-batch shards would run the whole CPU side before any GPU work); ``--distinct`` JPEGs are generated and
+the shards cycle through them under distinct keys, so a run long enough to amortise start-up costs no more
+generation.
 
 Prints images/s, (b) / (a) (issue 30's target: >= 0.9) and images/s per GPU against NeMo Curator's
 published nightly floor (>= 900 images/s for read + embed + aesthetic on 8 GPUs: 112.5 per GPU).
 Models are random init at real sizes (ViT-L/14 by default; the GPU machine has no network), heads in their
 released layouts; numbers depend on the weights' shapes only.
 
-    python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 20,000 images
+    python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 4 batches per worker
     python scripts/bench_score.py --out results/ --clip-model ViT-H-14 --batch-sizes 256 512
     python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
 """
@@ -50,6 +54,55 @@ from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
 NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 8 GPUs
+# Batches per shard: a worker yields a batch once it has prepared all of it, so shards of one batch each
+# would serialise the whole CPU side before the GPU side (img2dataset's shards hold 10,000 samples).
+SHARD_BATCHES = 4
+
+
+def _cycle_shard(job: tuple) -> None:
+    """One benchmark shard: ``size`` samples cycling through the distinct ones, each under its own key."""
+    import tarfile as tarfile_module
+
+    import webdataset as wds
+
+    path, shard, size, distinct_folder = job
+    pool = []
+    for tar_path in sorted(Path(distinct_folder).glob("*.tar")):
+        with tarfile_module.open(tar_path) as tar:
+            members = {}
+            for member in tar:
+                stem, _, extension = member.name.partition(".")
+                members.setdefault(stem, {})[extension] = tar.extractfile(member).read()
+            pool += [members[stem] for stem in sorted(members)]
+    with wds.TarWriter(str(path)) as sink:
+        for index in range(size):
+            key = f"{shard:05d}{index:05d}"
+            sample = pool[(shard * size + index) % len(pool)]
+            caption = sample["txt"].decode()
+            sink.write({"__key__": key, "jpg": sample["jpg"], "txt": caption,
+                        "json": json.dumps({"key": key, "caption": caption, "status": "success"})})
+
+
+def bench_shards(out: Path, count: int, shard_size: int, distinct: int, image_size: int) -> Path:
+    """``count`` tars of ``shard_size`` samples in pack's layout: ``distinct`` photo-like JPEGs generated
+    once (the slow part), cycled under distinct keys (decode, hash and forward cost the same per image)."""
+    from multiprocessing import Pool
+
+    folder = out / f"shards-{count}x{shard_size}-{distinct}-{image_size}"
+    if (folder / "complete").exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    distinct_folder = out / f"distinct-{distinct}-{image_size}"
+    if not (distinct_folder / "complete").exists():
+        shutil.rmtree(distinct_folder, ignore_errors=True)
+        make_shards(distinct_folder, distinct, image_size, min(8, os.cpu_count() or 1), min(distinct, 256))
+        (distinct_folder / "complete").write_text("")
+    folder.mkdir(parents=True)
+    with Pool(min(8, os.cpu_count() or 1)) as pool:
+        pool.map(_cycle_shard, [(folder / f"{shard:05d}.tar", shard, shard_size, distinct_folder)
+                                for shard in range(count)])
+    (folder / "complete").write_text("")
+    return folder
 
 
 def _sync(device: torch.device) -> None:
@@ -124,7 +177,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny CLIP, a few images: plumbing only")
     parser.add_argument("--clip-model", default="ViT-L-14")
-    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--images", type=int, default=0,
+                        help=f"images in all (default: {SHARD_BATCHES} of the largest batch per shard)")
+    parser.add_argument("--distinct", type=int, default=2048,
+                        help="distinct JPEGs generated; the shards cycle through them under distinct keys")
     parser.add_argument("--image-size", type=int, default=512, help="short side of the generated JPEGs")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
@@ -147,9 +203,8 @@ def main() -> None:
     torch.save({f"layers.{n}.{k}": v for n, layer in zip((0, 2, 4, 6, 7), layers)
                 for k, v in layer.state_dict().items()}, aesthetic)  # the released v2 predictor's keys
     count = args.shards or args.workers
-    shard_size = max(1, args.images // count)
-    shards = make_shards(args.out / "shards", shard_size * count, args.image_size, min(8, os.cpu_count() or 1),
-                         shard_size)
+    shard_size = max(1, args.images // count) if args.images else SHARD_BATCHES * max(args.batch_sizes)
+    shards = bench_shards(args.out, count, shard_size, min(args.distinct, count * shard_size), args.image_size)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": shard_size * count,
                "image_size": args.image_size, "cpus": os.cpu_count(), "shards": count, "shard_size": shard_size,

@@ -67,7 +67,7 @@ def train_args(latents: Path, run: Path, batch: int, steps: int, log_every: int,
     UNet in fp32); compiled with channels_last unless ``channels_last`` is off."""
     args = ["train", str(latents), "--output", str(run), "--unet-config", "tiny" if smoke else unet_config,
             "--batch-size", str(batch), "--max-steps", str(steps), "--log-every", str(log_every),
-            "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
+            "--checkpoint-every", str(10**9), "--no-checkpoint-at-end", "--log-with", "none", "--quiet", "--workers", "4",
             "--mixed-precision", "no" if smoke else "bf16", "--shuffle-buffer", str(shuffle_buffer)]
     return args + (["--compile", *(["--channels-last"] if channels_last else [])] if compiled else [])
 

@@ -67,6 +67,7 @@ own process.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -247,6 +248,14 @@ def real_text_encoders(family: str, folder: Path, layers: int | None = None, dty
         shutil.rmtree(folder / sub)
         model.save_pretrained(folder / sub)
         del model
+
+
+def free_gpu() -> None:
+    """Give back what this process's model building and encoding left in torch's CUDA cache (on an H200 the
+    Z-Image encode's ~11 GiB made the bare step at 1024 px batch 2 run out of memory in its own process)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def dc_ae_32x(scaling_factor: float = 0.41407):
@@ -554,6 +563,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     models = write_models(args.out / "models", family, args.smoke, args.text_layers)
+    free_gpu()
     print(f"models ready after {time.perf_counter() - started:.0f} s", flush=True)
     results: dict[str, dict] = {}
     measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
@@ -562,7 +572,9 @@ def main() -> None:
 
     def latents_at(resolution: int, text: str = "stored", window: int | None = None) -> Path:
         images = args.images if resolution <= 2048 else min(args.images, 64)  # 4096 px photos: ~5 MB each
-        return prepare(args.out, resolution, images, False, models, text, window)
+        latents = prepare(args.out, resolution, images, False, models, text, window)
+        free_gpu()  # encode ran in this process: its cached blocks would be missing from the children's GPU
+        return latents
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None, log_every: int | None = None) -> Path:
@@ -572,8 +584,9 @@ def main() -> None:
         measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
                        "--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]),
                        "--batch-size", str(batch), "--max-steps", str(total), "--log-every", str(log_every or window),
-                       "--checkpoint-every", str(10**9), "--log-with", "none", "--quiet", "--workers", "4",
-                       "--shuffle-buffer", "64", "--mixed-precision", "no" if args.smoke else "bf16", *extra], run)
+                       "--checkpoint-every", str(10**9), "--no-checkpoint-at-end", "--export", "none",
+                       "--log-with", "none", "--quiet", "--workers", "4", "--shuffle-buffer", "64",
+                       "--mixed-precision", "no" if args.smoke else "bf16", *extra], run)
         return run
 
     first = args.resolutions[0]

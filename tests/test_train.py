@@ -78,7 +78,9 @@ def test_overfit_validate_export(latent_shards, tmp_path):
     run_cli("train", latent_shards, "--output", run, *TINY, "--batch-size", "8", "--max-steps", "30",
             "--log-every", "5", "--ema", "--ema-decay", "0.9", "--validate-every", "30",
             "--validation-count", "2", "--validation-steps", "2", "--workers", "0", "--snr-gamma", "5",
-            "--caption-dropout", "0.1")
+            "--caption-dropout", "0.1", "--checkpoint-every", "20", "--no-checkpoint-at-end")
+    # the periodic checkpoint is written, the one after the last step is not (the export is the output)
+    assert sorted(path.name for path in (run / "checkpoints").iterdir()) == ["step-00000020"]
     losses = [record["loss"] for _, record in sorted(metrics(run).items())]
     assert len(losses) == 6
     assert sum(losses[-2:]) / 2 < 0.6 * sum(losses[:2]) / 2, losses

@@ -142,6 +142,10 @@ class TrainConfig:
         "writes (and uploads) them; sync: the same DCP checkpoints written before training goes on; auto: async, "
         "accelerate under DeepSpeed (what the cluster recipes use). --resume reads either layout (docs/FORMATS.md).")
     keep_checkpoints: int = option(3, "Keep the last K checkpoints.")
+    checkpoint_at_end: bool = option(
+        True, "Checkpoint after the last step (resumable: weights, optimizer, data position). --no-checkpoint-at-end "
+        "keeps only the export, for a run that will not be continued (a full checkpoint of a multi-billion-parameter "
+        "model with fp32 master weights and AdamW is 16 bytes a parameter); a stop signal still checkpoints.")
     resume: str | None = option(
         None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
         "--output: one of its checkpoints/step-N URLs).")
