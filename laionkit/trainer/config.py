@@ -145,7 +145,8 @@ class TrainConfig:
     checkpoint_at_end: bool = option(
         True, "Checkpoint after the last step (resumable: weights, optimizer, data position). --no-checkpoint-at-end "
         "keeps only the export, for a run that will not be continued (a full checkpoint of a multi-billion-parameter "
-        "model with fp32 master weights and AdamW is 16 bytes a parameter); a stop signal still checkpoints.")
+        "model with fp32 master weights and AdamW is 16 bytes a parameter); a stop signal still checkpoints. A later "
+        "`laionkit export RUN` reads the newest periodic checkpoint's record, so export what you need now (--export).")
     resume: str | None = option(
         None, "latest (newest complete checkpoint that verifies, if any) or a checkpoint folder (with a URL "
         "--output: one of its checkpoints/step-N URLs).")
