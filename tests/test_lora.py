@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from conftest import run_cli
-from fixtures import assert_lora_resumed_like, compile_on_cpu, metrics
+from fixtures import assert_lora_resumed_like, compile_on_cpu, free_port, metrics
 
 FAST = ("--batch-size", "4", "--lr", "1e-2", "--log-with", "none", "--quiet", "--workers", "0")
 
@@ -75,7 +75,7 @@ def test_two_ddp_ranks_train_identical_adapters(latent_shards, tiny_models, tmp_
 
     run = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "laionkit.cli", "train", str(latent_shards), "--output", str(run), *FAST[:-2], "--batch-size", "2",
          "--workers", "0", "--unet", str(tiny_models), "--lora-rank", "4", "--mixed-precision", "bf16",
          "--bf16-weights", "--grad-accum", "2", "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "2"],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import metrics
+from fixtures import free_port, metrics
 
 from laionkit.latents import StreamLayout, latent_loader
 from laionkit.latents_order import DataProgress
@@ -259,7 +259,7 @@ def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, 
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "laionkit.cli", "train", str(uneven), "--output", str(run), *TINY, "--batch-size", "2",
          "--max-steps", "6", "--log-every", "2", "--checkpoint-every", "3", "--workers", "2", "--record-keys"],
         capture_output=True, text=True, timeout=240, env=env,
@@ -371,7 +371,7 @@ def test_deepspeed_zero2_config_parses_and_launches_two_cpu_processes(latent_sha
         result = subprocess.run(
             [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
              str(repo / "train" / "deepspeed-zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-             "--main_process_port", "29519", "-m", "laionkit.cli", "train", str(latent_shards), "--output",
+             "--main_process_port", str(free_port()), "-m", "laionkit.cli", "train", str(latent_shards), "--output",
              str(run), *TINY, "--max-steps", str(steps), "--log-every", "2", "--checkpoint-every", "2",
              "--workers", "0", *extra],
             capture_output=True, text=True, timeout=300, env=env, cwd=repo,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_script_in_process
+from fixtures import free_port
 
 # The validation loss of one fixed tiny UNet, under 1 process or torchrun: per stratum (3 strata, so 7 samples
 # give 21 (sample, stratum) pairs and the short rank pads) for DDPM, then flow matching, then the unstratified
@@ -57,7 +58,7 @@ def _evaluate(script: Path, latents: Path, ranks: int, batch: int) -> dict:
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                    "29571"]
+                    str(free_port())]
         result = subprocess.run([*launcher, str(script), str(latents), str(batch)], capture_output=True, text=True,
                                 timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
