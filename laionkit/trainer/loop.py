@@ -571,11 +571,11 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
 
             # decided together, so every rank checkpoints and stops (--checkpoint-minutes: rank 0's clock)
             stopped_by = stop.agreed(accelerator, main and clock.due())
-            at_end = t.step == max_steps and config.checkpoint_at_end
-            if (t.step % config.checkpoint_every == 0 and t.step != max_steps) or stopped_by or at_end \
-                    or stop.checkpoint_due:
+            # after the last step: unless --no-checkpoint-at-end (the export is then the run's output)
+            due = config.checkpoint_at_end if t.step == max_steps else t.step % config.checkpoint_every == 0
+            if due or stopped_by or stop.checkpoint_due:
                 # the last one, and one on a stop signal, are written before the run goes on to exit
-                last_checkpoint = checkpoint(t, writer, wait=bool(stopped_by) or at_end) or last_checkpoint
+                last_checkpoint = checkpoint(t, writer, wait=bool(stopped_by) or t.step == max_steps) or last_checkpoint
                 clock.saved()
             if validation is not None and (t.step % config.validate_every == 0 or t.step == max_steps):
                 validation_grid(t, validation, schedule.stages[stage][1])
