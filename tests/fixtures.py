@@ -388,10 +388,11 @@ _REPO = Path(__file__).resolve().parents[1]
 _LAUNCH_FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1")
 
 
-def accelerate_launch(port: int, config: str, precision: str, latents: Path, run: Path, *args) -> list[str]:
-    """The command line of `laionkit train` under `accelerate launch` with a train/ config, on 2 ranks."""
+def accelerate_launch(config: str, precision: str, latents: Path, run: Path, *args) -> list[str]:
+    """The command line of `laionkit train` under `accelerate launch` with a train/ config, on 2 ranks (a free
+    rendezvous port: fixed ones clash with ports other tests were handed meanwhile)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_REPO / "train" / config),
-            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", str(port),
+            "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", str(free_port()),
             "-m", "laionkit.cli", "train", str(latents), "--output", str(run), *_LAUNCH_FAST, *map(str, args)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from fixtures import compile_on_cpu, kill_tree
+from fixtures import compile_on_cpu, free_port, kill_tree
 
 from laionkit.latents import StreamLayout, latent_loader
 from laionkit.latents_order import DataProgress
@@ -84,8 +84,8 @@ def test_batches_are_single_bucket_leftovers_carry_over_and_resume_continues_exa
         assert all(a["moments"].equal(b["moments"]) for a, b in zip(resumed, batches[done:done + 4]))
 
 
-def _torchrun(port: int, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+def _torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             "-m", "laionkit.cli", "train", *map(str, args)]
 
 
@@ -104,12 +104,12 @@ def test_two_ranks_uneven_buckets_kill9_resume_exactly_and_count_samples_per_buc
     args = (*TINY, "--batch-size", "2", "--max-steps", "12", "--checkpoint-every", "3", "--log-every", "1",
             "--workers", "2", "--shuffle-buffer", "3", "--record-keys")
     reference = tmp_path / "reference"
-    result = subprocess.run(_torchrun(29561, bucket_latents, "--output", reference, *args), capture_output=True,
+    result = subprocess.run(_torchrun(bucket_latents, "--output", reference, *args), capture_output=True,
                             text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
 
     run = tmp_path / "run"
-    process = subprocess.Popen(_torchrun(29562, bucket_latents, "--output", run, *args), env=ENV,
+    process = subprocess.Popen(_torchrun(bucket_latents, "--output", run, *args), env=ENV,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while not (run / "checkpoints" / "step-00000006").is_dir() and process.poll() is None:
@@ -118,7 +118,7 @@ def test_two_ranks_uneven_buckets_kill9_resume_exactly_and_count_samples_per_buc
     kill_tree(process.pid)
     process.wait()
     assert not (run / "unet").exists(), "killed too late: the run already finished"
-    resumed = subprocess.run(_torchrun(29563, bucket_latents, "--output", run, *args, "--resume", "latest"),
+    resumed = subprocess.run(_torchrun(bucket_latents, "--output", run, *args, "--resume", "latest"),
                              capture_output=True, text=True, timeout=300, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "samples per bucket (all ranks)" in resumed.stdout

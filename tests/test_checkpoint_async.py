@@ -108,7 +108,7 @@ def test_two_ranks_with_async_checkpoints_resume_bitwise_like_the_uninterrupted_
     def launch(run: Path, *more) -> subprocess.CompletedProcess:
         if launcher == "torchrun":
             return launched(torchrun("train", latent_shards, "--output", run, *args, *more))
-        return finish(accelerate_launch(free_port(), launcher, "bf16", latent_shards, run, *args, *more))
+        return finish(accelerate_launch(launcher, "bf16", latent_shards, run, *args, *more))
 
     whole = tmp_path / "whole"
     launch(whole)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import collections
 
 import pytest
-from fixtures import accelerate_launch, finish, free_port
+from fixtures import accelerate_launch, finish
 from safetensors.torch import load_file
 from test_elastic import TINY, keys_of, trained, widen
 
 
 def launch(ranks: int, latents, run, *args) -> list[str]:
-    command = accelerate_launch(free_port(), "fsdp.yaml", "no", latents, run, *TINY, *args)
+    command = accelerate_launch("fsdp.yaml", "no", latents, run, *TINY, *args)
     command[command.index("--num_processes") + 1] = str(ranks)
     return command
 

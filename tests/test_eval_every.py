@@ -112,7 +112,7 @@ def test_two_fsdp_ranks_score_as_one_process_does(latent_shards, scorers, realda
     """Under FSDP (2 gloo ranks, accelerate launch) the export gathers the shards on every rank and rank 0
     scores; the record equals `laionkit eval` of the run's export, as one process's does."""
     run = tmp_path / "run"
-    result = finish(accelerate_launch(29591, "fsdp.yaml", "no", latent_shards, run, "--unet-config", "tiny",
+    result = finish(accelerate_launch("fsdp.yaml", "no", latent_shards, run, "--unet-config", "tiny",
                                       "--max-steps", 2, "--batch-size", 2, "--lr", "1e-3", "--checkpoint-every", 2,
                                       "--eval-every", 2, *eval_flags(scorers, realdata)))
     assert "FSDP2 on CPU ranks (gloo)" in result.stdout

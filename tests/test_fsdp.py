@@ -53,7 +53,7 @@ def test_sd3_under_fsdp_resumes_after_kill9_exactly_and_exports_the_whole_transf
     sd3 = flow_latents("sd3")
     args = ("--transformer-config", "tiny", "--lr", "1e-3", "--checkpoint-every", "3")
     run = tmp_path / "run"
-    process = subprocess.Popen(accelerate_launch(29581, "fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps",
+    process = subprocess.Popen(accelerate_launch("fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps",
                                                  1000),
                                env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -71,7 +71,7 @@ def test_sd3_under_fsdp_resumes_after_kill9_exactly_and_exports_the_whole_transf
     end = max(uninterrupted) + 1
     # resumed with activation checkpointing inside each FSDP unit (it changes no number), and at the end a
     # validation loss and a validation grid, which run the sharded transformer on every rank
-    result = finish(accelerate_launch(29582, "fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps", end,
+    result = finish(accelerate_launch("fsdp.yaml", "bf16", sd3.latents, run, *args, "--max-steps", end,
                                       "--resume", "latest", "--checkpointing", "blocks", "--val-latents",
                                       sd3.latents, "--val-every", end, "--val-samples", 3, "--validate-every", end,
                                       "--validation-count", 2, "--validation-steps", 2))
@@ -99,10 +99,10 @@ def test_the_unet_under_fsdp_trains_as_under_ddp(latent_shards, tmp_path):
     args = ("--unet-config", "tiny", "--lr", "1e-3", "--max-steps", "3", "--checkpoint-every", "3",
             "--grad-accum", "2", "--max-grad-norm", "0.05")
     runs = {kind: tmp_path / kind for kind in ("fsdp", "ddp")}
-    result = finish(accelerate_launch(29584, "fsdp.yaml", "no", latent_shards, runs["fsdp"], *args))
+    result = finish(accelerate_launch("fsdp.yaml", "no", latent_shards, runs["fsdp"], *args))
     assert "FSDP2 on CPU ranks (gloo)" in result.stdout
     assert_sharded(runs["fsdp"] / "checkpoints" / "step-00000003")
-    finish(accelerate_launch(29585, "ddp.yaml", "no", latent_shards, runs["ddp"], *args))
+    finish(accelerate_launch("ddp.yaml", "no", latent_shards, runs["ddp"], *args))
     records = [json.loads(p.read_text()) for p in sorted((runs["ddp"] / "checkpoints" / "step-00000003").glob("rank-*"))]
     assert len(records) == 2 and records[0]["fingerprint"] == records[1]["fingerprint"]  # DDP's ranks agree
 
@@ -126,7 +126,7 @@ def test_lora_under_fsdp_trains_adapters_over_a_sharded_frozen_base(latent_shard
     args = ("--unet", tiny_models, "--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "1e-2", "--max-steps", "4",
             "--checkpoint-every", "2")
     whole = tmp_path / "whole"
-    result = finish(accelerate_launch(29586, "fsdp.yaml", "bf16", latent_shards, whole, *args))
+    result = finish(accelerate_launch("fsdp.yaml", "bf16", latent_shards, whole, *args))
     assert "FSDP2 on CPU ranks (gloo)" in result.stdout
     checkpoint = whole / "checkpoints" / "step-00000002"
     adapters = load_file(checkpoint / "adapter.safetensors")
@@ -135,7 +135,7 @@ def test_lora_under_fsdp_trains_adapters_over_a_sharded_frozen_base(latent_shard
     assert assert_sharded(checkpoint) == set(adapters)  # the frozen base is not checkpointed
 
     resumed = tmp_path / "resumed"
-    finish(accelerate_launch(29587, "fsdp.yaml", "bf16", latent_shards, resumed, *args, "--resume", checkpoint))
+    finish(accelerate_launch("fsdp.yaml", "bf16", latent_shards, resumed, *args, "--resume", checkpoint))
     assert_lora_resumed_like(whole, resumed, [3, 4])  # LoRA dropout included
     assert not (whole / "unet").exists()
 
@@ -152,7 +152,7 @@ def test_lora_under_fsdp_trains_adapters_over_a_sharded_frozen_base(latent_shard
 def test_full_bf16_is_refused_under_fsdp_in_one_line(latent_shards, tmp_path):
     """FSDP2 owns the precision (fsdp.yaml's mixed-precision policy keeps fp32 sharded weights): --full-bf16
     there is one clear line on each rank (exit 2), not a traceback and not a silently different policy."""
-    command = accelerate_launch(29589, "fsdp.yaml", "bf16", latent_shards, tmp_path / "run", "--unet-config", "tiny",
+    command = accelerate_launch("fsdp.yaml", "bf16", latent_shards, tmp_path / "run", "--unet-config", "tiny",
                                 "--max-steps", "1", "--full-bf16")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert result.returncode != 0
@@ -170,7 +170,7 @@ def test_qwen_image_lora_under_fsdp_shards_each_block_and_exports_what_its_pipel
 
     qwen = flow_latents("qwen-image")
     run = tmp_path / "run"
-    result = finish(accelerate_launch(29591, "fsdp.yaml", "bf16", qwen.latents, run, "--transformer", qwen.model,
+    result = finish(accelerate_launch("fsdp.yaml", "bf16", qwen.latents, run, "--transformer", qwen.model,
                                       "--lora-rank", "4", "--lr", "1e-2", "--max-steps", "2", "--checkpoint-every", "2"))
     assert "FSDP2 on CPU ranks (gloo)" in result.stdout and "wrapping each QwenImageTransformerBlock" in result.stdout
     trained = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")

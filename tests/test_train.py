@@ -206,8 +206,7 @@ def test_two_ddp_ranks_hold_identical_weights_at_every_checkpoint(latent_shards,
 
     run = tmp_path / "run"
     weights = {"bf16-weights": "--bf16-weights", "autocast": "--no-bf16-weights", "full-bf16": "--full-bf16"}[precision]
-    port = 29530 + 2 * accum + ["bf16-weights", "autocast", "full-bf16"].index(precision) * 5
-    result = _torchrun(2, port, "train", latent_shards, "--output", run,
+    result = _torchrun(2, free_port(), "train", latent_shards, "--output", run,
                        *TINY, "--batch-size", "2", "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "2",
                        "--workers", "0", "--mixed-precision", "bf16", weights, "--grad-accum", accum)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -247,7 +246,7 @@ def test_a_rank_whose_weights_drift_stops_the_run_naming_it(latent_shards, tmp_p
     script = tmp_path / "drift.py"
     script.write_text(DRIFT)
     run = tmp_path / "run"
-    result = _torchrun(2, 29540, "train", latent_shards, "--output", run, *TINY, "--batch-size", "2",
+    result = _torchrun(2, free_port(), "train", latent_shards, "--output", run, *TINY, "--batch-size", "2",
                        "--max-steps", "2", "--checkpoint-every", "2", "--workers", "0", script=script)
     assert result.returncode != 0
     assert "step 2: the weights of rank(s) 1 differ from rank 0's" in result.stderr, result.stderr[-3000:]
@@ -461,7 +460,7 @@ def test_empty_shard_is_skipped_and_three_ranks_share_the_samples(latent_shards,
     and three ranks split two shards' samples instead of one rank starving on the empty shard."""
     latents = reshard(latent_shards, [0, 4, 4], tmp_path / "latents")  # 00000.tar is empty, and first
     run = tmp_path / "run"
-    result = _torchrun(3, 29545, "train", latents, "--output", run, *TINY, "--batch-size", "1",
+    result = _torchrun(3, free_port(), "train", latents, "--output", run, *TINY, "--batch-size", "1",
                        "--max-steps", "2", "--log-every", "1", "--checkpoint-every", "2", "--workers", "0",
                        "--record-keys")
     assert result.returncode == 0, result.stderr[-3000:]
