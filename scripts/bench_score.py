@@ -9,11 +9,13 @@ Measured in one run, one after the other on the same device:
     generated here (photo-like JPEGs, short side ``--image-size``): read, decode once, sha256, pHash, CLIP
     image + caption embeddings, aesthetic v2 and NSFW heads (``core``: what NeMo Curator's floor counts:
     read + embed + aesthetic), the same with ``--decode draft`` (JPEGs decoded at a reduced DCT scale: less
-    CPU per image), and again with LAION's watermark detector (``+watermark``: an EfficientNet-B3 forward at
-    256 px per image on top);
+    CPU per image), with ``--decode device`` (workers read and hash; baseline JPEGs are decoded by nvJPEG and
+    resized on the GPU; the generated JPEGs are all baseline, as Pillow writes them), and again with LAION's
+    watermark detector (``+watermark``: an EfficientNet-B3 forward at 256 px per image on top);
 (c) the CPU side alone: the same workers reading and preparing the same shards through score's own
     DataLoader dataset (laionkit.score.reader.ScoreSamples: read, decode, sha256, pHash, CLIP pixels; per
-    label, as (b) runs it) with no model, which bounds (b) from above on a host with few cores per GPU.
+    label, as (b) runs it; with --decode device: read, sha256 and the JPEG header only) with no model, which
+    bounds (b) from above on a host with few cores per GPU.
 
 Rates are samples / seconds from run() called (models already loaded) to its return, for (b) and (c) alike
 (``loop_seconds`` is kept: from the first batch's arrival, which counts the samples decoded before it and
@@ -31,6 +33,7 @@ released layouts; numbers depend on the weights' shapes only.
 
     python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 4 batches per worker
     python scripts/bench_score.py --out results/ --clip-model ViT-H-14 --batch-sizes 256 512
+    python scripts/bench_score.py --out results/ --labels core "core --decode device"
     python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
 """
 
@@ -57,6 +60,9 @@ NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 
 # Batches per shard: a worker yields a batch once it has prepared all of it, so shards of one batch each
 # would serialise the whole CPU side before the GPU side (img2dataset's shards hold 10,000 samples).
 SHARD_BATCHES = 4
+# (b)'s runs: core (read + embed + aesthetic + NSFW), the same decoded three ways, and with the watermark detector
+LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --decode device", {"decode": "device"}),
+          ("+watermark", {}), ("+watermark --decode device", {"decode": "device"}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -186,6 +192,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
+    names = [label for label, _ in LABELS]
+    parser.add_argument("--labels", nargs="+", choices=names, default=names, metavar="LABEL",
+                        help=f"(b) rows to run, of: {'; '.join(names)}")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -212,9 +221,10 @@ def main() -> None:
     for batch in args.batch_sizes:
         results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
         print(json.dumps(results["bare"][-1]), flush=True)
-        for label, extra in (("core", {}), ("core --decode draft", {"decode": "draft"}),
-                             ("+watermark", {"watermark": str(watermark)})):
-            config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{label.split()[-1]}"),
+        for label, extra in (row for row in LABELS if row[0] in args.labels):
+            extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
+            slug = label.replace("--decode ", "").replace("+", "").replace(" ", "-")
+            config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,
                                  scores=(f"aesthetic=aesthetic-v2:{aesthetic}",), nsfw=str(nsfw), batch_size=batch,
                                  workers=args.workers, device=str(device), quiet=True, overwrite=True, **extra)

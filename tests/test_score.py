@@ -328,3 +328,56 @@ def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, sc
     cosine = (np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy").astype(np.float32)
               * np.load(scored / "img_emb" / "img_emb_00000.npy").astype(np.float32)).sum(1)
     assert cosine.min() > 0.9, cosine
+
+
+def test_decode_device_matches_exact_within_resampling(tmp_path, scored, shards, score_models, realdata):
+    """--decode device: workers read and hash; the main process decodes baseline JPEGs (here 2 of 8: the other
+    photos are progressive JPEGs, a WebP and a PNG, which workers decode) and makes CLIP / watermark pixels and
+    pHash on its device (libjpeg-turbo and torch on this CPU; nvJPEG on CUDA). Rows, keys, sizes and hashes equal
+    exact's; embeddings and scores differ by resampling's rounding only, a pHash by a bit or two at most."""
+    run_cli(*score_args(shards, tmp_path / "out", score_models, realdata, "--decode", "device", "--workers", "2"))
+    exact, device = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(device["key"]) == list(exact["key"]) and len(device) == 8
+    for column in ("width", "height", "sha256", "caption", "source"):
+        assert list(device[column]) == list(exact[column]), column
+    assert max(hamming(a, b) for a, b in zip(exact["phash"], device["phash"])) <= 2
+    for column in ("aes", "anime", "punsafe", "pwatermark", "similarity"):
+        assert np.nanmax(np.abs(device[column] - exact[column])) < 0.01, column
+    for stem in ("00000", "00001"):
+        cosine = (np.load(tmp_path / "out" / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32)
+                  * np.load(scored / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32)).sum(1)
+        assert cosine.min() > 0.999, cosine
+    assert json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]["decode"] == "device"
+
+
+def test_decode_device_routes_and_skips_per_file(realdata):
+    """Baseline JPEGs reach the device as bytes; progressive and truncated JPEGs and other formats are decoded
+    by the worker (a truncated one fails there: the exact path's skip). A file nothing decodes is dropped from
+    the batch with a skip record naming its key, and the batch's other rows stay aligned."""
+    import open_clip
+
+    from laionkit.score.pixels import DevicePixels, device_decodable
+    from laionkit.score.reader import ScoreSamples, split_clip_transform
+
+    baseline = (realdata / "images" / "456_123.jpg").read_bytes()
+    progressive = (realdata / "images" / "321_421.jpg").read_bytes()
+    assert device_decodable(Image.open(io.BytesIO(baseline)), baseline)
+    assert not device_decodable(Image.open(io.BytesIO(progressive)), progressive)
+    assert not device_decodable(Image.open(io.BytesIO(baseline[:-300])), baseline[:-300])
+    assert ScoreSamples.device_input(baseline)["images"].dim() == 1  # bytes
+    assert ScoreSamples.device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
+    with pytest.raises(OSError):
+        ScoreSamples.device_input(baseline[:-300])
+
+    _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
+    transform, _ = split_clip_transform(preprocess)
+    junk = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
+    batch = {"key": ["a", "junk", "b"], "source": [None] * 3, "caption": ["x", "y", "z"], "width": [1, 2, 3],
+             "height": [1, 2, 3], "sha256": ["1", "2", "3"], "captions": {"alt": ["x", "y", "z"]}, "shard": "00000",
+             "images": [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in (baseline, junk, baseline)]}
+    out, skips = DevicePixels(transform, True, torch.device("cpu"))(batch)
+    assert [skip["key"] for skip in skips] == ["junk"] and skips[0]["reason"] == "undecodable"
+    assert out["key"] == ["a", "b"] and out["width"] == [1, 3] and out["captions"] == {"alt": ["x", "z"]}
+    assert out["clip"].shape == (2, 224, 224, 3) and out["watermark"].shape == (2, 256, 256, 3)
+    photo = Image.open(io.BytesIO(baseline)).convert("RGB")
+    assert hamming(int(out["phash"][0]), phash(photo)) <= 2 and int(out["phash"][0]) == int(out["phash"][1])

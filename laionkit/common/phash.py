@@ -29,14 +29,14 @@ def _dct_rows(n: int, rows: int) -> np.ndarray:
     return 2.0 * np.cos(np.pi * k * (2 * i + 1) / (2 * n))
 
 
-_DCT = _dct_rows(IMAGE_SIZE, HASH_SIZE)
+DCT = _dct_rows(IMAGE_SIZE, HASH_SIZE)  # (8, 32): score --decode device runs the same matrix on its device
 
 
 def phash_bits(image: Image.Image) -> np.ndarray:
     """The 8x8 boolean pHash of ``image`` (imagehash.phash(image).hash)."""
     pixels = np.asarray(image.convert("L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.LANCZOS),
                         dtype=np.float64)
-    low = _DCT @ pixels @ _DCT.T  # dct(dct(pixels, axis=0), axis=1)[:8, :8]
+    low = DCT @ pixels @ DCT.T  # dct(dct(pixels, axis=0), axis=1)[:8, :8]
     return low > np.median(low)
 
 

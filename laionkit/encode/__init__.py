@@ -32,6 +32,7 @@ import torch.utils.data
 from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
+from laionkit.common.jpeg import background
 from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
@@ -46,7 +47,6 @@ from laionkit.encode.config import (
 from laionkit.encode.device import (
     GPU_DECODE_BELOW_WORKERS,
     Encoders,
-    _background,
     _decode_on_gpu,
     _encode_batch,
     _gpu_batch,
@@ -203,7 +203,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
         with torch.inference_mode():
             if config.compile and not buckets:
                 _warm_up(encoders, config)
-            for item in _background(prepared, QUEUE_DEPTH, "laionkit-prepare"):
+            for item in background(prepared, QUEUE_DEPTH, "laionkit-prepare"):
                 started = started or time.perf_counter()
                 if isinstance(item, ShardDone):
                     writer.put(item)

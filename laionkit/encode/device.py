@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -13,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
+from laionkit.common.jpeg import decode_jpegs
 from laionkit.common.models import (
     load_text_encoder,
     load_tokenizer,
@@ -23,7 +21,7 @@ from laionkit.common.models import (
     vae_is_deterministic,
 )
 from laionkit.encode.config import EncodeConfig
-from laionkit.encode.reader import ShardDone, resize_rgb
+from laionkit.encode.reader import ShardDone
 from laionkit.families import DEFAULT_FAMILY, families, get_family
 
 # --decode auto: nvjpeg only when few CPU workers. On an H200 with 15 workers, worker (PIL) decode beat
@@ -50,30 +48,15 @@ def _resize_gpu(image, box, size):
 
 
 def _decode_jpegs(batch: dict, device) -> tuple[list, list[dict]]:
-    """nvjpeg-decode a batch's JPEGs; ones nvjpeg refuses fall back to PIL, and failures become skips."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    images: list = [None] * len(batch["jpegs"])
-    skips = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            decoded = decode_jpeg(batch["jpegs"], mode=ImageReadMode.RGB, device=device)
-            return [_resize_gpu(img, box, batch["size"]) for img, box in zip(decoded, batch["boxes"])], skips
-        except RuntimeError:
-            pass
-        for index, (data, box) in enumerate(zip(batch["jpegs"], batch["boxes"])):
-            try:
-                images[index] = _resize_gpu(decode_jpeg(data, mode=ImageReadMode.RGB, device=device), box,
-                                            batch["size"])
-            except RuntimeError:
-                try:
-                    pixels = resize_rgb(data.numpy().tobytes(), batch["size"], box)
-                    images[index] = torch.from_numpy(pixels).to(device).permute(2, 0, 1).float()
-                except Exception as error:  # noqa: BLE001 - undecodable everywhere: a recorded skip
-                    row = batch["gpu_rows"][index]
-                    skips.append({"key": batch["keys"][row], "reason": "undecodable",
-                                  "error": f"{type(error).__name__}: {error}"})
+    """nvjpeg-decode a batch's JPEGs and resize them to the batch's box (laionkit.common.jpeg: a file nvjpeg
+    refuses is decoded with PIL); files nothing decodes become skips."""
+    images, skips = [], []
+    for index, (image, box) in enumerate(zip(decode_jpegs(batch["jpegs"], device), batch["boxes"])):
+        if isinstance(image, str):
+            images.append(None)
+            skips.append({"key": batch["keys"][batch["gpu_rows"][index]], "reason": "undecodable", "error": image})
+        else:
+            images.append(_resize_gpu(image, box, batch["size"]))
     return images, skips
 
 
@@ -282,38 +265,6 @@ def _compute_dtype(name: str, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
-def _background(items: Iterator, depth: int, name: str) -> Iterator:
-    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
-    box: queue.Queue = queue.Queue(maxsize=depth)
-    end = object()
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        box.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            box.put(end)
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
-            box.put(error)
-
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
-        while (item := box.get()) is not end:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
 def _warm_up(encoders: Encoders, config: EncodeConfig) -> None:

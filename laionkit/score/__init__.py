@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 import numpy as np
@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
+from laionkit.common.jpeg import background
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import ScoreConfig
@@ -40,6 +41,7 @@ from laionkit.score.models import (
     load_watermark,
     watermark_probability,
 )
+from laionkit.score.pixels import DevicePixels
 from laionkit.score.reader import ScoreSamples, split_clip_transform
 from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
 from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
@@ -127,8 +129,8 @@ class Scorers:
 
     @torch.inference_mode()
     def launch(self, batch: dict) -> dict[str, torch.Tensor]:
-        """Queue one batch's device work; its results stay on the device until ``collect`` (so the loop
-        can queue the next batch before it waits for this one's)."""
+        """Queue one batch's device work and the copies of its results to the host; ``collect`` waits for
+        this batch's copies only, so the loop can queue the next batch before it waits for this one's."""
         image = self.image_embeddings(batch)
         with torch.inference_mode(), self._autocast():
             text = self.clip.encode_text(self.tokenizer(batch["caption"]).to(self.device))
@@ -147,11 +149,26 @@ class Scorers:
                 with self._autocast():
                     logits = self.watermark(self._pixels(batch["watermark"], IMAGENET_MEAN, IMAGENET_STD))
                 launched["pwatermark"] = watermark_probability(logits)
-        return launched
+            if isinstance(batch.get("phash"), torch.Tensor):  # --decode device: computed on the device
+                launched["phash"] = batch["phash"]
+        if self.device.type != "cuda":
+            return launched
+        # pinned host copies behind this batch's work, and an event after them: collect waits for this batch
+        # alone (a blocking .cpu() would wait for the batch queued after it too)
+        host = {name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+                for name, value in launched.items()}
+        host["ready"] = torch.cuda.Event()
+        host["ready"].record()
+        return host
 
     @staticmethod
     def collect(batch: dict, launched: dict[str, torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(float16 embeddings, {column: float32 values}) of a launched batch, on the host."""
+        launched = dict(launched)
+        if "ready" in launched:
+            launched.pop("ready").synchronize()
+        if "phash" in launched:  # --decode device: computed on the device
+            batch["phash"] = launched.pop("phash").cpu().tolist()
         columns = {name: value.cpu().numpy().astype(np.float32) for name, value in launched.items() if name != "image"}
         columns["similarity"][[not caption.strip() for caption in batch["caption"]]] = np.nan  # no caption: null
         for name, texts in batch.get("captions", {}).items():  # a caption the sample lacks (or blank): null
@@ -237,24 +254,53 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
         draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
                          WATERMARK_SIZE if scorers.watermark is not None else 0)
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
-                           config.batch_size, config.caption_key, draft_side, scorers.captions)
+                           config.batch_size, config.caption_key, draft_side, scorers.captions,
+                           device_decode=config.decode == "device")
     workers = min(config.workers, len(todo))
     return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
         prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
 
 
+def _device_batches(loader, pixels: DevicePixels, device: torch.device) -> Iterator:
+    """--decode device: each batch's pixels and pHash made on the device, on a CUDA stream of their own (run
+    in a thread, batches ahead of the models): (batch, skips, ready event or None); ShardDone passes through."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.inference_mode():  # per thread: the models' loop runs under it too
+        for item in loader:
+            if isinstance(item, ShardDone):
+                yield item
+            elif stream is None:
+                yield (*pixels(item), None)
+            else:
+                with torch.cuda.stream(stream):
+                    batch, skips = pixels(item)
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                yield batch, skips, ready
+
+
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
                   output: Location, progress: tqdm) -> dict:
     loader = score_loader(config, scorers, todo)
+    device_decode = config.decode == "device"
+    if device_decode:
+        if scorers.pil_transform is None:
+            raise LaionkitError(f"--decode device: --clip-model {config.clip_model}'s preprocess is not resize/crop "
+                                "steps, ToTensor and Normalize; use --decode exact or draft")
+        pixels = DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
+        loader = background(_device_batches(loader, pixels, scorers.device), QUEUE_DEPTH, "laionkit-score-pixels")
     pending: dict[str, dict] = {}
     summary = {"samples_out": 0, "skipped": 0}
     first = None
     in_flight = None  # (batch, its launched device work): collected after the next batch is queued
 
+    def new_shard() -> dict:
+        return {"columns": {}, "embeddings": [], "skips": [], "started": time.perf_counter()}
+
     def collect() -> None:
         batch, launched = in_flight
-        shard = pending.setdefault(batch["shard"], {"columns": {}, "embeddings": [], "started": time.perf_counter()})
+        shard = pending.setdefault(batch["shard"], new_shard())
         embeddings, values = scorers.collect(batch, launched)
         shard["embeddings"].append(embeddings)
         for name in ("key", "source", "caption", "width", "height", "sha256", "phash"):
@@ -270,12 +316,23 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             if in_flight is not None:  # the shard's last batch may still be in flight
                 collect()
                 in_flight = None
-            shard = pending.pop(item.shard, None) or {"columns": {}, "embeddings": [], "started": time.perf_counter()}
+            shard = pending.pop(item.shard, None) or new_shard()
+            item.skips.extend(shard["skips"])  # --decode device: samples the device could not decode
             _finish_shard(output, item, shard, scorers, settings, rank)
             summary["samples_out"] += item.samples_in - len(item.skips)
             summary["skipped"] += len(item.skips)
             progress.update(len(item.skips))
             continue
+        if device_decode:
+            item, skips, ready = item
+            pending.setdefault(item["shard"], new_shard())["skips"].extend(skips)
+            if ready is not None:  # made on the pixels' stream: this stream waits for them, and owns them too
+                torch.cuda.current_stream(scorers.device).wait_event(ready)
+                for name in ("clip", "watermark", "phash"):
+                    if name in item:
+                        item[name].record_stream(torch.cuda.current_stream(scorers.device))
+            if not item["key"]:
+                continue
         launched = scorers.launch(item)  # queued on the device before the previous batch is waited for
         if in_flight is not None:
             collect()

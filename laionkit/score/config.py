@@ -11,8 +11,10 @@ COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 # exact: every image decoded at full size (pHash = imagehash's, CLIP input = open_clip's own preprocess of the
 # file); draft: JPEGs decoded at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8) that keeps the short side >= what
 # the models take (CLIP's side, 256 px for the watermark detector): several times less CPU per large JPEG,
-# deterministic, but pHash bits and embeddings differ slightly from a full decode's.
-DECODE_MODES = ("exact", "draft")
+# deterministic, but pHash bits and embeddings differ slightly from a full decode's; device: workers only read and
+# hash, JPEGs are decoded and resized on the stage's device (nvJPEG on CUDA; laionkit.score.pixels), for hosts
+# whose CPUs cannot keep the GPU fed: pixels differ from exact's by a few levels, a pHash bit at times.
+DECODE_MODES = ("exact", "draft", "device")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """score's DataLoader side: each worker reads whole input shards through encode's reader (tars, img2dataset
 parquet and files formats, local or URL), decodes each image once, and turns it into everything the
 device needs (CLIP and watermark pixels as uint8) and everything hashed on the CPU (sha256 of the
-bytes, pHash, size).
+bytes, pHash, size). With ``--decode device`` a worker hashes the bytes and reads the header only, and ships
+the JPEG itself where the device decodes it (laionkit.score.pixels makes pixels and pHash there).
 
 Batches never span shards and follow the shard's sample order, so outputs do not depend on workers or
 ranks. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
@@ -54,8 +55,11 @@ class ScoreSamples(torch.utils.data.IterableDataset):
 
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
-                 captions: Sequence[str] | None = None) -> None:
+                 captions: Sequence[str] | None = None, device_decode: bool = False) -> None:
         super().__init__()
+        # --decode device: workers ship JPEG bytes (or Pillow's full-size RGB where the device cannot decode);
+        # laionkit.score.pixels makes the pixels and pHash on the device
+        self.device_decode = device_decode
         self.captions = tuple(captions or ())  # --captions: each named caption's text ("" where the sample lacks it)
         self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
         self.shards = list(shards)
@@ -106,6 +110,15 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             error.reason = "bad_json"
             raise
         data = sample[extension]
+        item = {"key": sample["__key__"], "source": json.dumps(meta, sort_keys=True) if meta is not None else None,
+                "caption": caption_of(sample, meta, self.caption_key),
+                # img2dataset's compute_hash: sha256 of the image bytes as stored
+                "sha256": sha256_hex(data)}
+        if self.captions:
+            texts, _ = caption_texts(sample, meta, self.captions, self.caption_key)  # encode's resolution, one definition
+            item["captions"] = {name: texts.get(name, "") for name in self.captions}
+        if self.device_decode:
+            return {**item, **self.device_input(data)}
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if self.draft_side and image.format == "JPEG":
@@ -113,29 +126,36 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             image.load()
             rgb = image.convert("RGB")
         clip = self.clip_transform(rgb)
-        item = {
-            "key": sample["__key__"], "source": json.dumps(meta, sort_keys=True) if meta is not None else None,
-            "caption": caption_of(sample, meta, self.caption_key), "width": width, "height": height,
-            # img2dataset's compute_hash: sha256 of the image bytes as stored
-            "sha256": sha256_hex(data), "phash": phash(rgb),
-            "clip": torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip,
-        }
-        if self.captions:
-            texts, _ = caption_texts(sample, meta, self.captions, self.caption_key)  # encode's resolution, one definition
-            item["captions"] = {name: texts.get(name, "") for name in self.captions}
+        item.update(width=width, height=height, phash=phash(rgb),
+                    clip=torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip)
         if self.watermark:  # LAION's T.Resize((256, 256)) on a PIL image: a bilinear (antialiased) squash
             squashed = rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR)
             item["watermark"] = torch.from_numpy(np.asarray(squashed).copy())
         return item
 
     @staticmethod
+    def device_input(data: bytes) -> dict:
+        """--decode device: the size from the header, and the JPEG bytes as a 1-D uint8 tensor where the
+        device decodes them, else Pillow's full-size RGB (H, W, 3) (laionkit.score.pixels.device_decodable)."""
+        from laionkit.score.pixels import device_decodable
+
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if device_decodable(image, data):
+                return {"width": width, "height": height, "images": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+            image.load()
+            rgb = image.convert("RGB")
+        return {"width": width, "height": height, "images": torch.from_numpy(np.asarray(rgb).copy())}
+
+    @staticmethod
     def collate(shard: str, items: list[dict]) -> dict:
         batch = {name: [item[name] for item in items]
-                 for name in ("key", "source", "caption", "width", "height", "sha256", "phash")}
+                 for name in ("key", "source", "caption", "width", "height", "sha256", "phash", "images")
+                 if name in items[0]}
         batch["shard"] = shard
         if "captions" in items[0]:
             batch["captions"] = {name: [item["captions"][name] for item in items] for name in items[0]["captions"]}
-        batch["clip"] = torch.stack([item["clip"] for item in items])
-        if "watermark" in items[0]:
-            batch["watermark"] = torch.stack([item["watermark"] for item in items])
+        for name in ("clip", "watermark"):  # the worker-decode paths; --decode device ships "images" instead
+            if name in items[0]:
+                batch[name] = torch.stack([item[name] for item in items])
         return batch
