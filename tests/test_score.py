@@ -371,13 +371,24 @@ def test_decode_device_routes_and_skips_per_file(realdata):
 
     _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
     transform, _ = split_clip_transform(preprocess)
+    other = (realdata / "images" / "123_456.jpg").read_bytes()  # baseline too, another size
     junk = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
-    batch = {"key": ["a", "junk", "b"], "source": [None] * 3, "caption": ["x", "y", "z"], "width": [1, 2, 3],
-             "height": [1, 2, 3], "sha256": ["1", "2", "3"], "captions": {"alt": ["x", "y", "z"]}, "shard": "00000",
-             "images": [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in (baseline, junk, baseline)]}
-    out, skips = DevicePixels(transform, True, torch.device("cpu"))(batch)
+
+    def batch_of(*files: bytes) -> dict:
+        keys = ["a", "junk", "b", "c"][: len(files)] if len(files) > 1 else ["b"]
+        return {"key": keys, "source": [None] * len(files), "caption": keys, "width": list(range(len(files))),
+                "height": list(range(len(files))), "sha256": keys, "captions": {"alt": keys}, "shard": "00000",
+                "images": [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files]}
+
+    pixels = DevicePixels(transform, True, torch.device("cpu"))
+    out, skips = pixels(batch_of(baseline, junk, other, baseline))
     assert [skip["key"] for skip in skips] == ["junk"] and skips[0]["reason"] == "undecodable"
-    assert out["key"] == ["a", "b"] and out["width"] == [1, 3] and out["captions"] == {"alt": ["x", "z"]}
-    assert out["clip"].shape == (2, 224, 224, 3) and out["watermark"].shape == (2, 256, 256, 3)
-    photo = Image.open(io.BytesIO(baseline)).convert("RGB")
-    assert hamming(int(out["phash"][0]), phash(photo)) <= 2 and int(out["phash"][0]) == int(out["phash"][1])
+    assert out["key"] == ["a", "b", "c"] and out["width"] == [0, 2, 3] and out["captions"] == {"alt": ["a", "b", "c"]}
+    assert out["clip"].shape == (3, 224, 224, 3) and out["watermark"].shape == (3, 256, 256, 3)
+    # same-size images are resized together; rows come back in the batch's order
+    alone, _ = pixels(batch_of(other))
+    for name in ("clip", "watermark", "phash"):
+        assert out[name][1].equal(alone[name][0]) and out[name][0].equal(out[name][2]), name
+        assert not out[name][0].equal(out[name][1]), name
+    for row, data in ((0, baseline), (1, other)):
+        assert hamming(int(out["phash"][row]), phash(Image.open(io.BytesIO(data)).convert("RGB"))) <= 2

@@ -68,15 +68,19 @@ def lanczos_weights(size_in: int, size_out: int, device: torch.device) -> torch.
 
 
 def luma(rgb: torch.Tensor) -> torch.Tensor:
-    """(3, H, W) uint8 -> (H, W) float64: Pillow's RGB -> L (ITU-R 601-2 luma in 16-bit fixed point, rounded)."""
-    r, g, b = rgb.to(torch.int32).unbind(0)
+    """(..., 3, H, W) uint8 -> (..., H, W) float64: Pillow's RGB -> L (ITU-R 601-2 luma in 16-bit fixed point,
+    rounded)."""
+    r, g, b = rgb.to(torch.int32).unbind(-3)
     return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).double()
 
 
 class DevicePixels:
     """Turns a batch of ``ScoreSamples(device_decode=True)`` (``images``: JPEG bytes as 1-D uint8 tensors or
     worker-decoded (H, W, 3) uint8 RGB) into the inputs the models take, on ``device``: ``clip`` and
-    ``watermark`` as (B, H, W, 3) uint8 (the layout the worker path ships) and ``phash`` as int64."""
+    ``watermark`` as (B, H, W, 3) uint8 (the layout the worker path ships) and ``phash`` as int64.
+
+    Images of one size are resized together: pack's default ``--resize-mode center_crop`` makes every image of
+    a shard the same size, so a batch is then one resize per input instead of one per image."""
 
     def __init__(self, clip_transform, watermark: bool, device: torch.device) -> None:
         self.clip_transform = clip_transform  # open_clip's PIL-side steps, which take tensors as well
@@ -99,10 +103,16 @@ class DevicePixels:
                 batch["captions"] = {name: [texts[index] for index in keep] for name, texts in batch["captions"].items()}
             images = [images[index] for index in keep]
         if images:
-            batch["clip"] = torch.stack([self.clip_transform(image) for image in images]).permute(0, 2, 3, 1)
+            sizes: dict[tuple[int, ...], list[int]] = {}
+            for index, image in enumerate(images):
+                sizes.setdefault(tuple(image.shape), []).append(index)
+            groups = [torch.stack([images[index] for index in rows]) for rows in sizes.values()]
+            order = [index for rows in sizes.values() for index in rows]
+            back = torch.argsort(torch.tensor(order, device=self.device))  # the groups' rows -> the batch's order
+            batch["clip"] = torch.cat([self.clip_transform(group) for group in groups])[back].permute(0, 2, 3, 1)
             if self.watermark:
-                batch["watermark"] = torch.cat([self._squash(image) for image in images]).permute(0, 2, 3, 1)
-            batch["phash"] = self.phash(images)
+                batch["watermark"] = torch.cat([self._squash(group) for group in groups])[back].permute(0, 2, 3, 1)
+            batch["phash"] = self.phash(groups)[back]
         return batch, skips
 
     def decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | str]:
@@ -116,9 +126,9 @@ class DevicePixels:
                 images[index] = data.to(self.device, non_blocking=True).permute(2, 0, 1)
         return images
 
-    def _squash(self, image: torch.Tensor) -> torch.Tensor:
-        """LAION's watermark input: Pillow's antialiased bilinear resize to 256x256, uint8 (1, 3, 256, 256)."""
-        resized = F.interpolate(image[None].float(), size=(WATERMARK_SIZE, WATERMARK_SIZE), mode="bilinear",
+    def _squash(self, images: torch.Tensor) -> torch.Tensor:
+        """LAION's watermark input: Pillow's antialiased bilinear resize to 256x256, uint8 (N, 3, 256, 256)."""
+        resized = F.interpolate(images.float(), size=(WATERMARK_SIZE, WATERMARK_SIZE), mode="bilinear",
                                 antialias=True, align_corners=False)
         return resized.round_().clamp_(0, 255).to(torch.uint8)
 
@@ -129,12 +139,13 @@ class DevicePixels:
             self._lanczos[size] = lanczos_weights(size, IMAGE_SIZE, self.device)
         return self._lanczos[size]
 
-    def phash(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """int64 pHashes (laionkit.common.phash's definition) of (3, H, W) uint8 images, on the device."""
-        small = torch.stack([self._weights(image.shape[1]) @ luma(image) @ self._weights(image.shape[2]).T
-                             for image in images]).round_().clamp_(0, 255)  # Pillow's L image is uint8
+    def phash(self, groups: list[torch.Tensor]) -> torch.Tensor:
+        """int64 pHashes (laionkit.common.phash's definition) of groups of same-size (N, 3, H, W) uint8 images,
+        in the groups' order, on the device."""
+        small = torch.cat([self._weights(group.shape[2]) @ luma(group) @ self._weights(group.shape[3]).T
+                           for group in groups]).round_().clamp_(0, 255)  # Pillow's L image is uint8
         low = self._dct @ small @ self._dct.T  # (B, 8, 8): the lowest frequencies, DC included
-        flat = low.reshape(len(images), HASH_SIZE * HASH_SIZE)
+        flat = low.reshape(len(small), HASH_SIZE * HASH_SIZE)
         # numpy's median of 64 values: the mean of the two middle ones
         middle = flat.sort(dim=1).values[:, HASH_SIZE * HASH_SIZE // 2 - 1: HASH_SIZE * HASH_SIZE // 2 + 1].mean(1)
         return ((flat > middle[:, None]).to(torch.int64) * self._bits).sum(1)
