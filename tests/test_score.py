@@ -350,8 +350,8 @@ def test_decode_device_matches_exact_within_resampling(tmp_path, scored, shards,
     assert json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]["decode"] == "device"
 
 
-def test_decode_device_routes_and_skips_per_file(realdata):
-    """Baseline JPEGs reach the device as bytes; progressive and truncated JPEGs and other formats are decoded
+def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
+    """Baseline JPEGs reach the device as bytes; progressive, huge and truncated JPEGs and other formats are decoded
     by the worker (a truncated one fails there: the exact path's skip). A file nothing decodes is dropped from
     the batch with a skip record naming its key, and the batch's other rows stay aligned."""
     import open_clip
@@ -364,6 +364,9 @@ def test_decode_device_routes_and_skips_per_file(realdata):
     assert device_decodable(Image.open(io.BytesIO(baseline)), baseline)
     assert not device_decodable(Image.open(io.BytesIO(progressive)), progressive)
     assert not device_decodable(Image.open(io.BytesIO(baseline[:-300])), baseline[:-300])
+    monkeypatch.setattr("laionkit.score.pixels.DEVICE_MAX_PIXELS", 123 * 456 - 1)  # 456_123.jpg: 123 x 456 px
+    assert not device_decodable(Image.open(io.BytesIO(baseline)), baseline)
+    monkeypatch.undo()
     assert ScoreSamples.device_input(baseline)["images"].dim() == 1  # bytes
     assert ScoreSamples.device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
     with pytest.raises(OSError):

@@ -14,9 +14,9 @@ A100/H100/H200 hardware decoder for baseline JPEGs) and makes every model input 
   pHash where a coefficient sits at the median.
 
 What the device cannot take is decoded by the worker with Pillow as in the exact path, and shipped as full-size
-RGB: progressive JPEGs (nvJPEG decodes those on the host, one at a time), CMYK JPEGs, files that do not end in
-the JPEG end-of-image marker (truncated downloads: the worker's decode then fails, a recorded skip as in the exact
-path) and every other format. A JPEG the device decoder refuses is decoded alone with Pillow
+RGB: progressive JPEGs (nvJPEG decodes those on the host, one at a time), CMYK JPEGs, JPEGs over 16 MP, files
+that do not end in the JPEG end-of-image marker (truncated downloads: the worker's decode then fails, a
+recorded skip as in the exact path) and every other format. A JPEG the device decoder refuses is decoded alone with Pillow
 (laionkit.common.jpeg), or skipped ("undecodable") when Pillow refuses it too. The main process does this one
 batch ahead in a thread, on its own CUDA stream; on a CPU device it decodes with libjpeg-turbo (tests, parity).
 """
@@ -34,6 +34,9 @@ from laionkit.common.phash import DCT, HASH_SIZE, IMAGE_SIZE
 from laionkit.score.models import WATERMARK_SIZE
 
 JPEG_END = b"\xff\xd9"
+# larger images are decoded by the workers: a batch's decoded images are on the device together (512 images of
+# 16 MP would be 25 GB), and web crawls without pack's resize hold a few huge files
+DEVICE_MAX_PIXELS = 4096 * 4096
 LANCZOS_SUPPORT = 3.0
 PER_SAMPLE = ("key", "source", "caption", "width", "height", "sha256")
 # the 64 pHash bits, most significant first, as a signed int64: the first bit weighs -2**63 (two's complement)
@@ -43,7 +46,7 @@ _BIT_WEIGHTS = [-(1 << 63)] + [1 << (63 - bit) for bit in range(1, 64)]
 def device_decodable(image: Image.Image, data: bytes) -> bool:
     """Whether the main process decodes this file on the device (else the worker decodes it with Pillow)."""
     return (image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
-            and data.endswith(JPEG_END))
+            and data.endswith(JPEG_END) and image.width * image.height <= DEVICE_MAX_PIXELS)
 
 
 def lanczos_weights(size_in: int, size_out: int, device: torch.device) -> torch.Tensor:
