@@ -1,5 +1,5 @@
-"""JPEG decode on the stage's device, and running an iterator ahead in a thread: shared by encode's and score's
-device decode paths (``encode --decode gpu``, ``score --decode device``).
+"""JPEG decode on the stage's device, shared by encode's and score's device decode paths (``encode --decode gpu``,
+``score --decode device``).
 
 ``decode_jpegs`` decodes a batch with torchvision's ``decode_jpeg`` (nvJPEG on CUDA: the hardware decoder of
 A100/H100/H200 for baseline JPEGs; libjpeg-turbo on the CPU). One file it refuses fails the whole call, so the
@@ -10,10 +10,7 @@ too comes back as its error text, for the caller to record as a skip.
 from __future__ import annotations
 
 import io
-import queue
-import threading
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -49,35 +46,3 @@ def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | str:
     except Exception as error:  # noqa: BLE001 - undecodable everywhere: the caller's recorded skip
         return f"{type(error).__name__}: {error}"[:500]
     return torch.from_numpy(rgb).to(device).permute(2, 0, 1)
-
-
-def background(items: Iterator, depth: int, name: str) -> Iterator:
-    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
-    box: queue.Queue = queue.Queue(maxsize=depth)
-    end = object()
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        box.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            box.put(end)
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
-            box.put(error)
-
-    thread = threading.Thread(target=produce, name=name, daemon=True)
-    thread.start()
-    try:
-        while (item := box.get()) is not end:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()

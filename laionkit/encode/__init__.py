@@ -32,7 +32,7 @@ import torch.utils.data
 from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
-from laionkit.common.jpeg import background
+from laionkit.common.background import background
 from laionkit.common.keys import read_keep_keys
 from laionkit.common.storage import Location
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity

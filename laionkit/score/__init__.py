@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
-from laionkit.common.jpeg import background
+from laionkit.common.background import background
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import ScoreConfig

@@ -1,0 +1,40 @@
+"""Running an iterator ahead of its consumer in a thread: the device-side preparation of encode and score
+(host-to-device copies, device decode) overlaps the models' work on the previous batch."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+
+def background(items: Iterator, depth: int, name: str) -> Iterator:
+    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        box.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            box.put(end)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
+            box.put(error)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := box.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
