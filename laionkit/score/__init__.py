@@ -265,7 +265,10 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
 def _device_batches(loader, pixels: DevicePixels, device: torch.device) -> Iterator:
     """--decode device: each batch's pixels and pHash made on the device, on a CUDA stream of their own (run
     in a thread, batches ahead of the models): (batch, skips, ready event or None); ShardDone passes through."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    stream = None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a new thread starts on cuda:0; this rank's device may be another
+        stream = torch.cuda.Stream(device)
     with torch.inference_mode():  # per thread: the models' loop runs under it too
         for item in loader:
             if isinstance(item, ShardDone):
