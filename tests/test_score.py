@@ -379,9 +379,10 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
 
     def batch_of(*files: bytes) -> dict:
         keys = ["a", "junk", "b", "c"][: len(files)] if len(files) > 1 else ["b"]
-        return {"key": keys, "source": [None] * len(files), "caption": keys, "width": list(range(len(files))),
-                "height": list(range(len(files))), "sha256": keys, "captions": {"alt": keys}, "shard": "00000",
-                "images": [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files]}
+        items = [{"key": key, "source": None, "caption": key, "width": index, "height": index, "sha256": key,
+                  "captions": {"alt": key}, "images": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+                 for index, (key, data) in enumerate(zip(keys, files))]
+        return ScoreSamples.collate("00000", items)  # as the DataLoader's workers batch them
 
     pixels = DevicePixels(transform, True, torch.device("cpu"))
     out, skips = pixels(batch_of(baseline, junk, other, baseline))

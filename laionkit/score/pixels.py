@@ -23,6 +23,7 @@ batch ahead in a thread, on its own CUDA stream; on a CPU device it decodes with
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -78,8 +79,9 @@ def luma(rgb: torch.Tensor) -> torch.Tensor:
 
 
 class DevicePixels:
-    """Turns a batch of ``ScoreSamples(device_decode=True)`` (``images``: JPEG bytes as 1-D uint8 tensors or
-    worker-decoded (H, W, 3) uint8 RGB) into the inputs the models take, on ``device``: ``clip`` and
+    """Turns a batch of ``ScoreSamples(device_decode=True)`` (``jpegs``: the batch's JPEG files end to end in one
+    uint8 tensor; ``images``: per row the length of its file there, or its worker-decoded (H, W, 3) uint8 RGB)
+    into the inputs the models take, on ``device``: ``clip`` and
     ``watermark`` as (B, H, W, 3) uint8 (the layout the worker path ships) and ``phash`` as int64.
 
     Images of one size are resized together: pack's default ``--resize-mode center_crop`` makes every image of
@@ -96,7 +98,7 @@ class DevicePixels:
 
     def __call__(self, batch: dict) -> tuple[dict, list[dict]]:
         """(the batch with clip / watermark / phash and without undecodable samples, their skip records)."""
-        images = self.decode(batch.pop("images"))
+        images = self.decode(batch.pop("jpegs"), batch.pop("images"))
         skips = [{"key": batch["key"][index], "reason": "undecodable", "error": error}
                  for index, error in enumerate(images) if isinstance(error, str)]
         if skips:
@@ -118,15 +120,17 @@ class DevicePixels:
             batch["phash"] = self.phash(groups)[back]
         return batch, skips
 
-    def decode(self, encoded: list[torch.Tensor]) -> list[torch.Tensor | str]:
-        """(3, H, W) uint8 RGB on the device per image, or the error text of one that cannot be decoded."""
-        images: list[torch.Tensor | str] = [None] * len(encoded)  # type: ignore[list-item]
-        jpegs = [index for index, data in enumerate(encoded) if data.dim() == 1]
-        for index, image in zip(jpegs, decode_jpegs([encoded[index] for index in jpegs], self.device)):
+    def decode(self, jpegs: torch.Tensor, rows: list[int | torch.Tensor]) -> list[torch.Tensor | str]:
+        """(3, H, W) uint8 RGB on the device per row, or the error text of one that cannot be decoded."""
+        images: list[torch.Tensor | str] = [None] * len(rows)  # type: ignore[list-item]
+        ends = list(itertools.accumulate([0, *(row for row in rows if isinstance(row, int))]))
+        files = [jpegs[start:end] for start, end in zip(ends, ends[1:])]
+        indices = [index for index, row in enumerate(rows) if isinstance(row, int)]
+        for index, image in zip(indices, decode_jpegs(files, self.device)):
             images[index] = image
-        for index, data in enumerate(encoded):
-            if data.dim() == 3:  # decoded by the worker
-                images[index] = data.to(self.device, non_blocking=True).permute(2, 0, 1)
+        for index, row in enumerate(rows):
+            if isinstance(row, torch.Tensor):  # decoded by the worker
+                images[index] = row.to(self.device, non_blocking=True).permute(2, 0, 1)
         return images
 
     def _squash(self, images: torch.Tensor) -> torch.Tensor:

@@ -158,4 +158,9 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         for name in ("clip", "watermark"):  # the worker-decode paths; --decode device ships "images" instead
             if name in items[0]:
                 batch[name] = torch.stack([item[name] for item in items])
+        if "images" in batch:  # --decode device: the JPEGs as one tensor (one shared-memory handle and one pin per
+            # batch, not one per image); a row holds its JPEG's length there, or its worker-decoded RGB
+            jpegs = [image for image in batch["images"] if image.dim() == 1]
+            batch["jpegs"] = torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8)
+            batch["images"] = [image.numel() if image.dim() == 1 else image for image in batch["images"]]
         return batch
