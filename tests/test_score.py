@@ -352,7 +352,7 @@ def test_decode_device_matches_exact_within_resampling(tmp_path, scored, shards,
 
 def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     """Baseline JPEGs reach the device as bytes; progressive, huge and truncated JPEGs and other formats are decoded
-    by the worker (a truncated one fails there: the exact path's skip). A file nothing decodes is dropped from
+    by the worker (JPEGs at draft's reduced scale) (a truncated one fails there: the exact path's skip). A file nothing decodes is dropped from
     the batch with a skip record naming its key, and the batch's other rows stay aligned."""
     import open_clip
 
@@ -369,6 +369,9 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     monkeypatch.undo()
     assert ScoreSamples.device_input(baseline)["images"].dim() == 1  # bytes
     assert ScoreSamples.device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
+    drafted = ScoreSamples.device_input(progressive, 100)  # at --decode draft's reduced DCT scale
+    assert drafted["images"].shape[:2] < (421, 321) and min(drafted["images"].shape[:2]) >= 100
+    assert (drafted["width"], drafted["height"]) == (321, 421)  # the stored size, as exact records it
     with pytest.raises(OSError):
         ScoreSamples.device_input(baseline[:-300])
 

@@ -13,12 +13,13 @@ A100/H100/H200 hardware decoder for baseline JPEGs) and makes every model input 
   between its passes; this rounds once), then imagehash's DCT and median: a bit may differ from the exact
   pHash where a coefficient sits at the median.
 
-What the device cannot take is decoded by the worker with Pillow as in the exact path, and shipped as full-size
-RGB: progressive JPEGs (nvJPEG decodes those on the host, one at a time), CMYK JPEGs, JPEGs over 16 MP, files
-that do not end in the JPEG end-of-image marker (truncated downloads: the worker's decode then fails, a
-recorded skip as in the exact path) and every other format. A JPEG the device decoder refuses is decoded alone with Pillow
-(laionkit.common.jpeg), or skipped ("undecodable") when Pillow refuses it too. The main process does this one
-batch ahead in a thread, on its own CUDA stream; on a CPU device it decodes with libjpeg-turbo (tests, parity).
+What the device cannot take is decoded by the worker with Pillow and shipped as RGB (JPEGs at the reduced DCT
+scale of ``--decode draft``, other files at full size): progressive JPEGs (nvJPEG decodes those on the host, one
+at a time), CMYK JPEGs, JPEGs over 16 MP, files that do not end in the JPEG end-of-image marker (truncated
+downloads: the worker's decode then fails, a recorded skip as in the exact path) and every other format. A JPEG
+the device decoder refuses is decoded alone with Pillow (laionkit.common.jpeg), or skipped ("undecodable") when
+Pillow refuses it too. The main process does this one batch ahead in a thread, on its own CUDA stream; on a CPU
+device it decodes with libjpeg-turbo (tests, parity).
 """
 
 from __future__ import annotations

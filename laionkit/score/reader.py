@@ -118,7 +118,7 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             texts, _ = caption_texts(sample, meta, self.captions, self.caption_key)  # encode's resolution, one definition
             item["captions"] = {name: texts.get(name, "") for name in self.captions}
         if self.device_decode:
-            return {**item, **self.device_input(data)}
+            return {**item, **self.device_input(data, self.draft_side)}
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if self.draft_side and image.format == "JPEG":
@@ -134,15 +134,18 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         return item
 
     @staticmethod
-    def device_input(data: bytes) -> dict:
+    def device_input(data: bytes, draft_side: int | None = None) -> dict:
         """--decode device: the size from the header, and the JPEG bytes as a 1-D uint8 tensor where the
-        device decodes them, else Pillow's full-size RGB (H, W, 3) (laionkit.score.pixels.device_decodable)."""
+        device decodes them (laionkit.score.pixels.device_decodable), else Pillow's RGB (H, W, 3): JPEGs at the
+        reduced DCT scale keeping ``draft_side`` as --decode draft decodes them, other files at full size."""
         from laionkit.score.pixels import device_decodable
 
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if device_decodable(image, data):
                 return {"width": width, "height": height, "images": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+            if draft_side and image.format == "JPEG":
+                image.draft("RGB", (draft_side, draft_side))
             image.load()
             rgb = image.convert("RGB")
         return {"width": width, "height": height, "images": torch.from_numpy(np.asarray(rgb).copy())}
