@@ -34,6 +34,7 @@ released layouts; numbers depend on the weights' shapes only.
     python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 4 batches per worker
     python scripts/bench_score.py --out results/ --clip-model ViT-H-14 --batch-sizes 256 512
     python scripts/bench_score.py --out results/ --labels core "core --decode device"
+    python scripts/bench_score.py --out results/ --labels "core --decode device" --progressive 0.3   # a web-like mix
     python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
 """
 
@@ -89,22 +90,60 @@ def _cycle_shard(job: tuple) -> None:
                         "json": json.dumps({"key": key, "caption": caption, "status": "success"})})
 
 
-def bench_shards(out: Path, count: int, shard_size: int, distinct: int, image_size: int) -> Path:
+def _progressive_tar(job: tuple) -> None:
+    """A copy of one distinct tar with every sample whose running index falls in ``share`` re-encoded as a
+    progressive JPEG (the same pixels through Pillow, quality 90)."""
+    import io
+    import tarfile as tarfile_module
+
+    from PIL import Image
+
+    source, target, first, share = job
+    with tarfile_module.open(source) as tar, tarfile_module.open(target, "w") as out:
+        index = first
+        for member in tar:
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".jpg"):
+                if int((index + 1) * share) > int(index * share):  # spread evenly: share of the samples
+                    buffer = io.BytesIO()
+                    Image.open(io.BytesIO(data)).save(buffer, format="JPEG", quality=90, progressive=True)
+                    data = buffer.getvalue()
+                index += 1
+            member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+
+
+def bench_shards(out: Path, count: int, shard_size: int, distinct: int, image_size: int,
+                 progressive: float = 0.0) -> Path:
     """``count`` tars of ``shard_size`` samples in pack's layout: ``distinct`` photo-like JPEGs generated
-    once (the slow part), cycled under distinct keys (decode, hash and forward cost the same per image)."""
+    once (the slow part), cycled under distinct keys (decode, hash and forward cost the same per image);
+    ``progressive``: the share of the distinct JPEGs re-encoded as progressive ones (web images mix both)."""
     from multiprocessing import Pool
 
-    folder = out / f"shards-{count}x{shard_size}-{distinct}-{image_size}"
+    tag = f"-p{progressive:g}" if progressive else ""
+    folder = out / f"shards-{count}x{shard_size}-{distinct}-{image_size}{tag}"
     if (folder / "complete").exists():
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     distinct_folder = out / f"distinct-{distinct}-{image_size}"
+    processes = min(8, os.cpu_count() or 1)
     if not (distinct_folder / "complete").exists():
         shutil.rmtree(distinct_folder, ignore_errors=True)
-        make_shards(distinct_folder, distinct, image_size, min(8, os.cpu_count() or 1), min(distinct, 256))
+        make_shards(distinct_folder, distinct, image_size, processes, min(distinct, 256))
         (distinct_folder / "complete").write_text("")
+    if progressive:
+        mixed = out / f"distinct-{distinct}-{image_size}{tag}"
+        if not (mixed / "complete").exists():
+            shutil.rmtree(mixed, ignore_errors=True)
+            mixed.mkdir(parents=True)
+            tars = sorted(distinct_folder.glob("*.tar"))
+            with Pool(processes) as pool:
+                pool.map(_progressive_tar, [(tar, mixed / tar.name, number * min(distinct, 256), progressive)
+                                            for number, tar in enumerate(tars)])
+            (mixed / "complete").write_text("")
+        distinct_folder = mixed
     folder.mkdir(parents=True)
-    with Pool(min(8, os.cpu_count() or 1)) as pool:
+    with Pool(processes) as pool:
         pool.map(_cycle_shard, [(folder / f"{shard:05d}.tar", shard, shard_size, distinct_folder)
                                 for shard in range(count)])
     (folder / "complete").write_text("")
@@ -188,6 +227,8 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=2048,
                         help="distinct JPEGs generated; the shards cycle through them under distinct keys")
     parser.add_argument("--image-size", type=int, default=512, help="short side of the generated JPEGs")
+    parser.add_argument("--progressive", type=float, default=0.0,
+                        help="share of the JPEGs made progressive (--decode device leaves those to the workers)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
@@ -213,10 +254,12 @@ def main() -> None:
                 for k, v in layer.state_dict().items()}, aesthetic)  # the released v2 predictor's keys
     count = args.shards or args.workers
     shard_size = max(1, args.images // count) if args.images else SHARD_BATCHES * max(args.batch_sizes)
-    shards = bench_shards(args.out, count, shard_size, min(args.distinct, count * shard_size), args.image_size)
+    shards = bench_shards(args.out, count, shard_size, min(args.distinct, count * shard_size), args.image_size,
+                          args.progressive)
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "clip_model": args.clip_model if not args.smoke else "tiny-clip-768", "images": shard_size * count,
-               "image_size": args.image_size, "cpus": os.cpu_count(), "shards": count, "shard_size": shard_size,
+               "image_size": args.image_size, "progressive": args.progressive, "cpus": os.cpu_count(), "shards": count,
+               "shard_size": shard_size,
                "bare": [], "score": [], "cpu_side": []}
     for batch in args.batch_sizes:
         results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
