@@ -228,7 +228,7 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
                            lambda shard, samples: shard_done(output, shard_stem(shard), settings, samples, config.overwrite))
     if not config.quiet:
         log(f"laionkit score: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
-            f"device {scorers.device}, dtype {settings['compute_dtype']}, columns "
+            f"device {scorers.device}, dtype {settings['compute_dtype']}, decode {config.decode}, columns "
             f"{', '.join(scorers.score_columns) or '(similarity only)'}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "seconds": 0.0}
     if todo:
