@@ -82,8 +82,8 @@ def luma(rgb: torch.Tensor) -> torch.Tensor:
 class DevicePixels:
     """Turns a batch of ``ScoreSamples(device_decode=True)`` (``jpegs``: the batch's JPEG files end to end in one
     uint8 tensor; ``images``: per row the length of its file there, or its worker-decoded (H, W, 3) uint8 RGB)
-    into the inputs the models take, on ``device``: ``clip`` and
-    ``watermark`` as (B, H, W, 3) uint8 (the layout the worker path ships) and ``phash`` as int64.
+    into the inputs the models take, on ``device``: ``clip`` and ``watermark`` as (B, H, W, 3) uint8 (the
+    layout the worker path ships) and ``phash`` as int64.
 
     Images of one size are resized together: pack's default ``--resize-mode center_crop`` makes every image of
     a shard the same size, so a batch is then one resize per input instead of one per image."""
