@@ -367,13 +367,18 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     monkeypatch.setattr("laionkit.score.pixels.DEVICE_MAX_PIXELS", 123 * 456 - 1)  # 456_123.jpg: 123 x 456 px
     assert not device_decodable(Image.open(io.BytesIO(baseline)), baseline)
     monkeypatch.undo()
-    assert ScoreSamples.device_input(baseline)["images"].dim() == 1  # bytes
-    assert ScoreSamples.device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
-    drafted = ScoreSamples.device_input(progressive, 100)  # at --decode draft's reduced DCT scale
+
+    def device_input(data: bytes, draft_side: int | None = None) -> dict:  # what a worker ships for one sample
+        samples = ScoreSamples([], None, True, False, 1, draft_side=draft_side, device_decode=True)
+        return samples.prepare({"__key__": "k", "jpg": data})
+
+    assert device_input(baseline)["images"].dim() == 1  # bytes
+    assert device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
+    drafted = device_input(progressive, 100)  # at --decode draft's reduced DCT scale
     assert drafted["images"].shape[:2] < (421, 321) and min(drafted["images"].shape[:2]) >= 100
     assert (drafted["width"], drafted["height"]) == (321, 421)  # the stored size, as exact records it
     with pytest.raises(OSError):
-        ScoreSamples.device_input(baseline[:-300])
+        device_input(baseline[:-300])
 
     _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
     transform, _ = split_clip_transform(preprocess)

@@ -34,6 +34,7 @@ from laionkit.encode.reader import (
     worker_share,
 )
 from laionkit.score.models import WATERMARK_SIZE
+from laionkit.score.pixels import device_decodable
 
 
 def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
@@ -57,8 +58,8 @@ class ScoreSamples(torch.utils.data.IterableDataset):
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
                  captions: Sequence[str] | None = None, device_decode: bool = False) -> None:
         super().__init__()
-        # --decode device: workers ship JPEG bytes (or Pillow's full-size RGB where the device cannot decode);
-        # laionkit.score.pixels makes the pixels and pHash on the device
+        # --decode device: workers ship JPEG bytes (or Pillow's RGB where the device cannot decode, JPEGs at
+        # draft_side); laionkit.score.pixels makes the pixels and pHash on the device
         self.device_decode = device_decode
         self.captions = tuple(captions or ())  # --captions: each named caption's text ("" where the sample lacks it)
         self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
@@ -117,38 +118,24 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         if self.captions:
             texts, _ = caption_texts(sample, meta, self.captions, self.caption_key)  # encode's resolution, one definition
             item["captions"] = {name: texts.get(name, "") for name in self.captions}
-        if self.device_decode:
-            return {**item, **self.device_input(data, self.draft_side)}
         with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
+            item.update(width=image.width, height=image.height)
+            if self.device_decode and device_decodable(image, data):  # the JPEG itself: decoded on the device
+                item["images"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                return item
             if self.draft_side and image.format == "JPEG":
                 image.draft("RGB", (self.draft_side, self.draft_side))
             image.load()
             rgb = image.convert("RGB")
+        if self.device_decode:  # decoded here (JPEGs at draft_side's reduced scale), resized on the device
+            item["images"] = torch.from_numpy(np.asarray(rgb).copy())
+            return item
         clip = self.clip_transform(rgb)
-        item.update(width=width, height=height, phash=phash(rgb),
-                    clip=torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip)
+        item.update(phash=phash(rgb), clip=torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip)
         if self.watermark:  # LAION's T.Resize((256, 256)) on a PIL image: a bilinear (antialiased) squash
             squashed = rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR)
             item["watermark"] = torch.from_numpy(np.asarray(squashed).copy())
         return item
-
-    @staticmethod
-    def device_input(data: bytes, draft_side: int | None = None) -> dict:
-        """--decode device: the size from the header, and the JPEG bytes as a 1-D uint8 tensor where the
-        device decodes them (laionkit.score.pixels.device_decodable), else Pillow's RGB (H, W, 3): JPEGs at the
-        reduced DCT scale keeping ``draft_side`` as --decode draft decodes them, other files at full size."""
-        from laionkit.score.pixels import device_decodable
-
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            if device_decodable(image, data):
-                return {"width": width, "height": height, "images": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
-            if draft_side and image.format == "JPEG":
-                image.draft("RGB", (draft_side, draft_side))
-            image.load()
-            rgb = image.convert("RGB")
-        return {"width": width, "height": height, "images": torch.from_numpy(np.asarray(rgb).copy())}
 
     @staticmethod
     def collate(shard: str, items: list[dict]) -> dict:
