@@ -7,15 +7,25 @@ import queue
 import threading
 from collections.abc import Iterator
 
+import torch
 
-def background(items: Iterator, depth: int, name: str) -> Iterator:
-    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer."""
+
+def background(items: Iterator, depth: int, name: str, device: torch.device | None = None) -> Iterator:
+    """Run an iterator in a thread, ``depth`` items ahead; its exceptions re-raise in the consumer.
+
+    With a CUDA ``device``, the thread makes it current first (a new thread starts on cuda:0, and this rank's
+    device may be another); a ``cuda`` device without an index means the consumer's current one."""
     box: queue.Queue = queue.Queue(maxsize=depth)
     end = object()
     stop = threading.Event()
+    index = None
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
 
     def produce() -> None:
         try:
+            if index is not None:
+                torch.cuda.set_device(index)
             for item in items:
                 while not stop.is_set():
                     try:

@@ -203,7 +203,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
         with torch.inference_mode():
             if config.compile and not buckets:
                 _warm_up(encoders, config)
-            for item in background(prepared, QUEUE_DEPTH, "laionkit-prepare"):
+            for item in background(prepared, QUEUE_DEPTH, "laionkit-prepare", encoders.device):
                 started = started or time.perf_counter()
                 if isinstance(item, ShardDone):
                     writer.put(item)

@@ -112,8 +112,6 @@ def _prepared(loader, encoders: Encoders, channels_last: bool) -> Iterator:
         Under inference_mode, as the encode loop and its compile warm-up are (the mode is per thread, and
         this runs in the prepare thread): a compiled graph guards on it, and a normal tensor after the
         warm-up's inference tensors recompiled both encoders inside the first run's timed loop."""
-        if prep_stream is not None:
-            torch.cuda.set_device(device)  # a new thread starts on cuda:0; this rank's device may be another
         with torch.inference_mode():
             for item in loader:
                 if isinstance(item, ShardDone):

@@ -267,8 +267,7 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device) -> Itera
     in a thread, batches ahead of the models): (batch, skips, ready event or None); ShardDone passes through."""
     stream = None
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # a new thread starts on cuda:0; this rank's device may be another
-        stream = torch.cuda.Stream(device)
+        stream = torch.cuda.Stream()  # the current device: background() made it this rank's
     with torch.inference_mode():  # per thread: the models' loop runs under it too
         for item in loader:
             if isinstance(item, ShardDone):
@@ -292,7 +291,8 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             raise LaionkitError(f"--decode device: --clip-model {config.clip_model}'s preprocess is not resize/crop "
                                 "steps, ToTensor and Normalize; use --decode exact or draft")
         pixels = DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
-        loader = background(_device_batches(loader, pixels, scorers.device), QUEUE_DEPTH, "laionkit-score-pixels")
+        loader = background(_device_batches(loader, pixels, scorers.device), QUEUE_DEPTH, "laionkit-score-pixels",
+                            scorers.device)
     pending: dict[str, dict] = {}
     summary = {"samples_out": 0, "skipped": 0}
     first = None
