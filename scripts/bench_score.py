@@ -10,12 +10,15 @@ Measured in one run, one after the other on the same device:
     image + caption embeddings, aesthetic v2 and NSFW heads (``core``: what NeMo Curator's floor counts:
     read + embed + aesthetic), the same with ``--decode draft`` (JPEGs decoded at a reduced DCT scale: less
     CPU per image), with ``--decode device`` (workers read and hash; baseline JPEGs are decoded by nvJPEG and
-    resized on the GPU; the generated JPEGs are all baseline, as Pillow writes them), and again with LAION's
+    resized on the GPU; the generated JPEGs are all baseline, as Pillow writes them), with ``--decode
+    draft-device`` (workers decode at the draft scale, the GPU resizes and hashes), and again with LAION's
     watermark detector (``+watermark``: an EfficientNet-B3 forward at 256 px per image on top);
 (c) the CPU side alone: the same workers reading and preparing the same shards through score's own
     DataLoader dataset (laionkit.score.reader.ScoreSamples: read, decode, sha256, pHash, CLIP pixels; per
     label, as (b) runs it; with --decode device: read, sha256 and the JPEG header only) with no model, which
     bounds (b) from above on a host with few cores per GPU.
+
+The json is rewritten after each row, so a run cut short by a time limit keeps the rows it finished.
 
 Rates are samples / seconds from run() called (models already loaded) to its return, for (b) and (c) alike
 (``loop_seconds`` is kept: from the first batch's arrival, which counts the samples decoded before it and
@@ -34,6 +37,7 @@ released layouts; numbers depend on the weights' shapes only.
     python scripts/bench_score.py --out results/                      # H200: ViT-L-14, 4 batches per worker
     python scripts/bench_score.py --out results/ --clip-model ViT-H-14 --batch-sizes 256 512
     python scripts/bench_score.py --out results/ --labels core "core --decode device"
+    python scripts/bench_score.py --out results/ --labels "core --decode draft" "core --decode draft-device"
     python scripts/bench_score.py --out results/ --labels "core --decode device" --progressive 0.3   # a web-like mix
     python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
 """
@@ -63,7 +67,9 @@ NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 
 SHARD_BATCHES = 4
 # (b)'s runs: core (read + embed + aesthetic + NSFW), the same decoded three ways, and with the watermark detector
 LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --decode device", {"decode": "device"}),
-          ("+watermark", {}), ("+watermark --decode device", {"decode": "device"}))
+          ("core --decode draft-device", {"decode": "draft-device"}), ("+watermark", {}),
+          ("+watermark --decode draft", {"decode": "draft"}), ("+watermark --decode device", {"decode": "device"}),
+          ("+watermark --decode draft-device", {"decode": "draft-device"}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -281,7 +287,7 @@ def main() -> None:
             found["vs_nemo_floor_per_gpu"] = found["images_per_s"] / NEMO_FLOOR_PER_GPU
             results["score"].append(found)
             print(json.dumps(found), flush=True)
-    (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")
+            (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")  # a row at a time
     print(f"wrote {args.out / 'bench_score.json'}")
 
 

@@ -330,12 +330,14 @@ def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, sc
     assert cosine.min() > 0.9, cosine
 
 
-def test_decode_device_matches_exact_within_resampling(tmp_path, scored, shards, score_models, realdata):
+@pytest.mark.parametrize("mode", ["device", "draft-device"])
+def test_decode_device_matches_exact_within_resampling(mode, tmp_path, scored, shards, score_models, realdata):
     """--decode device: workers read and hash; the main process decodes baseline JPEGs (here 2 of 8: the other
     photos are progressive JPEGs, a WebP and a PNG, which workers decode) and makes CLIP / watermark pixels and
-    pHash on its device (libjpeg-turbo and torch on this CPU; nvJPEG on CUDA). Rows, keys, sizes and hashes equal
-    exact's; embeddings and scores differ by resampling's rounding only, a pHash by a bit or two at most."""
-    run_cli(*score_args(shards, tmp_path / "out", score_models, realdata, "--decode", "device", "--workers", "2"))
+    pHash on its device (libjpeg-turbo and torch on this CPU; nvJPEG on CUDA). --decode draft-device: workers
+    decode every file (JPEGs at draft's scale), the device makes the pixels and pHash. Rows, keys, sizes and
+    hashes equal exact's; embeddings and scores differ by resampling's rounding only, a pHash by a bit or two."""
+    run_cli(*score_args(shards, tmp_path / "out", score_models, realdata, "--decode", mode, "--workers", "2"))
     exact, device = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
     assert list(device["key"]) == list(exact["key"]) and len(device) == 8
     for column in ("width", "height", "sha256", "caption", "source"):
@@ -347,7 +349,7 @@ def test_decode_device_matches_exact_within_resampling(tmp_path, scored, shards,
         cosine = (np.load(tmp_path / "out" / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32)
                   * np.load(scored / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32)).sum(1)
         assert cosine.min() > 0.999, cosine
-    assert json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]["decode"] == "device"
+    assert json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]["decode"] == mode
 
 
 def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
@@ -368,11 +370,13 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     assert not device_decodable(Image.open(io.BytesIO(baseline)), baseline)
     monkeypatch.undo()
 
-    def device_input(data: bytes, draft_side: int | None = None) -> dict:  # what a worker ships for one sample
-        samples = ScoreSamples([], None, True, False, 1, draft_side=draft_side, device_decode=True)
+    def device_input(data: bytes, draft_side: int | None = None, jpegs: bool = True) -> dict:  # a worker's sample
+        samples = ScoreSamples([], None, True, False, 1, draft_side=draft_side, device_decode=True,
+                               device_jpegs=jpegs)
         return samples.prepare({"__key__": "k", "jpg": data})
 
     assert device_input(baseline)["images"].dim() == 1  # bytes
+    assert device_input(baseline, jpegs=False)["images"].shape == (123, 456, 3)  # draft-device: the worker decodes
     assert device_input(progressive)["images"].shape == (421, 321, 3)  # worker-decoded RGB
     drafted = device_input(progressive, 100)  # at --decode draft's reduced DCT scale
     assert drafted["images"].shape[:2] < (421, 321) and min(drafted["images"].shape[:2]) >= 100
@@ -385,10 +389,13 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     other = (realdata / "images" / "123_456.jpg").read_bytes()  # baseline too, another size
     junk = b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9"
 
-    def batch_of(*files: bytes) -> dict:
+    def batch_of(*files: bytes, decoded: tuple[int, ...] = ()) -> dict:
+        """A collated batch: each file as its bytes, or (rows in ``decoded``) as the worker's Pillow RGB."""
         keys = ["a", "junk", "b", "c"][: len(files)] if len(files) > 1 else ["b"]
         items = [{"key": key, "source": None, "caption": key, "width": index, "height": index, "sha256": key,
-                  "captions": {"alt": key}, "images": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+                  "captions": {"alt": key},
+                  "images": torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy())
+                  if index in decoded else torch.frombuffer(bytearray(data), dtype=torch.uint8)}
                  for index, (key, data) in enumerate(zip(keys, files))]
         return ScoreSamples.collate("00000", items)  # as the DataLoader's workers batch them
 
@@ -404,3 +411,12 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
         assert not out[name][0].equal(out[name][1]), name
     for row, data in ((0, baseline), (1, other)):
         assert hamming(int(out["phash"][row]), phash(Image.open(io.BytesIO(data)).convert("RGB"))) <= 2
+    # worker-decoded RGB of two sizes travels as one flat tensor; each row gets its own image back, in order
+    mixed, _ = pixels(batch_of(baseline, other, progressive, baseline, decoded=(1, 2)))
+    shipped = batch_of(baseline, other, progressive, baseline, decoded=(1, 2))
+    assert shipped["images"][1:3] == [(456, 123, 3), (421, 321, 3)] and shipped["rgb"].numel() == 3 * (123 * 456 + 421 * 321)
+    assert mixed["key"] == ["a", "junk", "b", "c"]
+    for name in ("clip", "watermark", "phash"):
+        assert mixed[name][0].equal(out[name][0]) and mixed[name][3].equal(out[name][0]), name
+    assert (mixed["clip"][1].int() - out["clip"][1].int()).abs().max() <= 2  # Pillow's vs the device's IDCT
+    assert hamming(int(mixed["phash"][2]), phash(Image.open(io.BytesIO(progressive)).convert("RGB"))) <= 2

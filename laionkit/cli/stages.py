@@ -189,7 +189,9 @@ def pack(
 
     laionkit score captioned/ --captions alt,vlm --output scored   # similarity_alt, similarity_vlm: encode --caption-scores scored
 
-    laionkit score out/shards --output out/scored --batch-size 512 --decode device   # few CPU cores per GPU: decode on the GPU
+    laionkit score out/shards --output out/scored --batch-size 512 --decode draft   # less CPU per JPEG, values slightly different
+
+    laionkit score out/shards --output out/scored --batch-size 512 --decode draft-device   # few CPU cores per GPU: resize on it
 
     laionkit models tiny-eval --output m && laionkit score out/shards --output s --clip-model m/tiny-clip.json --clip-pretrained m/tiny-clip.safetensors   # offline
 """)
@@ -218,7 +220,8 @@ def score(
         "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "
         "CPU per large JPEG, values slightly different; device: workers only read and hash, baseline JPEGs are "
         "decoded and resized on the device (nvJPEG on CUDA) for hosts with few CPU cores per GPU, values slightly "
-        "different.")] = "exact",
+        "different; draft-device: workers decode as draft does, the device resizes and hashes (about half of "
+        "draft's CPU time per image moves to the GPU).")] = "exact",
     caption_key: Annotated[Optional[str], typer.Option(
         help="Where captions are (a member or a json key); default: .txt, .caption, json caption / text / TEXT.")] = None,
     captions: Annotated[Optional[str], typer.Option(

@@ -31,7 +31,7 @@ from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, sto
 from laionkit.common.background import background
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
-from laionkit.score.config import ScoreConfig
+from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
 from laionkit.score.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -249,13 +249,13 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
     benchmark times it alone)."""
     clip_transform = scorers.pil_transform or scorers.preprocess
     draft_side = None
-    if config.decode in ("draft", "device"):  # device: for the JPEGs the workers still decode (progressive ones)
+    if config.decode != "exact":  # device: for the JPEGs the workers still decode (progressive ones)
         side = scorers.clip.visual.image_size
         draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
                          WATERMARK_SIZE if scorers.watermark is not None else 0)
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
                            config.batch_size, config.caption_key, draft_side, scorers.captions,
-                           device_decode=config.decode == "device")
+                           device_decode=config.decode in DEVICE_PIXEL_MODES, device_jpegs=config.decode == "device")
     workers = min(config.workers, len(todo))
     return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
@@ -285,10 +285,10 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device) -> Itera
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
                   output: Location, progress: tqdm) -> dict:
     loader = score_loader(config, scorers, todo)
-    device_decode = config.decode == "device"
+    device_decode = config.decode in DEVICE_PIXEL_MODES
     if device_decode:
         if scorers.pil_transform is None:
-            raise LaionkitError(f"--decode device: --clip-model {config.clip_model}'s preprocess is not resize/crop "
+            raise LaionkitError(f"--decode {config.decode}: --clip-model {config.clip_model}'s preprocess is not resize/crop "
                                 "steps, ToTensor and Normalize; use --decode exact or draft")
         pixels = DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
         loader = background(_device_batches(loader, pixels, scorers.device), QUEUE_DEPTH, "laionkit-score-pixels",

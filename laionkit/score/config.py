@@ -13,8 +13,12 @@ COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 # the models take (CLIP's side, 256 px for the watermark detector): several times less CPU per large JPEG,
 # deterministic, but pHash bits and embeddings differ slightly from a full decode's; device: workers only read and
 # hash, JPEGs are decoded and resized on the stage's device (nvJPEG on CUDA; laionkit.score.pixels), for hosts
-# whose CPUs cannot keep the GPU fed: pixels differ from exact's by a few levels, a pHash bit at times.
-DECODE_MODES = ("exact", "draft", "device")
+# whose CPUs cannot keep the GPU fed: pixels differ from exact's by a few levels, a pHash bit at times;
+# draft-device: the workers decode as draft does and ship the RGB, the device resizes it and computes the pHash
+# (laionkit.score.pixels): the half of draft's worker time that is resizing moves to the GPU, the decode stays on
+# the CPU cores, where torchvision's nvJPEG path does its Huffman step in one host thread.
+DECODE_MODES = ("exact", "draft", "device", "draft-device")
+DEVICE_PIXEL_MODES = ("device", "draft-device")  # the device makes the model inputs and the pHash
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""score ``--decode device``: JPEGs decoded and resized on the stage's device instead of in DataLoader workers.
+"""score ``--decode device`` and ``draft-device``: images resized and hashed on the stage's device instead of in
+DataLoader workers (``device``: baseline JPEGs decoded there too).
 
 On a host with few CPU cores per GPU, decoding and resizing in the workers bounds the stage (docs/BENCHMARKS.md,
 score). With ``--decode device`` the workers only read the shard, hash the bytes and parse the JPEG header; the
@@ -20,12 +21,16 @@ downloads: the worker's decode then fails, a recorded skip as in the exact path)
 the device decoder refuses is decoded alone with Pillow (laionkit.common.jpeg), or skipped ("undecodable") when
 Pillow refuses it too. The main process does this one batch ahead in a thread, on its own CUDA stream; on a CPU
 device it decodes with libjpeg-turbo (tests, parity).
+
+``--decode draft-device`` sends every file down the worker path above (JPEGs at the draft scale): the decode stays
+on the CPU cores and the resizing and pHash, the other half of a ``draft`` worker's time, run here.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +104,7 @@ class DevicePixels:
 
     def __call__(self, batch: dict) -> tuple[dict, list[dict]]:
         """(the batch with clip / watermark / phash and without undecodable samples, their skip records)."""
-        images = self.decode(batch.pop("jpegs"), batch.pop("images"))
+        images = self.decode(batch.pop("jpegs"), batch.pop("rgb"), batch.pop("images"))
         skips = [{"key": batch["key"][index], "reason": "undecodable", "error": error}
                  for index, error in enumerate(images) if isinstance(error, str)]
         if skips:
@@ -121,17 +126,23 @@ class DevicePixels:
             batch["phash"] = self.phash(groups)[back]
         return batch, skips
 
-    def decode(self, jpegs: torch.Tensor, rows: list[int | torch.Tensor]) -> list[torch.Tensor | str]:
-        """(3, H, W) uint8 RGB on the device per row, or the error text of one that cannot be decoded."""
+    def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]]
+               ) -> list[torch.Tensor | str]:
+        """(3, H, W) uint8 RGB on the device per row, or the error text of one that cannot be decoded. A row is
+        its JPEG's length in ``jpegs`` (decoded here) or the (H, W, 3) shape of its worker-decoded RGB in ``rgb``."""
         images: list[torch.Tensor | str] = [None] * len(rows)  # type: ignore[list-item]
         ends = list(itertools.accumulate([0, *(row for row in rows if isinstance(row, int))]))
         files = [jpegs[start:end] for start, end in zip(ends, ends[1:])]
         indices = [index for index, row in enumerate(rows) if isinstance(row, int)]
         for index, image in zip(indices, decode_jpegs(files, self.device)):
             images[index] = image
+        decoded = rgb.to(self.device, non_blocking=True)  # one copy for the batch's worker-decoded images
+        start = 0
         for index, row in enumerate(rows):
-            if isinstance(row, torch.Tensor):  # decoded by the worker
-                images[index] = row.to(self.device, non_blocking=True).permute(2, 0, 1)
+            if not isinstance(row, int):  # a shape (the DataLoader may hand the tuple over as a list)
+                end = start + math.prod(row)
+                images[index] = decoded[start:end].view(*row).permute(2, 0, 1)
+                start = end
         return images
 
     def _squash(self, images: torch.Tensor) -> torch.Tensor:

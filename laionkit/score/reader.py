@@ -2,7 +2,8 @@
 parquet and files formats, local or URL), decodes each image once, and turns it into everything the
 device needs (CLIP and watermark pixels as uint8) and everything hashed on the CPU (sha256 of the
 bytes, pHash, size). With ``--decode device`` a worker hashes the bytes and reads the header only, and ships
-the JPEG itself where the device decodes it (laionkit.score.pixels makes pixels and pHash there).
+the JPEG itself where the device decodes it; with ``draft-device`` it decodes every file (JPEGs at the draft
+scale) and ships the RGB (laionkit.score.pixels makes pixels and pHash on the device in both).
 
 Batches never span shards and follow the shard's sample order, so outputs do not depend on workers or
 ranks. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
@@ -56,11 +57,13 @@ class ScoreSamples(torch.utils.data.IterableDataset):
 
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
-                 captions: Sequence[str] | None = None, device_decode: bool = False) -> None:
+                 captions: Sequence[str] | None = None, device_decode: bool = False,
+                 device_jpegs: bool = True) -> None:
         super().__init__()
-        # --decode device: workers ship JPEG bytes (or Pillow's RGB where the device cannot decode, JPEGs at
-        # draft_side); laionkit.score.pixels makes the pixels and pHash on the device
+        # --decode device / draft-device: workers ship Pillow's RGB (JPEGs at draft_side) and, with device_jpegs
+        # (device), the JPEGs the device decodes as bytes; laionkit.score.pixels makes the pixels and pHash there
         self.device_decode = device_decode
+        self.device_jpegs = device_jpegs
         self.captions = tuple(captions or ())  # --captions: each named caption's text ("" where the sample lacks it)
         self.draft_side = draft_side  # --decode draft: JPEGs decoded at the smallest DCT scale keeping this side
         self.shards = list(shards)
@@ -120,7 +123,7 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             item["captions"] = {name: texts.get(name, "") for name in self.captions}
         with Image.open(io.BytesIO(data)) as image:
             item.update(width=image.width, height=image.height)
-            if self.device_decode and device_decodable(image, data):  # the JPEG itself: decoded on the device
+            if self.device_decode and self.device_jpegs and device_decodable(image, data):  # the JPEG itself: decoded on the device
                 item["images"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 return item
             if self.draft_side and image.format == "JPEG":
@@ -145,12 +148,16 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         batch["shard"] = shard
         if "captions" in items[0]:
             batch["captions"] = {name: [item["captions"][name] for item in items] for name in items[0]["captions"]}
-        for name in ("clip", "watermark"):  # the worker-decode paths; --decode device ships "images" instead
+        for name in ("clip", "watermark"):  # the worker-resize paths; the device-pixel modes ship "images" instead
             if name in items[0]:
                 batch[name] = torch.stack([item[name] for item in items])
-        if "images" in batch:  # --decode device: the JPEGs as one tensor (one shared-memory handle and one pin per
-            # batch, not one per image); a row holds its JPEG's length there, or its worker-decoded RGB
-            jpegs = [image for image in batch["images"] if image.dim() == 1]
+        if "images" in batch:  # device-pixel modes: the JPEGs end to end as one tensor and the worker-decoded RGB
+            # as another (one shared-memory handle and one pin each per batch, not one per image); a row holds its
+            # JPEG's length (an int) or its RGB's (H, W, 3) shape (a tuple)
+            rows = batch["images"]
+            jpegs = [image for image in rows if image.dim() == 1]
+            decoded = [image.reshape(-1) for image in rows if image.dim() == 3]
             batch["jpegs"] = torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8)
-            batch["images"] = [image.numel() if image.dim() == 1 else image for image in batch["images"]]
+            batch["rgb"] = torch.cat(decoded) if decoded else torch.empty(0, dtype=torch.uint8)
+            batch["images"] = [image.numel() if image.dim() == 1 else tuple(image.shape) for image in rows]
         return batch
