@@ -124,20 +124,19 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         with Image.open(io.BytesIO(data)) as image:
             item.update(width=image.width, height=image.height)
             if self.device_decode and self.device_jpegs and device_decodable(image, data):  # the JPEG itself: decoded on the device
-                item["images"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                item["images"] = data  # bytes: collate puts the batch's files end to end
                 return item
             if self.draft_side and image.format == "JPEG":
                 image.draft("RGB", (self.draft_side, self.draft_side))
             image.load()
             rgb = image.convert("RGB")
         if self.device_decode:  # decoded here (JPEGs at draft_side's reduced scale), resized on the device
-            item["images"] = torch.from_numpy(np.asarray(rgb).copy())
+            item["images"] = np.asarray(rgb)
             return item
         clip = self.clip_transform(rgb)
-        item.update(phash=phash(rgb), clip=torch.from_numpy(np.asarray(clip).copy()) if self.clip_uint8 else clip)
+        item.update(phash=phash(rgb), clip=np.asarray(clip) if self.clip_uint8 else clip)
         if self.watermark:  # LAION's T.Resize((256, 256)) on a PIL image: a bilinear (antialiased) squash
-            squashed = rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR)
-            item["watermark"] = torch.from_numpy(np.asarray(squashed).copy())
+            item["watermark"] = np.asarray(rgb.resize((WATERMARK_SIZE, WATERMARK_SIZE), Image.Resampling.BILINEAR))
         return item
 
     @staticmethod
@@ -150,14 +149,32 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             batch["captions"] = {name: [item["captions"][name] for item in items] for name in items[0]["captions"]}
         for name in ("clip", "watermark"):  # the worker-resize paths; the device-pixel modes ship "images" instead
             if name in items[0]:
-                batch[name] = torch.stack([item[name] for item in items])
+                pixels = [item[name] for item in items]
+                batch[name] = (joined(pixels).view(len(items), *pixels[0].shape) if isinstance(pixels[0], np.ndarray)
+                               else torch.stack(pixels))  # uint8 arrays, or the whole transform's float tensors
         if "images" in batch:  # device-pixel modes: the JPEGs end to end as one tensor and the worker-decoded RGB
             # as another (one shared-memory handle and one pin each per batch, not one per image); a row holds its
             # JPEG's length (an int) or its RGB's (H, W, 3) shape (a tuple)
             rows = batch["images"]
-            jpegs = [image for image in rows if image.dim() == 1]
-            decoded = [image.reshape(-1) for image in rows if image.dim() == 3]
-            batch["jpegs"] = torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8)
-            batch["rgb"] = torch.cat(decoded) if decoded else torch.empty(0, dtype=torch.uint8)
-            batch["images"] = [image.numel() if image.dim() == 1 else tuple(image.shape) for image in rows]
+            batch["jpegs"] = joined([image for image in rows if isinstance(image, bytes)])
+            batch["rgb"] = joined([image for image in rows if not isinstance(image, bytes)])
+            batch["images"] = [len(image) if isinstance(image, bytes) else image.shape for image in rows]
         return batch
+
+
+def joined(parts: Sequence[bytes | np.ndarray]) -> torch.Tensor:
+    """``parts`` (bytes or uint8 arrays) end to end in one flat uint8 tensor: one copy each. Inside a DataLoader
+    worker the tensor is made in shared memory, as torch's own default_collate makes its batches, so handing it to
+    the main process copies nothing more."""
+    sizes = [len(part) if isinstance(part, bytes) else part.size for part in parts]
+    total = sum(sizes)
+    if torch.utils.data.get_worker_info() is not None and total:
+        out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
+    else:
+        out = torch.empty(total, dtype=torch.uint8)
+    flat = out.numpy()
+    start = 0
+    for part, size in zip(parts, sizes):
+        flat[start:start + size] = np.frombuffer(part, dtype=np.uint8) if isinstance(part, bytes) else part.reshape(-1)
+        start += size
+    return out
