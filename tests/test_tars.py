@@ -77,3 +77,31 @@ def test_gzipped_tars_are_counted_through_tarfile(tmp_path):
             target.addfile(member, source.extractfile(member) if member.isreg() else None)
     assert tars._count_local(str(packed)) is None
     assert tars.count_samples(packed) == tars.count_samples(plain) == tarfile_count(plain)
+
+
+def samples_or_error(files) -> list | str:
+    """group_by_keys over ``files`` as unit_samples reads a shard: the samples, or the error's type."""
+    import webdataset as wds
+
+    try:
+        return list(wds.tariterators.group_by_keys(files))
+    except Exception as error:  # noqa: BLE001 - the comparison is of what each reader raises
+        return type(error).__name__
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_header_reader_yields_webdatasets_samples_and_errors(fmt, tmp_path):
+    """tar_files (what encode, score and caption read local tars with) against webdataset's tarfile reader on
+    the same files: the same samples in the same order, bytes included, or the same error, whole or cut."""
+    import webdataset as wds
+
+    rng = random.Random(fmt + 7)
+    for trial in range(15):
+        path = tmp_path / f"{trial}.tar"
+        random_tar(path, fmt, rng)
+        data = path.read_bytes()
+        for cut in {len(data), 1536, len(data) - 1024, rng.randrange(1, len(data)), rng.randrange(1, len(data))}:
+            (tmp_path / "cut.tar").write_bytes(data[:cut])
+            with open(tmp_path / "cut.tar", "rb") as handle:
+                expected = samples_or_error(wds.tariterators.tar_file_expander([{"url": "u", "stream": handle}]))
+            assert samples_or_error(tars.tar_files(str(tmp_path / "cut.tar"), "u")) == expected, (trial, cut)

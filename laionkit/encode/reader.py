@@ -26,7 +26,7 @@ from PIL import Image
 from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError, split
 from laionkit.common.storage import Location
-from laionkit.common.tars import count_samples
+from laionkit.common.tars import count_samples, tar_files
 from laionkit.encode.caption_scores import read_shard_scores
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "webp", "png")
@@ -241,9 +241,11 @@ def unit_samples(shard: Location, stream: ExitStack) -> Iterator[dict]:
     writes them beside a tar's image."""
     kind = unit_kind(shard)
     if kind == "tar":
-        # One sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding.
-        handle = stream.enter_context(shard.open_read(prefetch=0 if shard.local else 4))
-        files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
+        if shard.local:  # read from its headers (common.tars), webdataset's members exactly
+            files = tar_files(shard.path, str(shard))
+        else:  # one sequential pass: a remote tar is streamed with read-ahead, so downloads overlap decoding
+            handle = stream.enter_context(shard.open_read(prefetch=4))
+            files = wds.tariterators.tar_file_expander([{"url": str(shard), "stream": handle}])
         yield from wds.tariterators.group_by_keys(files)
     elif kind == "files":
         for key, members in _files_members(shard).items():
