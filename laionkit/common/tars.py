@@ -82,10 +82,15 @@ def _members(handle) -> Iterator[tuple[str, int, int]]:
         if size is None or stored != sum(block[:148]) + 256 + sum(block[156:]):
             raise _Unusual("base-256 size or checksum")
         kind = block[156:157]
+        if kind == b"\0" and block[:100].split(b"\0", 1)[0].endswith(b"/"):
+            kind = b"5"  # tarfile reads an old-style regular file named like a folder as a directory
         data_offset = offset + 512
         if kind not in (b"x", b"L", b"K"):
             size = int(pending.get("size", size))
-        offset = data_offset + (size + 511) // 512 * 512
+        # tarfile skips data after regular members and records only: links and folders have none, whatever
+        # their size field says
+        skip = 0 if kind in (b"1", b"2", b"3", b"4", b"5", b"6") else size
+        offset = data_offset + (skip + 511) // 512 * 512
         if offset > length:  # a member's data cut short: tarfile's "unexpected end of data"
             raise _Unusual("cut")
         if kind in (b"x", b"L"):
@@ -104,7 +109,7 @@ def _members(handle) -> Iterator[tuple[str, int, int]]:
                     if prefix and kind not in _GNU:
                         name = prefix + "/" + name
                 pending.clear()
-                if kind in _REGULAR and not (kind == b"\0" and name.endswith("/")) and not _META.match(name):
+                if kind in _REGULAR and not _META.match(name):
                     yield name, data_offset, size
         else:
             raise _Unusual("global pax, sparse or vendor member")
