@@ -414,7 +414,7 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
     mixed, _ = pixels(batch_of(baseline, other, progressive, baseline, decoded=(1, 2)))
     shipped = batch_of(baseline, other, progressive, baseline, decoded=(1, 2))
     assert shipped["images"][1:3] == [(456, 123, 3), (421, 321, 3)] and shipped["rgb"].numel() == 3 * (123 * 456 + 421 * 321)
-    assert mixed["key"] == ["a", "junk", "b", "c"]
+    assert mixed["key"] == ["a", "junk", "b", "c"]  # batch_of's four keys; no file is junk here, none is skipped
     for name in ("clip", "watermark", "phash"):
         assert mixed[name][0].equal(out[name][0]) and mixed[name][3].equal(out[name][0]), name
     assert (mixed["clip"][1].int() - out["clip"][1].int()).abs().max() <= 2  # Pillow's vs the device's IDCT
