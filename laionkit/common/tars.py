@@ -19,8 +19,6 @@ def count_samples(path: str | os.PathLike[str]) -> int:
     is key ``./000``), and a sample is a run of consecutive members with one key. ``path`` may be a URL
     (s3://...): the tar is then read through its headers, seeking over member data.
     """
-    from webdataset.tariterators import base_plus_ext
-
     from laionkit.common.storage import Location
 
     location = Location.parse(path)
@@ -31,16 +29,10 @@ def count_samples(path: str | os.PathLike[str]) -> int:
             raise LaionkitError(f"cannot read shard {path}: {error}") from error
         if found is not None:
             return found
-    samples, key = 0, None
     handle = None if location.local else location.open_read(block_size=2**20)
     try:
         with tarfile.open(location.path if handle is None else None, "r:*", fileobj=handle) as tar:
-            for member in tar:
-                if not member.isreg() or re.match(r"__[^/]*__($|/)", member.name):
-                    continue
-                prefix, _ = base_plus_ext(member.name)
-                if prefix is not None and prefix != key:
-                    samples, key = samples + 1, prefix
+            samples = _count_keys(member.name for member in tar if member.isreg() and not _META.match(member.name))
     except (tarfile.TarError, OSError, EOFError) as error:
         raise LaionkitError(f"cannot read shard {path}: {error}") from error
     finally:
@@ -51,7 +43,20 @@ def count_samples(path: str | os.PathLike[str]) -> int:
 
 _REGULAR = (b"0", b"\0", b"7")  # tarfile's REGULAR_TYPES but sparse files (those take the tarfile path)
 _GNU = (b"L", b"K")  # long name / long link records: the prefix field is not a ustar prefix there
-_META = re.compile(r"__[^/]*__($|/)")
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, folders, fifos: tarfile reads no data after them
+
+
+def _count_keys(names: Iterator[str]) -> int:
+    """Samples among a tar's regular, non-meta member names, in order: runs of one key, as webdataset groups."""
+    from webdataset.tariterators import base_plus_ext
+
+    samples, key = 0, None
+    for name in names:
+        prefix, _ = base_plus_ext(name)
+        if prefix is not None and prefix != key:
+            samples, key = samples + 1, prefix
+    return samples
 
 
 class _Unusual(Exception):
@@ -87,9 +92,7 @@ def _members(handle) -> Iterator[tuple[str, int, int]]:
         data_offset = offset + 512
         if kind not in (b"x", b"L", b"K"):
             size = int(pending.get("size", size))
-        # tarfile skips data after regular members and records only: links and folders have none, whatever
-        # their size field says
-        skip = 0 if kind in (b"1", b"2", b"3", b"4", b"5", b"6") else size
+        skip = 0 if kind in _NO_DATA else size  # whatever a link's or folder's size field says
         offset = data_offset + (skip + 511) // 512 * 512
         if offset > length:  # a member's data cut short: tarfile's "unexpected end of data"
             raise _Unusual("cut")
@@ -100,7 +103,7 @@ def _members(handle) -> Iterator[tuple[str, int, int]]:
                 pending["path"] = record.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             else:
                 pending.update(_pax(record))
-        elif kind in _REGULAR or kind in (b"1", b"2", b"3", b"4", b"5", b"6", b"K"):
+        elif kind in _REGULAR or kind in _NO_DATA or kind == b"K":
             if kind != b"K":
                 name = pending.pop("path", None)
                 if name is None:
@@ -119,18 +122,11 @@ def _members(handle) -> Iterator[tuple[str, int, int]]:
 def _count_local(path: str) -> int | None:
     """count_samples of a plain local tar from its headers (a few times faster than tarfile, which a stage
     would pay once per shard before it starts); None where tarfile must decide."""
-    from webdataset.tariterators import base_plus_ext
-
-    samples, key = 0, None
     with open(path, "rb") as handle:
         try:
-            for name, _, _ in _members(handle):
-                prefix, _ = base_plus_ext(name)
-                if prefix is not None and prefix != key:
-                    samples, key = samples + 1, prefix
+            return _count_keys(name for name, _, _ in _members(handle))
         except _Unusual:
             return None
-    return samples
 
 
 def tar_files(path: str, url: str) -> Iterator[dict]:

@@ -249,7 +249,7 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
     benchmark times it alone)."""
     clip_transform = scorers.pil_transform or scorers.preprocess
     draft_side = None
-    if config.decode != "exact":  # device: for the JPEGs the workers still decode (progressive ones)
+    if config.decode != "exact":  # device: for the files the workers still decode (progressive JPEGs ...)
         side = scorers.clip.visual.image_size
         draft_side = max(side[0] if isinstance(side, (tuple, list)) else side,
                          WATERMARK_SIZE if scorers.watermark is not None else 0)
