@@ -39,11 +39,13 @@ def write_shards(out: Path, shards: int, samples: int, kilobytes: int) -> list[P
         paths.append(path)
         if path.exists():
             continue
-        with wds.TarWriter(str(path)) as sink:
+        partial = path.with_suffix(".tar.partial")  # renamed once whole: a killed run's shard is not reused
+        with wds.TarWriter(str(partial)) as sink:
             for index in range(samples):
                 key = f"{shard:05d}{index:05d}"
                 sink.write({"__key__": key, "jpg": os.urandom(kilobytes * 1024), "txt": f"caption {key}",
                             "json": json.dumps({"key": key, "status": "success"})})
+        partial.rename(path)
     return paths
 
 
