@@ -89,6 +89,26 @@ def test_tiny_vlm_loads_as_users_load_theirs(tiny_vlm):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_workers_cast_pixels_to_the_models_dtype_as_the_device_would(tiny_vlm, realdata):
+    """A bf16 captioner's workers hand over bf16 pixel values, equal to the processor's float32 ones cast (what
+    generate did on the device before), and the token ids untouched."""
+    import torch
+    from PIL import Image
+
+    from laionkit.caption.backends import TransformersCaptioner
+    from laionkit.caption.config import CaptionConfig
+
+    captioner = TransformersCaptioner(CaptionConfig(shards=("-",), output="-", model=str(tiny_vlm), dtype="bf16", max_new_tokens=4),
+                                      torch.device("cpu"))
+    images = [Image.open(path).convert("RGB") for path in sorted((realdata / "images").glob("*.jpg"))[:2]]
+    prepared = captioner.prepare(images)
+    plain = captioner.processor(text=[captioner.text] * 2, images=images, return_tensors="pt", padding=True)
+    assert prepared["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(prepared["pixel_values"], plain["pixel_values"].to(torch.bfloat16))
+    assert torch.equal(prepared["input_ids"], plain["input_ids"])
+    assert len(captioner.generate(prepared)) == 2
+
+
 def test_caption_copies_every_member_and_adds_the_caption(reference, photo_shards, tiny_vlm, tmp_path):
     from laionkit.common import LaionkitError, storage
     from laionkit.encode.reader import find_shards

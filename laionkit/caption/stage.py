@@ -60,7 +60,7 @@ def _caption_shards(config, captioner, todo, output, settings, rank, progress) -
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(
         CaptionBatches(todo, config.batch_size, captioner.prepare), batch_size=None, num_workers=workers,
-        prefetch_factor=QUEUE_DEPTH if workers else None,
+        prefetch_factor=QUEUE_DEPTH if workers else None, pin_memory=captioner.device.type == "cuda",
         # Batches carry their shard and each worker's own stay in order, so outputs do not depend on which
         # worker answers first (as encode's loader).
         in_order=False,
