@@ -254,8 +254,10 @@ def test_an_elastic_resume_gives_every_sample_of_an_epoch_the_caption_of_the_uni
 def test_a_sample_whose_image_fails_on_the_device_drops_its_captions_with_it(captioned, tiny_models):
     """encode's device decode (nvjpeg; torchvision's decoder on the CPU here) skips an undecodable JPEG after
     the workers batched it: every caption's rows and caption skips of that sample go with it."""
+    import numpy as np
     import torch
 
+    from laionkit.common.jpeg import joined, unjoin
     from laionkit.common.models import load_tokenizer
     from laionkit.encode import ShardBatches, _gpu_batch
 
@@ -265,7 +267,9 @@ def test_a_sample_whose_image_fails_on_the_device_drops_its_captions_with_it(cap
     assert batch["gpu_rows"], "no JPEG went to the device decode"
     row = batch["gpu_rows"][0]
     broken = batch["keys"][row]
-    batch["jpegs"][0] = torch.frombuffer(bytearray(b"\xff\xd8\xff" + b"\0" * 64), dtype=torch.uint8)
+    files = [file.numpy() for file in unjoin(batch["jpegs"], batch["jpeg_sizes"])]
+    files[0] = np.frombuffer(b"\xff\xd8\xff" + b"\0" * 64, dtype=np.uint8)  # the first device JPEG, broken
+    batch["jpegs"], batch["jpeg_sizes"] = joined(files), [file.size for file in files]
     batch["caption_skips"] = [{"key": broken, "caption": "vlm", "reason": "missing"}]
     texts = {name: list(found) for name, found in batch["caption_texts"].items()}
     out = _gpu_batch(batch, torch.device("cpu"), torch.float32)

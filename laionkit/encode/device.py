@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
-from laionkit.common.jpeg import decode_jpegs
+from laionkit.common.jpeg import decode_jpegs, unjoin
 from laionkit.common.models import (
     load_text_encoder,
     load_tokenizer,
@@ -51,7 +51,8 @@ def _decode_jpegs(batch: dict, device) -> tuple[list, list[dict]]:
     """nvjpeg-decode a batch's JPEGs and resize them to the batch's box (laionkit.common.jpeg: a file nvjpeg
     refuses is decoded with PIL); files nothing decodes become skips."""
     images, skips = [], []
-    for index, (image, box) in enumerate(zip(decode_jpegs(batch["jpegs"], device), batch["boxes"])):
+    files = unjoin(batch["jpegs"], batch["jpeg_sizes"])
+    for index, (image, box) in enumerate(zip(decode_jpegs(files, device), batch["boxes"])):
         if isinstance(image, str):
             images.append(None)
             skips.append({"key": batch["keys"][batch["gpu_rows"][index]], "reason": "undecodable", "error": image})
@@ -72,7 +73,7 @@ def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
         pixels.index_copy_(0, rows, cpu)
     keep = list(range(count))
     batch["decoded"] = Counter(cpu=len(batch["cpu_rows"]))
-    if batch["jpegs"]:
+    if batch["gpu_rows"]:
         images, skips = _decode_jpegs(batch, device)
         batch["decoded"]["gpu"] += len(images) - len(skips)
         for row, image in zip(batch["gpu_rows"], images):

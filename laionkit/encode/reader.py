@@ -25,6 +25,7 @@ from PIL import Image
 
 from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError, split
+from laionkit.common.jpeg import joined
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples, tar_files
 from laionkit.encode.caption_scores import read_shard_scores
@@ -468,8 +469,8 @@ class ShardBatches(torch.utils.data.IterableDataset):
         if self.captions:
             item.update(named_captions(sample, meta, self.captions, self.caption_key))
             if scores is not None:  # the join is the only source (laionkit.encode.caption_scores)
-                joined = scores.get(sample["__key__"], {})
-                item["scores"] = {name: joined.get(name) for name in item["texts"]}
+                found = scores.get(sample["__key__"], {})
+                item["scores"] = {name: found.get(name) for name in item["texts"]}
             item["caption"] = next(iter(item["texts"].values()))
         if on_gpu:
             item["jpeg"] = data
@@ -517,7 +518,9 @@ class ShardBatches(torch.utils.data.IterableDataset):
             "cpu_rows": cpu_rows,
             "pixels": torch.from_numpy(np.stack([items[row]["pixels"] for row in cpu_rows])) if cpu_rows else None,
             "gpu_rows": gpu_rows,
-            "jpegs": [torch.frombuffer(bytearray(items[row]["jpeg"]), dtype=torch.uint8) for row in gpu_rows],
+            # --decode gpu's files end to end in one tensor, with their lengths (common.jpeg.joined)
+            "jpegs": joined([items[row]["jpeg"] for row in gpu_rows]),
+            "jpeg_sizes": [len(items[row]["jpeg"]) for row in gpu_rows],
             "boxes": [items[row]["box"] for row in gpu_rows],
         }
 

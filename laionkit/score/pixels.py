@@ -28,7 +28,6 @@ on the CPU cores and the resizing and pHash, the other half of a ``draft`` worke
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from laionkit.common.jpeg import decode_jpegs
+from laionkit.common.jpeg import decode_jpegs, unjoin
 from laionkit.common.phash import DCT, HASH_SIZE, IMAGE_SIZE
 from laionkit.score.models import WATERMARK_SIZE
 
@@ -131,8 +130,7 @@ class DevicePixels:
         """(3, H, W) uint8 RGB on the device per row, or the error text of one that cannot be decoded. A row is
         its JPEG's length in ``jpegs`` (decoded here) or the (H, W, 3) shape of its worker-decoded RGB in ``rgb``."""
         images: list[torch.Tensor | str] = [None] * len(rows)  # type: ignore[list-item]
-        ends = list(itertools.accumulate([0, *(row for row in rows if isinstance(row, int))]))
-        files = [jpegs[start:end] for start, end in zip(ends, ends[1:])]
+        files = unjoin(jpegs, [row for row in rows if isinstance(row, int)])
         indices = [index for index, row in enumerate(rows) if isinstance(row, int)]
         for index, image in zip(indices, decode_jpegs(files, self.device)):
             images[index] = image

@@ -23,6 +23,7 @@ import torch.utils.data
 from PIL import Image
 
 from laionkit.common import LaionkitError
+from laionkit.common.jpeg import joined
 from laionkit.common.phash import phash, sha256_hex
 from laionkit.common.storage import Location
 from laionkit.encode.reader import (
@@ -160,21 +161,3 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             batch["rgb"] = joined([image for image in rows if not isinstance(image, bytes)])
             batch["images"] = [len(image) if isinstance(image, bytes) else image.shape for image in rows]
         return batch
-
-
-def joined(parts: Sequence[bytes | np.ndarray]) -> torch.Tensor:
-    """``parts`` (bytes or uint8 arrays) end to end in one flat uint8 tensor: one copy each. Inside a DataLoader
-    worker the tensor is made in shared memory, as torch's own default_collate makes its batches, so handing it to
-    the main process copies nothing more."""
-    sizes = [len(part) if isinstance(part, bytes) else part.size for part in parts]
-    total = sum(sizes)
-    if torch.utils.data.get_worker_info() is not None and total:
-        out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
-    else:
-        out = torch.empty(total, dtype=torch.uint8)
-    flat = out.numpy()
-    start = 0
-    for part, size in zip(parts, sizes):
-        flat[start:start + size] = np.frombuffer(part, dtype=np.uint8) if isinstance(part, bytes) else part.reshape(-1)
-        start += size
-    return out
