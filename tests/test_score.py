@@ -419,3 +419,31 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
         assert mixed[name][0].equal(out[name][0]) and mixed[name][3].equal(out[name][0]), name
     assert (mixed["clip"][1].int() - out["clip"][1].int()).abs().max() <= 2  # Pillow's vs the device's IDCT
     assert hamming(int(mixed["phash"][2]), phash(Image.open(io.BytesIO(progressive)).convert("RGB"))) <= 2
+
+
+def test_a_shards_first_batches_ramp_up_and_workers_give_the_same_files(tmp_path, scored, shards, score_models,
+                                                                        realdata):
+    """A shard's batches start at batch_size / 8 and double up to batch_size (the device gets work once a worker
+    has prepared a few samples, not a whole batch), keep the shard's order, and the ramp is the shard's: two
+    workers write the files one process writes."""
+    import webdataset as wds
+
+    from laionkit.score.reader import ScoreSamples, batch_sizes
+
+    photos = sorted(p for p in (realdata / "images").iterdir() if p.suffix == ".jpg")
+    tar = tmp_path / "00000.tar"
+    with wds.TarWriter(str(tar)) as sink:
+        for index in range(27):
+            sink.write({"__key__": f"{index:09d}", "jpg": photos[index % len(photos)].read_bytes(), "txt": "a photo"})
+    samples = ScoreSamples([], lambda image: image.resize((8, 8)), True, False, 16)
+    items = list(samples.shard_batches(tar))
+    batches, done = items[:-1], items[-1]
+    assert [len(batch["key"]) for batch in batches] == [2, 4, 8, 13]  # 16 / 8, doubling, then the shard's rest
+    assert [key for batch in batches for key in batch["key"]] == [f"{index:09d}" for index in range(27)]
+    assert done.samples_in == 27 and not done.skips
+    assert [size for size, _ in zip(batch_sizes(512), range(6))] == [64, 128, 256, 512, 512, 512]
+    assert [size for size, _ in zip(batch_sizes(3), range(3))] == [1, 2, 3]
+
+    args = score_args(shards, tmp_path / "out", score_models, realdata)
+    run_cli(*args[:-5], "--workers", "2", "--batch-size", "3", "--quiet")  # score_args ends with 0 workers, batch 3
+    assert output_files(tmp_path / "out") == output_files(scored)

@@ -6,7 +6,9 @@ the JPEG itself where the device decodes it; with ``draft-device`` it decodes ev
 scale) and ships the RGB (laionkit.score.pixels makes pixels and pHash on the device in both).
 
 Batches never span shards and follow the shard's sample order, so outputs do not depend on workers or
-ranks. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
+ranks. A shard's first batches ramp up (batch_size / 8, / 4, / 2, then batch_size: ``batch_sizes``), so the device
+gets work after a worker has prepared 1/8 of a batch, not a whole one, at the start of a run when every worker fills
+its first batch at once; the ramp is the shard's, never the worker's, so it too is the same for any workers. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ from laionkit.encode.reader import (
 from laionkit.score.models import WATERMARK_SIZE
 from laionkit.score.pixels import device_decodable
 
+RAMP = 8  # a shard's first batch holds batch_size / RAMP samples; each next one twice as many, up to batch_size
+
+
+def batch_sizes(batch_size: int) -> Iterator[int]:
+    """The sizes of a shard's batches in order: the ramp, then ``batch_size`` for ever."""
+    size = max(1, batch_size // RAMP)
+    while size < batch_size:
+        yield size
+        size *= 2
+    while True:
+        yield batch_size
+
 
 def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
     """open_clip's eval transform as (PIL part, (mean, std)) when it is ``PIL ops, ToTensor, Normalize``:
@@ -53,8 +67,8 @@ def split_clip_transform(preprocess) -> tuple[Callable | None, tuple | None]:
 
 
 class ScoreSamples(torch.utils.data.IterableDataset):
-    """Batches of one rank's shards (<= batch_size samples of one shard, in order) and a ShardDone after
-    each shard; DataLoader workers each take whole shards."""
+    """Batches of one rank's shards (<= batch_size samples of one shard, in order, ramping up at the shard's
+    start: ``batch_sizes``) and a ShardDone after each shard; DataLoader workers each take whole shards."""
 
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
@@ -82,6 +96,8 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         shard = Location.parse(shard)
         done = ShardDone(shard_stem(shard), 0)
         items: list[dict] = []
+        sizes = batch_sizes(self.batch_size)
+        size = next(sizes)
         stream = ExitStack()
         try:
             for sample in unit_samples(shard, stream):
@@ -92,9 +108,9 @@ class ScoreSamples(torch.utils.data.IterableDataset):
                     done.skips.append({"key": sample["__key__"], "reason": getattr(error, "reason", "undecodable"),
                                        "error": f"{type(error).__name__}: {error}"[:500]})
                     continue
-                if len(items) == self.batch_size:
+                if len(items) == size:
                     yield self.collate(done.shard, items)
-                    items = []
+                    items, size = [], next(sizes)
         except (OSError, ValueError, tarfile.TarError) as error:
             raise LaionkitError(f"cannot read shard {shard}: {error}") from error
         finally:
