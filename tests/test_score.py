@@ -447,3 +447,62 @@ def test_a_shards_first_batches_ramp_up_and_workers_give_the_same_files(tmp_path
     args = score_args(shards, tmp_path / "out", score_models, realdata)
     run_cli(*args[:-5], "--workers", "2", "--batch-size", "3", "--quiet")  # score_args ends with 0 workers, batch 3
     assert output_files(tmp_path / "out") == output_files(scored)
+
+
+def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(realdata, monkeypatch):
+    """--decode device / draft-device on an accelerator: a batch of many sizes is resampled as padded stacks through
+    per-image resampling matrices (two batched matrix products, not ~25 kernels per image). Its CLIP and watermark
+    pixels are torchvision's antialiased Resize + CenterCrop / squash of each image to within one level, its pHash
+    the per-group path's and within 2 bits of Pillow's; how the batch is cut into stacks changes nothing; a
+    preprocess it cannot express, or a crop that would pad, goes through torchvision per group."""
+    import open_clip
+    from torchvision import transforms as T
+
+    import laionkit.score.pixels as pixels_module
+    from laionkit.score.pixels import DevicePixels, plan_resample, stacks
+    from laionkit.score.reader import split_clip_transform
+
+    photos = [Image.open(path).convert("RGB") for path in sorted((realdata / "images").iterdir())
+              if path.suffix in (".jpg", ".png")]
+    rng = np.random.default_rng(0)
+    images = [torch.from_numpy(np.array(photo)).permute(2, 0, 1) for photo in photos]
+    images += [torch.from_numpy(rng.integers(0, 256, (3, *rng.integers(150, 400, 2)), dtype=np.uint8))
+               for _ in range(9)]
+    images.append(images[0].clone())  # a size twice in the batch
+    _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
+    transform, _ = split_clip_transform(preprocess)
+    stacked = DevicePixels(transform, True, torch.device("cpu"), stacked=True)
+    grouped = DevicePixels(transform, True, torch.device("cpu"))  # a CPU's default
+    assert stacked.resample is not None and grouped.resample is None
+    clip, watermark, hashes = stacked._stacked(images)
+    for index, image in enumerate(images):  # torchvision on the image alone, as the grouped path runs it
+        alone = transform(image[None])[0]
+        assert (clip[index].int() - alone.int()).abs().max() <= 1, index
+        squash = T.functional.resize(image[None], [256, 256], antialias=True)[0]
+        assert (watermark[index].int() - squash.int()).abs().max() <= 1, index
+    assert clip[0].equal(clip[-1]) and watermark[0].equal(watermark[-1]) and hashes[0] == hashes[-1]
+    assert hashes.tolist() == grouped._grouped(images)[2].tolist()
+    for photo, value in zip(photos, hashes.tolist()):
+        assert hamming(phash(photo), value) <= 2
+
+    monkeypatch.setattr(pixels_module, "PAD_PIXELS", 400 * 400)  # a stack per image or two
+    assert len(stacks([tuple(image.shape[1:]) for image in images], pixels_module.PAD_PIXELS)) > 8
+    for one, many in zip((clip, watermark, hashes), stacked._stacked(images)):
+        assert (one.long() - many.long()).abs().max() <= 1
+    shapes = [(500, 300), (10, 10), (300, 500), (20, 30), (500, 500)]
+    groups = stacks(shapes, 500 * 500)
+    assert sorted(index for group in groups for index in group) == list(range(5))
+    assert all(len(group) == 1 or len(group) * max(shapes[i][0] for i in group) * max(shapes[i][1] for i in group)
+               <= 500 * 500 for group in groups)
+
+    # what the stacks cannot express: per group through torchvision, the same outputs as the grouped path
+    assert plan_resample(T.Compose([T.Resize(64), T.RandomCrop(32)])) is None
+    assert plan_resample(T.Compose([T.Resize(64, interpolation=T.InterpolationMode.NEAREST), T.CenterCrop(64)])) is None
+    padding = T.Compose([T.Resize((100, 100)), T.CenterCrop(128)])  # torchvision pads the crop with zeros
+    assert DevicePixels(padding, False, torch.device("cpu"), stacked=True)._stacked(images) is None
+    batch = {"key": ["a", "b"], "source": [None, None], "caption": ["a", "b"], "width": [1, 2], "height": [1, 2],
+             "sha256": ["a", "b"], "jpegs": torch.zeros(0, dtype=torch.uint8),
+             "rgb": torch.cat([images[1].permute(1, 2, 0).flatten(), images[2].permute(1, 2, 0).flatten()]),
+             "images": [tuple(images[1].permute(1, 2, 0).shape), tuple(images[2].permute(1, 2, 0).shape)]}
+    out, _ = DevicePixels(padding, False, torch.device("cpu"), stacked=True)(dict(batch))
+    assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads

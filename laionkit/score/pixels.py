@@ -24,12 +24,24 @@ device it decodes with libjpeg-turbo (tests, parity).
 
 ``--decode draft-device`` sends every file down the worker path above (JPEGs at the draft scale): the decode stays
 on the CPU cores and the resizing and pHash, the other half of a ``draft`` worker's time, run here.
+
+Web images come in many sizes, so a batch is resampled as a few padded stacks, not image by image (which would be
+some 25 small kernels per image, launched from Python: a bound of its own beside the model). Antialiased
+resampling along an axis is a matrix (Pillow's ``precompute_coeffs``, which torchvision's antialiased resize
+follows): each image's rows of that matrix, zero past its own size, turn a stack of images padded to the largest
+one into the stack of outputs with two batched matrix products. Resize + CenterCrop is one such matrix (the
+crop's rows of the resize's). Each image then costs one copy into its stack; a stack holds at most
+``PAD_PIXELS`` padded pixels, so a few huge files do not pad a whole batch to their size. A CLIP preprocess of
+another shape than ``Resize`` (+ ``CenterCrop``) with bicubic or bilinear antialiasing is applied per group of
+same-size images, as torchvision runs it; so is every batch on a CPU device, where the matrices' zeros cost more
+than the launches they save.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +56,7 @@ JPEG_END = b"\xff\xd9"
 # 16 MP would be 25 GB), and web crawls without pack's resize hold a few huge files
 DEVICE_MAX_PIXELS = 4096 * 4096
 LANCZOS_SUPPORT = 3.0
+PAD_PIXELS = 1 << 25  # padded pixels (images x largest height x largest width) in one resampled stack
 PER_SAMPLE = ("key", "source", "caption", "width", "height", "sha256")
 # the 64 pHash bits, most significant first, as a signed int64: the first bit weighs -2**63 (two's complement)
 _BIT_WEIGHTS = [-(1 << 63)] + [1 << (63 - bit) for bit in range(1, 64)]
@@ -55,25 +68,122 @@ def device_decodable(image: Image.Image, data: bytes) -> bool:
             and data.endswith(JPEG_END) and image.width * image.height <= DEVICE_MAX_PIXELS)
 
 
+def _sinc(v: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(v == 0, torch.ones_like(v), v) * math.pi
+    return torch.where(v == 0, torch.ones_like(v), torch.sin(safe) / safe)
+
+
+def _bicubic(t: torch.Tensor) -> torch.Tensor:  # Pillow's (and torchvision's antialiased) cubic, a = -0.5
+    t, a = t.abs(), -0.5
+    return torch.where(t < 1, ((a + 2) * t - (a + 3)) * t * t + 1,
+                       torch.where(t < 2, (((t - 5) * t + 8) * t - 4) * a, torch.zeros_like(t)))
+
+
+def _bilinear(t: torch.Tensor) -> torch.Tensor:
+    return (1 - t.abs()).clamp(min=0)
+
+
+def _lanczos(t: torch.Tensor) -> torch.Tensor:
+    return _sinc(t) * _sinc(t / LANCZOS_SUPPORT) * ((t >= -LANCZOS_SUPPORT) & (t < LANCZOS_SUPPORT))
+
+
+FILTERS = {"bicubic": (2.0, _bicubic), "bilinear": (1.0, _bilinear), "lanczos": (LANCZOS_SUPPORT, _lanczos)}
+
+
+def resample_weights(size_in: torch.Tensor, resized: torch.Tensor, offset: torch.Tensor, out: int, length: int,
+                     kind: str) -> torch.Tensor:
+    """(B, out, length) float64: per image, rows ``offset`` .. ``offset + out`` of the antialiased resampling
+    matrix from ``size_in`` to ``resized`` pixels along one axis (Pillow's ``precompute_coeffs``: the filter
+    stretched by the scale when reducing, each row normalised), zero from ``size_in`` to ``length`` (the padding
+    of a stack). ``size_in``, ``resized``, ``offset``: (B,) tensors on the device."""
+    support, kernel = FILTERS[kind]
+    size_in, resized, offset = (value.to(torch.float64)[:, None, None] for value in (size_in, resized, offset))
+    scale = size_in / resized
+    stretch = scale.clamp(min=1.0)
+    reach = support * stretch
+    center = (torch.arange(out, dtype=torch.float64, device=scale.device)[None, :, None] + offset + 0.5) * scale
+    x = torch.arange(length, dtype=torch.float64, device=scale.device)[None, None, :]
+    low = torch.floor(center - reach + 0.5).clamp(min=0)
+    high = torch.minimum(torch.floor(center + reach + 0.5), size_in)
+    weights = kernel((x - center + 0.5) / stretch) * ((x >= low) & (x < high))
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
 def lanczos_weights(size_in: int, size_out: int, device: torch.device) -> torch.Tensor:
-    """(size_out, size_in) float64: Pillow's antialiased Lanczos-3 resampling along one axis (its
-    ``precompute_coeffs``: the filter stretched by the scale when reducing, each row normalised)."""
-    scale = size_in / size_out
-    stretch = max(scale, 1.0)
-    support = LANCZOS_SUPPORT * stretch
-    center = (torch.arange(size_out, dtype=torch.float64, device=device)[:, None] + 0.5) * scale
-    x = torch.arange(size_in, dtype=torch.float64, device=device)[None, :]
-    low = torch.floor(center - support + 0.5).clamp(min=0)
-    high = torch.floor(center + support + 0.5).clamp(max=size_in)
-    t = (x - center + 0.5) / stretch
+    """(size_out, size_in) float64: Pillow's antialiased Lanczos-3 resampling along one axis."""
+    one = torch.ones(1, dtype=torch.float64, device=device)
+    return resample_weights(one * size_in, one * size_out, one * 0, size_out, size_in, "lanczos")[0]
 
-    def sinc(v: torch.Tensor) -> torch.Tensor:
-        safe = torch.where(v == 0, torch.ones_like(v), v) * math.pi
-        return torch.where(v == 0, torch.ones_like(v), torch.sin(safe) / safe)
 
-    weights = sinc(t) * sinc(t / LANCZOS_SUPPORT) * ((t >= -LANCZOS_SUPPORT) & (t < LANCZOS_SUPPORT))
-    weights = weights * ((x >= low) & (x < high))
-    return weights / weights.sum(dim=1, keepdim=True)
+@dataclass(frozen=True)
+class Resample:
+    """A CLIP preprocess that is torchvision's antialiased ``Resize`` (+ ``CenterCrop``), as stacked matrices."""
+
+    size: tuple[int, ...]  # Resize's: (short side,) or (height, width)
+    max_size: int | None
+    kind: str  # "bicubic" or "bilinear"
+    crop: tuple[int, int] | None
+
+    def geometry(self, height: int, width: int) -> tuple[int, int, int, int, int, int] | None:
+        """(resized height, width, crop top, left, output height, width) of one image, as torchvision computes
+        them; None where the crop would pad (torchvision pads with zeros: left to its own code)."""
+        if len(self.size) == 2:
+            new_h, new_w = self.size
+        else:
+            short, long = (width, height) if width <= height else (height, width)
+            new_short, new_long = self.size[0], int(self.size[0] * long / short)
+            if self.max_size is not None and new_long > self.max_size:
+                new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
+            new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
+        if self.crop is None:
+            return new_h, new_w, 0, 0, new_h, new_w
+        crop_h, crop_w = self.crop
+        if crop_h > new_h or crop_w > new_w:
+            return None
+        return new_h, new_w, int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0)), crop_h, crop_w
+
+
+PASS_THROUGH = ("MaybeConvertMode", "_convert_to_rgb")  # open_clip's steps that return tensors as they are
+
+
+def plan_resample(transform) -> Resample | None:
+    """``transform`` (open_clip's PIL-side steps) as a ``Resample``, or None where it is anything else."""
+    from torchvision import transforms as T
+
+    resize = crop = None
+    for step in getattr(transform, "transforms", [transform]):
+        if isinstance(step, T.Resize) and resize is None and crop is None:
+            mode = step.interpolation
+            if mode not in (T.InterpolationMode.BICUBIC, T.InterpolationMode.BILINEAR) or step.antialias is False:
+                return None
+            resize = step
+        elif isinstance(step, T.CenterCrop) and resize is not None and crop is None:
+            crop = tuple(step.size) if len(step.size) == 2 else (step.size[0], step.size[0])
+        elif type(step).__name__ not in PASS_THROUGH and getattr(step, "__name__", "") not in PASS_THROUGH:
+            return None
+    if resize is None:
+        return None
+    size = (resize.size,) if isinstance(resize.size, int) else tuple(resize.size)
+    if len(size) == 1 and crop is None:  # outputs of several sizes: no stack to return
+        return None
+    return Resample(size, resize.max_size, resize.interpolation.value, crop)
+
+
+def stacks(shapes: list[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Indices of ``shapes`` (height, width) grouped into stacks of at most ``budget`` padded pixels (a larger
+    image alone), largest images first, so each stack pads to sizes near its own."""
+    order = sorted(range(len(shapes)), key=lambda index: (-shapes[index][0] * shapes[index][1], index))
+    groups: list[list[int]] = []
+    height = width = 0
+    for index in order:
+        h, w = shapes[index]
+        if groups and (len(groups[-1]) + 1) * max(height, h) * max(width, w) <= budget:
+            groups[-1].append(index)
+            height, width = max(height, h), max(width, w)
+        else:
+            groups.append([index])
+            height, width = h, w
+    return groups
 
 
 def luma(rgb: torch.Tensor) -> torch.Tensor:
@@ -89,11 +199,16 @@ class DevicePixels:
     into the inputs the models take, on ``device``: ``clip`` and ``watermark`` as (B, H, W, 3) uint8 (the
     layout the worker path ships) and ``phash`` as int64.
 
-    Images of one size are resized together: pack's default ``--resize-mode center_crop`` makes every image of
-    a shard the same size, so a batch is then one resize per input instead of one per image."""
+    On an accelerator the batch's images are resampled in padded stacks (``stacked``, the module docstring);
+    otherwise images of one size are resized together (pack's default ``--resize-mode center_crop`` makes every
+    image of a shard the same size, so a batch is then one resize per input instead of one per image)."""
 
-    def __init__(self, clip_transform, watermark: bool, device: torch.device) -> None:
+    def __init__(self, clip_transform, watermark: bool, device: torch.device, stacked: bool | None = None) -> None:
         self.clip_transform = clip_transform  # open_clip's PIL-side steps, which take tensors as well
+        # stacked (padded stacks through resampling matrices): the default on accelerators, where per-image kernels
+        # are launch-bound; a CPU computes the dense matrices' zeros, so it resamples per group of same-size images
+        stacked = device.type != "cpu" if stacked is None else stacked
+        self.resample = plan_resample(clip_transform) if stacked else None  # None: per group
         self.watermark = watermark
         self.device = device
         self._lanczos: dict[int, torch.Tensor] = {}
@@ -113,17 +228,61 @@ class DevicePixels:
                 batch["captions"] = {name: [texts[index] for index in keep] for name, texts in batch["captions"].items()}
             images = [images[index] for index in keep]
         if images:
-            sizes: dict[tuple[int, ...], list[int]] = {}
-            for index, image in enumerate(images):
-                sizes.setdefault(tuple(image.shape), []).append(index)
-            groups = [torch.stack([images[index] for index in rows]) for rows in sizes.values()]
-            order = [index for rows in sizes.values() for index in rows]
-            back = torch.argsort(torch.tensor(order, device=self.device))  # the groups' rows -> the batch's order
-            batch["clip"] = torch.cat([self.clip_transform(group) for group in groups])[back].permute(0, 2, 3, 1)
+            made = self._stacked(images) if self.resample is not None else None
+            clip, watermark, hashes = made or self._grouped(images)
+            batch["clip"] = clip.permute(0, 2, 3, 1)
             if self.watermark:
-                batch["watermark"] = torch.cat([self._squash(group) for group in groups])[back].permute(0, 2, 3, 1)
-            batch["phash"] = self.phash(groups)[back]
+                batch["watermark"] = watermark.permute(0, 2, 3, 1)
+            batch["phash"] = hashes
         return batch, skips
+
+    def _grouped(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(clip, watermark, phash) with the CLIP preprocess run as torchvision runs it, per group of same-size
+        images (any preprocess of PIL-side steps that takes tensors)."""
+        sizes: dict[tuple[int, ...], list[int]] = {}
+        for index, image in enumerate(images):
+            sizes.setdefault(tuple(image.shape), []).append(index)
+        groups = [torch.stack([images[index] for index in rows]) for rows in sizes.values()]
+        order = [index for rows in sizes.values() for index in rows]
+        back = torch.argsort(torch.tensor(order, device=self.device))  # the groups' rows -> the batch's order
+        clip = torch.cat([self.clip_transform(group) for group in groups])[back]
+        watermark = torch.cat([self._squash(group) for group in groups])[back] if self.watermark else None
+        return clip, watermark, self.phash(groups)[back]
+
+    def _stacked(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """(clip, watermark, phash) as uint8 (B, 3, H, W), uint8 (B, 3, 256, 256) and int64 (B,): the images
+        padded into stacks and each output made by two batched matrix products per stack (module docstring);
+        None where the CLIP crop would pad an image (then ``_grouped``)."""
+        shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
+        geometry = [self.resample.geometry(*shape) for shape in shapes]
+        if any(found is None for found in geometry) or len({found[4:] for found in geometry}) != 1:
+            return None
+        out_h, out_w = geometry[0][4:]
+        count = len(images)
+        clip = torch.empty((count, 3, out_h, out_w), dtype=torch.uint8, device=self.device)
+        watermark = (torch.empty((count, 3, WATERMARK_SIZE, WATERMARK_SIZE), dtype=torch.uint8, device=self.device)
+                     if self.watermark else None)
+        small = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.float64, device=self.device)
+        for rows in stacks(shapes, PAD_PIXELS):
+            height, width = max(shapes[index][0] for index in rows), max(shapes[index][1] for index in rows)
+            padded = torch.zeros((len(rows), 3, height, width), dtype=torch.uint8, device=self.device)
+            for slot, index in enumerate(rows):
+                padded[slot, :, : shapes[index][0], : shapes[index][1]].copy_(images[index])
+            # per image: height, width, then the CLIP resize's height, width, crop top, left (host -> device once)
+            params = torch.tensor([[*shapes[index], *geometry[index][:4]] for index in rows], dtype=torch.float64)
+            h, w, new_h, new_w, top, left = params.to(self.device, non_blocking=True).unbind(1)
+            zero, where = torch.zeros_like(h), torch.tensor(rows, device=self.device)
+            pixels = padded.float()
+            clip[where] = _resampled(pixels, resample_weights(h, new_h, top, out_h, height, self.resample.kind),
+                                     resample_weights(w, new_w, left, out_w, width, self.resample.kind))
+            if watermark is not None:  # LAION's T.Resize((256, 256)): an antialiased bilinear squash
+                side = torch.full_like(h, WATERMARK_SIZE)
+                watermark[where] = _resampled(pixels, resample_weights(h, side, zero, WATERMARK_SIZE, height, "bilinear"),
+                                              resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear"))
+            side = torch.full_like(h, IMAGE_SIZE)
+            small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos") @ luma(padded)
+                            @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos").transpose(1, 2))
+        return clip, watermark, self._hash(small.round_().clamp_(0, 255))  # Pillow's L image is uint8
 
     def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]]
                ) -> list[torch.Tensor | str]:
@@ -161,8 +320,20 @@ class DevicePixels:
         in the groups' order, on the device."""
         small = torch.cat([self._weights(group.shape[2]) @ luma(group) @ self._weights(group.shape[3]).T
                            for group in groups]).round_().clamp_(0, 255)  # Pillow's L image is uint8
+        return self._hash(small)
+
+    def _hash(self, small: torch.Tensor) -> torch.Tensor:
+        """int64 pHashes of (B, 32, 32) float64 grey images: imagehash's DCT and median."""
         low = self._dct @ small @ self._dct.T  # (B, 8, 8): the lowest frequencies, DC included
         flat = low.reshape(len(small), HASH_SIZE * HASH_SIZE)
         # numpy's median of 64 values: the mean of the two middle ones
         middle = flat.sort(dim=1).values[:, HASH_SIZE * HASH_SIZE // 2 - 1: HASH_SIZE * HASH_SIZE // 2 + 1].mean(1)
         return ((flat > middle[:, None]).to(torch.int64) * self._bits).sum(1)
+
+
+def _resampled(pixels: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, C, out_h, out_w): each image of a padded float stack (B, C, H, W) through its own (B, out_h, H)
+    row and (B, out_w, W) column weights (rounded once, where Pillow rounds between its two passes)."""
+    dtype = pixels.dtype
+    out = rows.to(dtype)[:, None] @ pixels @ columns.to(dtype).transpose(1, 2)[:, None]
+    return out.round_().clamp_(0, 255).to(torch.uint8)
