@@ -220,7 +220,10 @@ def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     return {"label": label, "samples": summary["samples_out"], "loop_seconds": summary["seconds"],
             "wall_seconds": wall, "images_per_s": summary["samples_out"] / wall,
             "images_per_s_from_first_batch": summary["samples_out"] / summary["seconds"], "workers": config.workers,
-            "batch": config.batch_size}
+            "batch": config.batch_size,
+            # the main thread's waits for data and for the device (the rest of loop_seconds: its own work), and the
+            # pixel thread's (device modes): which side bounds the run
+            "wait_seconds": summary.get("wait_seconds")}
 
 
 def main() -> None:

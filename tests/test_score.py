@@ -506,3 +506,22 @@ def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(real
              "images": [tuple(images[1].permute(1, 2, 0).shape), tuple(images[2].permute(1, 2, 0).shape)]}
     out, _ = DevicePixels(padding, False, torch.device("cpu"), stacked=True)(dict(batch))
     assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads
+
+
+def test_run_says_where_the_loop_waited(tmp_path, shards, score_models):
+    """run()'s summary splits the loop's time: the main thread's waits for data and for the device, and (device
+    pixel modes) the pixel thread's waits for the loader and its own time; each within the loop's seconds."""
+    from laionkit.score import ScoreConfig, run
+
+    for decode, names in (("draft", {"data", "device"}),
+                          ("draft-device", {"data", "device", "pixels_loader_wait", "pixels"})):
+        config = ScoreConfig(shards=(str(shards),), output=str(tmp_path / decode), clip_model=str(score_models["config"]),
+                             clip_pretrained=str(score_models["weights"]), batch_size=2, workers=1, decode=decode,
+                             quiet=True)
+        summary = run(config, log=lambda _: None)
+        waits = summary["wait_seconds"]
+        assert set(waits) == names and summary["samples_out"] == 8, summary
+        assert all(0 <= value <= summary["wall_seconds"] for value in waits.values()), summary
+        assert waits["data"] + waits["device"] <= summary["seconds"] + 1e-3, summary
+        if decode == "draft-device":
+            assert waits["pixels"] > 0, summary  # 8 images resized and hashed in the thread

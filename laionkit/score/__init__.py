@@ -262,28 +262,43 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
         prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
 
 
-def _device_batches(loader, pixels: DevicePixels, device: torch.device) -> Iterator:
+def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: dict[str, float]) -> Iterator:
     """--decode device: each batch's pixels and pHash made on the device, on a CUDA stream of their own (run
-    in a thread, batches ahead of the models): (batch, skips, ready event or None); ShardDone passes through."""
+    in a thread, batches ahead of the models): (batch, skips, ready event or None); ShardDone passes through.
+    ``clock`` gathers the thread's seconds waiting for the loader and making pixels (host time)."""
     stream = None
     if device.type == "cuda":
         stream = torch.cuda.Stream()  # the current device: background() made it this rank's
     with torch.inference_mode():  # per thread: the models' loop runs under it too
-        for item in loader:
+        items = iter(loader)
+        while True:
+            started = time.perf_counter()
+            item = next(items, None)
+            clock["pixels_loader_wait"] += time.perf_counter() - started
+            if item is None:
+                return
+            started = time.perf_counter()
             if isinstance(item, ShardDone):
                 yield item
+                continue
             elif stream is None:
-                yield (*pixels(item), None)
+                made = (*pixels(item), None)
             else:
                 with torch.cuda.stream(stream):
                     batch, skips = pixels(item)
                     ready = torch.cuda.Event()
                     ready.record(stream)
-                yield batch, skips, ready
+                made = batch, skips, ready
+            clock["pixels"] += time.perf_counter() - started
+            yield made
 
 
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
                   output: Location, progress: tqdm) -> dict:
+    """Score ``todo``; return counts and where the main thread's time went (``wait_seconds``: ``data``, waiting
+    for the next batch; ``device``, for a launched batch's results; with --decode device / draft-device also the
+    pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage."""
+    clock = {"data": 0.0, "device": 0.0, "pixels_loader_wait": 0.0, "pixels": 0.0}
     loader = score_loader(config, scorers, todo)
     device_decode = config.decode in DEVICE_PIXEL_MODES
     if device_decode:
@@ -291,8 +306,8 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             raise LaionkitError(f"--decode {config.decode}: --clip-model {config.clip_model}'s preprocess is not resize/crop "
                                 "steps, ToTensor and Normalize; use --decode exact or draft")
         pixels = DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
-        loader = background(_device_batches(loader, pixels, scorers.device), QUEUE_DEPTH, "laionkit-score-pixels",
-                            scorers.device)
+        loader = background(_device_batches(loader, pixels, scorers.device, clock), QUEUE_DEPTH,
+                            "laionkit-score-pixels", scorers.device)
     pending: dict[str, dict] = {}
     summary = {"samples_out": 0, "skipped": 0}
     first = None
@@ -304,7 +319,9 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     def collect() -> None:
         batch, launched = in_flight
         shard = pending.setdefault(batch["shard"], new_shard())
+        started = time.perf_counter()
         embeddings, values = scorers.collect(batch, launched)
+        clock["device"] += time.perf_counter() - started
         shard["embeddings"].append(embeddings)
         for name in ("key", "source", "caption", "width", "height", "sha256", "phash"):
             shard["columns"].setdefault(name, []).extend(batch[name])
@@ -313,8 +330,16 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
         progress.update(len(batch["key"]))
 
-    for item in loader:
-        first = first or time.perf_counter()
+    items = iter(loader)
+    while True:
+        started = time.perf_counter()
+        item = next(items, None)
+        if item is None:
+            break
+        if first is None:
+            first = time.perf_counter()
+        else:  # the wait for the first batch is start-up: run()'s wall time minus ``seconds`` shows it
+            clock["data"] += time.perf_counter() - started
         if isinstance(item, ShardDone):
             if in_flight is not None:  # the shard's last batch may still be in flight
                 collect()
@@ -341,6 +366,9 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             collect()
         in_flight = (item, launched)
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
+    if not device_decode:
+        del clock["pixels_loader_wait"], clock["pixels"]
+    summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
     return summary
 
 
