@@ -399,8 +399,12 @@ def test_decode_device_routes_and_skips_per_file(realdata, monkeypatch):
         return ScoreSamples.collate("00000", items)  # as the DataLoader's workers batch them
 
     pixels = DevicePixels(transform, True, torch.device("cpu"))
-    out, skips = pixels(batch_of(baseline, junk, other, baseline))
+    batch = batch_of(baseline, junk, other, baseline)
+    batch["tokens"] = torch.arange(4).repeat_interleave(77).view(4, 77)  # the workers' token ids, a row each
+    batch["caption_tokens"] = {"alt": batch["tokens"] + 10}
+    out, skips = pixels(batch)
     assert [skip["key"] for skip in skips] == ["junk"] and skips[0]["reason"] == "undecodable"
+    assert out["tokens"][:, 0].tolist() == [0, 2, 3] and out["caption_tokens"]["alt"][:, 0].tolist() == [10, 12, 13]
     assert out["key"] == ["a", "b", "c"] and out["width"] == [0, 2, 3] and out["captions"] == {"alt": ["a", "b", "c"]}
     assert out["clip"].shape == (3, 224, 224, 3) and out["watermark"].shape == (3, 256, 256, 3)
     # same-size images are resized together; rows come back in the batch's order
@@ -525,3 +529,23 @@ def test_run_says_where_the_loop_waited(tmp_path, shards, score_models):
         assert waits["data"] + waits["device"] <= summary["seconds"] + 1e-3, summary
         if decode == "draft-device":
             assert waits["pixels"] > 0, summary  # 8 images resized and hashed in the thread
+
+
+def test_workers_tokenize_the_captions_the_main_thread_did(shards, score_models):
+    """ScoreSamples given CLIP's tokenizer ships each batch's token ids (and a named caption's, shared where it
+    is the default caption), equal to what the main thread's tokenizer gives, so the files do not change
+    (test_kill9_mid_run_then_rerun_gives_the_same_files and the rank / worker tests compare them)."""
+    import open_clip
+
+    from laionkit.score.reader import ScoreSamples
+
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    samples = ScoreSamples([], lambda image: image.resize((8, 8)), True, False, 3, captions=("alt",),
+                           tokenizer=tokenizer)
+    batches = [item for item in samples.shard_batches(shards / "00000.tar") if isinstance(item, dict)]
+    assert sum(len(batch["key"]) for batch in batches) == 4
+    for batch in batches:
+        assert batch["tokens"].equal(tokenizer(batch["caption"])) and len(set(batch["caption"])) == len(batch["key"])
+        assert batch["caption_tokens"]["alt"] is batch["tokens"]  # alt is the default caption: the same ids
+    plain = ScoreSamples([], lambda image: image.resize((8, 8)), True, False, 3)
+    assert not any("tokens" in item for item in plain.shard_batches(shards / "00000.tar") if isinstance(item, dict))

@@ -132,8 +132,9 @@ class Scorers:
         """Queue one batch's device work and the copies of its results to the host; ``collect`` waits for
         this batch's copies only, so the loop can queue the next batch before it waits for this one's."""
         image = self.image_embeddings(batch)
+        tokens = batch["tokens"] if "tokens" in batch else self.tokenizer(batch["caption"])  # the workers' or here
         with torch.inference_mode(), self._autocast():
-            text = self.clip.encode_text(self.tokenizer(batch["caption"]).to(self.device))
+            text = self.clip.encode_text(tokens.to(self.device, non_blocking=True))
         with torch.inference_mode():
             text = torch.nn.functional.normalize(text.float(), dim=-1)
             launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
@@ -141,8 +142,9 @@ class Scorers:
             if texts == batch["caption"]:  # alt (caption_of, as the default caption): the same embeddings
                 launched[similarity_column(name)] = launched["similarity"]
                 continue
+            named_tokens = batch["caption_tokens"][name] if "caption_tokens" in batch else self.tokenizer(texts)
             with self._autocast():
-                named = self.clip.encode_text(self.tokenizer(texts).to(self.device))
+                named = self.clip.encode_text(named_tokens.to(self.device, non_blocking=True))
             launched[similarity_column(name)] = (image * torch.nn.functional.normalize(named.float(), dim=-1)).sum(-1)
         with torch.inference_mode():
             if self.watermark is not None:
@@ -255,7 +257,8 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
                          WATERMARK_SIZE if scorers.watermark is not None else 0)
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
                            config.batch_size, config.caption_key, draft_side, scorers.captions,
-                           device_decode=config.decode in DEVICE_PIXEL_MODES, device_jpegs=config.decode == "device")
+                           device_decode=config.decode in DEVICE_PIXEL_MODES, device_jpegs=config.decode == "device",
+                           tokenizer=scorers.tokenizer)
     workers = min(config.workers, len(todo))
     return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",

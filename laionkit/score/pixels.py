@@ -226,6 +226,11 @@ class DevicePixels:
             batch = {**batch, **{name: [batch[name][index] for index in keep] for name in PER_SAMPLE}}
             if "captions" in batch:
                 batch["captions"] = {name: [texts[index] for index in keep] for name, texts in batch["captions"].items()}
+            rows = torch.tensor(keep, dtype=torch.long)
+            if "tokens" in batch:  # the workers' token ids (laionkit.score.reader.ScoreSamples.tokenize)
+                batch["tokens"] = batch["tokens"][rows]
+            if "caption_tokens" in batch:
+                batch["caption_tokens"] = {name: ids[rows] for name, ids in batch["caption_tokens"].items()}
             images = [images[index] for index in keep]
         if images:
             made = self._stacked(images) if self.resample is not None else None

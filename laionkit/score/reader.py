@@ -73,8 +73,12 @@ class ScoreSamples(torch.utils.data.IterableDataset):
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
                  captions: Sequence[str] | None = None, device_decode: bool = False,
-                 device_jpegs: bool = True) -> None:
+                 device_jpegs: bool = True, tokenizer: Callable | None = None) -> None:
         super().__init__()
+        # CLIP's tokenizer: the workers tokenize each batch's captions (``tokens``, and ``caption_tokens`` per
+        # --captions name), which the main thread did per batch beside launching the models (open_clip's BPE and
+        # ftfy in Python: tens of ms per batch of 512); None: the main thread tokenizes
+        self.tokenizer = tokenizer
         # --decode device / draft-device: workers ship Pillow's RGB (JPEGs at draft_side) and, with device_jpegs
         # (device), the JPEGs the device decodes as bytes; laionkit.score.pixels makes the pixels and pHash there
         self.device_decode = device_decode
@@ -109,15 +113,25 @@ class ScoreSamples(torch.utils.data.IterableDataset):
                                        "error": f"{type(error).__name__}: {error}"[:500]})
                     continue
                 if len(items) == size:
-                    yield self.collate(done.shard, items)
+                    yield self.tokenize(self.collate(done.shard, items))
                     items, size = [], next(sizes)
         except (OSError, ValueError, tarfile.TarError) as error:
             raise LaionkitError(f"cannot read shard {shard}: {error}") from error
         finally:
             stream.close()
         if items:
-            yield self.collate(done.shard, items)
+            yield self.tokenize(self.collate(done.shard, items))
         yield done
+
+    def tokenize(self, batch: dict) -> dict:
+        """The batch with its captions' CLIP token ids (a caption named by --captions equal to the default one, as
+        ``alt`` usually is, shares its ids)."""
+        if self.tokenizer is not None:
+            batch["tokens"] = self.tokenizer(batch["caption"])
+            if "captions" in batch:
+                batch["caption_tokens"] = {name: batch["tokens"] if texts == batch["caption"] else self.tokenizer(texts)
+                                           for name, texts in batch["captions"].items()}
+        return batch
 
     def prepare(self, sample: dict) -> dict:
         extension = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
