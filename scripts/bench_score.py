@@ -18,6 +18,9 @@ Measured in one run, one after the other on the same device:
     label, as (b) runs it; with --decode device: read, sha256 and the JPEG header only) with no model, which
     bounds (b) from above on a host with few cores per GPU.
 
+On CUDA, each label's loop also runs once over one shard under torch's sync debug mode (``sync_check``): the
+source lines where the host waited for the device, and how often (a line per batch stalls the pipeline).
+
 The json is rewritten after each row, so a run cut short by a time limit keeps the rows it finished.
 
 Rates are samples / seconds from run() called (models already loaded) to its return, for (b) and (c) alike
@@ -208,6 +211,35 @@ def cpu_side(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     return {"label": label, "samples": count, "seconds": seconds, "images_per_s": count / seconds}
 
 
+def sync_check(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
+    """The host-device synchronisations of `laionkit score`'s loop, by source line: run() over one shard under
+    torch's CUDA sync debug mode (a blocking copy or stream synchronisation warns). A line that syncs once per
+    batch stalls the pipeline (the device idles while the host queues the next batch); the loop's intended wait
+    is an event's, which the mode does not count."""
+    import dataclasses
+    import warnings
+
+    from laionkit.encode.reader import find_shards
+
+    first = sorted(str(shard) for shard in find_shards(config.shards, lambda _: None, None, "score"))[:1]
+    checked = dataclasses.replace(config, shards=tuple(first), output=config.output + "-sync")
+    shutil.rmtree(checked.output, ignore_errors=True)
+    lines: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            summary = run(checked, log=lambda _: None, scorers=scorers)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            where = f"{Path(warning.filename).name}:{warning.lineno}"
+            lines[where] = lines.get(where, 0) + 1
+    return {"label": label, "samples": summary["samples_out"], "batches_about": -(-summary["samples_out"] // config.batch_size),
+            "syncs_by_line": dict(sorted(lines.items(), key=lambda item: -item[1]))}
+
+
 def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     shutil.rmtree(config.output, ignore_errors=True)  # a fresh folder: nothing resumed
     size = scorers.clip.visual.image_size
@@ -283,6 +315,9 @@ def main() -> None:
             scorers = Scorers(config, torch.device(config.device), lambda _: None)
             found = end_to_end(scorers, config, label)
             found["vs_bare"] = found["images_per_s"] / results["bare"][-1]["images_per_s"]
+            if device.type == "cuda" and batch == args.batch_sizes[0]:
+                results.setdefault("sync_check", []).append(sync_check(scorers, config, label))
+                print(json.dumps(results["sync_check"][-1]), flush=True)
             if batch == args.batch_sizes[0]:  # the CPU side does not depend on the GPU's batch much: once per label
                 results["cpu_side"].append(cpu_side(scorers, config, label))
                 print(json.dumps(results["cpu_side"][-1]), flush=True)

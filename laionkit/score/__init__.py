@@ -59,6 +59,7 @@ class Scorers:
 
     def __init__(self, config: ScoreConfig, device: torch.device, log: Callable[[str], None] = print) -> None:
         self.device = device
+        self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (mean, std) -> their device tensors
         wanted = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "fp32": torch.float32,
                   "fp16": torch.float16, "bf16": torch.bfloat16}[config.dtype]
         self.dtype = wanted
@@ -111,8 +112,11 @@ class Scorers:
     def _pixels(self, batch: torch.Tensor, mean, std) -> torch.Tensor:
         """uint8 (B, H, W, 3) -> normalised float (B, 3, H, W) on the device."""
         pixels = batch.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
-        mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
-        std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+        if (mean, std) not in self._norms:  # made once: a tensor from a list per batch is a blocking copy, which
+            # waits for the device to finish the previous batch before this one is queued
+            self._norms[mean, std] = tuple(torch.tensor(values, device=self.device).view(1, 3, 1, 1)
+                                           for values in (mean, std))
+        mean, std = self._norms[mean, std]
         pixels = (pixels - mean) / std
         return pixels.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" else pixels
 
