@@ -48,3 +48,16 @@ def background(items: Iterator, depth: int, name: str, device: torch.device | No
             yield item
     finally:
         stop.set()
+
+
+def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, queued on the current stream without waiting for it.
+
+    ``torch.tensor(values, device="cuda")`` is a blocking copy from pageable memory, which first waits for all the
+    work queued on the stream: in a loop that queues batch N + 1 while batch N runs, one such copy per batch makes
+    the host wait for batch N and the device idle while the host queues N + 1. From pinned memory the copy is
+    queued behind that work instead (the pinned block is kept until the copy has run)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from laionkit.common import LaionkitError
+from laionkit.common.background import device_tensor
 from laionkit.common.jpeg import decode_jpegs, unjoin
 from laionkit.common.models import (
     load_text_encoder,
@@ -68,7 +69,7 @@ def _gpu_batch(batch: dict, device, dtype, channels_last: bool = False) -> dict:
     count = len(batch["keys"])
     pixels = torch.empty((count, 3, height, width), device=device, dtype=torch.float32)
     if batch["pixels"] is not None:
-        rows = torch.tensor(batch["cpu_rows"], device=device)
+        rows = device_tensor(batch["cpu_rows"], torch.long, device)
         cpu = batch["pixels"].to(device, non_blocking=True).permute(0, 3, 1, 2).float()
         pixels.index_copy_(0, rows, cpu)
     keep = list(range(count))

@@ -146,7 +146,9 @@ def encode_tokens(text_encoders: Sequence, ids: Sequence, max_sequence_length: i
     with torch.no_grad():
         states = encoder(found.clamp(min=0), attention_mask=mask.long())[0]
     width = found.shape[1]
-    select = torch.tensor([0, *range(width - max_sequence_length + 1, width)], device=found.device)
+    # made on the device (a tensor from a list would be a blocking copy, waiting for the step's queued work)
+    select = torch.arange(width - max_sequence_length, width, device=found.device)
+    select[0] = 0
     first = torch.arange(max_sequence_length, device=found.device)
     index = torch.where((mask.sum(dim=1) <= 1)[:, None], first, select)  # [B, 300]
     states = torch.gather(states, 1, index[..., None].expand(-1, -1, states.shape[-1]))

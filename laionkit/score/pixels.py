@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from laionkit.common.background import device_tensor
 from laionkit.common.jpeg import decode_jpegs, unjoin
 from laionkit.common.phash import DCT, HASH_SIZE, IMAGE_SIZE
 from laionkit.score.models import WATERMARK_SIZE
@@ -249,7 +250,7 @@ class DevicePixels:
             sizes.setdefault(tuple(image.shape), []).append(index)
         groups = [torch.stack([images[index] for index in rows]) for rows in sizes.values()]
         order = [index for rows in sizes.values() for index in rows]
-        back = torch.argsort(self._on_device(order, torch.long))  # the groups' rows -> the batch's order
+        back = torch.argsort(device_tensor(order, torch.long, self.device))  # the groups' rows -> the batch's order
         clip = torch.cat([self.clip_transform(group) for group in groups])[back]
         watermark = torch.cat([self._squash(group) for group in groups])[back] if self.watermark else None
         return clip, watermark, self.phash(groups)[back]
@@ -275,8 +276,8 @@ class DevicePixels:
                 padded[slot, :, : shapes[index][0], : shapes[index][1]].copy_(images[index])
             # per image: height, width, then the CLIP resize's height, width, crop top, left (host -> device once)
             params = [[*shapes[index], *geometry[index][:4]] for index in rows]
-            h, w, new_h, new_w, top, left = self._on_device(params, torch.float64).unbind(1)
-            zero, where = torch.zeros_like(h), self._on_device(rows, torch.long)
+            h, w, new_h, new_w, top, left = device_tensor(params, torch.float64, self.device).unbind(1)
+            zero, where = torch.zeros_like(h), device_tensor(rows, torch.long, self.device)
             pixels = padded.float()
             clip[where] = _resampled(pixels, resample_weights(h, new_h, top, out_h, height, self.resample.kind),
                                      resample_weights(w, new_w, left, out_w, width, self.resample.kind))
@@ -288,15 +289,6 @@ class DevicePixels:
             small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos") @ luma(padded)
                             @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos").transpose(1, 2))
         return clip, watermark, self._hash(small.round_().clamp_(0, 255))  # Pillow's L image is uint8
-
-    def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor without waiting: a tensor made from a list straight on a CUDA device is
-        a blocking copy, which waits for all the work queued on the stream (the previous batch's) first; from
-        pinned memory the copy is queued behind it instead."""
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]]
                ) -> list[torch.Tensor | str]:
