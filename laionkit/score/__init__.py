@@ -3,7 +3,7 @@
 Data flows one way, as in encode:
 
     DataLoader workers   read whole shards (encode's reader), decode each image once: sha256, pHash, size,
-                         CLIP pixels and watermark pixels (uint8)
+                         CLIP pixels and watermark pixels (uint8); tokenize the captions
     -> main thread       CLIP image + caption embeddings, watermark detector (bf16/fp16 autocast on CUDA),
                          then heads over the stored float16 embeddings (aesthetic, prompt, NSFW)
     -> per shard         img_emb/img_emb_<stem>.npy, scores/<stem>.parquet, records/<stem>.json last

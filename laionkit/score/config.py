@@ -16,7 +16,7 @@ COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 # whose CPUs cannot keep the GPU fed: pixels differ from exact's by a few levels, a pHash bit at times;
 # draft-device: the workers decode as draft does and ship the RGB, the device resizes it and computes the pHash
 # (laionkit.score.pixels): the half of draft's worker time that is resizing moves to the GPU, the decode stays on
-# the CPU cores (on an H100, device's GPU decode with the resizes ran at about 1,750 img/s: docs/BENCHMARKS.md).
+# the CPU cores (how the modes compare on a GPU host: docs/BENCHMARKS.md, score).
 DECODE_MODES = ("exact", "draft", "device", "draft-device")
 DEVICE_PIXEL_MODES = ("device", "draft-device")  # the device makes the model inputs and the pHash
 

@@ -99,7 +99,7 @@ class TrainConfig:
     # None: on in eager mode, off with --compile (measured, see MasterWeights)
     bf16_weights: bool | None = option(
         None, "With bf16 on one GPU or DDP: bf16 weights in forward/backward, fp32 master weights in the "
-        "optimizer, EMA and checkpoints (+11% samples/s eager). --no-bf16-weights: autocast over fp32 "
+        "optimizer, EMA and checkpoints (faster eager: docs/BENCHMARKS.md). --no-bf16-weights: autocast over fp32 "
         "weights, as diffusers' scripts do. Default: on, off with --compile (autocast measured faster "
         "compiled).", flags=("--bf16-weights/--no-bf16-weights",))
     # weights, gradients and optimizer state all in bf16, no fp32 master (full_bf16_policy)

@@ -27,10 +27,10 @@ class MasterWeights:
     """bf16 weights for forward and backward, fp32 master copies for the optimizer, clipping, EMA,
     checkpoints and export: FSDP2's and DeepSpeed's policy, here for one device and DDP. Against
     autocast over fp32 weights it drops the per-step weight casts and the fp32 GroupNorms autocast
-    inserts: +11% samples/s at 512 px, +12% at 256 px, 18 GiB less memory (SD-1.5 UNet, H200, eager).
-    Compiled, the step measured slower this way (578 vs 609 samples/s at 256 px, side by side: inductor's
-    fused bf16 GroupNorm kernels and the master round trip cost ~11 ms of GPU time per step), so
-    ``--compile`` keeps autocast unless --bf16-weights is given.
+    inserts, which makes the eager step faster and smaller. Compiled, the step measured slower this way
+    (inductor fuses bf16 GroupNorms, and the master round trip costs GPU time each step), so ``--compile``
+    keeps autocast unless --bf16-weights is given. The numbers: docs/BENCHMARKS.md, "Third session" and
+    "Fourth session" under train.
 
     With --grad-accum on one process, gradients leave the bf16 weights after every micro-batch and add
     up in fp32. Under DDP the micro-batches before the last run in ``no_sync``: their gradients exist on
