@@ -134,7 +134,9 @@ def laionkit_run(model_dir: Path, shards: Path, output: Path, batch_size: int, m
                   log=lambda _: None)
     seconds = time.perf_counter() - started
     return {"captions": summary["captioned"], "seconds_loop": summary["seconds"], "seconds_with_load": seconds,
-            "captions_per_s": summary["captioned"] / summary["seconds"]}
+            "captions_per_s": summary["captioned"] / summary["seconds"],
+            # the loop's waits for the workers' batches and its time in generate (the rest: its own host work)
+            "wait_seconds": summary.get("wait_seconds")}
 
 
 def main() -> None:

@@ -264,3 +264,16 @@ stages:
     lines = run_cli("run", recipe, "--dry-run").stdout.splitlines()
     assert lines[0].startswith(f"laionkit caption {photo_shards} --output {tmp_path}/captioned --model Qwen/Qwen2-VL-2B-Instruct")
     assert "--max-new-tokens 77" in lines[0] and lines[1].startswith(f"laionkit encode {tmp_path}/captioned")
+
+
+def test_run_says_where_the_loop_spent_its_time(photo_shards, tiny_vlm, tmp_path):
+    """run()'s summary splits the loop: waits for the workers' batches, time in generate; both within its seconds."""
+    from laionkit.caption import CaptionConfig, run
+
+    summary = run(CaptionConfig(shards=(str(photo_shards / "00000.tar"),), output=str(tmp_path / "out"),
+                                model=str(tiny_vlm), batch_size=2, max_new_tokens=4, workers=1, quiet=True),
+                  log=lambda _: None)
+    waits = summary["wait_seconds"]
+    assert summary["captioned"] == 4 and set(waits) == {"data", "generate"}, summary
+    assert waits["generate"] > 0 and waits["data"] >= 0, summary
+    assert waits["data"] + waits["generate"] <= summary["seconds"], summary
