@@ -6,9 +6,10 @@ the JPEG itself where the device decodes it; with ``draft-device`` it decodes ev
 scale) and ships the RGB (laionkit.score.pixels makes pixels and pHash on the device in both).
 
 Batches never span shards and follow the shard's sample order, so outputs do not depend on workers or
-ranks. A shard's first batches ramp up (batch_size / 8, / 4, / 2, then batch_size: ``batch_sizes``), so the device
-gets work after a worker has prepared 1/8 of a batch, not a whole one, at the start of a run when every worker fills
-its first batch at once; the ramp is the shard's, never the worker's, so it too is the same for any workers. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
+ranks. A shard's first batches ramp up (batch_size / 8, / 4, / 2, then batch_size: ``batch_sizes``), so the
+device gets work once a worker has prepared 1/8 of a batch, not a whole one, at the start of a run when every
+worker fills its first batch at once; the ramp is the shard's, never the worker's, so it too is the same for any
+workers. Per-sample problems become recorded skips (``ShardDone.skips``); a broken shard is an error.
 """
 
 from __future__ import annotations
