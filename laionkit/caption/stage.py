@@ -19,6 +19,7 @@ from laionkit.caption.reader import CaptionBatches
 from laionkit.caption.records import record_path, settings_of, shard_complete, shard_record, write_plan
 from laionkit.caption.writer import CaptionedShard
 from laionkit.common import LaionkitError, resolve_rank, stage_device, storage
+from laionkit.common.background import timed
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo
 
@@ -72,14 +73,7 @@ def _caption_shards(config, captioner, todo, output, settings, rank, progress) -
     clock = {"data": 0.0, "generate": 0.0}
     started = time.perf_counter()
     try:
-        items, first = iter(loader), True
-        while True:
-            waited = time.perf_counter()
-            item = next(items, None)
-            if item is None:
-                break
-            clock["data"] += 0.0 if first else time.perf_counter() - waited
-            first = False
+        for item in timed(loader, clock, "data", first=False):
             if isinstance(item, ShardDone):
                 _finish(item, open_shards, output, settings, rank, config, totals)
                 progress.update(len(item.skips))

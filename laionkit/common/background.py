@@ -1,10 +1,12 @@
 """Running an iterator ahead of its consumer in a thread: the device-side preparation of encode and score
-(host-to-device copies, device decode) overlaps the models' work on the previous batch."""
+(host-to-device copies, device decode) overlaps the models' work on the previous batch. Also: what a stage's loop
+waits for (``timed``), and host lists queued on the device without waiting (``device_tensor``)."""
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -61,3 +63,20 @@ def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Ten
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def timed(items, clock: dict[str, float], name: str, first: bool = True) -> Iterator:
+    """``items``, adding the seconds each ``next`` waited to ``clock[name]`` (the first item's wait too unless
+    ``first`` is False: a loop's start-up, which its caller counts apart)."""
+    iterator = iter(items)
+    counting = first
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        if counting:
+            clock[name] += time.perf_counter() - started
+        counting = True
+        yield item

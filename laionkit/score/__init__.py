@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
-from laionkit.common.background import background
+from laionkit.common.background import background, timed
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
@@ -277,18 +277,12 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: d
     if device.type == "cuda":
         stream = torch.cuda.Stream()  # the current device: background() made it this rank's
     with torch.inference_mode():  # per thread: the models' loop runs under it too
-        items = iter(loader)
-        while True:
-            started = time.perf_counter()
-            item = next(items, None)
-            clock["pixels_loader_wait"] += time.perf_counter() - started
-            if item is None:
-                return
-            started = time.perf_counter()
+        for item in timed(loader, clock, "pixels_loader_wait"):
             if isinstance(item, ShardDone):
                 yield item
                 continue
-            elif stream is None:
+            started = time.perf_counter()
+            if stream is None:
                 made = (*pixels(item), None)
             else:
                 with torch.cuda.stream(stream):
@@ -305,10 +299,11 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     """Score ``todo``; return counts and where the main thread's time went (``wait_seconds``: ``data``, waiting
     for the next batch; ``device``, for a launched batch's results; with --decode device / draft-device also the
     pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage."""
-    clock = {"data": 0.0, "device": 0.0, "pixels_loader_wait": 0.0, "pixels": 0.0}
+    clock = {"data": 0.0, "device": 0.0}
     loader = score_loader(config, scorers, todo)
     device_decode = config.decode in DEVICE_PIXEL_MODES
     if device_decode:
+        clock.update(pixels_loader_wait=0.0, pixels=0.0)
         if scorers.pil_transform is None:
             raise LaionkitError(f"--decode {config.decode}: --clip-model {config.clip_model}'s preprocess is not resize/crop "
                                 "steps, ToTensor and Normalize; use --decode exact or draft")
@@ -337,16 +332,9 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
         progress.update(len(batch["key"]))
 
-    items = iter(loader)
-    while True:
-        started = time.perf_counter()
-        item = next(items, None)
-        if item is None:
-            break
-        if first is None:
-            first = time.perf_counter()
-        else:  # the wait for the first batch is start-up: run()'s wall time minus ``seconds`` shows it
-            clock["data"] += time.perf_counter() - started
+    # the wait for the first batch is start-up, not counted: run()'s wall time minus ``seconds`` shows it
+    for item in timed(loader, clock, "data", first=False):
+        first = first or time.perf_counter()
         if isinstance(item, ShardDone):
             if in_flight is not None:  # the shard's last batch may still be in flight
                 collect()
@@ -373,8 +361,6 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             collect()
         in_flight = (item, launched)
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
-    if not device_decode:
-        del clock["pixels_loader_wait"], clock["pixels"]
     summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
     return summary
 
