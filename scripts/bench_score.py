@@ -245,7 +245,7 @@ def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     size = scorers.clip.visual.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
     with torch.inference_mode():  # kernels warmed outside the timing, as the bare forward's are
-        scorers.clip.encode_image(torch.zeros(2, 3, size, size, device=scorers.device))
+        scorers.clip.encode_image(torch.zeros(2, 3, size, size, device=scorers.device, dtype=scorers.dtype))
     started = time.perf_counter()
     summary = run(config, log=lambda _: None, scorers=scorers)
     wall = time.perf_counter() - started

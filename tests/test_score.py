@@ -330,6 +330,30 @@ def test_decode_draft_reads_jpegs_smaller_and_keeps_the_stored_size(tmp_path, sc
     assert cosine.min() > 0.9, cosine
 
 
+def test_bf16_runs_clip_in_bf16_weights_and_matches_fp32_within_rounding(tmp_path, scored, shards, score_models,
+                                                                          realdata):
+    """--dtype bf16 (the default on CUDA) runs CLIP in bf16 weights, pixels and token ids cast to match (the
+    watermark detector under autocast): the same rows, embeddings and scores as fp32's within bf16's rounding."""
+    run_cli(*score_args(shards, tmp_path / "out", score_models, realdata, "--dtype", "bf16"))
+    exact, bf16 = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(bf16["key"]) == list(exact["key"]) and list(bf16["phash"]) == list(exact["phash"])
+    for column in ("aes", "anime", "punsafe", "pwatermark", "similarity"):
+        assert np.nanmax(np.abs(bf16[column] - exact[column])) < 0.02, column
+    for stem in ("00000", "00001"):
+        ours, fp32 = (np.load(folder / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32)
+                      for folder in (tmp_path / "out", scored))
+        assert not np.array_equal(ours, fp32)  # computed in bf16, not fp32
+        assert (ours * fp32).sum(1).min() > 0.99
+    assert json.loads((tmp_path / "out" / "records" / "00000.json").read_text())["settings"]["compute_dtype"] == \
+        "bfloat16"
+    from laionkit.score import ScoreConfig, Scorers
+
+    scorers = Scorers(ScoreConfig(shards=(str(shards),), output=str(tmp_path / "x"), clip_model=str(score_models["config"]),
+                                  clip_pretrained=str(score_models["weights"]), dtype="bf16", quiet=True),
+                      torch.device("cpu"))
+    assert {parameter.dtype for parameter in scorers.clip.parameters()} == {torch.bfloat16}  # weights, not autocast
+
+
 @pytest.mark.parametrize("mode", ["device", "draft-device"])
 def test_decode_device_matches_exact_within_resampling(mode, tmp_path, scored, shards, score_models, realdata):
     """--decode device: workers read and hash; the main process decodes baseline JPEGs (here 2 of 8: the other

@@ -4,8 +4,9 @@ Data flows one way, as in encode:
 
     DataLoader workers   read whole shards (encode's reader), decode each image once: sha256, pHash, size,
                          CLIP pixels and watermark pixels (uint8); tokenize the captions
-    -> main thread       CLIP image + caption embeddings, watermark detector (bf16/fp16 autocast on CUDA),
-                         then heads over the stored float16 embeddings (aesthetic, prompt, NSFW)
+    -> main thread       CLIP image + caption embeddings (CLIP's weights in the compute dtype: bf16 on CUDA),
+                         watermark detector (bf16/fp16 autocast on CUDA), then heads over the stored float16
+                         embeddings (aesthetic, prompt, NSFW)
     -> per shard         img_emb/img_emb_<stem>.npy, scores/<stem>.parquet, records/<stem>.json last
 
 Scores of the embedding heads are computed from the float16 embeddings as stored, by laionkit.scores, so
@@ -67,6 +68,11 @@ class Scorers:
         self.clip.requires_grad_(False)
         self.pil_transform, self.normalize = split_clip_transform(preprocess)
         self.preprocess = preprocess
+        # CLIP runs in the compute dtype's own weights (open_clip's pure_bf16 / pure_fp16; LAION's embeddings came
+        # from OpenAI's CLIP in fp16 weights), not under autocast over fp32 ones: autocast keeps the residual
+        # stream and every LayerNorm's output in fp32, which costs ViT-L/14 more than its bf16 matmuls save
+        # (BENCHMARKS: score)
+        self.clip = self.clip.to(self.dtype)
         if device.type == "cuda":
             self.clip = self.clip.to(memory_format=torch.channels_last)
         specs = [ScoreSpec.parse(text) for text in config.scores]
@@ -106,29 +112,28 @@ class Scorers:
                 + (["punsafe"] if self.nsfw is not None else [])
                 + [scorer.spec.name for scorer in self.scorers])
 
-    def _autocast(self):
+    def _autocast(self):  # the watermark detector's (timm; CLIP runs in the dtype's own weights)
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def _pixels(self, batch: torch.Tensor, mean, std) -> torch.Tensor:
-        """uint8 (B, H, W, 3) -> normalised float (B, 3, H, W) on the device."""
+    def _pixels(self, batch: torch.Tensor, mean, std, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 (B, H, W, 3) -> normalised (B, 3, H, W) of ``dtype`` on the device."""
         pixels = batch.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         if (mean, std) not in self._norms:  # made once: a tensor from a list per batch is a blocking copy, which
             # waits for the device to finish the previous batch before this one is queued
             self._norms[mean, std] = tuple(torch.tensor(values, device=self.device).view(1, 3, 1, 1)
                                            for values in (mean, std))
         mean, std = self._norms[mean, std]
-        pixels = (pixels - mean) / std
+        pixels = ((pixels - mean) / std).to(dtype)
         return pixels.contiguous(memory_format=torch.channels_last) if self.device.type == "cuda" else pixels
 
     @torch.inference_mode()
     def image_embeddings(self, batch: dict) -> torch.Tensor:
         """L2-normalised float32 CLIP image embeddings of a batch (on the device)."""
         if self.normalize is not None:
-            pixels = self._pixels(batch["clip"], *self.normalize)
+            pixels = self._pixels(batch["clip"], *self.normalize, dtype=self.dtype)
         else:
-            pixels = batch["clip"].to(self.device, non_blocking=True)
-        with self._autocast():
-            features = self.clip.encode_image(pixels)
+            pixels = batch["clip"].to(self.device, non_blocking=True).to(self.dtype)
+        features = self.clip.encode_image(pixels)
         return torch.nn.functional.normalize(features.float(), dim=-1)
 
     @torch.inference_mode()
@@ -137,9 +142,8 @@ class Scorers:
         this batch's copies only, so the loop can queue the next batch before it waits for this one's."""
         image = self.image_embeddings(batch)
         tokens = batch["tokens"] if "tokens" in batch else self.tokenizer(batch["caption"])  # the workers' or here
-        with torch.inference_mode(), self._autocast():
-            text = self.clip.encode_text(tokens.to(self.device, non_blocking=True))
         with torch.inference_mode():
+            text = self.clip.encode_text(tokens.to(self.device, non_blocking=True))
             text = torch.nn.functional.normalize(text.float(), dim=-1)
             launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
         for name, texts in batch.get("captions", {}).items():
@@ -147,8 +151,7 @@ class Scorers:
                 launched[similarity_column(name)] = launched["similarity"]
                 continue
             named_tokens = batch["caption_tokens"][name] if "caption_tokens" in batch else self.tokenizer(texts)
-            with self._autocast():
-                named = self.clip.encode_text(named_tokens.to(self.device, non_blocking=True))
+            named = self.clip.encode_text(named_tokens.to(self.device, non_blocking=True))
             launched[similarity_column(name)] = (image * torch.nn.functional.normalize(named.float(), dim=-1)).sum(-1)
         with torch.inference_mode():
             if self.watermark is not None:
