@@ -573,3 +573,34 @@ def test_workers_tokenize_the_captions_the_main_thread_did(shards, score_models)
         assert batch["caption_tokens"]["alt"] is batch["tokens"]  # alt is the default caption: the same ids
     plain = ScoreSamples([], lambda image: image.resize((8, 8)), True, False, 3)
     assert not any("tokens" in item for item in plain.shard_batches(shards / "00000.tar") if isinstance(item, dict))
+
+
+def test_captions_run_over_their_own_tokens_with_the_full_contexts_embeddings(score_models, realdata):
+    """TextEncoder sorts a batch's captions by length and runs each chunk only as long as its longest caption
+    (the model's own forward, its positional embedding and causal mask cut): on LAION's real alt-texts, the same
+    embeddings as encode_text over the whole 77-token context, in the batch's order, from under half the tokens.
+    A tower whose output depends on the padding (no causal mask) runs the whole context."""
+    import pandas as pd
+
+    from laionkit.score.models import load_score_clip
+    from laionkit.score.text import TextEncoder
+
+    clip, _, tokenizer, _ = load_score_clip(str(score_models["config"]), str(score_models["weights"]),
+                                            torch.device("cpu"))
+    captions = list(pd.read_parquet(realdata / "laion-sample" / "test_1000.parquet")["TEXT"].fillna("")[:300])
+    tokens = tokenizer(captions)
+    seen = []
+    hook = clip.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:2]))
+    with torch.inference_mode():
+        full = torch.nn.functional.normalize(clip.encode_text(tokens).float(), dim=-1)
+        seen.clear()
+        encoder = TextEncoder(clip)
+        ours = encoder(tokens, torch.device("cpu"))
+        assert len(seen) > 1 and sum(rows * length for rows, length in seen) < 0.5 * tokens.numel(), seen
+        assert sum(rows for rows, _ in seen) == len(captions)
+        torch.testing.assert_close(ours, full, atol=2e-5, rtol=0)
+        hook.remove()
+        clip.attn_mask = None  # a bidirectional tower: padding changes its output, so nothing is cut
+        assert TextEncoder(clip).trim is None
+        torch.testing.assert_close(TextEncoder(clip)(tokens, torch.device("cpu")),
+                                   torch.nn.functional.normalize(clip.encode_text(tokens).float(), dim=-1))

@@ -45,6 +45,7 @@ from laionkit.score.models import (
 from laionkit.score.pixels import DevicePixels
 from laionkit.score.reader import ScoreSamples, split_clip_transform
 from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
+from laionkit.score.text import TextEncoder
 from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
 
 __all__ = ["ScoreConfig", "Scorers", "run"]
@@ -75,6 +76,7 @@ class Scorers:
         self.clip = self.clip.to(self.dtype)
         if device.type == "cuda":
             self.clip = self.clip.to(memory_format=torch.channels_last)
+        self.text = TextEncoder(self.clip)  # captions over their own tokens, not the whole context
         specs = [ScoreSpec.parse(text) for text in config.scores]
         for spec in specs:
             if spec.name in RESERVED:
@@ -142,17 +144,14 @@ class Scorers:
         this batch's copies only, so the loop can queue the next batch before it waits for this one's."""
         image = self.image_embeddings(batch)
         tokens = batch["tokens"] if "tokens" in batch else self.tokenizer(batch["caption"])  # the workers' or here
-        with torch.inference_mode():
-            text = self.clip.encode_text(tokens.to(self.device, non_blocking=True))
-            text = torch.nn.functional.normalize(text.float(), dim=-1)
-            launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
+        text = self.text(tokens, self.device)
+        launched = {"image": image.half(), "similarity": (image * text).sum(-1)}
         for name, texts in batch.get("captions", {}).items():
             if texts == batch["caption"]:  # alt (caption_of, as the default caption): the same embeddings
                 launched[similarity_column(name)] = launched["similarity"]
                 continue
             named_tokens = batch["caption_tokens"][name] if "caption_tokens" in batch else self.tokenizer(texts)
-            named = self.clip.encode_text(named_tokens.to(self.device, non_blocking=True))
-            launched[similarity_column(name)] = (image * torch.nn.functional.normalize(named.float(), dim=-1)).sum(-1)
+            launched[similarity_column(name)] = (image * self.text(named_tokens, self.device)).sum(-1)
         with torch.inference_mode():
             if self.watermark is not None:
                 with self._autocast():

@@ -1,0 +1,79 @@
+"""score's caption embeddings, each caption run over its own tokens rather than the whole context.
+
+CLIP pads every caption to its context (77 tokens for OpenAI's and LAION's models), but a text tower with a
+causal mask that pools the end-of-text token (``argmax`` / ``eos``: OpenAI CLIP, LAION's open_clip models) gives
+each caption's embedding from the tokens up to that one alone: the padding after it changes nothing. LAION's
+alt-texts are short (median 12 tokens, 90 % under 26 on the shipped sample), so a batch sorted by length and cut
+into a few chunks, each run only as long as its longest caption, costs about a third of the full-context forward
+(``TextEncoder``). The model's own forward runs each chunk, with its positional embedding and causal mask cut
+to the chunk's length (torch.func.functional_call): the same function, fewer padding tokens. Towers this does
+not hold for (no causal mask, pooling at a fixed position, a class token: SigLIP, CoCa) run the whole context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from laionkit.common.background import device_tensor
+
+CHUNK_ROWS = 64  # the fewest captions a chunk holds: smaller chunks make kernels too small to pay for themselves
+MAX_CHUNKS = 8
+
+
+def trimmable(clip) -> tuple[str, str, int | None] | None:
+    """(parameter prefix, pool type, end-of-text id) of an open_clip model whose text tower can run on tokens
+    cut after the pooled one (a causal mask, argmax / eos pooling, no class token); None otherwise."""
+    for prefix, tower in (("", clip), ("text.", getattr(clip, "text", None))):  # CLIP, CustomTextCLIP
+        if tower is None or not isinstance(getattr(tower, "positional_embedding", None), torch.Tensor):
+            continue
+        pool = getattr(tower, "text_pool_type", getattr(tower, "pool_type", None))
+        if getattr(tower, "attn_mask", None) is None or pool not in ("argmax", "eos") \
+                or getattr(tower, "cls_emb", None) is not None:
+            return None
+        return prefix, pool, getattr(tower, "text_eos_id", getattr(tower, "eos_id", None))
+    return None
+
+
+def chunks(lengths: np.ndarray) -> list[np.ndarray]:
+    """Row indices sorted by length, cut into up to MAX_CHUNKS chunks of at least CHUNK_ROWS rows."""
+    order = np.argsort(lengths, kind="stable")
+    return np.array_split(order, max(1, min(MAX_CHUNKS, len(order) // CHUNK_ROWS)))
+
+
+class TextEncoder:
+    """``clip.encode_text`` of a batch of token ids (on the host), chunked by length where the tower allows it
+    (module docstring); the features in the batch's row order, on the device, L2-normalised."""
+
+    def __init__(self, clip) -> None:
+        self.clip = clip
+        self.trim = trimmable(clip)
+
+    def lengths(self, tokens: torch.Tensor) -> np.ndarray:
+        """Each caption's tokens up to and including the pooled one."""
+        _, pool, eos = self.trim
+        pooled = tokens.argmax(-1) if pool == "argmax" else (tokens == eos).int().argmax(-1)
+        return pooled.cpu().numpy() + 1
+
+    def __call__(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved = tokens.to(device, non_blocking=True)
+        if self.trim is None or not len(tokens):
+            return torch.nn.functional.normalize(self.clip.encode_text(moved).float(), dim=-1)
+        prefix = self.trim[0]
+        tower = self.clip.text if prefix else self.clip
+        lengths = self.lengths(tokens)
+        parts = chunks(lengths)
+        where = device_tensor(np.concatenate(parts).tolist(), torch.long, device)  # one copy, sliced per chunk
+        features, start = None, 0
+        for part in parts:
+            length = int(lengths[part].max())
+            rows = where[start: start + len(part)]
+            start += len(part)
+            cut = {f"{prefix}positional_embedding": tower.positional_embedding[:length],
+                   f"{prefix}attn_mask": tower.attn_mask[:length, :length]}
+            output = torch.func.functional_call(self.clip, cut, args=(None, moved[rows, :length]))
+            chunk = output["text_features"] if isinstance(output, dict) else output[1]  # encode_text(normalize=True)
+            if features is None:
+                features = torch.empty((len(tokens), chunk.shape[1]), dtype=torch.float32, device=device)
+            features[rows] = chunk.float()
+        return torch.nn.functional.normalize(features, dim=-1)
