@@ -587,7 +587,7 @@ def test_captions_run_over_their_own_tokens_with_the_full_contexts_embeddings(sc
 
     clip, _, tokenizer, _ = load_score_clip(str(score_models["config"]), str(score_models["weights"]),
                                             torch.device("cpu"))
-    captions = list(pd.read_parquet(realdata / "laion-sample" / "test_1000.parquet")["TEXT"].fillna("")[:300])
+    captions = list(pd.read_parquet(realdata / "laion-sample" / "test_1000.parquet")["TEXT"].fillna("")[:512])
     tokens = tokenizer(captions)
     seen = []
     hook = clip.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:2]))
