@@ -19,7 +19,9 @@ Measured in one run, one after the other on the same device:
     bounds (b) from above on a host with few cores per GPU.
 
 On CUDA, each label's loop also runs once over one shard under torch's sync debug mode (``sync_check``): the
-source lines where the host waited for the device, and how often (a line per batch stalls the pipeline).
+source lines where the host waited for the device, and how often (a line per batch stalls the pipeline). With
+``--profile``, once more over two shards under torch.profiler (``profile_check``): the device's busy share and
+the ops that cost the most device and host time.
 
 The json is rewritten after each row, so a run cut short by a time limit keeps the rows it finished.
 
@@ -42,6 +44,7 @@ released layouts; numbers depend on the weights' shapes only.
     python scripts/bench_score.py --out results/ --labels core "core --decode device"
     python scripts/bench_score.py --out results/ --labels "core --decode draft" "core --decode draft-device"
     python scripts/bench_score.py --out results/ --labels "core --decode device" --progressive 0.3   # a web-like mix
+    python scripts/bench_score.py --out results/ --batch-sizes 512 --labels "core --decode draft-device" --profile
     python scripts/bench_score.py --smoke --out /tmp/bench-score      # CPU, tiny CLIP, plumbing only
 """
 
@@ -240,6 +243,37 @@ def sync_check(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
             "syncs_by_line": dict(sorted(lines.items(), key=lambda item: -item[1]))}
 
 
+def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int = 2) -> dict:
+    """run() over the first ``shards`` shards under torch.profiler: how busy the device was (its kernels' time over
+    the wall time, streams summed) and the ops that took the most device time and the most host time. A device
+    busy well under 1 while the main thread waits for neither data nor the device (``wait_seconds``) means the
+    host's launches are the bound; near 1, the device's work beyond the bare forward is."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from laionkit.encode.reader import find_shards
+
+    first = sorted(str(shard) for shard in find_shards(config.shards, lambda _: None, None, "score"))[:shards]
+    checked = dataclasses.replace(config, shards=tuple(first), output=config.output + "-profile")
+    shutil.rmtree(checked.output, ignore_errors=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if scorers.device.type == "cuda" else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        summary = run(checked, log=lambda _: None, scorers=scorers)
+    wall = time.perf_counter() - started
+    events = prof.key_averages()
+    device_us = sum(event.self_device_time_total for event in events)
+
+    def top(key: str) -> list:
+        ranked = sorted(events, key=lambda event: -getattr(event, key))[:15]
+        return [[event.key, round(getattr(event, key) / 1e3, 1), event.count] for event in ranked]
+
+    return {"label": label, "samples": summary["samples_out"], "wall_seconds": round(wall, 3),
+            "device_busy": round(device_us / 1e6 / wall, 3), "wait_seconds": summary.get("wait_seconds"),
+            "top_device_ms": top("self_device_time_total"), "top_host_ms": top("self_cpu_time_total")}
+
+
 def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     shutil.rmtree(config.output, ignore_errors=True)  # a fresh folder: nothing resumed
     size = scorers.clip.visual.image_size
@@ -274,6 +308,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also run each label over two shards under torch.profiler (profile_check)")
     names = [label for label, _ in LABELS]
     parser.add_argument("--labels", nargs="+", choices=names, default=names, metavar="LABEL",
                         help=f"(b) rows to run, of: {'; '.join(names)}")
@@ -318,6 +354,9 @@ def main() -> None:
             if device.type == "cuda" and batch == args.batch_sizes[0]:
                 results.setdefault("sync_check", []).append(sync_check(scorers, config, label))
                 print(json.dumps(results["sync_check"][-1]), flush=True)
+            if args.profile and batch == args.batch_sizes[0]:
+                results.setdefault("profile", []).append(profile_check(scorers, config, label))
+                print(json.dumps(results["profile"][-1]), flush=True)
             if batch == args.batch_sizes[0]:  # the CPU side does not depend on the GPU's batch much: once per label
                 results["cpu_side"].append(cpu_side(scorers, config, label))
                 print(json.dumps(results["cpu_side"][-1]), flush=True)
