@@ -75,7 +75,10 @@ SHARD_BATCHES = 4
 LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --decode device", {"decode": "device"}),
           ("core --decode draft-device", {"decode": "draft-device"}), ("+watermark", {}),
           ("+watermark --decode draft", {"decode": "draft"}), ("+watermark --decode device", {"decode": "device"}),
-          ("+watermark --decode draft-device", {"decode": "draft-device"}))
+          ("+watermark --decode draft-device", {"decode": "draft-device"}),
+          # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
+          ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
+          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -289,7 +292,7 @@ def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
             "batch": config.batch_size,
             # the main thread's waits for data and for the device (the rest of loop_seconds: its own work), and the
             # pixel thread's (device modes): which side bounds the run
-            "wait_seconds": summary.get("wait_seconds")}
+            "wait_seconds": summary.get("wait_seconds"), "cuda_graphs": summary.get("cuda_graphs")}
 
 
 def main() -> None:
@@ -343,7 +346,7 @@ def main() -> None:
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
-            slug = label.replace("--decode ", "").replace("+", "").replace(" ", "-")
+            slug = label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("+", "").replace(" ", "-")
             config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,
                                  scores=(f"aesthetic=aesthetic-v2:{aesthetic}",), nsfw=str(nsfw), batch_size=batch,

@@ -354,6 +354,22 @@ def test_bf16_runs_clip_in_bf16_weights_and_matches_fp32_within_rounding(tmp_pat
     assert {parameter.dtype for parameter in scorers.clip.parameters()} == {torch.bfloat16}  # weights, not autocast
 
 
+def test_cuda_graphs_flag_gives_the_same_files(tmp_path, scored, shards, score_models, realdata):
+    """--cuda-graphs (eager off CUDA; caption chunks rounded to 8 tokens) writes what the default run wrote."""
+    from laionkit.score import ScoreConfig, run
+
+    args = score_args(shards, tmp_path / "out", score_models, realdata, "--cuda-graphs")
+    run_cli(*args)
+    exact, graphed = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(graphed["key"]) == list(exact["key"])
+    for column in ("aes", "anime", "punsafe", "pwatermark", "similarity"):
+        np.testing.assert_allclose(graphed[column], exact[column], atol=1e-5, err_msg=column)
+    config = ScoreConfig(shards=(str(shards),), output=str(tmp_path / "again"), clip_model=str(score_models["config"]),
+                         clip_pretrained=str(score_models["weights"]), workers=0, cuda_graphs=True, quiet=True)
+    assert run(config, log=lambda _: None)["cuda_graphs"] == {"image": {"graphs": 0, "replays": 0},
+                                                              "text": {"graphs": 0, "replays": 0}}  # off CUDA
+
+
 @pytest.mark.parametrize("mode", ["device", "draft-device"])
 def test_decode_device_matches_exact_within_resampling(mode, tmp_path, scored, shards, score_models, realdata):
     """--decode device: workers read and hash; the main process decodes baseline JPEGs (here 2 of 8: the other
@@ -599,8 +615,43 @@ def test_captions_run_over_their_own_tokens_with_the_full_contexts_embeddings(sc
         assert len(seen) > 1 and sum(rows * length for rows, length in seen) < 0.5 * tokens.numel(), seen
         assert sum(rows for rows, _ in seen) == len(captions)
         torch.testing.assert_close(ours, full, atol=2e-5, rtol=0)
+        seen.clear()  # --cuda-graphs: chunk lengths round up to a multiple of 8 (a graph per shape), same values
+        rounded = TextEncoder(clip, cuda_graphs=True)(tokens, torch.device("cpu"))
+        assert all(length % 8 == 0 or length == 77 for _, length in seen) and len(seen) > 1, seen
+        assert sum(rows * length for rows, length in seen) < 0.5 * tokens.numel(), seen
+        torch.testing.assert_close(rounded, full, atol=2e-5, rtol=0)
         hook.remove()
         clip.attn_mask = None  # a bidirectional tower: padding changes its output, so nothing is cut
         assert TextEncoder(clip).trim is None
         torch.testing.assert_close(TextEncoder(clip)(tokens, torch.device("cpu")),
                                    torch.nn.functional.normalize(clip.encode_text(tokens).float(), dim=-1))
+
+
+def test_graphed_forward_runs_eagerly_off_cuda_and_on_cuda_replays_what_eager_gives():
+    """laionkit.common.cudagraphs.Graphed: off CUDA it is the forward itself. On CUDA (the GPU machine) a shape
+    seen twice is captured and replayed with the eager forward's values, each replay's output its own tensor; a
+    forward that cannot be captured (a host sync inside) stays eager with the reason said once."""
+    from laionkit.common.cudagraphs import Graphed
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    graphed = Graphed(layer, "test forward")
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(graphed(x), layer(x))
+    assert graphed.stats() == {"graphs": 0, "replays": 0}
+    if not torch.cuda.is_available():
+        return
+    layer, said = layer.cuda(), []
+    graphed = Graphed(layer, "test forward", log=said.append)
+    with torch.inference_mode():
+        inputs = [torch.randn(4, 16, device="cuda") for _ in range(4)]
+        outputs = [graphed(value) for value in inputs]
+        for value, output in zip(inputs, outputs):
+            torch.testing.assert_close(output, layer(value))
+        assert graphed.stats()["graphs"] == 1 and graphed.stats()["replays"] == 3 and not said
+        syncing = Graphed(lambda value: layer(value) * float(value.sum().item() > -1e9), "syncing", log=said.append)
+        for value in inputs:
+            torch.testing.assert_close(syncing(value), layer(value))
+        assert syncing.broken and len(said) == 1 and "capture failed" in said[0]

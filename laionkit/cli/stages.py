@@ -213,8 +213,12 @@ def score(
         help="LAION's CLIP NSFW head weights (norm.mean/variance, linear_1..4; .safetensors or .pt): adds punsafe.")] = None,
     batch_size: Annotated[int, typer.Option(help="Images per device batch.")] = 256,
     workers: Annotated[int, typer.Option(help="DataLoader worker processes that decode (each reads whole shards).")] = 4,
-    dtype: Annotated[str, typer.Option(help="auto (bf16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA: CLIP in bf16 weights; fp32 on CPU), fp32, fp16, "
+                                           "bf16.")] = "auto",
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs", help="Replay CLIP's image and caption forwards from CUDA graphs (one launch a batch): for "
+        "hosts whose cores are busy decoding. Same values; not yet the default (docs/BENCHMARKS.md, score).")] = False,
     decode: Annotated[str, typer.Option(
         help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "
         "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "
@@ -244,7 +248,7 @@ def score(
         shards=tuple(shards), output=output, clip_model=clip_model,
         clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
         watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
-        decode=decode, caption_key=caption_key, captions=captions, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
+        cuda_graphs=cuda_graphs, decode=decode, caption_key=caption_key, captions=captions, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
         storage_options=storage_options,
     )
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
 from laionkit.common.background import background, timed
+from laionkit.common.cudagraphs import Graphed
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
 from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
@@ -76,7 +77,9 @@ class Scorers:
         self.clip = self.clip.to(self.dtype)
         if device.type == "cuda":
             self.clip = self.clip.to(memory_format=torch.channels_last)
-        self.text = TextEncoder(self.clip)  # captions over their own tokens, not the whole context
+        self.text = TextEncoder(self.clip, config.cuda_graphs, log)  # captions over their own tokens
+        self.image_forward = (Graphed(self.clip.encode_image, "score's CLIP image forward", log=log)
+                              if config.cuda_graphs else self.clip.encode_image)
         specs = [ScoreSpec.parse(text) for text in config.scores]
         for spec in specs:
             if spec.name in RESERVED:
@@ -135,7 +138,7 @@ class Scorers:
             pixels = self._pixels(batch["clip"], *self.normalize, dtype=self.dtype)
         else:
             pixels = batch["clip"].to(self.device, non_blocking=True).to(self.dtype)
-        features = self.clip.encode_image(pixels)
+        features = self.image_forward(pixels)
         return torch.nn.functional.normalize(features.float(), dim=-1)
 
     @torch.inference_mode()
@@ -364,6 +367,10 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
         in_flight = (item, launched)
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
     summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
+    if config.cuda_graphs:  # how many forwards replayed from graphs, or why none did
+        summary["cuda_graphs"] = {name: forward.stats() for name, forward in
+                                  (("image", scorers.image_forward), ("text", scorers.text.forward))
+                                  if isinstance(forward, Graphed)}
     return summary
 
 

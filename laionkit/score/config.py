@@ -35,6 +35,9 @@ class ScoreConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: str | None = None
     decode: str = "exact"  # DECODE_MODES
+    # CLIP's image and caption forwards replayed from CUDA graphs (laionkit.common.cudagraphs): one launch a batch
+    # instead of ~700 from the thread that also feeds the loop; opt-in until measured (docs/BENCHMARKS.md, score)
+    cuda_graphs: bool = False
     caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
     # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.captions' names, resolved as encode
     # resolves them), for encode --caption-scores; None: only the default caption's similarity

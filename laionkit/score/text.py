@@ -19,11 +19,13 @@ import numpy as np
 import torch
 
 from laionkit.common.background import device_tensor
+from laionkit.common.cudagraphs import Graphed
 
 # A chunk is one more pass of the tower's Python, launched by the thread that also launches the image forward:
 # up to 4 chunks of at least 128 captions (8 cost ~0.28 of the full context on the shipped alt-texts, 4 ~0.37)
 CHUNK_ROWS = 128
 MAX_CHUNKS = 4
+GRAPH_LENGTHS = 8  # with CUDA graphs, chunk lengths round up to a multiple of this: a graph per (rows, length)
 
 
 def trimmable(clip) -> tuple[torch.nn.Module, str, int | None] | None:
@@ -64,9 +66,19 @@ class TextEncoder:
     """``clip.encode_text`` of a batch of token ids (on the host), chunked by length where the tower allows it
     (module docstring); the features in the batch's row order, on the device, L2-normalised."""
 
-    def __init__(self, clip) -> None:
+    def __init__(self, clip, cuda_graphs: bool = False, log=lambda _: None) -> None:
         self.clip = clip
         self.trim = trimmable(clip)
+        # padding after the pooled token changes nothing, so graphed chunks round their length up (fewer graphs)
+        self.round = GRAPH_LENGTHS if cuda_graphs else 1
+        self.forward = Graphed(self._forward, "score's CLIP caption forward", log=log) if cuda_graphs else self._forward
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """encode_text of token ids cut after ``tokens.shape[1]`` positions (the whole context: as they are)."""
+        if self.trim is None or tokens.shape[1] == self.trim[0].positional_embedding.shape[0]:
+            return self.clip.encode_text(tokens)
+        with cut(self.trim[0], tokens.shape[1]):
+            return self.clip.encode_text(tokens)
 
     def lengths(self, tokens: torch.Tensor) -> np.ndarray:
         """Each caption's tokens up to and including the pooled one."""
@@ -77,18 +89,17 @@ class TextEncoder:
     def __call__(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         moved = tokens.to(device, non_blocking=True)
         if self.trim is None or not len(tokens):
-            return torch.nn.functional.normalize(self.clip.encode_text(moved).float(), dim=-1)
-        tower = self.trim[0]
+            return torch.nn.functional.normalize(self.forward(moved).float(), dim=-1)
+        context = self.trim[0].positional_embedding.shape[0]
         lengths = self.lengths(tokens)
         parts = chunks(lengths)
         where = device_tensor(np.concatenate(parts).tolist(), torch.long, device)  # one copy, sliced per chunk
         features, start = None, 0
         for part in parts:
-            length = int(lengths[part].max())
+            length = min(context, -(-int(lengths[part].max()) // self.round) * self.round)
             rows = where[start: start + len(part)]
             start += len(part)
-            with cut(tower, length):
-                chunk = self.clip.encode_text(moved[rows, :length])
+            chunk = self.forward(moved[rows, :length])
             if features is None:
                 features = torch.empty((len(tokens), chunk.shape[1]), dtype=torch.float32, device=device)
             features[rows] = chunk.float()
