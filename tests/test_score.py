@@ -655,3 +655,38 @@ def test_graphed_forward_runs_eagerly_off_cuda_and_on_cuda_replays_what_eager_gi
         for value in inputs:
             torch.testing.assert_close(syncing(value), layer(value))
         assert syncing.broken and len(said) == 1 and "capture failed" in said[0]
+
+
+def test_a_shard_is_written_after_the_next_batch_is_queued_and_a_failed_write_stops_the_run(tmp_path, shards,
+                                                                                            score_models, monkeypatch):
+    """A finished shard is written by a thread of its own once its last batch is collected, which is after the next
+    shard's first batch is queued on the device (so the device is not drained at every shard's end); a write that
+    fails ends the run with its error, and the shard written before it stays done."""
+    import laionkit.score as score
+
+    events = []
+    launch, finish = score.Scorers.launch, score._finish_shard
+
+    def launched(self, batch):
+        events.append(("launch", batch["shard"]))
+        return launch(self, batch)
+
+    def finished(output, done, *args):
+        events.append(("write", done.shard))
+        if done.shard == "00001" and fail:
+            raise OSError("No space left on device")
+        return finish(output, done, *args)
+
+    monkeypatch.setattr(score.Scorers, "launch", launched)
+    monkeypatch.setattr(score, "_finish_shard", finished)
+    fail = False
+    config = score.ScoreConfig(shards=(str(shards),), output=str(tmp_path / "out"), clip_model=str(score_models["config"]),
+                               clip_pretrained=str(score_models["weights"]), batch_size=3, workers=0, quiet=True)
+    assert score.run(config, log=lambda _: None)["samples_out"] == 8
+    assert events.index(("write", "00000")) > events.index(("launch", "00001"))
+    assert [event for event in events if event[0] == "write"] == [("write", "00000"), ("write", "00001")]
+    fail = True
+    with pytest.raises(OSError, match="No space left"):
+        score.run(score.ScoreConfig(**{**config.__dict__, "output": str(tmp_path / "failed")}), log=lambda _: None)
+    assert (tmp_path / "failed" / "records" / "00000.json").exists()
+    assert not (tmp_path / "failed" / "records" / "00001.json").exists()

@@ -20,6 +20,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import numpy as np
@@ -319,6 +320,23 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     summary = {"samples_out": 0, "skipped": 0}
     first = None
     in_flight = None  # (batch, its launched device work): collected after the next batch is queued
+    # A finished shard's heads, parquet, npy and record are written by one thread of their own, so the device is
+    # fed meanwhile; a shard whose last batch is still in flight is finished once that batch is collected, after
+    # the next batch is queued (finishing it at once would drain the device at every shard's end).
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="laionkit-score-writer")
+    writes: list = []
+    waiting: list[ShardDone] = []
+
+    def finish(done: ShardDone) -> None:
+        for write in writes:  # a failed write stops the run at the next shard, not at the end
+            if write.done():
+                write.result()
+        shard = pending.pop(done.shard, None) or new_shard()
+        done.skips.extend(shard["skips"])  # --decode device: samples the device could not decode
+        writes.append(writer.submit(_finish_shard, output, done, shard, scorers, settings, rank))
+        summary["samples_out"] += done.samples_in - len(done.skips)
+        summary["skipped"] += len(done.skips)
+        progress.update(len(done.skips))
 
     def new_shard() -> dict:
         return {"columns": {}, "embeddings": [], "skips": [], "started": time.perf_counter()}
@@ -337,34 +355,45 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
             shard["columns"].setdefault(name, []).extend(None if np.isnan(v) else float(v) for v in column)
         progress.update(len(batch["key"]))
 
-    # the wait for the first batch is start-up, not counted: run()'s wall time minus ``seconds`` shows it
-    for item in timed(loader, clock, "data", first=False):
-        first = first or time.perf_counter()
-        if isinstance(item, ShardDone):
-            if in_flight is not None:  # the shard's last batch may still be in flight
-                collect()
-                in_flight = None
-            shard = pending.pop(item.shard, None) or new_shard()
-            item.skips.extend(shard["skips"])  # --decode device: samples the device could not decode
-            _finish_shard(output, item, shard, scorers, settings, rank)
-            summary["samples_out"] += item.samples_in - len(item.skips)
-            summary["skipped"] += len(item.skips)
-            progress.update(len(item.skips))
-            continue
-        if device_decode:
-            item, skips, ready = item
-            pending.setdefault(item["shard"], new_shard())["skips"].extend(skips)
-            if ready is not None:  # made on the pixels' stream: this stream waits for them, and owns them too
-                torch.cuda.current_stream(scorers.device).wait_event(ready)
-                for name in ("clip", "watermark", "phash"):
-                    if name in item:
-                        item[name].record_stream(torch.cuda.current_stream(scorers.device))
-            if not item["key"]:
+    def collected() -> None:
+        """Collect the batch in flight and finish the shards that waited for it."""
+        collect()
+        for done in [done for done in waiting if done.shard == in_flight[0]["shard"]]:
+            waiting.remove(done)
+            finish(done)
+
+    try:
+        # the wait for the first batch is start-up, not counted: run()'s wall time minus ``seconds`` shows it
+        for item in timed(loader, clock, "data", first=False):
+            first = first or time.perf_counter()
+            if isinstance(item, ShardDone):
+                if in_flight is not None and in_flight[0]["shard"] == item.shard:
+                    waiting.append(item)  # its last batch is in flight: finished once that is collected
+                else:
+                    finish(item)
                 continue
-        launched = scorers.launch(item)  # queued on the device before the previous batch is waited for
+            if device_decode:
+                item, skips, ready = item
+                pending.setdefault(item["shard"], new_shard())["skips"].extend(skips)
+                if ready is not None:  # made on the pixels' stream: this stream waits for them, and owns them too
+                    torch.cuda.current_stream(scorers.device).wait_event(ready)
+                    for name in ("clip", "watermark", "phash"):
+                        if name in item:
+                            item[name].record_stream(torch.cuda.current_stream(scorers.device))
+                if not item["key"]:
+                    continue
+            launched = scorers.launch(item)  # queued on the device before the previous batch is waited for
+            if in_flight is not None:
+                collected()
+            in_flight = (item, launched)
         if in_flight is not None:
-            collect()
-        in_flight = (item, launched)
+            collected()
+        for done in waiting:  # never left: a shard's ShardDone follows its last batch
+            finish(done)
+    finally:
+        writer.shutdown(wait=True)  # shards already collected are written, also when the loop failed
+    for write in writes:
+        write.result()  # a write's error, raised here
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
     summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
     if config.cuda_graphs:  # how many forwards replayed from graphs, or why none did
