@@ -43,12 +43,13 @@ class Graphed:
             if self.seen[key] < self.after:
                 return self.fn(*inputs)
             try:
-                self.graphs[key] = self._capture(inputs)
+                captured = self._capture(inputs)
             except Exception as error:  # noqa: BLE001 - a forward that cannot be captured runs eagerly
                 self._break(f"its capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 return self.fn(*inputs)
-            if self.broken is not None:
+            if self.broken is not None:  # replayed, but not as eager computes it
                 return self.fn(*inputs)
+            self.graphs[key] = captured
         graph, static_inputs, static_output = self.graphs[key]
         for static, given in zip(static_inputs, inputs):
             static.copy_(given, non_blocking=True)
