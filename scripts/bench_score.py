@@ -217,19 +217,26 @@ def cpu_side(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     return {"label": label, "samples": count, "seconds": seconds, "images_per_s": count / seconds}
 
 
+def first_shards(config: ScoreConfig, count: int, suffix: str) -> ScoreConfig:
+    """``config`` over its first ``count`` input shards, into a fresh output folder beside its own (``suffix``)."""
+    import dataclasses
+
+    from laionkit.encode.reader import find_shards
+
+    first = sorted(str(shard) for shard in find_shards(config.shards, lambda _: None, None, "score"))[:count]
+    checked = dataclasses.replace(config, shards=tuple(first), output=config.output + suffix)
+    shutil.rmtree(checked.output, ignore_errors=True)
+    return checked
+
+
 def sync_check(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     """The host-device synchronisations of `laionkit score`'s loop, by source line: run() over one shard under
     torch's CUDA sync debug mode (a blocking copy or stream synchronisation warns). A line that syncs once per
     batch stalls the pipeline (the device idles while the host queues the next batch); the loop's intended wait
     is an event's, which the mode does not count."""
-    import dataclasses
     import warnings
 
-    from laionkit.encode.reader import find_shards
-
-    first = sorted(str(shard) for shard in find_shards(config.shards, lambda _: None, None, "score"))[:1]
-    checked = dataclasses.replace(config, shards=tuple(first), output=config.output + "-sync")
-    shutil.rmtree(checked.output, ignore_errors=True)
+    checked = first_shards(config, 1, "-sync")
     lines: dict[str, int] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -251,15 +258,9 @@ def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int
     the wall time, streams summed) and the ops that took the most device time and the most host time. A device
     busy well under 1 while the main thread waits for neither data nor the device (``wait_seconds``) means the
     host's launches are the bound; near 1, the device's work beyond the bare forward is."""
-    import dataclasses
-
     from torch.profiler import ProfilerActivity, profile
 
-    from laionkit.encode.reader import find_shards
-
-    first = sorted(str(shard) for shard in find_shards(config.shards, lambda _: None, None, "score"))[:shards]
-    checked = dataclasses.replace(config, shards=tuple(first), output=config.output + "-profile")
-    shutil.rmtree(checked.output, ignore_errors=True)
+    checked = first_shards(config, shards, "-profile")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if scorers.device.type == "cuda" else [])
     started = time.perf_counter()
     with profile(activities=activities) as prof:

@@ -387,9 +387,7 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
                 collected()
             in_flight = (item, launched)
         if in_flight is not None:
-            collected()
-        for done in waiting:  # never left: a shard's ShardDone follows its last batch
-            finish(done)
+            collected()  # the last batch, and the shard that waited for it
     finally:
         writer.shutdown(wait=True)  # shards already collected are written, also when the loop failed
     for write in writes:
