@@ -93,9 +93,9 @@ def child(args) -> dict:
                          batch_size=1 if args.smoke else batch, max_steps=10**6, checkpoint_every=10**9,
                          keep_checkpoints=1, checkpoint_writer=args.writer, log_with="none", quiet=True, workers=2,
                          overwrite=True, **extra)  # a fresh run: an old run in the folder is deleted
-    # moto (Python) joins a multipart upload's parts in memory when it completes it: ~1 min per GB, past botocore's
-    # 60 s read timeout, and the client's retry of the complete then races the first (moto: "seek of closed file",
-    # then "the specified upload does not exist"; a 36 GB SDXL checkpoint failed so on 2026-12-06). AWS keeps the
+    # moto (Python) joins a multipart upload's parts in memory when it completes it, which for a large file takes
+    # longer than botocore's 60 s read timeout; the client's retry of the complete then races the first (moto:
+    # "seek of closed file", then "the specified upload does not exist"; BENCHMARKS, checkpoints). AWS keeps the
     # connection alive while it completes one; this local server needs the longer timeout instead.
     options = {"config_kwargs": {"read_timeout": 3600}} if args.run_url else {}
     with storage.default_options(options):
