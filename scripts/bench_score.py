@@ -253,11 +253,21 @@ def sync_check(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
             "syncs_by_line": dict(sorted(lines.items(), key=lambda item: -item[1]))}
 
 
+HOST_MARKERS = ("Command Buffer Full",)
+
+
+def brief(profiled: dict) -> dict:
+    """A profile_check record to print: its top 5 ops each way, names cut (the json keeps them whole)."""
+    cut = lambda rows: [[name[:80], ms, count] for name, ms, count in rows[:5]]  # noqa: E731
+    return {**profiled, "top_device_ms": cut(profiled["top_device_ms"]), "top_host_ms": cut(profiled["top_host_ms"])}
+
+
 def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int = 2) -> dict:
     """run() over the first ``shards`` shards under torch.profiler: how busy the device was (its kernels' time over
     the wall time, streams summed) and the ops that took the most device time and the most host time. A device
     busy well under 1 while the main thread waits for neither data nor the device (``wait_seconds``) means the
     host's launches are the bound; near 1, the device's work beyond the bare forward is."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     checked = first_shards(config, shards, "-profile")
@@ -267,15 +277,22 @@ def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int
         summary = run(checked, log=lambda _: None, scorers=scorers)
     wall = time.perf_counter() - started
     events = prof.key_averages()
-    device_us = sum(event.self_device_time_total for event in events)
+    # the device's own records (kernels, copies, memsets): an aten op's device time is its kernels' again, and
+    # CUPTI's "Command Buffer Full" marks host launches that waited for room in the launch queue
+    device = [event for event in events if event.device_type != DeviceType.CPU and event.key not in HOST_MARKERS]
+    device_us = sum(event.self_device_time_total for event in device)
 
-    def top(key: str) -> list:
-        ranked = sorted(events, key=lambda event: -getattr(event, key))[:15]
+    def top(ranked_events: list, key: str) -> list:
+        ranked = sorted(ranked_events, key=lambda event: -getattr(event, key))[:15]
         return [[event.key, round(getattr(event, key) / 1e3, 1), event.count] for event in ranked]
 
     return {"label": label, "samples": summary["samples_out"], "wall_seconds": round(wall, 3),
-            "device_busy": round(device_us / 1e6 / wall, 3), "wait_seconds": summary.get("wait_seconds"),
-            "top_device_ms": top("self_device_time_total"), "top_host_ms": top("self_cpu_time_total")}
+            "device_seconds": round(device_us / 1e6, 3), "device_busy": round(device_us / 1e6 / wall, 3),
+            # from the first batch on (start-up, the workers' first batches, left out), as loop_seconds
+            "device_busy_loop": round(device_us / 1e6 / summary["seconds"], 3) if summary["seconds"] else None,
+            "device_ms_per_image": round(device_us / 1e3 / max(summary["samples_out"], 1), 4),
+            "wait_seconds": summary.get("wait_seconds"), "top_device_ms": top(device, "self_device_time_total"),
+            "top_host_ms": top(list(events), "self_cpu_time_total")}
 
 
 def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
@@ -342,6 +359,10 @@ def main() -> None:
                "image_size": args.image_size, "progressive": args.progressive, "cpus": os.cpu_count(), "shards": count,
                "shard_size": shard_size,
                "bare": [], "score": [], "cpu_side": []}
+
+    def save() -> None:  # a row at a time
+        (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")
+
     for batch in args.batch_sizes:
         results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
         print(json.dumps(results["bare"][-1]), flush=True)
@@ -355,20 +376,23 @@ def main() -> None:
             scorers = Scorers(config, torch.device(config.device), lambda _: None)
             found = end_to_end(scorers, config, label)
             found["vs_bare"] = found["images_per_s"] / results["bare"][-1]["images_per_s"]
+            found["vs_nemo_floor_per_gpu"] = found["images_per_s"] / NEMO_FLOOR_PER_GPU
+            results["score"].append(found)  # kept before the checks below, which a call's timeout may cut
+            print(json.dumps(found), flush=True)
+            save()
             if device.type == "cuda" and batch == args.batch_sizes[0]:
                 results.setdefault("sync_check", []).append(sync_check(scorers, config, label))
                 print(json.dumps(results["sync_check"][-1]), flush=True)
+                save()
             if args.profile and batch == args.batch_sizes[0]:
                 results.setdefault("profile", []).append(profile_check(scorers, config, label))
-                print(json.dumps(results["profile"][-1]), flush=True)
+                print(json.dumps(brief(results["profile"][-1])), flush=True)
+                save()
             if batch == args.batch_sizes[0]:  # the CPU side does not depend on the GPU's batch much: once per label
                 results["cpu_side"].append(cpu_side(scorers, config, label))
-                print(json.dumps(results["cpu_side"][-1]), flush=True)
                 found["vs_cpu_side"] = found["images_per_s"] / results["cpu_side"][-1]["images_per_s"]
-            found["vs_nemo_floor_per_gpu"] = found["images_per_s"] / NEMO_FLOOR_PER_GPU
-            results["score"].append(found)
-            print(json.dumps(found), flush=True)
-            (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")  # a row at a time
+                print(json.dumps(results["cpu_side"][-1]), f"(b/c {found['vs_cpu_side']:.3f})", flush=True)
+                save()
     print(f"wrote {args.out / 'bench_score.json'}")
 
 

@@ -70,6 +70,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -530,6 +531,9 @@ def main() -> None:
                         help="comma list of peak, a, b, online, fp8, lora, big, window")
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 256],
                         help="(window): caption windows to train at, besides the family's own (b-<first>-eager)")
+    parser.add_argument("--window-flags", default="",
+                        help="(window): more `laionkit train` flags for its rows, e.g. '--full-bf16' where the "
+                             "family's default policy does not fit the card (FLUX.2 [klein] on an 80 GB H100)")
     parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) per --ab-resolutions")
     parser.add_argument("--ab-resolutions", type=int, nargs="+",
                         help="resolutions of the (a) and (b) rows (default: the first of --resolutions)")
@@ -619,6 +623,7 @@ def main() -> None:
             if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes:
                 continue  # b-<resolution>-eager is this row
             train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags)
+
     def own_window(resolution: int) -> str | None:  # the stored-text eager row at the family's window, if one ran
         return next((name for name in (f"stored-{resolution}-eager", f"b-{resolution}-eager") if name in results),
                     None)
@@ -627,10 +632,15 @@ def main() -> None:
     if windows and get_family(family).max_sequence_length is None:
         print(f"window: skipped, {family}'s caption window is fixed", flush=True)
         windows = []
-    if windows and own_window(first) is None:
-        train(f"b-{first}-eager", latents_at(first), batch_of(first), *family_flags)  # the family's own window
+    window_flags = shlex.split(args.window_flags)
+    # the family's own window beside them, under the same flags: (b)'s stored-text row where it ran without more
+    own_name = own_window(first)
+    if windows and (own_name is None or window_flags):
+        own_name = f"window{get_family(family).max_sequence_length}-{first}-eager" if window_flags else f"b-{first}-eager"
+        train(own_name, latents_at(first), batch_of(first), *family_flags, *window_flags)
     for window in windows:
-        train(f"window{window}-{first}-eager", latents_at(first, window=window), batch_of(first), *family_flags)
+        train(f"window{window}-{first}-eager", latents_at(first, window=window), batch_of(first), *family_flags,
+              *window_flags)
     if "lora" in parts and family not in BARE_FLAGS:  # Qwen-Image's (b) rows are LoRA-64 already
         train(f"lora64-{first}-eager", latents_at(first), batch_of(first), "--lora-rank", "64", "--lora-random-base")
     if "fp8" in parts:
@@ -697,7 +707,7 @@ def main() -> None:
         if stored and online:
             print(f"  online/stored text {resolution}: {online / stored:.3f}")
     for window in windows:
-        own, short = rate(own_window(first)), rate(f"window{window}-{first}-eager")
+        own, short = rate(own_name), rate(f"window{window}-{first}-eager")
         if own and short:
             print(f"  caption window {window} / {get_family(family).max_sequence_length} tokens, {first} px: "
                   f"{short / own:.3f} x the samples/s")
