@@ -8,7 +8,12 @@ device synchronised) with:
 
 * ``grouped``: torchvision's Resize + CenterCrop, the watermark squash and the pHash per group of same-size
   images (on web images nearly one group per image: some 25 small kernels each, launched from Python);
-* ``stacked``: the batch padded into stacks and each output made by batched resampling matrices.
+* ``stacked``: the batch padded into stacks and each output made by batched resampling matrices;
+* ``worker-stacked``: the same, from the stacks the workers padded (``pad_stacks``, what ``score --decode
+  draft-device`` ships on an accelerator), so the device takes each stack as one view.
+
+Each row also records the host's milliseconds a batch (the calls' own time, the device not waited for: what the
+pixel thread spends beside the main thread's launches).
 
 Also prints the largest difference between the two (CLIP / watermark pixels in levels, pHash bits) and, per
 path, images/s of the pixels alone: with the CLIP forward's images/s beside (bench_score.py's (a)) it says what
@@ -36,36 +41,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_encode import photo_like  # noqa: E402
 
-from laionkit.common.jpeg import joined  # noqa: E402
 from laionkit.common.phash import hamming  # noqa: E402
 from laionkit.score.models import WATERMARK_SIZE  # noqa: E402
-from laionkit.score.pixels import DevicePixels  # noqa: E402
-from laionkit.score.reader import split_clip_transform  # noqa: E402
+from laionkit.score.pixels import PAD_PIXELS, DevicePixels  # noqa: E402
+from laionkit.score.reader import ScoreSamples, split_clip_transform  # noqa: E402
 
 
-def batch_of(rgb: list[np.ndarray]) -> dict:
-    """A collated draft-device batch (laionkit.score.reader.ScoreSamples.collate's layout) of decoded images."""
-    keys = [str(index) for index in range(len(rgb))]
-    return {"key": keys, "source": [None] * len(rgb), "caption": keys, "width": [0] * len(rgb),
-            "height": [0] * len(rgb), "sha256": keys, "jpegs": torch.zeros(0, dtype=torch.uint8),
-            "rgb": joined(rgb), "images": [image.shape for image in rgb]}
+def batch_of(rgb: list[np.ndarray], padded: bool = False) -> dict:
+    """A collated draft-device batch (laionkit.score.reader.ScoreSamples.collate's layout) of decoded images:
+    end to end, or (``padded``) in the stacks the workers pad."""
+    items = [{"key": str(index), "source": None, "caption": str(index), "width": 0, "height": 0,
+              "sha256": str(index), "images": image} for index, image in enumerate(rgb)]
+    return ScoreSamples.collate("00000", items, PAD_PIXELS if padded else None)
 
 
-def timed(pixels: DevicePixels, rgb: list[np.ndarray], device: torch.device, repeats: int) -> tuple[float, dict]:
-    """(seconds per batch, the last output) of ``pixels`` over the batch, the flat RGB pinned as the loader's."""
-    batch = batch_of(rgb)
+def timed(pixels: DevicePixels, rgb: list[np.ndarray], device: torch.device, repeats: int,
+          padded: bool = False) -> tuple[float, float, dict]:
+    """(seconds per batch, host seconds per batch, the last output) of ``pixels`` over the batch, the flat RGB
+    pinned as the loader's."""
+    batch = batch_of(rgb, padded)
     if device.type == "cuda":
         batch["rgb"] = batch["rgb"].pin_memory()
     for _ in range(2):  # warm-up: kernels, caches
         out, _ = pixels(dict(batch))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    started = time.perf_counter()
+    started, host = time.perf_counter(), 0.0
     for _ in range(repeats):
+        call = time.perf_counter()
         out, _ = pixels(dict(batch))
+        host += time.perf_counter() - call
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - started) / repeats, out
+    return (time.perf_counter() - started) / repeats, host / repeats, out
 
 
 def main() -> None:
@@ -97,16 +105,19 @@ def main() -> None:
                "distinct_sizes": len({image.shape for image in rgb}),
                "mean_pixels": float(np.mean([image.shape[0] * image.shape[1] for image in rgb]))}
     outputs = {}
-    for name, stacked in (("grouped", False), ("stacked", True)):
+    for name, stacked, padded in (("grouped", False, False), ("stacked", True, False), ("worker-stacked", True, True)):
         pixels = DevicePixels(transform, not args.no_watermark, device, stacked=stacked)
-        seconds, outputs[name] = timed(pixels, rgb, device, args.repeats)
-        results[name] = {"ms_per_batch": seconds * 1e3, "images_per_s": args.batch / seconds}
+        seconds, host, outputs[name] = timed(pixels, rgb, device, args.repeats, padded)
+        results[name] = {"ms_per_batch": seconds * 1e3, "host_ms_per_batch": host * 1e3,
+                         "images_per_s": args.batch / seconds}
         print(json.dumps({name: results[name]}), flush=True)
     a, b = outputs["grouped"], outputs["stacked"]
     results["max_level_difference"] = {name: int((a[name].int() - b[name].int()).abs().max())
                                        for name in ("clip", "watermark") if name in a}
     results["max_phash_bits"] = max(hamming(int(x), int(y)) for x, y in zip(a["phash"].tolist(), b["phash"].tolist()))
     results["stacked_vs_grouped"] = results["stacked"]["images_per_s"] / results["grouped"]["images_per_s"]
+    results["worker_stacked_equal"] = all(outputs["stacked"][name].equal(outputs["worker-stacked"][name])
+                                          for name in ("clip", "watermark", "phash") if name in a)
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

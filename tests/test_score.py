@@ -4,6 +4,7 @@ predictors, and LAION's watermark and NSFW architectures at random init saved in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -550,6 +551,83 @@ def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(real
              "images": [tuple(images[1].permute(1, 2, 0).shape), tuple(images[2].permute(1, 2, 0).shape)]}
     out, _ = DevicePixels(padding, False, torch.device("cpu"), stacked=True)(dict(batch))
     assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads
+
+
+def test_draft_device_workers_pad_the_stacks_the_device_takes_as_views(tmp_path, realdata, shards, score_models,
+                                                                       monkeypatch):
+    """--decode draft-device where the device resamples stacks: the workers pad their decoded images into those
+    stacks (zeros past each image), so the device takes a stack as one view instead of copying each image into
+    place from Python. The device's outputs are the same as from the images end to end; a device that resamples
+    per group (a CPU's default) takes the padded stacks too; a run whose workers pad writes what one whose
+    device pads writes, and its loader's batches are the padded ones."""
+    import open_clip
+    import pandas as pd
+
+    import laionkit.score as score_module
+    import laionkit.score.pixels as pixels_module
+    from laionkit.score import ScoreConfig, Scorers, run, score_loader
+    from laionkit.score.pixels import PAD_PIXELS, DevicePixels
+    from laionkit.score.reader import ScoreSamples, split_clip_transform
+
+    rng = np.random.default_rng(0)
+    images = [np.asarray(Image.open(path).convert("RGB")) for path in sorted((realdata / "images").iterdir())
+              if path.suffix in (".jpg", ".png")]
+    images += [rng.integers(0, 256, (*rng.integers(150, 400, 2), 3), dtype=np.uint8) for _ in range(9)]
+    items = [{"key": str(index), "source": None, "caption": str(index), "width": 1, "height": 1, "sha256": str(index),
+              "images": image} for index, image in enumerate(images)]
+    _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
+    transform, _ = split_clip_transform(preprocess)
+    stacked = DevicePixels(transform, True, torch.device("cpu"), stacked=True)
+    grouped = DevicePixels(transform, True, torch.device("cpu"))
+    end_to_end = ScoreSamples.collate("00000", items)
+    assert "stacks" not in end_to_end
+    expected, _ = stacked(dict(end_to_end))
+    for budget in (PAD_PIXELS, 400 * 400):  # one stack; a stack per image or two
+        monkeypatch.setattr(pixels_module, "PAD_PIXELS", budget)  # the device's own stacks, for end_to_end's batch
+        padded = ScoreSamples.collate("00000", items, budget)
+        rows = [row for rows, _, _ in padded["stacks"] for row in rows]
+        assert sorted(rows) == list(range(len(images))) and (len(padded["stacks"]) > 8) == (budget < PAD_PIXELS)
+        start = 0  # each image in place in its stack, zeros past its size
+        for stack_rows, height, width in padded["stacks"]:
+            stack = padded["rgb"][start:start + len(stack_rows) * height * width * 3].view(len(stack_rows), height, width, 3)
+            for slot, row in enumerate(stack_rows):
+                h, w = images[row].shape[:2]
+                assert stack[slot, :h, :w].numpy().tobytes() == images[row].tobytes()
+                assert stack[slot, h:].sum() == 0 and stack[slot, :, w:].sum() == 0
+            start += stack.numel()
+        assert start == padded["rgb"].numel()
+        out, skips = stacked(dict(padded))
+        ours, _ = stacked(dict(end_to_end))
+        assert not skips and out["key"] == end_to_end["key"]
+        for name in ("clip", "watermark", "phash"):
+            assert out[name].equal(ours[name]), (budget, name)
+            assert (out[name].long() - expected[name].long()).abs().max() <= 1, (budget, name)
+        per_group, _ = grouped(dict(padded))  # no stacks on this device: each image a view of its stack
+        by_group, _ = grouped(dict(end_to_end))
+        for name in ("clip", "watermark", "phash"):
+            assert per_group[name].equal(by_group[name]), (budget, name)
+    monkeypatch.undo()
+
+    def config(name: str) -> ScoreConfig:
+        return ScoreConfig(shards=(str(shards),), output=str(tmp_path / name), clip_model=str(score_models["config"]),
+                           clip_pretrained=str(score_models["weights"]), batch_size=3, workers=2,
+                           decode="draft-device", quiet=True)
+
+    def frame(name: str) -> pd.DataFrame:
+        return pd.concat(pd.read_parquet(path) for path in sorted((tmp_path / name / "scores").glob("*.parquet")))
+
+    run(config("device-pads"), log=lambda _: None)  # the CPU's default: the device resamples per group
+    # as on an accelerator: the device resamples stacks, which the workers pad
+    monkeypatch.setattr(score_module, "DevicePixels", functools.partial(DevicePixels, stacked=True))
+    scorers = Scorers(config("workers-pad"), torch.device("cpu"), lambda _: None)
+    batch = next(item for item in score_loader(config("workers-pad"), scorers, sorted(shards.glob("*.tar")))
+                 if isinstance(item, dict))
+    assert batch["stacks"] and batch["rgb"].numel() >= 3 * sum(h * w for h, w, _ in batch["images"])
+    run(config("workers-pad"), log=lambda _: None)
+    ours, theirs = frame("workers-pad"), frame("device-pads")
+    assert ours["key"].tolist() == theirs["key"].tolist() and len(ours) == 8
+    assert [hamming(a, b) for a, b in zip(ours["phash"], theirs["phash"])] == [0] * 8
+    assert np.allclose(ours["similarity"], theirs["similarity"], atol=0.02, equal_nan=True)
 
 
 def test_run_says_where_the_loop_waited(tmp_path, shards, score_models):

@@ -60,11 +60,7 @@ def joined(parts: Sequence[bytes | np.ndarray]) -> torch.Tensor:
     worker the tensor is made in shared memory, as torch's own default_collate makes its batches, so handing it to
     the main process copies nothing more."""
     sizes = [len(part) if isinstance(part, bytes) else part.size for part in parts]
-    total = sum(sizes)
-    if torch.utils.data.get_worker_info() is not None and total:
-        out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
-    else:
-        out = torch.empty(total, dtype=torch.uint8)
+    out = worker_buffer(sum(sizes))
     flat = out.numpy()
     start = 0
     for part, size in zip(parts, sizes):
@@ -77,3 +73,11 @@ def unjoin(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     """``joined``'s parts back, as views of ``flat``, given their lengths in order."""
     ends = list(itertools.accumulate([0, *sizes]))
     return [flat[start:end] for start, end in zip(ends, ends[1:])]
+
+
+def worker_buffer(size: int) -> torch.Tensor:
+    """A flat uint8 tensor of ``size`` bytes to collate into (not cleared); inside a DataLoader worker in shared
+    memory, as torch's own default_collate makes its batches, so handing it over copies nothing more."""
+    if torch.utils.data.get_worker_info() is not None and size:
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(size))
+    return torch.empty(size, dtype=torch.uint8)

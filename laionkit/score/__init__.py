@@ -44,7 +44,7 @@ from laionkit.score.models import (
     load_watermark,
     watermark_probability,
 )
-from laionkit.score.pixels import DevicePixels
+from laionkit.score.pixels import PAD_PIXELS, DevicePixels
 from laionkit.score.reader import ScoreSamples, split_clip_transform
 from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
 from laionkit.score.text import TextEncoder
@@ -256,9 +256,14 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
     return summary
 
 
-def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) -> torch.utils.data.DataLoader:
+def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location],
+                 pixels: DevicePixels | None = None) -> torch.utils.data.DataLoader:
     """The DataLoader of ``todo``'s batches as ``scorers`` take them (the CPU side of the stage; the
-    benchmark times it alone)."""
+    benchmark times it alone); with --decode draft-device, as ``pixels`` (default: the run's) takes them."""
+    if pixels is None and config.decode in DEVICE_PIXEL_MODES:
+        pixels = device_pixels(config, scorers)
+    # draft-device: every file is decoded by the workers, so they pad it into the stacks the device resamples
+    stack_pixels = PAD_PIXELS if config.decode == "draft-device" and pixels.resample is not None else None
     clip_transform = scorers.pil_transform or scorers.preprocess
     draft_side = None
     if config.decode != "exact":  # device: for the files the workers still decode (progressive JPEGs ...)
@@ -268,11 +273,19 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location]) ->
     samples = ScoreSamples(todo, clip_transform, scorers.normalize is not None, scorers.watermark is not None,
                            config.batch_size, config.caption_key, draft_side, scorers.captions,
                            device_decode=config.decode in DEVICE_PIXEL_MODES, device_jpegs=config.decode == "device",
-                           tokenizer=scorers.tokenizer)
+                           tokenizer=scorers.tokenizer, stack_pixels=stack_pixels)
     workers = min(config.workers, len(todo))
     return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
         prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
+
+
+def device_pixels(config: ScoreConfig, scorers: Scorers) -> DevicePixels:
+    """--decode device / draft-device: what makes the models' inputs on the device."""
+    if scorers.pil_transform is None:
+        raise LaionkitError(f"--decode {config.decode}: --clip-model {config.clip_model}'s preprocess is not resize/crop "
+                            "steps, ToTensor and Normalize; use --decode exact or draft")
+    return DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
 
 
 def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: dict[str, float]) -> Iterator:
@@ -306,14 +319,11 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     for the next batch; ``device``, for a launched batch's results; with --decode device / draft-device also the
     pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage."""
     clock = {"data": 0.0, "device": 0.0}
-    loader = score_loader(config, scorers, todo)
     device_decode = config.decode in DEVICE_PIXEL_MODES
+    pixels = device_pixels(config, scorers) if device_decode else None
+    loader = score_loader(config, scorers, todo, pixels)
     if device_decode:
         clock.update(pixels_loader_wait=0.0, pixels=0.0)
-        if scorers.pil_transform is None:
-            raise LaionkitError(f"--decode {config.decode}: --clip-model {config.clip_model}'s preprocess is not resize/crop "
-                                "steps, ToTensor and Normalize; use --decode exact or draft")
-        pixels = DevicePixels(scorers.pil_transform, scorers.watermark is not None, scorers.device)
         loader = background(_device_batches(loader, pixels, scorers.device, clock), QUEUE_DEPTH,
                             "laionkit-score-pixels", scorers.device)
     pending: dict[str, dict] = {}

@@ -23,7 +23,9 @@ Pillow refuses it too. The main process does this one batch ahead in a thread, o
 device it decodes with libjpeg-turbo (tests, parity).
 
 ``--decode draft-device`` sends every file down the worker path above (JPEGs at the draft scale): the decode stays
-on the CPU cores and the resizing and pHash, the other half of a ``draft`` worker's time, run here.
+on the CPU cores and the resizing and pHash, the other half of a ``draft`` worker's time, run here. Where the
+device resamples stacks (below), the workers also pad their images into those stacks (``pad_stacks``), so the
+device takes each stack as one view of the batch's copied tensor.
 
 Web images come in many sizes, so a batch is resampled as a few padded stacks, not image by image (which would be
 some 25 small kernels per image, launched from Python: a bound of its own beside the model). Antialiased
@@ -43,12 +45,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
 from laionkit.common.background import device_tensor
-from laionkit.common.jpeg import decode_jpegs, unjoin
+from laionkit.common.jpeg import decode_jpegs, unjoin, worker_buffer
 from laionkit.common.phash import DCT, HASH_SIZE, IMAGE_SIZE
 from laionkit.score.models import WATERMARK_SIZE
 
@@ -187,6 +190,34 @@ def stacks(shapes: list[tuple[int, int]], budget: int) -> list[list[int]]:
     return groups
 
 
+def stack_layout(shapes: list[tuple[int, int]], budget: int) -> list[tuple[list[int], int, int]]:
+    """``stacks`` with each stack's padded (height, width): (indices, height, width) per stack."""
+    return [(rows, max(shapes[row][0] for row in rows), max(shapes[row][1] for row in rows))
+            for rows in stacks(shapes, budget)]
+
+
+def pad_stacks(images: Sequence[np.ndarray], budget: int) -> tuple[torch.Tensor, list[tuple[list[int], int, int]]]:
+    """A DataLoader worker's side of the stacked path (``--decode draft-device``): its decoded (H, W, 3) uint8
+    images already padded into the stacks the device resamples (``stacks``: at most ``budget`` padded pixels
+    each), end to end in one flat tensor, each stack (images, height, width, 3) with zeros past an image's own
+    size; and per stack (its images' rows in ``images``, height, width). The device then takes a stack as one
+    view of the copied tensor, where it copied each image into place itself: ~5 Python-launched ops an image
+    (~2,500 a batch of 512) in a thread beside the models' launches."""
+    shapes = [(int(image.shape[0]), int(image.shape[1])) for image in images]
+    layout = stack_layout(shapes, budget)
+    out = worker_buffer(sum(len(rows) * height * width * 3 for rows, height, width in layout))
+    flat = out.numpy()
+    start = 0
+    for rows, height, width in layout:
+        size = len(rows) * height * width * 3
+        stack = flat[start:start + size].reshape(len(rows), height, width, 3)
+        stack.fill(0)
+        for slot, row in enumerate(rows):
+            stack[slot, : shapes[row][0], : shapes[row][1]] = images[row]
+        start += size
+    return out, layout
+
+
 def luma(rgb: torch.Tensor) -> torch.Tensor:
     """(..., 3, H, W) uint8 -> (..., H, W) float64: Pillow's RGB -> L (ITU-R 601-2 luma in 16-bit fixed point,
     rounded)."""
@@ -219,7 +250,14 @@ class DevicePixels:
 
     def __call__(self, batch: dict) -> tuple[dict, list[dict]]:
         """(the batch with clip / watermark / phash and without undecodable samples, their skip records)."""
-        images = self.decode(batch.pop("jpegs"), batch.pop("rgb"), batch.pop("images"))
+        layout = batch.pop("stacks", None)
+        if layout is not None and self.resample is not None:  # padded by the workers (pad_stacks): nothing to skip
+            batch.pop("jpegs")
+            made = self._from_stacks(batch.pop("rgb"), layout, [tuple(shape[:2]) for shape in batch.pop("images")])
+            if made is not None:
+                return self._with(batch, *made), []
+            layout = None  # a crop that would pad: per group, as below, from the same tensor
+        images = self.decode(batch.pop("jpegs"), batch.pop("rgb"), batch.pop("images"), layout)
         skips = [{"key": batch["key"][index], "reason": "undecodable", "error": error}
                  for index, error in enumerate(images) if isinstance(error, str)]
         if skips:
@@ -235,12 +273,15 @@ class DevicePixels:
             images = [images[index] for index in keep]
         if images:
             made = self._stacked(images) if self.resample is not None else None
-            clip, watermark, hashes = made or self._grouped(images)
-            batch["clip"] = clip.permute(0, 2, 3, 1)
-            if self.watermark:
-                batch["watermark"] = watermark.permute(0, 2, 3, 1)
-            batch["phash"] = hashes
+            batch = self._with(batch, *(made or self._grouped(images)))
         return batch, skips
+
+    def _with(self, batch: dict, clip: torch.Tensor, watermark: torch.Tensor | None, hashes: torch.Tensor) -> dict:
+        batch["clip"] = clip.permute(0, 2, 3, 1)
+        if self.watermark:
+            batch["watermark"] = watermark.permute(0, 2, 3, 1)
+        batch["phash"] = hashes
+        return batch
 
     def _grouped(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(clip, watermark, phash) with the CLIP preprocess run as torchvision runs it, per group of same-size
@@ -260,25 +301,57 @@ class DevicePixels:
         padded into stacks and each output made by two batched matrix products per stack (module docstring);
         None where the CLIP crop would pad an image (then ``_grouped``)."""
         shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
-        geometry = [self.resample.geometry(*shape) for shape in shapes]
-        if any(found is None for found in geometry) or len({found[4:] for found in geometry}) != 1:
+        if not self._fits(shapes):
             return None
+
+        def padded(rows: list[int], height: int, width: int) -> torch.Tensor:
+            stack = torch.zeros((len(rows), 3, height, width), dtype=torch.uint8, device=self.device)
+            for slot, index in enumerate(rows):
+                stack[slot, :, : shapes[index][0], : shapes[index][1]].copy_(images[index])
+            return stack
+
+        return self._resampled_stacks(shapes, ((rows, padded(rows, height, width))
+                                               for rows, height, width in stack_layout(shapes, PAD_PIXELS)))
+
+    def _from_stacks(self, rgb: torch.Tensor, layout: list[tuple[list[int], int, int]], shapes: list[tuple[int, int]]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """``_stacked``'s outputs from the stacks the workers padded (``pad_stacks``: ``rgb`` holds them end to
+        end, ``layout`` says which images each holds): one copy to the device for the batch, a view per stack."""
+        if not self._fits(shapes):
+            return None
+        rgb = rgb.to(self.device, non_blocking=True)
+
+        def views():
+            start = 0
+            for rows, height, width in layout:
+                size = len(rows) * height * width * 3
+                yield rows, rgb[start:start + size].view(len(rows), height, width, 3).permute(0, 3, 1, 2)
+                start += size
+
+        return self._resampled_stacks(shapes, views())
+
+    def _fits(self, shapes: list[tuple[int, int]]) -> bool:
+        """Whether the stacks can take these (height, width): no CLIP crop pads, one output size."""
+        geometry = [self.resample.geometry(*shape) for shape in shapes]
+        return all(found is not None for found in geometry) and len({found[4:] for found in geometry}) == 1
+
+    def _resampled_stacks(self, shapes: list[tuple[int, int]], padded_stacks
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The outputs of ``_stacked`` from (rows, (n, 3, H, W) uint8 padded stack) pairs covering ``shapes``."""
+        geometry = [self.resample.geometry(*shape) for shape in shapes]
         out_h, out_w = geometry[0][4:]
-        count = len(images)
+        count = len(shapes)
         clip = torch.empty((count, 3, out_h, out_w), dtype=torch.uint8, device=self.device)
         watermark = (torch.empty((count, 3, WATERMARK_SIZE, WATERMARK_SIZE), dtype=torch.uint8, device=self.device)
                      if self.watermark else None)
         small = torch.empty((count, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.float64, device=self.device)
-        for rows in stacks(shapes, PAD_PIXELS):
-            height, width = max(shapes[index][0] for index in rows), max(shapes[index][1] for index in rows)
-            padded = torch.zeros((len(rows), 3, height, width), dtype=torch.uint8, device=self.device)
-            for slot, index in enumerate(rows):
-                padded[slot, :, : shapes[index][0], : shapes[index][1]].copy_(images[index])
+        for rows, padded in padded_stacks:
+            height, width = padded.shape[2:]
             # per image: height, width, then the CLIP resize's height, width, crop top, left (host -> device once)
             params = [[*shapes[index], *geometry[index][:4]] for index in rows]
             h, w, new_h, new_w, top, left = device_tensor(params, torch.float64, self.device).unbind(1)
             zero, where = torch.zeros_like(h), device_tensor(rows, torch.long, self.device)
-            pixels = padded.float()
+            pixels = padded.to(torch.float32, memory_format=torch.contiguous_format)
             clip[where] = _resampled(pixels, resample_weights(h, new_h, top, out_h, height, self.resample.kind),
                                      resample_weights(w, new_w, left, out_w, width, self.resample.kind))
             if watermark is not None:  # LAION's T.Resize((256, 256)): an antialiased bilinear squash
@@ -290,11 +363,21 @@ class DevicePixels:
                             @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos").transpose(1, 2))
         return clip, watermark, self._hash(small.round_().clamp_(0, 255))  # Pillow's L image is uint8
 
-    def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]]
-               ) -> list[torch.Tensor | str]:
+    def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]],
+               layout: list[tuple[list[int], int, int]] | None = None) -> list[torch.Tensor | str]:
         """(3, H, W) uint8 RGB on the device per row, or the error text of one that cannot be decoded. A row is
-        its JPEG's length in ``jpegs`` (decoded here) or the (H, W, 3) shape of its worker-decoded RGB in ``rgb``."""
+        its JPEG's length in ``jpegs`` (decoded here) or the (H, W, 3) shape of its worker-decoded RGB in ``rgb``
+        (end to end, or padded into the stacks of ``layout``: ``pad_stacks``)."""
         images: list[torch.Tensor | str] = [None] * len(rows)  # type: ignore[list-item]
+        if layout is not None:
+            decoded, start = rgb.to(self.device, non_blocking=True), 0
+            for stack_rows, height, width in layout:
+                size = len(stack_rows) * height * width * 3
+                stack = decoded[start:start + size].view(len(stack_rows), height, width, 3)
+                for slot, row in enumerate(stack_rows):
+                    images[row] = stack[slot, : rows[row][0], : rows[row][1]].permute(2, 0, 1)
+                start += size
+            return images
         files = unjoin(jpegs, [row for row in rows if isinstance(row, int)])
         indices = [index for index, row in enumerate(rows) if isinstance(row, int)]
         for index, image in zip(indices, decode_jpegs(files, self.device)):

@@ -39,7 +39,7 @@ from laionkit.encode.reader import (
     worker_share,
 )
 from laionkit.score.models import WATERMARK_SIZE
-from laionkit.score.pixels import device_decodable
+from laionkit.score.pixels import device_decodable, pad_stacks
 
 RAMP = 8  # a shard's first batch holds batch_size / RAMP samples; each next one twice as many, up to batch_size
 
@@ -74,8 +74,11 @@ class ScoreSamples(torch.utils.data.IterableDataset):
     def __init__(self, shards: Sequence[Location], clip_transform: Callable, clip_uint8: bool, watermark: bool,
                  batch_size: int, caption_key: str | None = None, draft_side: int | None = None,
                  captions: Sequence[str] | None = None, device_decode: bool = False,
-                 device_jpegs: bool = True, tokenizer: Callable | None = None) -> None:
+                 device_jpegs: bool = True, tokenizer: Callable | None = None, stack_pixels: int | None = None) -> None:
         super().__init__()
+        # --decode draft-device where the device resamples stacks: workers pad their RGB into the stacks of at most
+        # this many pixels (laionkit.score.pixels.pad_stacks), so the device takes each as one view
+        self.stack_pixels = stack_pixels
         # CLIP's tokenizer: the workers tokenize each batch's captions (``tokens``, and ``caption_tokens`` per
         # --captions name), which the main thread did per batch beside launching the models (open_clip's BPE and
         # ftfy in Python: tens of ms per batch of 512); None: the main thread tokenizes
@@ -114,14 +117,14 @@ class ScoreSamples(torch.utils.data.IterableDataset):
                                        "error": f"{type(error).__name__}: {error}"[:500]})
                     continue
                 if len(items) == size:
-                    yield self.tokenize(self.collate(done.shard, items))
+                    yield self.tokenize(self.collate(done.shard, items, self.stack_pixels))
                     items, size = [], next(sizes)
         except (OSError, ValueError, tarfile.TarError) as error:
             raise LaionkitError(f"cannot read shard {shard}: {error}") from error
         finally:
             stream.close()
         if items:
-            yield self.tokenize(self.collate(done.shard, items))
+            yield self.tokenize(self.collate(done.shard, items, self.stack_pixels))
         yield done
 
     def tokenize(self, batch: dict) -> dict:
@@ -172,7 +175,7 @@ class ScoreSamples(torch.utils.data.IterableDataset):
         return item
 
     @staticmethod
-    def collate(shard: str, items: list[dict]) -> dict:
+    def collate(shard: str, items: list[dict], stack_pixels: int | None = None) -> dict:
         batch = {name: [item[name] for item in items]
                  for name in ("key", "source", "caption", "width", "height", "sha256", "phash", "images")
                  if name in items[0]}
@@ -189,6 +192,9 @@ class ScoreSamples(torch.utils.data.IterableDataset):
             # JPEG's length (an int) or its RGB's (H, W, 3) shape (a tuple)
             rows = batch["images"]
             batch["jpegs"] = joined([image for image in rows if isinstance(image, bytes)])
-            batch["rgb"] = joined([image for image in rows if not isinstance(image, bytes)])
+            if stack_pixels and not any(isinstance(image, bytes) for image in rows):
+                batch["rgb"], batch["stacks"] = pad_stacks(rows, stack_pixels)  # the device's stacks, padded here
+            else:
+                batch["rgb"] = joined([image for image in rows if not isinstance(image, bytes)])
             batch["images"] = [len(image) if isinstance(image, bytes) else image.shape for image in rows]
         return batch
