@@ -43,6 +43,7 @@ with torch.no_grad():
 found.append(valloss.evaluate(accelerator, forward, val, batch, torch.float32, load_noise_scheduler(config)))
 if accelerator.is_main_process:
     print(json.dumps({"keys": list(val.keys), "losses": found}))
+accelerator.wait_for_everyone()  # no rank tears down while another is still in a collective or printing
 accelerator.end_training()  # destroys the process group: exiting with gloo's threads alive can abort a rank
 """
 

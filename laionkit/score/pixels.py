@@ -42,7 +42,7 @@ than the launches they save.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,16 +206,21 @@ def pad_stacks(images: Sequence[np.ndarray], budget: int) -> tuple[torch.Tensor,
     shapes = [(int(image.shape[0]), int(image.shape[1])) for image in images]
     layout = stack_layout(shapes, budget)
     out = worker_buffer(sum(len(rows) * height * width * 3 for rows, height, width in layout))
-    flat = out.numpy()
-    start = 0
-    for rows, height, width in layout:
-        size = len(rows) * height * width * 3
-        stack = flat[start:start + size].reshape(len(rows), height, width, 3)
+    for rows, stack in stack_views(out, layout):
+        stack = stack.numpy()
         stack.fill(0)
         for slot, row in enumerate(rows):
             stack[slot, : shapes[row][0], : shapes[row][1]] = images[row]
-        start += size
     return out, layout
+
+
+def stack_views(flat: torch.Tensor, layout: list[tuple[list[int], int, int]]) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """``pad_stacks``' stacks in ``flat`` (or a copy of it): (rows, (images, height, width, 3) view) each."""
+    start = 0
+    for rows, height, width in layout:
+        size = len(rows) * height * width * 3
+        yield rows, flat[start:start + size].view(len(rows), height, width, 3)
+        start += size
 
 
 def luma(rgb: torch.Tensor) -> torch.Tensor:
@@ -319,16 +324,8 @@ class DevicePixels:
         end, ``layout`` says which images each holds): one copy to the device for the batch, a view per stack."""
         if not self._fits(shapes):
             return None
-        rgb = rgb.to(self.device, non_blocking=True)
-
-        def views():
-            start = 0
-            for rows, height, width in layout:
-                size = len(rows) * height * width * 3
-                yield rows, rgb[start:start + size].view(len(rows), height, width, 3).permute(0, 3, 1, 2)
-                start += size
-
-        return self._resampled_stacks(shapes, views())
+        views = stack_views(rgb.to(self.device, non_blocking=True), layout)
+        return self._resampled_stacks(shapes, ((rows, stack.permute(0, 3, 1, 2)) for rows, stack in views))
 
     def _fits(self, shapes: list[tuple[int, int]]) -> bool:
         """Whether the stacks can take these (height, width): no CLIP crop pads, one output size."""
@@ -370,13 +367,9 @@ class DevicePixels:
         (end to end, or padded into the stacks of ``layout``: ``pad_stacks``)."""
         images: list[torch.Tensor | str] = [None] * len(rows)  # type: ignore[list-item]
         if layout is not None:
-            decoded, start = rgb.to(self.device, non_blocking=True), 0
-            for stack_rows, height, width in layout:
-                size = len(stack_rows) * height * width * 3
-                stack = decoded[start:start + size].view(len(stack_rows), height, width, 3)
+            for stack_rows, stack in stack_views(rgb.to(self.device, non_blocking=True), layout):
                 for slot, row in enumerate(stack_rows):
                     images[row] = stack[slot, : rows[row][0], : rows[row][1]].permute(2, 0, 1)
-                start += size
             return images
         files = unjoin(jpegs, [row for row in rows if isinstance(row, int)])
         indices = [index for index, row in enumerate(rows) if isinstance(row, int)]
