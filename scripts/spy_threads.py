@@ -41,10 +41,14 @@ def summary(stacks: list[tuple[str, list[str], int]], within: str | None, top: i
     leaves: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     ours: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for thread, frames, count in kept:
-        name = re.sub(r"^thread \(\d+\):?\s*", "", thread) or thread
+        # a thread's name as py-spy last saw it for its id, which a later thread may reuse (a Pool's helper, then
+        # a pixel thread): the shallowest frame of ours tells them apart
+        own = [frame for frame in frames if OURS.search(frame)]
+        root = re.sub(r" \(.*", "", own[0]) if own else "-"
+        label = re.sub(r"^thread \(\d+\):?\s*", "", thread) or thread
+        name = f"{label} [{root}]"
         per_thread[name] += count
         leaves[name][frames[-1] if frames else "?"] += count
-        own = [frame for frame in frames if OURS.search(frame)]
         ours[name][own[-1] if own else "(no frame of ours)"] += count
     total = sum(per_thread.values()) or 1
     out = [f"{total} samples{f' (main thread within {within!r})' if within else ''}"]
