@@ -147,7 +147,6 @@ class Rclone:
     """``rclone serve s3`` over a local folder (each bucket a folder in it), stopped as moto's server is."""
 
     def __init__(self, root: Path) -> None:
-        import shutil
         import socket
 
         binary = shutil.which("rclone") or next((str(Path(entry) / "bin" / "rclone") for entry in sys.path

@@ -34,4 +34,3 @@ def test_graphed_forward_runs_eagerly_off_cuda_and_on_cuda_replays_what_eager_gi
         for value in inputs:
             torch.testing.assert_close(syncing(value), layer(value))
         assert syncing.broken and len(said) == 1 and "capture failed" in said[0]
-

@@ -260,10 +260,10 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location],
                  pixels: DevicePixels | None = None) -> torch.utils.data.DataLoader:
     """The DataLoader of ``todo``'s batches as ``scorers`` take them (the CPU side of the stage; the
     benchmark times it alone); with --decode draft-device, as ``pixels`` (default: the run's) takes them."""
-    if pixels is None and config.decode in DEVICE_PIXEL_MODES:
-        pixels = device_pixels(config, scorers)
-    # draft-device: every file is decoded by the workers, so they pad it into the stacks the device resamples
-    stack_pixels = PAD_PIXELS if config.decode == "draft-device" and pixels.resample is not None else None
+    stack_pixels = None
+    if config.decode == "draft-device":  # the workers decode every file: they pad it into the device's stacks
+        pixels = pixels or device_pixels(config, scorers)
+        stack_pixels = PAD_PIXELS if pixels.resample is not None else None
     clip_transform = scorers.pil_transform or scorers.preprocess
     draft_side = None
     if config.decode != "exact":  # device: for the files the workers still decode (progressive JPEGs ...)

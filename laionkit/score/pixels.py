@@ -306,7 +306,8 @@ class DevicePixels:
         padded into stacks and each output made by two batched matrix products per stack (module docstring);
         None where the CLIP crop would pad an image (then ``_grouped``)."""
         shapes = [(int(image.shape[1]), int(image.shape[2])) for image in images]
-        if not self._fits(shapes):
+        geometry = self._geometry(shapes)
+        if geometry is None:
             return None
 
         def padded(rows: list[int], height: int, width: int) -> torch.Tensor:
@@ -315,27 +316,31 @@ class DevicePixels:
                 stack[slot, :, : shapes[index][0], : shapes[index][1]].copy_(images[index])
             return stack
 
-        return self._resampled_stacks(shapes, ((rows, padded(rows, height, width))
-                                               for rows, height, width in stack_layout(shapes, PAD_PIXELS)))
+        return self._resampled_stacks(shapes, geometry, ((rows, padded(rows, height, width))
+                                                         for rows, height, width in stack_layout(shapes, PAD_PIXELS)))
 
     def _from_stacks(self, rgb: torch.Tensor, layout: list[tuple[list[int], int, int]], shapes: list[tuple[int, int]]
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """``_stacked``'s outputs from the stacks the workers padded (``pad_stacks``: ``rgb`` holds them end to
         end, ``layout`` says which images each holds): one copy to the device for the batch, a view per stack."""
-        if not self._fits(shapes):
+        geometry = self._geometry(shapes)
+        if geometry is None:
             return None
         views = stack_views(rgb.to(self.device, non_blocking=True), layout)
-        return self._resampled_stacks(shapes, ((rows, stack.permute(0, 3, 1, 2)) for rows, stack in views))
+        return self._resampled_stacks(shapes, geometry, ((rows, stack.permute(0, 3, 1, 2)) for rows, stack in views))
 
-    def _fits(self, shapes: list[tuple[int, int]]) -> bool:
-        """Whether the stacks can take these (height, width): no CLIP crop pads, one output size."""
+    def _geometry(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int, int, int, int, int]] | None:
+        """``Resample.geometry`` of each (height, width), or None where the stacks cannot take them (a CLIP crop
+        would pad, or the outputs differ in size)."""
         geometry = [self.resample.geometry(*shape) for shape in shapes]
-        return all(found is not None for found in geometry) and len({found[4:] for found in geometry}) == 1
+        if any(found is None for found in geometry) or len({found[4:] for found in geometry}) != 1:
+            return None
+        return geometry
 
-    def _resampled_stacks(self, shapes: list[tuple[int, int]], padded_stacks
-                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The outputs of ``_stacked`` from (rows, (n, 3, H, W) uint8 padded stack) pairs covering ``shapes``."""
-        geometry = [self.resample.geometry(*shape) for shape in shapes]
+    def _resampled_stacks(self, shapes: list[tuple[int, int]], geometry: list[tuple[int, int, int, int, int, int]],
+                          padded_stacks) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The outputs of ``_stacked`` from (rows, (n, 3, H, W) uint8 padded stack) pairs covering ``shapes``
+        (``geometry``: theirs, from ``_geometry``)."""
         out_h, out_w = geometry[0][4:]
         count = len(shapes)
         clip = torch.empty((count, 3, out_h, out_w), dtype=torch.uint8, device=self.device)
