@@ -10,7 +10,13 @@ device synchronised) with:
   images (on web images nearly one group per image: some 25 small kernels each, launched from Python);
 * ``stacked``: the batch padded into stacks and each output made by batched resampling matrices;
 * ``worker-stacked``: the same, from the stacks the workers padded (``pad_stacks``, what ``score --decode
-  draft-device`` ships on an accelerator), so the device takes each stack as one view.
+  draft-device`` ships on an accelerator), so the device takes each stack as one view;
+* ``worker-stacked-tf32`` (CUDA): the same with TF32 matmuls allowed, to weigh what the float32 resampling matmuls
+  cost against how many pixels then move by a level.
+
+``--profile`` (CUDA) also records the device's own time per batch of ``worker-stacked`` and its kernels with the
+most of it: whether the pixels' device work, beside CLIP's forward, is the matmuls, the weights' float64
+elementwise work or the copies.
 
 Each row also records the host's milliseconds a batch (the calls' own time, the device not waited for: what the
 pixel thread spends beside the main thread's launches).
@@ -19,7 +25,7 @@ Also prints the largest difference between the two (CLIP / watermark pixels in l
 path, images/s of the pixels alone: with the CLIP forward's images/s beside (bench_score.py's (a)) it says what
 share of the GPU's time per image the pixels take. The JPEG decode is not timed (the workers do it).
 
-    python scripts/bench_pixels.py --batch 512                  # GPU: ViT-L/14's preprocess, watermark on
+    python scripts/bench_pixels.py --batch 512 --profile        # GPU: ViT-L/14's preprocess, watermark on
     python scripts/bench_pixels.py --smoke                      # CPU, a few images: plumbing only
 """
 
@@ -76,6 +82,27 @@ def timed(pixels: DevicePixels, rgb: list[np.ndarray], device: torch.device, rep
     return (time.perf_counter() - started) / repeats, host / repeats, out
 
 
+def device_profile(pixels: DevicePixels, rgb: list[np.ndarray], repeats: int) -> dict:
+    """The device's own milliseconds per batch of ``pixels`` over the workers' padded stacks, and its 12 kernels
+    (or copies) with the most of it, per batch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = batch_of(rgb, True)
+    batch["rgb"] = batch["rgb"].pin_memory()
+    pixels(dict(batch))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            pixels(dict(batch))
+        torch.cuda.synchronize()
+    device = [event for event in prof.key_averages() if event.device_type != DeviceType.CPU]
+    ranked = sorted(device, key=lambda event: -event.self_device_time_total)[:12]
+    return {"device_ms_per_batch": sum(event.self_device_time_total for event in device) / 1e3 / repeats,
+            "top_device_ms_per_batch": [[event.key[:90], round(event.self_device_time_total / 1e3 / repeats, 2),
+                                         event.count // repeats] for event in ranked]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clip-model", default="ViT-L-14")
@@ -85,6 +112,7 @@ def main() -> None:
     parser.add_argument("--no-watermark", action="store_true")
     parser.add_argument("--out", type=Path, help="write the results as json here")
     parser.add_argument("--smoke", action="store_true", help="CPU, 8 images of 96 px, 1 repeat: plumbing only")
+    parser.add_argument("--profile", action="store_true", help="CUDA: the device's time per batch, by kernel")
     args = parser.parse_args()
     import open_clip
 
@@ -111,6 +139,27 @@ def main() -> None:
         results[name] = {"ms_per_batch": seconds * 1e3, "host_ms_per_batch": host * 1e3,
                          "images_per_s": args.batch / seconds}
         print(json.dumps({name: results[name]}), flush=True)
+    if device.type == "cuda":
+        pixels = DevicePixels(transform, not args.no_watermark, device, stacked=True)
+        allowed = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            seconds, host, tf32 = timed(pixels, rgb, device, args.repeats, True)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+        exact = outputs["worker-stacked"]
+        results["worker-stacked-tf32"] = {
+            "ms_per_batch": seconds * 1e3, "host_ms_per_batch": host * 1e3, "images_per_s": args.batch / seconds,
+            "max_level_difference": {name: int((tf32[name].int() - exact[name].int()).abs().max())
+                                     for name in ("clip", "watermark") if name in exact},
+            "share_of_levels_moved": {name: float((tf32[name] != exact[name]).float().mean())
+                                      for name in ("clip", "watermark") if name in exact},
+            "phash_bits_moved": sum(hamming(int(x), int(y)) for x, y in zip(tf32["phash"].tolist(),
+                                                                            exact["phash"].tolist()))}
+        print(json.dumps({"worker-stacked-tf32": results["worker-stacked-tf32"]}), flush=True)
+        if args.profile:
+            results["profile"] = device_profile(pixels, rgb, args.repeats)
+            print(json.dumps({"profile": results["profile"]}), flush=True)
     a, b = outputs["grouped"], outputs["stacked"]
     results["max_level_difference"] = {name: int((a[name].int() - b[name].int()).abs().max())
                                        for name in ("clip", "watermark") if name in a}
