@@ -64,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
 
+import laionkit.score.pixels as pixels_module  # noqa: E402
 from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
@@ -78,7 +79,9 @@ LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --d
           ("+watermark --decode draft-device", {"decode": "draft-device"}),
           # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
           ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
-          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}))
+          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}),
+          # the stacks' resampling matmuls split for TF32's tensor cores (laionkit.score.pixels.tf32_parts)
+          ("core --decode draft-device split-tf32", {"decode": "draft-device", "matmuls": "split-tf32"}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -329,6 +332,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
+    parser.add_argument("--no-cpu-side", action="store_true", help="skip the CPU side's run of each label (c)")
     parser.add_argument("--profile", action="store_true",
                         help="also run each label over two shards under torch.profiler (profile_check)")
     names = [label for label, _ in LABELS]
@@ -368,6 +372,7 @@ def main() -> None:
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
+            pixels_module.RESAMPLE_MATMULS = extra.pop("matmuls", "float32")
             slug = label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("+", "").replace(" ", "-")
             config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,
@@ -388,7 +393,7 @@ def main() -> None:
                 results.setdefault("profile", []).append(profile_check(scorers, config, label))
                 print(json.dumps(brief(results["profile"][-1])), flush=True)
                 save()
-            if batch == args.batch_sizes[0]:  # the CPU side does not depend on the GPU's batch much: once per label
+            if batch == args.batch_sizes[0] and not args.no_cpu_side:  # once per label: the GPU's batch matters little
                 results["cpu_side"].append(cpu_side(scorers, config, label))
                 found["vs_cpu_side"] = found["images_per_s"] / results["cpu_side"][-1]["images_per_s"]
                 print(json.dumps(results["cpu_side"][-1]), f"(b/c {found['vs_cpu_side']:.3f})", flush=True)

@@ -242,8 +242,9 @@ class DevicePixels:
     image of a shard the same size, so a batch is then one resize per input instead of one per image)."""
 
     def __init__(self, clip_transform, watermark: bool, device: torch.device, stacked: bool | None = None,
-                 matmuls: str = "float32") -> None:
+                 matmuls: str | None = None) -> None:
         self.clip_transform = clip_transform  # open_clip's PIL-side steps, which take tensors as well
+        matmuls = matmuls or RESAMPLE_MATMULS
         if matmuls not in MATMULS:
             raise ValueError(f"matmuls: {matmuls!r} is not one of {', '.join(MATMULS)}")
         self.matmuls = matmuls  # the stacks' resampling matmuls (``_resampled``)
@@ -447,6 +448,7 @@ def _resampled(pixels: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, 
 
 
 MATMULS = ("float32", "split-tf32")
+RESAMPLE_MATMULS = "float32"  # DevicePixels' default (bench_score's split-tf32 row sets it for its run)
 
 
 def tf32_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
