@@ -12,9 +12,7 @@ device synchronised) with:
 * ``worker-stacked``: the same, from the stacks the workers padded (``pad_stacks``, what ``score --decode
   draft-device`` ships on an accelerator), so the device takes each stack as one view;
 * ``worker-stacked-tf32`` (CUDA): the same with TF32 matmuls allowed, to weigh what the float32 resampling matmuls
-  cost against how many pixels then move by a level;
-* ``worker-stacked-split-tf32`` (CUDA): ``DevicePixels(matmuls="split-tf32")``, each float32 factor split into a
-  TF32-exact part and the rest: the tensor cores at float32's accuracy, if its levels agree.
+  cost against how many pixels then move by a level.
 
 ``--profile`` (CUDA) also records the device's own time per batch of ``worker-stacked`` and its kernels with the
 most of it: whether the pixels' device work, beside CLIP's forward, is the matmuls, the weights' float64
@@ -159,15 +157,6 @@ def main() -> None:
             "phash_bits_moved": sum(hamming(int(x), int(y)) for x, y in zip(tf32["phash"].tolist(),
                                                                             exact["phash"].tolist()))}
         print(json.dumps({"worker-stacked-tf32": results["worker-stacked-tf32"]}), flush=True)
-        split = DevicePixels(transform, not args.no_watermark, device, stacked=True, matmuls="split-tf32")
-        seconds, host, parts = timed(split, rgb, device, args.repeats, True)
-        results["worker-stacked-split-tf32"] = {
-            "ms_per_batch": seconds * 1e3, "host_ms_per_batch": host * 1e3, "images_per_s": args.batch / seconds,
-            "max_level_difference": {name: int((parts[name].int() - exact[name].int()).abs().max())
-                                     for name in ("clip", "watermark") if name in exact},
-            "share_of_levels_moved": {name: float((parts[name] != exact[name]).float().mean())
-                                      for name in ("clip", "watermark") if name in exact}}
-        print(json.dumps({"worker-stacked-split-tf32": results["worker-stacked-split-tf32"]}), flush=True)
         if args.profile:
             results["profile"] = device_profile(pixels, rgb, args.repeats)
             print(json.dumps({"profile": results["profile"]}), flush=True)

@@ -64,7 +64,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
 
-import laionkit.score.pixels as pixels_module  # noqa: E402
 from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
@@ -79,9 +78,7 @@ LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --d
           ("+watermark --decode draft-device", {"decode": "draft-device"}),
           # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
           ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
-          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}),
-          # the stacks' resampling matmuls split for TF32's tensor cores (laionkit.score.pixels.tf32_parts)
-          ("core --decode draft-device split-tf32", {"decode": "draft-device", "matmuls": "split-tf32"}))
+          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -372,7 +369,6 @@ def main() -> None:
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
-            pixels_module.RESAMPLE_MATMULS = extra.pop("matmuls", "float32")
             slug = label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("+", "").replace(" ", "-")
             config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,

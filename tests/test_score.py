@@ -553,37 +553,6 @@ def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(real
     assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads
 
 
-def test_split_tf32_resampling_keeps_float32s_pixels(realdata):
-    """The stacks' resampling with each float32 factor split into a TF32-exact part and the rest
-    (``matmuls="split-tf32"``): the parts sum back to the factor exactly, the high part holds no bit TF32 drops,
-    and the CLIP and watermark pixels of real photos and random images are float32's within one level, nearly all
-    equal (on a CPU the parts are float32 products: the split's arithmetic, not the tensor cores', is what is
-    checked here; bench_pixels measures it on a GPU)."""
-    import open_clip
-
-    from laionkit.score.pixels import DevicePixels, tf32_parts
-    from laionkit.score.reader import split_clip_transform
-
-    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100
-    high, low = tf32_parts(values)
-    assert (high + low).equal(values) and not (high.view(torch.int32) & 0x1FFF).any()
-    assert (low.abs() <= values.abs() * 2 ** -10).all()
-    rng = np.random.default_rng(1)
-    images = [torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
-              for path in sorted((realdata / "images").iterdir()) if path.suffix in (".jpg", ".png")]
-    images += [torch.from_numpy(rng.integers(0, 256, (3, *rng.integers(150, 400, 2)), dtype=np.uint8))
-               for _ in range(6)]
-    _, _, preprocess = open_clip.create_model_and_transforms("ViT-B-32")
-    transform, _ = split_clip_transform(preprocess)
-    exact = DevicePixels(transform, True, torch.device("cpu"), stacked=True)._stacked(images)
-    split = DevicePixels(transform, True, torch.device("cpu"), stacked=True, matmuls="split-tf32")._stacked(images)
-    for one, other in zip(exact[:2], split[:2]):
-        assert (one.int() - other.int()).abs().max() <= 1 and (one != other).float().mean() < 1e-3
-    assert exact[2].equal(split[2])  # the pHash is float64, untouched
-    with pytest.raises(ValueError, match="matmuls: 'tf16'"):
-        DevicePixels(transform, True, torch.device("cpu"), matmuls="tf16")
-
-
 def test_draft_device_workers_pad_the_stacks_the_device_takes_as_views(tmp_path, realdata, shards, score_models,
                                                                        monkeypatch):
     """--decode draft-device where the device resamples stacks: the workers pad their decoded images into those

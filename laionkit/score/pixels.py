@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -241,13 +240,8 @@ class DevicePixels:
     otherwise images of one size are resized together (pack's default ``--resize-mode center_crop`` makes every
     image of a shard the same size, so a batch is then one resize per input instead of one per image)."""
 
-    def __init__(self, clip_transform, watermark: bool, device: torch.device, stacked: bool | None = None,
-                 matmuls: str | None = None) -> None:
+    def __init__(self, clip_transform, watermark: bool, device: torch.device, stacked: bool | None = None) -> None:
         self.clip_transform = clip_transform  # open_clip's PIL-side steps, which take tensors as well
-        matmuls = matmuls or RESAMPLE_MATMULS
-        if matmuls not in MATMULS:
-            raise ValueError(f"matmuls: {matmuls!r} is not one of {', '.join(MATMULS)}")
-        self.matmuls = matmuls  # the stacks' resampling matmuls (``_resampled``)
         # stacked (padded stacks through resampling matrices): the default on accelerators, where per-image kernels
         # are launch-bound; a CPU computes the dense matrices' zeros, so it resamples per group of same-size images
         stacked = device.type != "cpu" if stacked is None else stacked
@@ -361,12 +355,11 @@ class DevicePixels:
             zero, where = torch.zeros_like(h), device_tensor(rows, torch.long, self.device)
             pixels = padded.to(torch.float32, memory_format=torch.contiguous_format)
             clip[where] = _resampled(pixels, resample_weights(h, new_h, top, out_h, height, self.resample.kind),
-                                     resample_weights(w, new_w, left, out_w, width, self.resample.kind), self.matmuls)
+                                     resample_weights(w, new_w, left, out_w, width, self.resample.kind))
             if watermark is not None:  # LAION's T.Resize((256, 256)): an antialiased bilinear squash
                 side = torch.full_like(h, WATERMARK_SIZE)
                 watermark[where] = _resampled(pixels, resample_weights(h, side, zero, WATERMARK_SIZE, height, "bilinear"),
-                                              resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear"),
-                                              self.matmuls)
+                                              resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear"))
             side = torch.full_like(h, IMAGE_SIZE)
             small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos") @ luma(padded)
                             @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos").transpose(1, 2))
@@ -425,48 +418,9 @@ class DevicePixels:
         return ((flat > middle[:, None]).to(torch.int64) * self._bits).sum(1)
 
 
-def _resampled(pixels: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, matmuls: str = "float32"
-               ) -> torch.Tensor:
+def _resampled(pixels: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """uint8 (B, C, out_h, out_w): each image of a padded float stack (B, C, H, W) through its own (B, out_h, H)
-    row and (B, out_w, W) column weights (rounded once, where Pillow rounds between its two passes).
-
-    ``matmuls="split-tf32"``: each float32 factor as the sum of a part exact in TF32 and the rest (``tf32_parts``;
-    the pixels, integers up to 255, are exact as they are), the products summed over the parts that matter to
-    float32's precision, with TF32 allowed on CUDA: the tensor cores' speed at float32's accuracy, within a
-    rounding (a bench_pixels row)."""
+    row and (B, out_w, W) column weights (rounded once, where Pillow rounds between its two passes)."""
     dtype = pixels.dtype
-    rows, columns = rows.to(dtype)[:, None], columns.to(dtype).transpose(1, 2)[:, None]
-    if matmuls == "float32":
-        out = rows @ pixels @ columns
-    else:
-        with tf32(pixels.device):
-            rows_hi, rows_lo = tf32_parts(rows)
-            inner_hi, inner_lo = tf32_parts(rows_hi @ pixels + rows_lo @ pixels)
-            columns_hi, columns_lo = tf32_parts(columns)
-            out = inner_hi @ columns_hi + (inner_lo @ columns_hi + inner_hi @ columns_lo)
+    out = rows.to(dtype)[:, None] @ pixels @ columns.to(dtype).transpose(1, 2)[:, None]
     return out.round_().clamp_(0, 255).to(torch.uint8)
-
-
-MATMULS = ("float32", "split-tf32")
-RESAMPLE_MATMULS = "float32"  # DevicePixels' default (bench_score's split-tf32 row sets it for its run)
-
-
-def tf32_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``values`` as (high, low): high keeps the 10 mantissa bits TF32 holds (the lower 13 cleared, so a
-    TF32 matmul takes it exactly), low = values - high (exact in float32; TF32 then keeps ~2^-21 of the value)."""
-    high = (values.view(torch.int32) & ~0x1FFF).view(torch.float32)
-    return high, values - high
-
-
-@contextmanager
-def tf32(device: torch.device) -> Iterator[None]:
-    """TF32 matmuls allowed on a CUDA device while inside (put back after)."""
-    if device.type != "cuda":
-        yield
-        return
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
