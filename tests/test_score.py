@@ -553,6 +553,30 @@ def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(real
     assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads
 
 
+def test_resampling_weights_from_each_rows_window_are_the_whole_axis_weights():
+    """resample_weights computes each row over its own window of input pixels (bounded by the batch's largest
+    reduction, a host number) and scatters it into the zero matrix: the same matrix as computed over the whole
+    axis, to float64's last bits, and bit-equal once in float32 (what the CLIP and watermark matmuls take); each
+    row sums to 1 and is zero past the image's own size (the stack's padding), when reducing and enlarging."""
+    from laionkit.score.pixels import resample_weights
+
+    generator = torch.Generator().manual_seed(0)
+    size_in = torch.randint(60, 900, (24,), generator=generator).double()
+    for kind, out in (("bicubic", 224), ("bilinear", 256), ("lanczos", 32)):
+        resized = torch.clamp(torch.floor(size_in * out / size_in.clamp(max=300)), min=out)  # some enlarged
+        offset = torch.round((resized - out) / 2)
+        length = int(size_in.max()) + 7  # padded past the largest image
+        whole = resample_weights(size_in, resized, offset, out, length, kind)
+        scale = float((size_in / resized).max())
+        windowed = resample_weights(size_in, resized, offset, out, length, kind, scale)
+        assert (windowed - whole).abs().max() < 1e-14, kind
+        single = resample_weights(size_in, resized, offset, out, length, kind, scale, torch.float32)
+        assert single.dtype == torch.float32 and single.equal(whole.float()), kind
+        assert torch.allclose(windowed.sum(-1), torch.ones(()).double())
+        past = torch.arange(length)[None, None, :] >= size_in[:, None, None]
+        assert not windowed.masked_select(past).any(), kind
+
+
 def test_draft_device_workers_pad_the_stacks_the_device_takes_as_views(tmp_path, realdata, shards, score_models,
                                                                        monkeypatch):
     """--decode draft-device where the device resamples stacks: the workers pad their decoded images into those
