@@ -553,6 +553,22 @@ def test_stacked_resampling_matches_torchvision_per_image_and_pillows_phash(real
     assert out["clip"].shape == (2, 128, 128, 3) and out["clip"][:, :14].max() == 0  # the zeros torchvision pads
 
 
+def test_luma_is_pillows_grey_from_uint8_and_float32():
+    """laionkit.score.pixels.luma (the device pHash's grey image, computed in float32) equals Pillow's RGB -> L
+    conversion for every red and green with 16 blues (the extremes among them, where float32's sums are largest),
+    from uint8 channels and from the stacks' float32 pixels alike."""
+    from laionkit.score.pixels import luma
+
+    blues = np.array([0, 1, 2, 63, 64, 127, 128, 129, 191, 192, 200, 250, 252, 253, 254, 255], dtype=np.uint32)
+    red, green, blue = (axis.ravel() for axis in np.meshgrid(np.arange(256), np.arange(256), blues, indexing="ij"))
+    rgb = np.stack([red, green, blue], -1).astype(np.uint8).reshape(1024, 1024, 3)
+    expected = np.asarray(Image.fromarray(rgb).convert("L"))
+    channels = torch.from_numpy(rgb).permute(2, 0, 1)  # a channels-last view, as the stacks are
+    for given in (channels, channels.float()):
+        grey = luma(given)
+        assert grey.dtype == torch.float64 and np.array_equal(grey.numpy(), expected)
+
+
 def test_resampling_weights_from_each_rows_window_are_the_whole_axis_weights():
     """resample_weights computes each row over its own window of input pixels (bounded by the batch's largest
     reduction, a host number) and scatters it into the zero matrix: the same matrix as computed over the whole

@@ -234,10 +234,12 @@ def stack_views(flat: torch.Tensor, layout: list[tuple[list[int], int, int]]) ->
 
 
 def luma(rgb: torch.Tensor) -> torch.Tensor:
-    """(..., 3, H, W) uint8 -> (..., H, W) float64: Pillow's RGB -> L (ITU-R 601-2 luma in 16-bit fixed point,
-    rounded)."""
-    r, g, b = rgb.to(torch.int32).unbind(-3)
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).double()
+    """(..., 3, H, W) uint8, or those values as float32 -> (..., H, W) float64: Pillow's RGB -> L (ITU-R 601-2 luma
+    in 16-bit fixed point, rounded). Computed in float32, where every term and sum is an integer below 2**24 (at
+    most 255 * 65536 + 32768), so exactly: the stacks' float32 pixels serve as they are, and each channel is a
+    contiguous plane (the uint8 stacks are channels-last views)."""
+    r, g, b = rgb.to(torch.float32).unbind(-3)
+    return torch.floor((r * 19595 + g * 38470 + b * 7471 + 0x8000) / 65536).double()
 
 
 class DevicePixels:
@@ -377,7 +379,7 @@ class DevicePixels:
                                              torch.float32),
                     resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear", wide / WATERMARK_SIZE, torch.float32))
             side = torch.full_like(h, IMAGE_SIZE)
-            small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos", tall / IMAGE_SIZE) @ luma(padded)
+            small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos", tall / IMAGE_SIZE) @ luma(pixels)
                             @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos", wide / IMAGE_SIZE).transpose(1, 2))
         return clip, watermark, self._hash(small.round_().clamp_(0, 255))  # Pillow's L image is uint8
 
