@@ -101,9 +101,15 @@ def child(args) -> dict:
     # "seek of closed file", then "the specified upload does not exist"; BENCHMARKS, checkpoints). AWS keeps the
     # connection alive while it completes one; this local server needs the longer timeout instead.
     options = {"config_kwargs": {"read_timeout": 3600}} if args.run_url else {}
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:  # what a call cut by its time limit still shows
+        print(f"[{args.name} {time.perf_counter() - started:7.1f} s] {text}", flush=True)
+
     with storage.default_options(options):
         config, remote = runfolder.stage(config)
         t = setup(config, remote)
+        progress("set up")
         writer = checkpoint_async.writer(t)
         batches = iter(latent_loader(t.layouts[0], pin_memory=t.device.type == "cuda"))
         window = MetricsWindow(t.accelerator, t.schedule.global_batch, config.peak_tflops)
@@ -118,6 +124,7 @@ def child(args) -> dict:
             for _ in range(args.warmup):
                 step()
             base = statistics.median(step() for _ in range(args.steps))
+            progress(f"plain step {base:.3f} s")
             saves = []
             for _ in range(args.saves):
                 for _ in range(args.between):
@@ -135,6 +142,8 @@ def child(args) -> dict:
                 saves.append({"stall_s": stall, "done_s": done, "steps_during_write": len(during),
                               "slowdown_s": sum(max(0.0, s - base) for s in during),
                               "bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())})
+                progress(f"save {len(saves)}: stall {stall:.2f} s, done {done:.2f} s, "
+                         f"{saves[-1]['bytes'] / 1e9:.2f} GB, {len(during)} steps during the write")
                 shutil.rmtree(folder, ignore_errors=True)  # room for the next one (the bucket keeps one)
         finally:
             end_workers(batches)
@@ -233,11 +242,11 @@ def main() -> None:
                             *(["--smoke"] if args.smoke else []), *(["--run-url", url] if url else []),
                             *(f"--{k}={getattr(args, k)}" for k in ("saves", "between", "steps", "warmup"))]
                     began = time.perf_counter()
-                    done = subprocess.run(argv, env={**env, **(bucket.env if url else {})}, capture_output=True,
-                                          text=True)
+                    # the child's output passes through: its progress lines show where a cut call was
+                    done = subprocess.run(argv, env={**env, **(bucket.env if url else {})})
                     if done.returncode != 0:
-                        print(f"{name}: failed ({done.returncode})\n{done.stderr[-3000:]}", flush=True)
-                        results.append({"name": name, "error": done.stderr[-2000:]})
+                        print(f"{name}: failed ({done.returncode}; its output above)", flush=True)
+                        results.append({"name": name, "error": f"exit status {done.returncode}"})
                         continue
                     result = {"name": name, **json.loads((args.out / f"{name}.json").read_text()),
                               "wall_s": time.perf_counter() - began}
