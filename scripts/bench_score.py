@@ -20,8 +20,10 @@ Measured in one run, one after the other on the same device:
 
 On CUDA, each label's loop also runs once over one shard under torch's sync debug mode (``sync_check``): the
 source lines where the host waited for the device, and how often (a line per batch stalls the pipeline). With
-``--profile``, once more over two shards under torch.profiler (``profile_check``): the device's busy share and
-the ops that cost the most device and host time.
+``--profile``, once more over ``--profile-shards`` shards (default 2) under torch.profiler (``profile_check``): the
+device's busy share and the ops that cost the most device and host time. With one shard per worker (the default
+``--shards``), 2 shards keep 2 workers busy: a profile of start-up and data waits; as many shards as workers profile
+the loop as the timed run has it.
 
 The json is rewritten after each row, so a run cut short by a time limit keeps the rows it finished.
 
@@ -330,8 +332,11 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
     parser.add_argument("--no-cpu-side", action="store_true", help="skip the CPU side's run of each label (c)")
+    parser.add_argument("--profile-shards", type=int, default=2,
+                        help="--profile's shards: as many as --workers keeps every worker busy, as the timed run "
+                             "does (2 leave 2 workers feeding the device: a profile of start-up and data waits)")
     parser.add_argument("--profile", action="store_true",
-                        help="also run each label over two shards under torch.profiler (profile_check)")
+                        help="also run each label over --profile-shards shards under torch.profiler (profile_check)")
     names = [label for label, _ in LABELS]
     parser.add_argument("--labels", nargs="+", choices=names, default=names, metavar="LABEL",
                         help=f"(b) rows to run, of: {'; '.join(names)}")
@@ -386,7 +391,7 @@ def main() -> None:
                 print(json.dumps(results["sync_check"][-1]), flush=True)
                 save()
             if args.profile and batch == args.batch_sizes[0]:
-                results.setdefault("profile", []).append(profile_check(scorers, config, label))
+                results.setdefault("profile", []).append(profile_check(scorers, config, label, args.profile_shards))
                 print(json.dumps(brief(results["profile"][-1])), flush=True)
                 save()
             if batch == args.batch_sizes[0] and not args.no_cpu_side:  # once per label: the GPU's batch matters little
