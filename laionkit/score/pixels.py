@@ -365,9 +365,9 @@ class DevicePixels:
             params = [[*shapes[index], *geometry[index][:4]] for index in rows]
             h, w, new_h, new_w, top, left = device_tensor(params, torch.float64, self.device).unbind(1)
             zero, where = torch.zeros_like(h), device_tensor(rows, torch.long, self.device)
-            # the largest reduction along each axis (host numbers): the weights' windows (resample_weights)
+            # the largest reduction along each axis (host numbers): the weights' windows (resample_weights); for the
+            # fixed-size squashes, the stack's own height and width (those of its tallest and widest images)
             scale_h, scale_w = (max(param[axis] / param[axis + 2] for param in params) for axis in (0, 1))
-            tall, wide = max(param[0] for param in params), max(param[1] for param in params)
             pixels = padded.to(torch.float32, memory_format=torch.contiguous_format)
             kind = self.resample.kind
             clip[where] = _resampled(pixels, resample_weights(h, new_h, top, out_h, height, kind, scale_h, torch.float32),
@@ -375,12 +375,12 @@ class DevicePixels:
             if watermark is not None:  # LAION's T.Resize((256, 256)): an antialiased bilinear squash
                 side = torch.full_like(h, WATERMARK_SIZE)
                 watermark[where] = _resampled(
-                    pixels, resample_weights(h, side, zero, WATERMARK_SIZE, height, "bilinear", tall / WATERMARK_SIZE,
+                    pixels, resample_weights(h, side, zero, WATERMARK_SIZE, height, "bilinear", height / WATERMARK_SIZE,
                                              torch.float32),
-                    resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear", wide / WATERMARK_SIZE, torch.float32))
+                    resample_weights(w, side, zero, WATERMARK_SIZE, width, "bilinear", width / WATERMARK_SIZE, torch.float32))
             side = torch.full_like(h, IMAGE_SIZE)
-            small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos", tall / IMAGE_SIZE) @ luma(pixels)
-                            @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos", wide / IMAGE_SIZE).transpose(1, 2))
+            small[where] = (resample_weights(h, side, zero, IMAGE_SIZE, height, "lanczos", height / IMAGE_SIZE) @ luma(pixels)
+                            @ resample_weights(w, side, zero, IMAGE_SIZE, width, "lanczos", width / IMAGE_SIZE).transpose(1, 2))
         return clip, watermark, self._hash(small.round_().clamp_(0, 255))  # Pillow's L image is uint8
 
     def decode(self, jpegs: torch.Tensor, rgb: torch.Tensor, rows: list[int | Sequence[int]],
