@@ -532,7 +532,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 256],
                         help="(window): caption windows to train at, besides the family's own (b-<first>-eager)")
     parser.add_argument("--window-flags", default="",
-                        help="(window): more `laionkit train` flags for its rows, e.g. '--full-bf16' where the "
+                        help="(window): more `laionkit train` flags for its rows, given with '=' (argparse takes a "
+                             "spaced value starting with -- as a flag), e.g. --window-flags=--full-bf16 where the "
                              "family's default policy does not fit the card (FLUX.2 [klein] on an 80 GB H100)")
     parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) per --ab-resolutions")
     parser.add_argument("--ab-resolutions", type=int, nargs="+",
