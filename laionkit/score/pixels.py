@@ -104,7 +104,7 @@ def resample_weights(size_in: torch.Tensor, resized: torch.Tensor, offset: torch
     Each row's weights are computed in float64 over its own window of input pixels only (Pillow's ``xmin`` ..
     ``xmax``) and put into the zero matrix: ``max_scale``, the largest ``size_in / resized`` of the batch (known on
     the host), bounds the window at ``2 * support * scale + 1`` pixels, some 10-50x fewer than ``length`` when
-    reducing web images to CLIP's side: the float64 elementwise work over whole padded axes was a quarter or more
+    reducing web images to CLIP's side, where the float64 elementwise work over whole padded axes was a large share
     of the pixels' device time (BENCHMARKS, score). None: a window as long as the axis."""
     support, kernel = FILTERS[kind]
     size_in, resized, offset = (value.to(torch.float64)[:, None, None] for value in (size_in, resized, offset))
