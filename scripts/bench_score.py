@@ -284,6 +284,23 @@ def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int
     device = [event for event in events if event.device_type != DeviceType.CPU and event.key not in HOST_MARKERS]
     device_us = sum(event.self_device_time_total for event in device)
 
+    # the device's busy wall time: the union of its records' intervals (streams that overlap count once, where the
+    # sum above counts each), and the longest idle gaps between them, from the first batch's records on
+    intervals = sorted((event.time_range.start, event.time_range.end) for event in prof.events()
+                       if event.device_type != DeviceType.CPU and event.name not in HOST_MARKERS)
+    busy_us, gaps, end = 0.0, [], None
+    for start, stop in intervals:
+        if end is not None and start > end:
+            gaps.append(start - end)
+        if end is None or start > end:
+            busy_us += stop - start
+            end = stop
+        elif stop > end:
+            busy_us += stop - end
+            end = stop
+    span_us = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    gaps.sort(reverse=True)
+
     def top(ranked_events: list, key: str) -> list:
         ranked = sorted(ranked_events, key=lambda event: -getattr(event, key))[:15]
         return [[event.key, round(getattr(event, key) / 1e3, 1), event.count] for event in ranked]
@@ -293,6 +310,12 @@ def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int
             # from the first batch on (start-up, the workers' first batches, left out), as loop_seconds
             "device_busy_loop": round(device_us / 1e6 / summary["seconds"], 3) if summary["seconds"] else None,
             "device_ms_per_image": round(device_us / 1e3 / max(summary["samples_out"], 1), 4),
+            # the union: the share of the span from the device's first record to its last with any record running
+            "device_union_seconds": round(busy_us / 1e6, 3), "device_span_seconds": round(span_us / 1e6, 3),
+            "device_union_busy": round(busy_us / span_us, 3) if span_us else None,
+            "idle_gaps_ms": {"over_1ms_total": round(sum(gap for gap in gaps if gap > 1e3) / 1e3, 1),
+                             "count_over_1ms": sum(gap > 1e3 for gap in gaps),
+                             "longest": [round(gap / 1e3, 2) for gap in gaps[:10]]},
             "wait_seconds": summary.get("wait_seconds"), "top_device_ms": top(device, "self_device_time_total"),
             "top_host_ms": top(list(events), "self_cpu_time_total")}
 
