@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
 
 import laionkit.score as score_module  # noqa: E402
-from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
+from laionkit.score import PIXEL_STREAM_PRIORITY, ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
 NEMO_FLOOR_PER_GPU = 900 / 8  # NeMo Curator nightly: read + embed + aesthetic, 8 GPUs
@@ -82,10 +82,10 @@ LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --d
           # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
           ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
           ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}),
-          # the pixel thread's stream at high priority (score.PIXEL_STREAM_PRIORITY): the next batch's pixels ahead
-          # of the current forward's kernels, so the next forward never waits for them (an experiment)
-          ("core --decode draft-device --cuda-graphs pixels-first",
-           {"decode": "draft-device", "cuda_graphs": True, "pixel_priority": -1}))
+          # the pixel thread's stream at the default streams' priority (score.PIXEL_STREAM_PRIORITY is higher): the
+          # next batch's pixels queued behind the current forward's kernels, as before the fourteenth session
+          ("core --decode draft-device --cuda-graphs pixels-level",
+           {"decode": "draft-device", "cuda_graphs": True, "pixel_priority": 0}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -402,7 +402,7 @@ def main() -> None:
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
-            score_module.PIXEL_STREAM_PRIORITY = extra.pop("pixel_priority", 0)
+            score_module.PIXEL_STREAM_PRIORITY = extra.pop("pixel_priority", PIXEL_STREAM_PRIORITY)
             slug = label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("+", "").replace(" ", "-")
             config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,

@@ -54,8 +54,9 @@ __all__ = ["ScoreConfig", "Scorers", "run"]
 
 QUEUE_DEPTH = 4
 # the pixel thread's CUDA stream priority (torch.cuda.Stream: lower is higher; 0 is the default streams'). Its batches
-# are made ahead of the model's, whose next forward waits for them: bench_score's "pixels-first" row weighs -1
-PIXEL_STREAM_PRIORITY = 0
+# are made ahead of the model's, whose next forward waits for them: at a higher priority their kernels run between
+# the current forward's, so the next forward finds them made (BENCHMARKS: score, fourteenth session)
+PIXEL_STREAM_PRIORITY = -1
 RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
             "pwatermark", "punsafe"}
 

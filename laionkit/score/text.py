@@ -83,8 +83,10 @@ class TextEncoder:
     def lengths(self, tokens: torch.Tensor) -> np.ndarray:
         """Each caption's tokens up to and including the pooled one."""
         _, pool, eos = self.trim
-        pooled = tokens.argmax(-1) if pool == "argmax" else (tokens == eos).int().argmax(-1)
-        return pooled.cpu().numpy() + 1
+        ids = tokens.cpu().numpy()  # numpy's argmax: torch's on the host fans out to its intra-op threads, which
+        # on a host whose cores decode images cost ~10 ms a batch of the launching thread (bench_score's profile)
+        pooled = ids.argmax(-1) if pool == "argmax" else (ids == eos).argmax(-1)
+        return pooled + 1
 
     def __call__(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         moved = tokens.to(device, non_blocking=True)
