@@ -13,9 +13,19 @@ metrics.jsonl with its timing fields removed. tests/test_golden_runs.py reruns t
 tests/data/golden_runs.json. Rewrite that file (``--write``) only in a commit that explains the change in
 numerics.
 
-    python scripts/golden_runs.py            # compare with tests/data/golden_runs.json
-    python scripts/golden_runs.py --write    # record the digests
-    python scripts/golden_runs.py --show     # print them
+The digests are of float results of torch's CPU kernels, which differ between CPUs (their vector units and
+BLAS paths: an AMD EPYC with AVX-512 gave other bits than the host that first recorded them, 2026-12-06). So
+the file keeps the digests per host (``host()``: vendor, family, model, torch's CPU capability) and, beside
+them, the runs' numbers (``numbers()``: every logged loss, gradient norm and validation loss, and each
+weights file's L2 norm). A host whose digests are recorded must reproduce them bit for bit; any other host
+must reproduce the numbers within ``RTOL`` (the same runs on one host with AVX2 kernels against AVX-512 ones
+moved losses by at most 2e-6 and weights' norms by at most 5e-5, relative; a change in the trainer's numerics
+moves them by far more).
+
+    python scripts/golden_runs.py              # compare with tests/data/golden_runs.json
+    python scripts/golden_runs.py --write      # record this host's digests and the numbers (others' dropped)
+    python scripts/golden_runs.py --add-host   # add this host's digests, its numbers within tolerance
+    python scripts/golden_runs.py --show       # print them
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -41,6 +53,8 @@ VERSION_KEYS = ("transformers_version", "_diffusers_version")
 # The digests are of float results of torch's CPU kernels, which change between torch releases: those recorded
 # hold from torch 2.11 (checked: 2.11.0 and 2.14.1); under 2.9.1 every run's numbers differ (2026-12-05).
 DIGESTS_FROM_TORCH = (2, 11)
+# numbers() on a host without recorded digests: within this relative tolerance of the recorded ones
+RTOL = {"metrics": 1e-4, "weights": 1e-3}
 FAST = ("--batch-size", "2", "--log-with", "none", "--quiet", "--workers", "0", "--log-every", "1",
         "--shuffle-buffer", "3", "--lr", "1e-3")
 
@@ -116,9 +130,44 @@ def digests(run: Path, work: Path) -> dict[str, str]:
     return found
 
 
-def golden_runs(work: Path, cli=cli_process, only: tuple[str, ...] = ()) -> dict[str, dict[str, str]]:
-    """Build the inputs in ``work``, train the runs (all, or ``only``), return {run: {file: sha256}}.
-    ``cli(*args, env=...)`` runs `laionkit ARGS` (tests run it in-process); the DDP run is always a launch."""
+def host() -> str:
+    """What the digests depend on besides torch: the CPU (vendor, family, model) and the kernels torch picks."""
+    import torch
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("vendor_id", "cpu family", "model") and key.strip() not in cpu:
+                cpu[key.strip()] = value.strip()
+    except OSError:
+        pass
+    ids = "/".join(cpu.get(key, "?") for key in ("vendor_id", "cpu family", "model"))
+    return f"{platform.machine()} {ids} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def numbers(run: Path) -> dict:
+    """A run's numbers, as far as they hold across hosts: each logged step's loss, gradient norm and validation
+    losses (metrics.jsonl), and each .safetensors file's L2 norm over all its tensors (float64)."""
+    from safetensors.numpy import load_file
+
+    metrics = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        metrics.append({key: value for key, value in record.items()
+                        if key in ("step", "loss", "grad_norm", "val_loss", "val_loss_strata")})
+    weights = {}
+    for path in sorted(run.rglob("*.safetensors")):
+        tensors = load_file(path)
+        weights[path.relative_to(run).as_posix()] = math.sqrt(sum(
+            float((tensor.astype("float64") ** 2).sum()) for tensor in tensors.values()))
+    return {"metrics": metrics, "weights": weights}
+
+
+def golden_runs(work: Path, cli=cli_process, only: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Build the inputs in ``work``, train the runs (all, or ``only``), return {"digests": {run: {file: sha256}},
+    "numbers": {run: numbers}}. ``cli(*args, env=...)`` runs `laionkit ARGS` (tests run it in-process); the DDP
+    run is always a launch."""
     import runpy
 
     # The image shards the tests build (tests/fixtures.py), loaded by path: tests/ is not a package.
@@ -162,7 +211,60 @@ def golden_runs(work: Path, cli=cli_process, only: tuple[str, ...] = ()) -> dict
         runs["ddp"] = work / "ddp"
         launch(work / "sd-latents", "--output", runs["ddp"], *FAST, "--unet-config", "tiny", "--max-steps", "2",
                "--checkpoint-every", "2", env=env)
-    return {name: digests(run, work) for name, run in runs.items()}
+    return {"digests": {name: digests(run, work) for name, run in runs.items()},
+            "numbers": {name: numbers(run) for name, run in runs.items()}}
+
+
+def recorded_hosts(recorded: dict) -> dict[str, dict]:
+    """{host: digests} of a golden file (one written before the digests were kept per host: its host unnamed)."""
+    if "hosts" in recorded:
+        return recorded["hosts"]
+    return {"unnamed (recorded before hosts were named)": recorded}
+
+
+def check(recorded: dict, got: dict, this_host: str) -> tuple[list[str], str]:
+    """(lines that differ, how the runs were compared): bit for bit where this host's digests are recorded (or
+    any recorded host's match every file), otherwise the numbers within RTOL."""
+    hosts = recorded_hosts(recorded)
+    if this_host in hosts:
+        return differences(hosts[this_host], got["digests"]), f"digests recorded for {this_host}"
+    for name, expected in hosts.items():
+        if not differences(expected, got["digests"]):
+            return [], f"digests recorded for {name}"
+    files = next(iter(hosts.values())) if hosts else {}
+    lines = [line for line in differences(files, got["digests"]) if "differs" not in line]  # the same files
+    if "numbers" not in recorded:
+        return lines + [f"no digests recorded for {this_host} and no numbers to compare"], "nothing"
+    return lines + number_differences(recorded["numbers"], got["numbers"]), \
+        f"numbers within {RTOL} (no digests recorded for {this_host})"
+
+
+def _close(want: float, have: float, rtol: float) -> bool:
+    return math.isclose(want, have, rel_tol=rtol, abs_tol=rtol * 1e-2)
+
+
+def number_differences(expected: dict, got: dict) -> list[str]:
+    """One line per run, step or weights file whose numbers are not within RTOL of the recorded ones."""
+    lines = []
+    for run in sorted(set(expected) | set(got)):
+        want, have = expected.get(run), got.get(run)
+        if want is None or have is None:
+            lines.append(f"{run}: {'missing' if have is None else 'new run, not in the golden numbers'}")
+            continue
+        if [record.get("step") for record in want["metrics"]] != [record.get("step") for record in have["metrics"]]:
+            lines.append(f"{run}/metrics.jsonl: other steps logged")
+        for old, new in zip(want["metrics"], have["metrics"]):
+            for key in sorted(set(old) | set(new)):
+                a, b = old.get(key), new.get(key)
+                pairs = list(zip(a, b)) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) \
+                    else [(a, b)]
+                if any(x is None or y is None or not _close(x, y, RTOL["metrics"]) for x, y in pairs):
+                    lines.append(f"{run}/metrics.jsonl step {old.get('step')} {key}: recorded {a}, now {b}")
+        for name in sorted(set(want["weights"]) | set(have["weights"])):
+            a, b = want["weights"].get(name), have["weights"].get(name)
+            if a is None or b is None or not _close(a, b, RTOL["weights"]):
+                lines.append(f"{run}/{name}: L2 norm recorded {a}, now {b}")
+    return lines
 
 
 def differences(expected: dict, got: dict) -> list[str]:
@@ -182,25 +284,41 @@ def differences(expected: dict, got: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="record the digests in tests/data/golden_runs.json")
-    parser.add_argument("--show", action="store_true", help="print the digests")
+    parser.add_argument("--write", action="store_true",
+                        help="record this host's digests and the runs' numbers in tests/data/golden_runs.json, "
+                             "dropping other hosts' digests (a change in numerics)")
+    parser.add_argument("--add-host", action="store_true",
+                        help="add this host's digests beside the recorded ones, once its numbers are within "
+                             "tolerance of the recorded numbers (no change in numerics)")
+    parser.add_argument("--show", action="store_true", help="print the digests and numbers")
     parser.add_argument("--keep", type=Path, help="train in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as temporary:
         work = args.keep or Path(temporary)
         work.mkdir(parents=True, exist_ok=True)
         got = golden_runs(work)
+    this_host = host()
     if args.show:
-        print(json.dumps(got, indent=1, sort_keys=True))
-    if args.write:
+        print(json.dumps({"host": this_host, **got}, indent=1, sort_keys=True))
+    recorded = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {}
+    if args.write or args.add_host:
+        if args.add_host:
+            lines = number_differences(recorded.get("numbers", {}), got["numbers"])
+            if "numbers" not in recorded or lines:
+                raise SystemExit("--add-host: this host's numbers are not within tolerance of the recorded ones:\n"
+                                 + "\n".join(lines or ["no numbers recorded (use --write)"]))
+            written = {"hosts": {**recorded_hosts(recorded), this_host: got["digests"]},
+                       "numbers": recorded["numbers"]}
+        else:
+            written = {"hosts": {this_host: got["digests"]}, "numbers": got["numbers"]}
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {GOLDEN}")
+        GOLDEN.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {GOLDEN} ({this_host})")
         return
-    lines = differences(json.loads(GOLDEN.read_text()), got)
+    lines, how = check(recorded, got, this_host)
     if lines:
-        raise SystemExit("golden runs differ:\n" + "\n".join(lines))
-    print("golden runs: identical")
+        raise SystemExit(f"golden runs differ ({how}):\n" + "\n".join(lines))
+    print(f"golden runs: as recorded ({how})")
 
 
 if __name__ == "__main__":
