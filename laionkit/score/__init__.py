@@ -53,10 +53,6 @@ from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embedding
 __all__ = ["ScoreConfig", "Scorers", "run"]
 
 QUEUE_DEPTH = 4
-# the pixel thread's CUDA stream priority (torch.cuda.Stream: lower is higher; 0 is the default streams'). Its batches
-# are made ahead of the model's, whose next forward waits for them: at a higher priority their kernels run between
-# the current forward's, so the next forward finds them made (BENCHMARKS: score, fourteenth session)
-PIXEL_STREAM_PRIORITY = -1
 RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
             "pwatermark", "punsafe"}
 
@@ -298,7 +294,7 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: d
     ``clock`` gathers the thread's seconds waiting for the loader and making pixels (host time)."""
     stream = None
     if device.type == "cuda":
-        stream = torch.cuda.Stream(priority=PIXEL_STREAM_PRIORITY)  # the current device: background() made it this rank's
+        stream = torch.cuda.Stream()  # the current device: background() made it this rank's
     with torch.inference_mode():  # per thread: the models' loop runs under it too
         for item in timed(loader, clock, "pixels_loader_wait"):
             if isinstance(item, ShardDone):
