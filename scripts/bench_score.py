@@ -285,7 +285,7 @@ def profile_check(scorers: Scorers, config: ScoreConfig, label: str, shards: int
     device_us = sum(event.self_device_time_total for event in device)
 
     # the device's busy wall time: the union of its records' intervals (streams that overlap count once, where the
-    # sum above counts each), and the longest idle gaps between them, from the first batch's records on
+    # sum above counts each), and the longest idle gaps between them, from the device's first record to its last
     intervals = sorted((event.time_range.start, event.time_range.end) for event in prof.events()
                        if event.device_type != DeviceType.CPU and event.name not in HOST_MARKERS)
     busy_us, gaps, end = 0.0, [], None

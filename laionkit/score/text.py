@@ -83,8 +83,8 @@ class TextEncoder:
     def lengths(self, tokens: torch.Tensor) -> np.ndarray:
         """Each caption's tokens up to and including the pooled one."""
         _, pool, eos = self.trim
-        ids = tokens.cpu().numpy()  # numpy's argmax: torch's on the host fans out to its intra-op threads, which
-        # on a host whose cores decode images cost ~10 ms a batch of the launching thread (bench_score's profile)
+        ids = tokens.cpu().numpy()  # numpy's argmax: torch's on the host fans out to its intra-op threads, slow
+        # on a host whose cores decode images, on the thread that launches the device's work (BENCHMARKS: score)
         pooled = ids.argmax(-1) if pool == "argmax" else (ids == eos).argmax(-1)
         return pooled + 1
 
