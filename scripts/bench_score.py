@@ -68,6 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import make_shards  # noqa: E402 - photo-like JPEG tars in pack's layout
 
+import laionkit.score as score_module  # noqa: E402
 from laionkit.score import ScoreConfig, Scorers, run, score_loader  # noqa: E402
 from laionkit.score.models import write_random_nsfw, write_random_watermark, write_tiny_score_clip  # noqa: E402
 
@@ -352,7 +353,13 @@ def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
     started = time.perf_counter()
     summary = run(config, log=lambda _: None, scorers=scorers)
     wall = time.perf_counter() - started
+    stats = getattr(torch.cuda, "host_memory_stats", None) if scorers.device.type == "cuda" else None
+    # the caching host allocator's pinned pool so far in this process (bytes in GiB, and its counts): what the
+    # batches in flight (workers x --prefetch) hold
+    pinned = {key: round(value / 2**30, 2) if "bytes" in key else value
+              for key, value in (stats() if stats else {}).items() if isinstance(value, (int, float))}
     return {"label": label, "samples": summary["samples_out"], "loop_seconds": summary["seconds"],
+            "pinned_host": pinned, "prefetch": score_module.PREFETCH,
             "wall_seconds": wall, "images_per_s": summary["samples_out"] / wall,
             "images_per_s_from_first_batch": summary["samples_out"] / summary["seconds"], "workers": config.workers,
             "batch": config.batch_size,
@@ -378,6 +385,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
     parser.add_argument("--no-cpu-side", action="store_true", help="skip the CPU side's run of each label (c)")
+    parser.add_argument("--prefetch", type=int, default=score_module.PREFETCH,
+                        help="batches each worker prepares ahead (laionkit.score.PREFETCH; all sit in pinned host "
+                             "memory)")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="time the first label without an untimed run of it first (its row then pays the "
                              "process's warm-up)")
@@ -390,6 +400,7 @@ def main() -> None:
     parser.add_argument("--labels", nargs="+", choices=names, default=names, metavar="LABEL",
                         help=f"(b) rows to run, of: {'; '.join(names)}")
     args = parser.parse_args()
+    score_module.PREFETCH = args.prefetch
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     model, pretrained = args.clip_model, None

@@ -53,6 +53,8 @@ from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embedding
 __all__ = ["ScoreConfig", "Scorers", "run"]
 
 QUEUE_DEPTH = 4
+# batches each DataLoader worker prepares ahead; all of them sit in pinned host memory once the pin thread has them
+PREFETCH = QUEUE_DEPTH
 RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
             "pwatermark", "punsafe"}
 
@@ -277,7 +279,7 @@ def score_loader(config: ScoreConfig, scorers: Scorers, todo: list[Location],
     workers = min(config.workers, len(todo))
     return torch.utils.data.DataLoader(
         samples, batch_size=None, num_workers=workers, pin_memory=scorers.device.type == "cuda",
-        prefetch_factor=QUEUE_DEPTH if workers else None, in_order=False)
+        prefetch_factor=PREFETCH if workers else None, in_order=False)
 
 
 def device_pixels(config: ScoreConfig, scorers: Scorers) -> DevicePixels:
