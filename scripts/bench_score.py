@@ -55,6 +55,7 @@ released layouts; numbers depend on the weights' shapes only.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -176,14 +177,15 @@ def _sync(device: torch.device) -> None:
 
 
 def bare_forward(model_name: str, pretrained: str | None, batch: int, device: torch.device, seconds: float) -> dict:
-    """images/s of encode_image alone, the fastest layout x precision."""
+    """images/s of encode_image alone, the fastest layout x precision; on CUDA also (a'), encode_image and
+    encode_text per batch in bf16 weights (``images_per_s_with_text``)."""
     from laionkit.score.models import load_score_clip
 
     clip, preprocess, tokenizer, _ = load_score_clip(model_name, pretrained, device)
     size = clip.visual.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
     pixels = torch.randn(batch, 3, size, size, device=device)
-    results = {}
+    results, with_text = {}, None
     variants = [("contiguous", "autocast"), ("channels_last", "autocast"), ("channels_last", "bf16_weights")] \
         if device.type == "cuda" else [("contiguous", "fp32")]
     for layout, precision in variants:
@@ -194,39 +196,32 @@ def bare_forward(model_name: str, pretrained: str | None, batch: int, device: to
         if precision == "bf16_weights":
             model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
-        with torch.inference_mode(), autocast:
-            for _ in range(3):
-                model.encode_image(x)
-            _sync(device)
-            done, started = 0, time.perf_counter()
-            while time.perf_counter() - started < seconds:
-                model.encode_image(x)
-                done += batch
-            _sync(device)
-            results[f"{layout}/{precision}"] = done / (time.perf_counter() - started)
+        with autocast:
+            results[f"{layout}/{precision}"] = _rate(functools.partial(model.encode_image, x), batch, seconds, device)
         if precision == "bf16_weights":
-            with_text = _image_and_text(model, x, tokenizer(["a photo"] * batch).to(device), seconds, device)
+            # (a'): open_clip's own encode_image and encode_text (the captions at the tokenizer's full context, as
+            # open_clip runs them): the bare forwards of what a score row computes for its similarity column
+            tokens = tokenizer(["a photo"] * batch).to(device)
+            with_text = _rate(lambda model=model, x=x, tokens=tokens: (model.encode_image(x), model.encode_text(tokens)),
+                              batch, seconds, device)
             clip = clip.float()
     best = max(results, key=results.get)
     found = {"batch": batch, "variants": results, "best": best, "images_per_s": results[best]}
-    if device.type == "cuda":
+    if with_text is not None:
         found["images_per_s_with_text"] = with_text
     return found
 
 
-def _image_and_text(model, pixels: torch.Tensor, tokens: torch.Tensor, seconds: float, device: torch.device) -> float:
-    """images/s of open_clip's own encode_image and encode_text per batch (each caption at the tokenizer's full
-    context, as open_clip runs it): the bare forwards of what a score row computes for its similarity column."""
+def _rate(step, batch: int, seconds: float, device: torch.device) -> float:
+    """images/s of ``step()`` (one batch of ``batch`` images) over ``seconds``, after 3 untimed warm-up steps."""
     with torch.inference_mode():
         for _ in range(3):
-            model.encode_image(pixels)
-            model.encode_text(tokens)
+            step()
         _sync(device)
         done, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
-            model.encode_image(pixels)
-            model.encode_text(tokens)
-            done += len(pixels)
+            step()
+            done += batch
         _sync(device)
     return done / (time.perf_counter() - started)
 
