@@ -360,7 +360,9 @@ def end_to_end(scorers: Scorers, config: ScoreConfig, label: str) -> dict:
             "batch": config.batch_size,
             # the main thread's waits for data and for the device (the rest of loop_seconds: its own work), and the
             # pixel thread's (device modes): which side bounds the run
-            "wait_seconds": summary.get("wait_seconds"), "cuda_graphs": summary.get("cuda_graphs")}
+            "wait_seconds": summary.get("wait_seconds"), "cuda_graphs": summary.get("cuda_graphs"),
+            # run()'s time outside the loop: before the first batch, and writing the last shards after it
+            "startup_seconds": summary.get("startup_seconds"), "drain_seconds": summary.get("drain_seconds")}
 
 
 def main() -> None:

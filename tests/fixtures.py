@@ -74,6 +74,15 @@ def write_image_shards(images: Path, output: Path, captions: dict[str, str] | No
     return shards
 
 
+def pack_folder(folder: Path, realdata: Path, records: bool = True) -> Path:
+    """pack's layout: the fixture tars plus each shard's done record <shard>_stats.json (successes = samples)."""
+    write_image_shards(realdata / "images", folder)
+    if records:
+        for tar in sorted(folder.glob("*.tar")):
+            (folder / f"{tar.stem}_stats.json").write_text(json.dumps({"count": SHARD_SIZE, "successes": SHARD_SIZE}))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """A diffusers pipeline folder of tiny random-init models (`laionkit models tiny`)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 import webdataset as wds
 from conftest import run_cli
-from fixtures import CAPTIONS, write_image_shards
+from fixtures import CAPTIONS, pack_folder, write_image_shards
 from PIL import Image
 
 import laionkit.encode as encode_stage
@@ -371,15 +371,6 @@ def test_help_has_examples():
 
 # --- inputs from pack and from peer tools ----------------------------------------------------------
 
-def pack_folder(folder: Path, realdata: Path, records: bool = True) -> Path:
-    """pack's layout: the fixture tars plus each shard's done record <shard>_stats.json (successes = samples)."""
-    write_image_shards(realdata / "images", folder)
-    if records:
-        for tar in sorted(folder.glob("*.tar")):
-            (folder / f"{tar.stem}_stats.json").write_text(json.dumps({"count": 4, "successes": 4}))
-    return folder
-
-
 def test_output_that_is_the_input_folder_is_refused(tmp_path, realdata, tiny_models):
     inputs = pack_folder(tmp_path / "good", realdata)
     before = tar_bytes(inputs)
@@ -400,6 +391,24 @@ def test_tar_cut_at_a_member_boundary_is_refused(tmp_path, realdata, tiny_models
         handle.truncate(third.offset)
     with pytest.raises(LaionkitError, match=r"00001.tar holds 2 samples but its done record 00001_stats.json says 4"):
         encode(inputs, tmp_path / "out", tiny_models)
+    # refused once read, before anything of it is written; the whole shard before it is kept
+    assert not list((tmp_path / "out").glob("00001*")) and (tmp_path / "out" / "00000.stats.json").exists()
+
+
+def test_units_with_done_records_are_planned_from_them_without_reading_their_tars(tmp_path, realdata):
+    """rank_todo takes a recorded unit's count from its record (no serial header scan of every tar before the
+    first batch); a unit without a record is counted from its headers."""
+    from laionkit.common.ranks import Rank
+    from laionkit.common.storage import Location
+    from laionkit.encode.reader import rank_todo
+
+    inputs = pack_folder(tmp_path / "in", realdata)
+    recorded, plain = Location.parse(str(tmp_path / "in" / "gone.tar")), Location.parse(str(inputs / "00000.tar"))
+    asked = []
+    counts, todo = rank_todo([recorded, plain], {recorded: 7, plain: None}, Rank(0, 1),
+                             lambda shard, samples: asked.append((shard.name, samples)) or shard is plain)
+    assert counts == {recorded: 7, plain: 4} and todo == [recorded]
+    assert asked == [("gone.tar", 7), ("00000.tar", 4)]
 
 
 def test_unfinished_pack_shard_waits_for_its_done_record(tmp_path, realdata, tiny_models):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import webdataset as wds
 from conftest import run_cli
-from fixtures import write_image_shards
+from fixtures import pack_folder, write_image_shards
 from PIL import Image
 
 from laionkit.common.phash import hamming, phash
@@ -157,6 +157,25 @@ def test_a_corrupt_image_is_a_counted_recorded_skip(tmp_path, realdata, score_mo
     assert good[1]["__key__"] not in table.column("key").to_pylist() and table.num_rows == 3
     assert len(np.load(tmp_path / "out" / "img_emb" / "img_emb_00000.npy")) == 3
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["skips"] == {"undecodable": 1}
+
+
+def test_a_tar_cut_at_a_member_boundary_is_refused_once_read_and_nothing_of_it_written(tmp_path, realdata,
+                                                                                         score_models):
+    """A recorded shard is planned from its record; the samples score reads are held to it before it writes."""
+    import tarfile
+
+    shards = pack_folder(tmp_path / "shards", realdata)
+    with tarfile.open(shards / "00001.tar") as tar:
+        third = [member for member in tar if member.name.startswith("000010002")][0]
+    with open(shards / "00001.tar", "r+b") as handle:  # 2 whole samples remain
+        handle.truncate(third.offset)
+    result = run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--clip-model",
+                     str(score_models["config"]), "--clip-pretrained", str(score_models["weights"]), "--workers", "0",
+                     "--quiet", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "00001.tar holds 2 samples but its done record 00001_stats.json says 4" in result.stderr.splitlines()[-1]
+    assert sorted(path.name for path in (tmp_path / "out").rglob("*") if path.is_file() and "0000" in path.name) == [
+        "00000.json", "00000.parquet", "img_emb_00000.npy"]
 
 
 def test_kill9_mid_run_then_rerun_gives_the_same_files(tmp_path, scored, shards, score_models, realdata):
@@ -672,7 +691,8 @@ def test_draft_device_workers_pad_the_stacks_the_device_takes_as_views(tmp_path,
 
 def test_run_says_where_the_loop_waited(tmp_path, shards, score_models):
     """run()'s summary splits the loop's time: the main thread's waits for data and for the device, and (device
-    pixel modes) the pixel thread's waits for the loader and its own time; each within the loop's seconds."""
+    pixel modes) the pixel thread's waits for the loader and its own time; each within the loop's seconds. The
+    time outside the loop too: before the first batch, and writing the last shards after the last batch."""
     from laionkit.score import ScoreConfig, run
 
     for decode, names in (("draft", {"data", "device"}),
@@ -685,6 +705,8 @@ def test_run_says_where_the_loop_waited(tmp_path, shards, score_models):
         assert set(waits) == names and summary["samples_out"] == 8, summary
         assert all(0 <= value <= summary["wall_seconds"] for value in waits.values()), summary
         assert waits["data"] + waits["device"] <= summary["seconds"] + 1e-3, summary
+        assert summary["startup_seconds"] > 0 and 0 <= summary["drain_seconds"] <= summary["seconds"], summary
+        assert summary["startup_seconds"] + summary["seconds"] <= summary["wall_seconds"] + 1e-3, summary
         if decode == "draft-device":
             assert waits["pixels"] > 0, summary  # 8 images resized and hashed in the thread
 

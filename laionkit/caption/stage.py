@@ -21,7 +21,7 @@ from laionkit.caption.writer import CaptionedShard
 from laionkit.common import LaionkitError, resolve_rank, stage_device, storage
 from laionkit.common.background import timed
 from laionkit.common.storage import Location
-from laionkit.encode.reader import ShardDone, find_shards, rank_todo
+from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo
 
 QUEUE_DEPTH = 2  # batches each worker prepares ahead
 
@@ -52,11 +52,12 @@ def run(config: CaptionConfig, log: Callable[[str], None] = print) -> dict:
     if todo:
         with tqdm(total=sum(counts[shard] for shard in todo), desc=f"caption rank {rank.rank}", unit="img",
                   disable=config.quiet) as progress:
-            summary.update(_caption_shards(config, captioner, todo, output, settings, rank.rank, progress))
+            summary.update(_caption_shards(config, captioner, todo, output, settings, rank.rank, progress,
+                                           checked_reads(todo, inputs)))
     return summary
 
 
-def _caption_shards(config, captioner, todo, output, settings, rank, progress) -> dict:
+def _caption_shards(config, captioner, todo, output, settings, rank, progress, check) -> dict:
     workers = min(config.workers, len(todo))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     loader = torch.utils.data.DataLoader(
@@ -75,6 +76,7 @@ def _caption_shards(config, captioner, todo, output, settings, rank, progress) -
     try:
         for item in timed(loader, clock, "data", first=False):
             if isinstance(item, ShardDone):
+                check(item)  # its samples against its input's done record, before its tar is finished
                 _finish(item, open_shards, output, settings, rank, config, totals)
                 progress.update(len(item.skips))
                 continue

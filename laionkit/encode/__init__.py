@@ -63,6 +63,7 @@ from laionkit.encode.reader import (
     caption_of,
     center_crop_box,
     check_count,
+    checked_reads,
     crop_top_left,
     drafted_box,
     find_shards,
@@ -160,7 +161,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
                         disable=config.quiet)
         with progress:
             summary.update(_encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank,
-                                          progress, keep, scores))
+                                          progress, checked_reads(todo, inputs), keep, scores))
     manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
@@ -182,7 +183,7 @@ def _reasons(skips: dict) -> str:
     return ", ".join(f"{reason}: {count}" for reason, count in skips.items()) or "no samples in the tars"
 
 
-def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, keep=None,
+def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models, rank, progress, check, keep=None,
                    scores=None) -> dict:
     batches = ShardBatches(todo, encoders.tokenizer, config.resolution, buckets, config.batch_size, gpu_decode,
                            config.caption_key, keep, config.captions, scores)
@@ -206,7 +207,7 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
             for item in background(prepared, QUEUE_DEPTH, "laionkit-prepare", encoders.device):
                 started = started or time.perf_counter()
                 if isinstance(item, ShardDone):
-                    writer.put(item)
+                    writer.put(check(item))  # its samples against its input's done record, before it is finished
                     continue
                 batch, ready = item
                 writer.put(_encode_batch(encoders, batch, config, ready))

@@ -281,13 +281,32 @@ def check_count(shard: Location, expected: int | None, found: int) -> None:
 
 def rank_todo(shards: Sequence[Location], inputs: dict, rank, complete: Callable[[Location, int], bool],
               ) -> tuple[dict[Location, int], list[Location]]:
-    """This rank's input units (common.ranks.split) with their sample counts, and those still to do: every
-    unit's count is checked against its done record (check_count), then ``complete(shard, samples)`` (the
-    stage's own done record) decides. Encode, score and caption resume per shard this way."""
-    counts = {shard: count_unit(shard) for shard in split(shards, rank)}
-    for shard, samples in counts.items():
-        check_count(shard, inputs[shard], samples)
+    """This rank's input units (common.ranks.split) with their sample counts, and those still to do:
+    ``complete(shard, samples)`` (the stage's own done record) decides. Encode, score and caption resume per
+    shard this way.
+
+    A unit with a done record (pack's, img2dataset's) takes its count from the record, so a stage starts without
+    reading every unit's headers first (a serial scan of each tar: seconds on a local folder, minutes through an
+    object store); what the stage then reads is held to that count when it has read the unit (``checked_reads``).
+    A unit without a record (plain webdataset) is counted from its headers here."""
+    counts = {shard: inputs[shard] if inputs[shard] is not None else count_unit(shard) for shard in split(shards, rank)}
     return counts, [shard for shard, samples in counts.items() if not complete(shard, samples)]
+
+
+def checked_reads(todo: Sequence[Location], inputs: dict, name: Callable[[Location], str] = output_name,
+                  ) -> Callable[[ShardDone], ShardDone]:
+    """What rank_todo took from the done records, checked once a stage has read a unit: the samples it read
+    against the record's count (check_count), before the stage writes anything of the unit. ``name``: what the
+    stage's ShardDone calls a unit (encode and caption: its output tar; score: its stem). Returns the ShardDone
+    it was given."""
+    expected = {name(shard): (shard, inputs[shard]) for shard in todo}
+
+    def check(done: ShardDone) -> ShardDone:
+        shard, count = expected[done.shard]
+        check_count(shard, count, done.samples_in)
+        return done
+
+    return check
 
 
 def worker_share(shards: Sequence) -> list:

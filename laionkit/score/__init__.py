@@ -33,7 +33,7 @@ from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, sto
 from laionkit.common.background import background, timed
 from laionkit.common.cudagraphs import Graphed
 from laionkit.common.storage import Location
-from laionkit.encode.reader import ShardDone, find_shards, rank_todo, shard_stem
+from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo, shard_stem
 from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
 from laionkit.score.models import (
     IMAGENET_MEAN,
@@ -53,8 +53,9 @@ from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embedding
 __all__ = ["ScoreConfig", "Scorers", "run"]
 
 QUEUE_DEPTH = 4
-# batches each DataLoader worker prepares ahead; all of them sit in pinned host memory once the pin thread has them
-PREFETCH = QUEUE_DEPTH
+# batches each DataLoader worker prepares ahead; all of them sit in pinned host memory once the pin thread has them.
+# 2 fed the device as fast as 4 did, in a third less pinned memory (BENCHMARKS: score, fifteenth session)
+PREFETCH = 2
 RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "phash", "similarity",
             "pwatermark", "punsafe"}
 
@@ -249,11 +250,15 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
         progress = tqdm(total=sum(counts[shard] for shard in todo), desc=f"score rank {rank.rank}", unit="img",
                         disable=config.quiet)
         with progress:
-            summary.update(_score_shards(config, scorers, todo, settings, rank, output, progress))
+            summary.update(_score_shards(config, scorers, todo, settings, rank, output, progress,
+                                         checked_reads(todo, inputs, shard_stem)))
     stats = update_stats(output, stems)
     if stats["complete"] and stats["counts"]["samples_in"] and not stats["counts"]["samples_out"]:
         raise LaionkitError(f"score wrote no sample: all {stats['counts']['samples_in']} skipped "
                             f"({', '.join(f'{k}: {v}' for k, v in stats['skips'].items())}); are these image shards?")
+    first = summary.pop("first_batch_at", None)
+    if first:
+        summary["startup_seconds"] = round(first - started, 3)  # set-up, the plan, the workers' first batch
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
@@ -316,7 +321,7 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: d
 
 
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
-                  output: Location, progress: tqdm) -> dict:
+                  output: Location, progress: tqdm, check: Callable[[ShardDone], ShardDone]) -> dict:
     """Score ``todo``; return counts and where the main thread's time went (``wait_seconds``: ``data``, waiting
     for the next batch; ``device``, for a launched batch's results; with --decode device / draft-device also the
     pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage."""
@@ -379,6 +384,7 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
         for item in timed(loader, clock, "data", first=False):
             first = first or time.perf_counter()
             if isinstance(item, ShardDone):
+                check(item)  # its samples against its input's done record, before any of it is written
                 if in_flight is not None and in_flight[0]["shard"] == item.shard:
                     waiting.append(item)  # its last batch is in flight: finished once that is collected
                 else:
@@ -401,10 +407,15 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
         if in_flight is not None:
             collected()  # the last batch, and the shard that waited for it
     finally:
+        drained = time.perf_counter()
         writer.shutdown(wait=True)  # shards already collected are written, also when the loop failed
     for write in writes:
         write.result()  # a write's error, raised here
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
+    # where run()'s time outside the loop goes: before the first batch (run() adds startup_seconds from this) and
+    # the shards still being written once the device's last batch is collected
+    summary["first_batch_at"] = first
+    summary["drain_seconds"] = round(time.perf_counter() - drained, 3)
     summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
     if config.cuda_graphs:  # how many forwards replayed from graphs, or why none did
         summary["cuda_graphs"] = {name: forward.stats() for name, forward in
