@@ -136,15 +136,15 @@ def _progressive_tar(job: tuple) -> None:
 
 def bench_shards(out: Path, count: int, shard_size: int, distinct: int, image_size: int,
                  progressive: float = 0.0) -> Path:
-    """``count`` tars of ``shard_size`` samples in pack's layout: ``distinct`` photo-like JPEGs generated
-    once (the slow part), cycled under distinct keys (decode, hash and forward cost the same per image);
-    ``progressive``: the share of the distinct JPEGs re-encoded as progressive ones (web images mix both)."""
+    """``count`` tars of ``shard_size`` samples in pack's layout, done records included: ``distinct`` photo-like
+    JPEGs generated once (the slow part), cycled under distinct keys (decode, hash and forward cost the same per
+    image); ``progressive``: the share of the distinct JPEGs re-encoded as progressive ones (web images mix both)."""
     from multiprocessing import Pool
 
     tag = f"-p{progressive:g}" if progressive else ""
     folder = out / f"shards-{count}x{shard_size}-{distinct}-{image_size}{tag}"
     if (folder / "complete").exists():
-        return folder
+        return _pack_records(folder, shard_size)
     shutil.rmtree(folder, ignore_errors=True)
     distinct_folder = out / f"distinct-{distinct}-{image_size}"
     processes = min(8, os.cpu_count() or 1)
@@ -168,6 +168,18 @@ def bench_shards(out: Path, count: int, shard_size: int, distinct: int, image_si
         pool.map(_cycle_shard, [(folder / f"{shard:05d}.tar", shard, shard_size, distinct_folder)
                                 for shard in range(count)])
     (folder / "complete").write_text("")
+    return _pack_records(folder, shard_size)
+
+
+def _pack_records(folder: Path, shard_size: int) -> Path:
+    """Each tar's done record, as pack (img2dataset) writes it beside the tar: a stage plans the shards from these,
+    as it does a pack folder's, instead of counting every tar's headers first (a folder without them is plain
+    webdataset)."""
+    for tar in sorted(folder.glob("*.tar")):
+        record = folder / f"{tar.stem}_stats.json"
+        if not record.exists():
+            record.write_text(json.dumps({"count": shard_size, "successes": shard_size, "failed_to_download": 0,
+                                          "failed_to_resize": 0}))
     return folder
 
 
