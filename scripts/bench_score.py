@@ -3,10 +3,12 @@
 Measured in one run, one after the other on the same device:
 
 (a) the ceiling: open_clip's ``encode_image`` alone on a batch already on the device, at its fastest of
-    {contiguous, channels_last} x {bf16 autocast, bf16 weights}, per batch size: no decode, no I/O, no
-    laionkit code; on CUDA also (a') open_clip's ``encode_image`` and ``encode_text`` of the batch (the captions
-    at the tokenizer's full context, as open_clip runs them) in bf16 weights: the bare forwards of everything a
-    row's similarity column needs (``vs_bare_with_text``; ``vs_bare`` stays against (a));
+    {contiguous, channels_last} x {bf16 autocast, bf16 weights}, and bf16 weights under torch.compile
+    (``--bare-compile``, on by default on CUDA), per batch size: no decode, no I/O, no laionkit code; also (a')
+    open_clip's ``encode_image`` and ``encode_text`` of the batch (the captions at the tokenizer's full context,
+    as open_clip runs them) in the model's own weights, eager or compiled, the faster: what ``model(image,
+    text)`` runs, the bare forwards of everything a row's similarity column needs (``vs_bare_with_text``;
+    ``vs_bare`` against (a));
 (b) `laionkit score` end to end (its run(), models loaded once beforehand) from JPEG tars in pack's layout
     generated here (photo-like JPEGs, short side ``--image-size``): read, decode once, sha256, pHash, CLIP
     image + caption embeddings, aesthetic v2 and NSFW heads (``core``: what NeMo Curator's floor counts:
@@ -188,9 +190,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_forward(model_name: str, pretrained: str | None, batch: int, device: torch.device, seconds: float) -> dict:
-    """images/s of encode_image alone, the fastest layout x precision; on CUDA also (a'), encode_image and
-    encode_text per batch in bf16 weights (``images_per_s_with_text``)."""
+def bare_forward(model_name: str, pretrained: str | None, batch: int, device: torch.device, seconds: float,
+                 compiled: bool = False) -> dict:
+    """images/s of encode_image alone, the fastest layout x precision; also (a'), encode_image and encode_text per
+    batch in the model's own weights (bf16 on CUDA: ``images_per_s_with_text``). ``compiled``: those two also
+    under torch.compile (the library's code at its fastest may be compiled; score runs eager), the faster kept."""
     from laionkit.score.models import load_score_clip
 
     clip, preprocess, tokenizer, _ = load_score_clip(model_name, pretrained, device)
@@ -210,12 +214,20 @@ def bare_forward(model_name: str, pretrained: str | None, batch: int, device: to
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
         with autocast:
             results[f"{layout}/{precision}"] = _rate(functools.partial(model.encode_image, x), batch, seconds, device)
-        if precision == "bf16_weights":
+        if precision in ("bf16_weights", "fp32"):  # the model in its own weights' dtype (score's way)
             # (a'): open_clip's own encode_image and encode_text (the captions at the tokenizer's full context, as
             # open_clip runs them): the bare forwards of what a score row computes for its similarity column
             tokens = tokenizer(["a photo"] * batch).to(device)
-            with_text = _rate(lambda model=model, x=x, tokens=tokens: (model.encode_image(x), model.encode_text(tokens)),
-                              batch, seconds, device)
+
+            def both(x, tokens, model=model):
+                return model.encode_image(x), model.encode_text(tokens)
+
+            with_text = _rate(functools.partial(both, x, tokens), batch, seconds, device)
+            if compiled:
+                results[f"{layout}/{precision}/compiled"] = _rate(
+                    functools.partial(torch.compile(model.encode_image), x), batch, seconds, device)
+                with_text = max(with_text, _rate(functools.partial(torch.compile(both), x, tokens), batch, seconds,
+                                                 device))
             clip = clip.float()
     best = max(results, key=results.get)
     found = {"batch": batch, "variants": results, "best": best, "images_per_s": results[best]}
@@ -394,6 +406,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=0, help="input shards (default: one per worker)")
     parser.add_argument("--bare-seconds", type=float, default=10.0)
     parser.add_argument("--no-cpu-side", action="store_true", help="skip the CPU side's run of each label (c)")
+    parser.add_argument("--bare-compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the bare forwards (a) and (a') under torch.compile, the faster kept as the "
+                             "ceiling (default: on CUDA)")
     parser.add_argument("--prefetch", type=int, default=score_module.PREFETCH,
                         help="batches each worker prepares ahead (laionkit.score.PREFETCH; all sit in pinned host "
                              "memory)")
@@ -412,6 +427,7 @@ def main() -> None:
     score_module.PREFETCH = args.prefetch
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    args.bare_compile = device.type == "cuda" if args.bare_compile is None else args.bare_compile
     model, pretrained = args.clip_model, None
     if args.smoke:
         args.images, args.image_size, args.batch_sizes, args.workers, args.bare_seconds = 32, 96, [8], 2, 1.0
@@ -439,7 +455,7 @@ def main() -> None:
         (args.out / "bench_score.json").write_text(json.dumps(results, indent=2) + "\n")
 
     for batch in args.batch_sizes:
-        results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds))
+        results["bare"].append(bare_forward(model, pretrained, batch, device, args.bare_seconds, args.bare_compile))
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
