@@ -17,7 +17,7 @@ import pytest
 import torch
 import webdataset as wds
 from conftest import run_cli
-from fixtures import CAPTIONS, pack_folder, write_image_shards
+from fixtures import CAPTIONS, cut_before_sample, pack_folder, write_image_shards
 from PIL import Image
 
 import laionkit.encode as encode_stage
@@ -381,14 +381,8 @@ def test_output_that_is_the_input_folder_is_refused(tmp_path, realdata, tiny_mod
 
 
 def test_tar_cut_at_a_member_boundary_is_refused(tmp_path, realdata, tiny_models):
-    import tarfile
-
     inputs = pack_folder(tmp_path / "in", realdata)
-    shard = inputs / "00001.tar"
-    with tarfile.open(shard) as tar:
-        third = [member for member in tar if member.name.startswith("000010002")][0]
-    with open(shard, "r+b") as handle:  # cut where sample 3's first header starts: 2 whole samples remain
-        handle.truncate(third.offset)
+    cut_before_sample(inputs / "00001.tar", "000010002")  # 2 whole samples remain
     with pytest.raises(LaionkitError, match=r"00001.tar holds 2 samples but its done record 00001_stats.json says 4"):
         encode(inputs, tmp_path / "out", tiny_models)
     # refused once read, before anything of it is written; the whole shard before it is kept

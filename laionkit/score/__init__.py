@@ -251,14 +251,11 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
                         disable=config.quiet)
         with progress:
             summary.update(_score_shards(config, scorers, todo, settings, rank, output, progress,
-                                         checked_reads(todo, inputs, shard_stem)))
+                                         checked_reads(todo, inputs, shard_stem), started))
     stats = update_stats(output, stems)
     if stats["complete"] and stats["counts"]["samples_in"] and not stats["counts"]["samples_out"]:
         raise LaionkitError(f"score wrote no sample: all {stats['counts']['samples_in']} skipped "
                             f"({', '.join(f'{k}: {v}' for k, v in stats['skips'].items())}); are these image shards?")
-    first = summary.pop("first_batch_at", None)
-    if first:
-        summary["startup_seconds"] = round(first - started, 3)  # set-up, the plan, the workers' first batch
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
@@ -321,10 +318,11 @@ def _device_batches(loader, pixels: DevicePixels, device: torch.device, clock: d
 
 
 def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], settings: dict, rank: Rank,
-                  output: Location, progress: tqdm, check: Callable[[ShardDone], ShardDone]) -> dict:
+                  output: Location, progress: tqdm, check: Callable[[ShardDone], ShardDone], started: float) -> dict:
     """Score ``todo``; return counts and where the main thread's time went (``wait_seconds``: ``data``, waiting
     for the next batch; ``device``, for a launched batch's results; with --decode device / draft-device also the
-    pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage."""
+    pixel thread's ``pixels_loader_wait`` and ``pixels``, host seconds): which side bounds the stage. ``started``:
+    when run() was called (``startup_seconds``: from then to the first batch)."""
     clock = {"data": 0.0, "device": 0.0}
     device_decode = config.decode in DEVICE_PIXEL_MODES
     pixels = device_pixels(config, scorers) if device_decode else None
@@ -412,9 +410,10 @@ def _score_shards(config: ScoreConfig, scorers: Scorers, todo: list[Location], s
     for write in writes:
         write.result()  # a write's error, raised here
     summary["seconds"] = round(time.perf_counter() - first, 3) if first else 0.0
-    # where run()'s time outside the loop goes: before the first batch (run() adds startup_seconds from this) and
-    # the shards still being written once the device's last batch is collected
-    summary["first_batch_at"] = first
+    # where run()'s time outside the loop goes: before the first batch (set-up, the plan, the workers' first batch)
+    # and the shards still being written once the device's last batch is collected
+    if first:
+        summary["startup_seconds"] = round(first - started, 3)
     summary["drain_seconds"] = round(time.perf_counter() - drained, 3)
     summary["wait_seconds"] = {name: round(value, 3) for name, value in clock.items()}
     if config.cuda_graphs:  # how many forwards replayed from graphs, or why none did
