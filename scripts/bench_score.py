@@ -86,7 +86,9 @@ LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --d
           ("+watermark --decode draft-device", {"decode": "draft-device"}),
           # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
           ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
-          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}))
+          ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}),
+          # CLIP's image forward under torch.compile (a graph per batch size of a shard's ramp and batch_size)
+          ("core --decode draft-device --compile", {"decode": "draft-device", "compile": True}))
 
 
 def _cycle_shard(job: tuple) -> None:
@@ -459,18 +461,21 @@ def main() -> None:
         print(json.dumps(results["bare"][-1]), flush=True)
         for label, extra in (row for row in LABELS if row[0] in args.labels):
             extra = {**extra, **({"watermark": str(watermark)} if label.startswith("+watermark") else {})}
-            slug = label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("+", "").replace(" ", "-")
+            slug = (label.replace("--decode ", "").replace("--cuda-graphs", "graphs").replace("--compile", "compiled")
+                    .replace("+", "").replace(" ", "-"))
             config = ScoreConfig(shards=(str(shards),), output=str(args.out / f"scored-{batch}-{slug}"),
                                  clip_model=model, clip_pretrained=pretrained,
                                  scores=(f"aesthetic=aesthetic-v2:{aesthetic}",), nsfw=str(nsfw), batch_size=batch,
                                  workers=args.workers, device=str(device), quiet=True, overwrite=True, **extra)
             scorers = Scorers(config, torch.device(config.device), lambda _: None)
-            if not args.no_warm_up and not results["score"] and "warm_up" not in results:
+            if not args.no_warm_up and ("warm_up" not in results or config.compile):
                 # the first run of a process pays for what later ones find made (the pinned host pool growing to
                 # the batches in flight, cuDNN's and cuBLAS' choices, the shards' pages): measured once, untimed,
-                # so that the rows compare (the fourteenth session's rows ran faster the later they came)
-                results["warm_up"] = end_to_end(scorers, config, label)
-                print(json.dumps({"warm_up": results["warm_up"]}), flush=True)
+                # so that the rows compare (the fourteenth session's rows ran faster the later they came); a
+                # compiled row's own warm-up run is its compiling, once per Scorers (reported: compile_warm_up)
+                key = "compile_warm_up" if config.compile else "warm_up"
+                results.setdefault(key, []).append(end_to_end(scorers, config, label))
+                print(json.dumps({key: results[key][-1]}), flush=True)
             found = end_to_end(scorers, config, label)
             found["vs_bare"] = found["images_per_s"] / results["bare"][-1]["images_per_s"]
             if "images_per_s_with_text" in results["bare"][-1]:  # against both of open_clip's bare forwards

@@ -385,6 +385,34 @@ def test_cuda_graphs_flag_gives_the_same_files(tmp_path, scored, shards, score_m
                                                               "text": {"graphs": 0, "replays": 0}}  # off CUDA
 
 
+def test_compile_compiles_each_batch_size_of_the_ramp_once_and_runs_the_last_batch_eager(tmp_path, scored, shards,
+                                                                                        score_models, monkeypatch):
+    """--compile: CLIP's image forward under torch.compile for the sizes every shard has (batch 24: a ramp of 3,
+    6, 12, then 24), one graph for both shards' first batches of 3 and no recompile for their last batches of 1,
+    which run eager; the same files as the default run. Dynamo's guards decide the graphs, not the backend, so the
+    test compiles with the eager backend (fast)."""
+    from torch._dynamo.utils import counters
+
+    from laionkit.score import ScoreConfig, run
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    config = ScoreConfig(shards=(str(shards),), output=str(tmp_path / "out"), clip_model=str(score_models["config"]),
+                         clip_pretrained=str(score_models["weights"]), batch_size=24, workers=0, compile=True,
+                         quiet=True)
+    assert run(config, log=lambda _: None)["samples_out"] == 8
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])  # batches of 3 (two shards of 4), compiled once
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    torch._dynamo.reset()
+    exact, compiled = pq.read_table(scored / "scores").to_pandas(), pq.read_table(tmp_path / "out" / "scores").to_pandas()
+    assert list(compiled["key"]) == list(exact["key"]) and list(compiled["phash"]) == list(exact["phash"])
+    np.testing.assert_allclose(compiled["similarity"], exact["similarity"], atol=1e-5)
+    for stem in ("00000", "00001"):
+        np.testing.assert_allclose(np.load(tmp_path / "out" / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32),
+                                   np.load(scored / "img_emb" / f"img_emb_{stem}.npy").astype(np.float32), atol=2e-3)
+
+
 @pytest.mark.parametrize("mode", ["device", "draft-device"])
 def test_decode_device_matches_exact_within_resampling(mode, tmp_path, scored, shards, score_models, realdata):
     """--decode device: workers read and hash; the main process decodes baseline JPEGs (here 2 of 8: the other

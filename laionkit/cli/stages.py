@@ -219,6 +219,10 @@ def score(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs", help="Replay CLIP's image and caption forwards from CUDA graphs (one launch a batch): for "
         "hosts whose cores are busy decoding. Same values; not yet the default (docs/BENCHMARKS.md, score).")] = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="torch.compile CLIP's image forward (a graph per batch size a shard always has; its last "
+        "batch eager). "
+        "Values within rounding of eager's; not yet the default (docs/BENCHMARKS.md, score).")] = False,
     decode: Annotated[str, typer.Option(
         help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "
         "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "
@@ -248,7 +252,8 @@ def score(
         shards=tuple(shards), output=output, clip_model=clip_model,
         clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
         watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
-        cuda_graphs=cuda_graphs, decode=decode, caption_key=caption_key, captions=captions, rank=rank, world_size=world_size, overwrite=overwrite, quiet=quiet,
+        cuda_graphs=cuda_graphs, compile=compile, decode=decode, caption_key=caption_key, captions=captions, rank=rank,
+        world_size=world_size, overwrite=overwrite, quiet=quiet,
         storage_options=storage_options,
     )
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))
