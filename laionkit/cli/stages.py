@@ -220,8 +220,8 @@ def score(
         "--cuda-graphs", help="Replay CLIP's image and caption forwards from CUDA graphs (one launch a batch): for "
         "hosts whose cores are busy decoding. Same values; not yet the default (docs/BENCHMARKS.md, score).")] = False,
     compile: Annotated[bool, typer.Option(
-        "--compile", help="torch.compile CLIP's image forward (a graph per batch size a shard always has; its last "
-        "batch eager). "
+        "--compile", help="torch.compile CLIP's image forward for full batches (one graph; a shard's first, "
+        "smaller batches and its last one eager). "
         "Values within rounding of eager's; not yet the default (docs/BENCHMARKS.md, score).")] = False,
     decode: Annotated[str, typer.Option(
         help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "

@@ -16,7 +16,6 @@ unit of work, resume and record; batches never span shards, so outputs are the s
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import time
@@ -46,7 +45,7 @@ from laionkit.score.models import (
     watermark_probability,
 )
 from laionkit.score.pixels import PAD_PIXELS, DevicePixels
-from laionkit.score.reader import ScoreSamples, batch_sizes, split_clip_transform
+from laionkit.score.reader import ScoreSamples, split_clip_transform
 from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
 from laionkit.score.text import TextEncoder
 from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
@@ -61,16 +60,15 @@ RESERVED = {"key", "shard", "source", "caption", "width", "height", "sha256", "p
             "pwatermark", "punsafe"}
 
 
-def compiled_batches(forward: Callable[[torch.Tensor], torch.Tensor], batch_size: int
-                     ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``forward`` under torch.compile for the batch sizes every shard has (its ramp and ``batch_size``: one graph
-    each, dynamic=False), eager for the others (a shard's last batch), so no batch size ever recompiles."""
-    sizes = set(itertools.takewhile(lambda size: size < batch_size, batch_sizes(batch_size))) | {batch_size}
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(sizes))
+def compiled_full_batches(forward: Callable[[torch.Tensor], torch.Tensor], batch_size: int
+                          ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``forward`` under torch.compile for batches of ``batch_size`` (one graph, dynamic=False), eager for the
+    others: a shard's ramping first batches (reader.batch_sizes) and its last one. A graph per ramp size would
+    cost a compile each at start-up for the few hundred images a shard ramps through; no size recompiles."""
     compiled = torch.compile(forward, dynamic=False)
 
     def run(pixels: torch.Tensor) -> torch.Tensor:
-        return compiled(pixels) if pixels.shape[0] in sizes else forward(pixels)
+        return compiled(pixels) if pixels.shape[0] == batch_size else forward(pixels)
 
     return run
 
@@ -97,7 +95,7 @@ class Scorers:
         if device.type == "cuda":
             self.clip = self.clip.to(memory_format=torch.channels_last)
         self.text = TextEncoder(self.clip, config.cuda_graphs, log)  # captions over their own tokens
-        image_forward = (compiled_batches(self.clip.encode_image, config.batch_size) if config.compile
+        image_forward = (compiled_full_batches(self.clip.encode_image, config.batch_size) if config.compile
                          else self.clip.encode_image)
         self.image_forward = (Graphed(image_forward, "score's CLIP image forward", log=log)
                               if config.cuda_graphs else image_forward)

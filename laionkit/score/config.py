@@ -38,8 +38,8 @@ class ScoreConfig:
     # CLIP's image and caption forwards replayed from CUDA graphs (laionkit.common.cudagraphs): one launch a batch
     # instead of ~700 from the thread that also feeds the loop; opt-in until measured (docs/BENCHMARKS.md, score)
     cuda_graphs: bool = False
-    # CLIP's image forward under torch.compile for the batch sizes every shard has (its ramp and batch_size; a
-    # shard's last batch stays eager: no recompiles); opt-in until measured against eager (docs/BENCHMARKS.md, score)
+    # CLIP's image forward under torch.compile for full batches (a shard's ramping first batches and its last one
+    # stay eager: one graph, no recompiles); opt-in until measured against eager (docs/BENCHMARKS.md, score)
     compile: bool = False
     caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
     # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.captions' names, resolved as encode
