@@ -313,16 +313,16 @@ def test_buckets_from_scratch(qwen, image_shards, tmp_path):
 
 
 def test_online_text_trains_as_stored_text_does(qwen, reference, image_shards, tmp_path):
-    """encode --text online keeps the template's token ids (-1 where the mask is 0; 34 template tokens and the
-    512 of the window); train runs Qwen2.5-VL on them, drops the template as the pipeline does, and gets the stored-text
-    run's losses and validation loss."""
+    """encode without --text writes the family's default, online text: the template's token ids (-1 where the mask
+    is 0; 34 template tokens and the 512 of the window); train runs Qwen2.5-VL on them, drops the template as the
+    pipeline does, and gets the stored-text run's losses and validation loss."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.loop import run as train
 
     online = tmp_path / "online"
     run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(qwen.model), resolution=64,
-                     batch_size=4, workers=0, quiet=True, text="online"))
+                     batch_size=4, workers=0, quiet=True))  # the family's default: online
     manifest = json.loads((online / "manifest.json").read_text())
     assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 34 + 512}
     train(TrainConfig(latents=online, val_latents=online, output=tmp_path / "run", unet=str(qwen.model),

@@ -222,7 +222,7 @@ def score(
     compile: Annotated[bool, typer.Option(
         "--compile", help="torch.compile CLIP's image forward for full batches (one graph; a shard's first, "
         "smaller batches and its last one eager). "
-        "Values within rounding of eager's; not yet the default (docs/BENCHMARKS.md, score).")] = False,
+        "Values within rounding of eager's; for ViT-L/14 no faster than eager (docs/BENCHMARKS.md, score).")] = False,
     decode: Annotated[str, typer.Option(
         help="exact: full-size decode (pHash = imagehash's, CLIP input = open_clip's preprocess of the file); draft: "
         "JPEGs decoded at a reduced DCT scale that keeps the short side >= the models' input: several times less "

@@ -218,6 +218,10 @@ SPEC = register_family(FamilySpec(
     text_mask="mask",
     tokenize=tokenize,
     encode_tokens=encode_tokens,
+    # Qwen2.5-VL-7B in the loop cost the 20B's LoRA step under 2 % at 1024 and 512 px, while encode --text stored
+    # runs it over every caption before training and stores 3584 floats a token (docs/BENCHMARKS.md, train,
+    # twelfth session): online by default, as Flux
+    default_text="online",
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
                         shift_anchors=SHIFT_ANCHORS, timestep_scale=1.0),

@@ -39,7 +39,7 @@ class ScoreConfig:
     # instead of ~700 from the thread that also feeds the loop; opt-in until measured (docs/BENCHMARKS.md, score)
     cuda_graphs: bool = False
     # CLIP's image forward under torch.compile for full batches (a shard's ramping first batches and its last one
-    # stay eager: one graph, no recompiles); opt-in until measured against eager (docs/BENCHMARKS.md, score)
+    # stay eager: one graph, no recompiles); opt-in: for ViT-L/14 it was no faster (docs/BENCHMARKS.md, score)
     compile: bool = False
     caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
     # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.captions' names, resolved as encode
