@@ -87,7 +87,7 @@ LABELS = (("core", {}), ("core --decode draft", {"decode": "draft"}), ("core --d
           # CLIP's forwards replayed from CUDA graphs: the main thread's ~700 launches a batch become one
           ("core --decode draft --cuda-graphs", {"decode": "draft", "cuda_graphs": True}),
           ("core --decode draft-device --cuda-graphs", {"decode": "draft-device", "cuda_graphs": True}),
-          # CLIP's image forward under torch.compile (a graph per batch size of a shard's ramp and batch_size)
+          # CLIP's image forward under torch.compile for full batches (score --compile)
           ("core --decode draft-device --compile", {"decode": "draft-device", "compile": True}))
 
 
