@@ -535,6 +535,10 @@ def main() -> None:
                         help="(window): more `laionkit train` flags for its rows, given with '=' (argparse takes a "
                              "spaced value starting with -- as a flag), e.g. --window-flags=--full-bf16 where the "
                              "family's default policy does not fit the card (FLUX.2 [klein] on an 80 GB H100)")
+    parser.add_argument("--online-flags", default="",
+                        help="(online): more `laionkit train` flags for its stored and online rows, given with '=' "
+                             "as --window-flags, e.g. --online-flags='--checkpointing blocks' where the family's "
+                             "rows do not fit the card (Z-Image, FLUX.2 [klein] on an 80 GB H100)")
     parser.add_argument("--modes", default="eager,compiled", help="(a) and (b) per --ab-resolutions")
     parser.add_argument("--ab-resolutions", type=int, nargs="+",
                         help="resolutions of the (a) and (b) rows (default: the first of --resolutions)")
@@ -619,11 +623,14 @@ def main() -> None:
     if texts and get_family(family).tokenize is None:  # encode --text online needs the family's tokenize
         print(f"online: skipped, `encode --text online` does not serve {family} (stored text only)", flush=True)
         texts = ()
+    online_flags = shlex.split(args.online_flags)
     for resolution in args.resolutions:
         for text in texts:
-            if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes:
+            if text == "stored" and resolution in ab_resolutions and "b" in parts and "eager" in args.modes \
+                    and not online_flags:
                 continue  # b-<resolution>-eager is this row
-            train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags)
+            train(f"{text}-{resolution}-eager", latents_at(resolution, text), batch_of(resolution), *family_flags,
+                  *online_flags)
 
     def own_window(resolution: int) -> str | None:  # the stored-text eager row at the family's window, if one ran
         return next((name for name in (f"stored-{resolution}-eager", f"b-{resolution}-eager") if name in results),
