@@ -110,7 +110,7 @@ def test_workers_cast_pixels_to_the_models_dtype_as_the_device_would(tiny_vlm, r
     assert len(captioner.generate(prepared)) == 2
 
 
-def test_caption_copies_every_member_and_adds_the_caption(reference, photo_shards, tiny_vlm, tmp_path):
+def test_caption_copies_every_member_and_adds_the_caption(reference, photo_shards, tiny_vlm, realdata, tmp_path):
     from laionkit.common import LaionkitError, storage
     from laionkit.encode.reader import find_shards
 
@@ -164,23 +164,12 @@ def test_caption_copies_every_member_and_adds_the_caption(reference, photo_shard
     with pytest.raises(LaionkitError, match="caption's captioned image shards"):
         storage.claim_output(str(reference), "encode")
     with pytest.raises(LaionkitError, match="pack's image shards"):
-        storage.claim_output(str(photo_shards_with_records(photo_shards, tmp_path)), "caption")
+        storage.claim_output(str(pack_folder(tmp_path / "packed", realdata)), "caption")
     # A caption folder is captioned again under another name: both captions, the alt-text still there.
     run_cli("caption", reference / "00000.tar", "--model", tiny_vlm, "--output", tmp_path / "second", "--name",
             "second", *CAPTION_ARGS)
     meta = json.loads(tar_members(tmp_path / "second" / "00000.tar")["000000000.json"])
     assert set(meta["captions"]) == {"vlm", "second"} and meta["caption"] == CAPTIONS["123_456.jpg"]
-
-
-def photo_shards_with_records(photo_shards: Path, tmp_path: Path) -> Path:
-    """A copy of the photo shards with pack's done records beside them (a pack folder)."""
-    import shutil
-
-    folder = tmp_path / "packed"
-    shutil.copytree(photo_shards, folder)
-    for tar in folder.glob("*.tar"):
-        (folder / f"{tar.stem}_stats.json").write_text(json.dumps({"successes": 4, "count": 4, "failures": 0}))
-    return folder
 
 
 def _caption_process(photo_shards, tiny_vlm, output, *extra, env=None) -> subprocess.Popen:
