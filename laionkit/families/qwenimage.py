@@ -218,9 +218,9 @@ SPEC = register_family(FamilySpec(
     text_mask="mask",
     tokenize=tokenize,
     encode_tokens=encode_tokens,
-    # Qwen2.5-VL-7B in the loop cost the 20B's LoRA step under 2 % at 1024 and 512 px, while encode --text stored
-    # runs it over every caption before training and stores 3584 floats a token (docs/BENCHMARKS.md, train,
-    # twelfth session): online by default, as Flux
+    # Qwen2.5-VL-7B in the loop costs the 20B's step little, while encode --text stored runs it over every caption
+    # before training and stores 3584 floats a token (docs/BENCHMARKS.md, train: Qwen-Image stored vs online
+    # text): online by default, as Flux
     default_text="online",
     conditioning=conditioning,
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,
