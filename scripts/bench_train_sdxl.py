@@ -37,6 +37,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from multiprocessing import Pool
@@ -115,9 +116,9 @@ def _write_shard(job: tuple[Path, int, int, int, bool]) -> None:
 def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, text: str = "stored",
             window: int | None = None) -> Path:
     """JPEG shards (square-ish or mixed aspects) and their latents by ``models`` (`laionkit encode --text
-    TEXT`, with --max-sequence-length ``window`` where given); shards and latents are made once per work folder."""
-    from laionkit.encode import EncodeConfig, run
-
+    TEXT`, with --max-sequence-length ``window`` where given); shards and latents are made once per work folder.
+    Encode runs in a process of its own, as a user runs it: whatever it holds on the GPU (its models, torch's
+    cache) is gone when the timed runs start, not left in the benchmark's process beside them."""
     tag = f"{resolution}-{'buckets' if mixed else 'square'}"
     latents = out / f"latents-{tag}{'' if text == 'stored' else f'-{text}'}{f'-w{window}' if window else ''}"
     if (latents / "manifest.json").exists():
@@ -129,10 +130,12 @@ def prepare(out: Path, resolution: int, images: int, mixed: bool, models: Path, 
         jobs = [(jpegs / f"{s:05d}.tar", s, per_shard, resolution, mixed) for s in range(max(1, images // per_shard))]
         with Pool(min(len(jobs), os.cpu_count() or 2)) as pool:
             pool.map(_write_shard, jobs)
-    run(EncodeConfig(shards=(str(jpegs),), output=latents, model=str(models), resolution=resolution,
-                     buckets=mixed, text=text, batch_size=8, workers=min(8, os.cpu_count() or 2), quiet=True,
-                     max_sequence_length=window),
-        log=lambda _: None)
+    command = [sys.executable, "-m", "laionkit.cli", "encode", str(jpegs), "--output", str(latents), "--model",
+               str(models), "--resolution", str(resolution), "--buckets" if mixed else "--no-buckets", "--text", text,
+               "--batch-size", "8", "--workers", str(min(8, os.cpu_count() or 2)), "--quiet"]
+    if window:
+        command += ["--max-sequence-length", str(window)]
+    subprocess.run(command, check=True)
     return latents
 
 

@@ -155,7 +155,7 @@ def flow_latents(tmp_path_factory, image_shards):
             root = tmp_path_factory.mktemp(name)
             model = get_family(name).write_tiny(root / "model", 0)
             run(EncodeConfig(shards=(str(image_shards),), output=root / "latents", model=str(model), resolution=64,
-                             batch_size=4, workers=0, quiet=True, text="stored"))  # Flux's default is online
+                             batch_size=4, workers=0, quiet=True, text="stored"))  # online is some families' default
             built[name] = FlowLatents(name, model, root / "latents")
         return built[name]
 

@@ -288,15 +288,15 @@ def test_validation_grid_with_guidance_and_bf16_weights(flux2):
 
 
 def test_online_text_trains_as_stored_text_does(flux2, reference, image_shards, tmp_path):
-    """encode --text online keeps the chat-templated captions' token ids (-1 where the mask is 0); train runs
-    Qwen3 on them and gets the stored-text run's losses and validation loss."""
+    """encode without --text writes the family's default, online text: the chat-templated captions' token ids
+    (-1 where the mask is 0); train runs Qwen3 on them and gets the stored-text run's losses and validation loss."""
     from laionkit.encode import EncodeConfig, run
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.loop import run as train
 
     online = tmp_path / "online"
     run(EncodeConfig(shards=(str(image_shards),), output=online, model=str(flux2.model), resolution=64,
-                     batch_size=4, workers=0, quiet=True, text="online"))
+                     batch_size=4, workers=0, quiet=True))  # the family's default: online
     manifest = json.loads((online / "manifest.json").read_text())
     assert manifest["text"]["mode"] == "online" and manifest["text"]["ids"] == {"ids_tokenizer.npy": 512}
     train(TrainConfig(latents=online, val_latents=online, output=tmp_path / "run", unet=str(flux2.model),

@@ -41,12 +41,19 @@ def timeout_advice(error: BaseException) -> str:
             "--pg-timeout-minutes; restart the run with --resume latest (its launcher or scheduler can)")
 
 
+# The allocator's advice after its numbers (expandable segments, a link): the line gives its own.
+ALLOCATOR_ADVICE = ("If reserved but unallocated", "See documentation")
+
+
 def memory_advice(error: BaseException) -> str:
-    """One line for an out-of-memory: where in laionkit it happened, what the allocator said first, and the
-    settings that lower memory."""
+    """One line for an out-of-memory: where in laionkit it happened, what the allocator said (the request, the
+    device's capacity and free memory, what other processes and this one hold: another process holding the
+    GPU shows here), and the settings that lower memory."""
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "laionkit" in Path(frame.filename).parts]
     where = f" in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    said = ". ".join(str(error).split(". ")[:2]).strip() or type(error).__name__
+    sentences = [" ".join(sentence.split()) for sentence in str(error).split(". ")]
+    said = ". ".join(sentence for sentence in sentences
+                     if sentence and not sentence.startswith(ALLOCATOR_ADVICE)).strip() or type(error).__name__
     return (f"out of device memory{where}: {said.rstrip('.')}. Lower --batch-size (--grad-accum keeps the global "
             "batch), or add --checkpointing auto, --full-bf16 or --lora-rank, or shard with FSDP (train/fsdp.yaml); "
             "`laionkit plan` measures which settings fit")

@@ -298,6 +298,10 @@ SPEC = register_family(FamilySpec(
     tokenize=tokenize,
     max_sequence_length=MAX_SEQUENCE_LENGTH,
     encode_tokens=encode_tokens,
+    # Qwen3 in the loop costs the step a few percent at 1024 px, while stored text keeps all 512 rows of three
+    # layers (the transformer takes no mask, so nothing trims them) at several times a latent's bytes a sample
+    # (docs/BENCHMARKS.md, train: FLUX.2 [klein] stored vs online text): online by default, as Flux
+    default_text="online",
     conditioning=conditioning,
     text_layer="9,18,27",
     objective=Objective(kind="flow", prediction="velocity", sigma_sampling="logit_normal", dynamic_shift=True,

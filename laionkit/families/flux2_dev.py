@@ -131,6 +131,9 @@ SPEC = register_family(replace(
     encode_tokens=encode_tokens,
     encode_text=None,
     text_layer="10,20,30",
+    # not klein's online: Mistral-3 (24B, 48 GB in bf16) in the loop beside the 32B transformer's 64 GB leaves
+    # one GPU too little for the step; the text is encoded once, at encode
+    default_text="stored",
     objective=replace(flux2.SPEC.objective, guidance=TRAIN_GUIDANCE),
     write_tiny=write_tiny,
     presets=PRESETS,
