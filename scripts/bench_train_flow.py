@@ -49,8 +49,8 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
 (big)     The largest configurations that train on this GPU, samples/s, MFU and peak memory, all with
           ``--checkpointing blocks``. Flux: LoRA rank 64 on the whole 12B with stored and with online text per
           resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
-          full-parameter depth fraction under the default policy (fp32 master weights). Qwen-Image: a
-          full-parameter depth fraction (``FRACTIONS``) under ``--full-bf16``.
+          full-parameter depth fraction under the default policy (fp32 master weights). Qwen-Image and
+          FLUX.2 [dev]: a full-parameter depth fraction (``FRACTIONS``) under ``--full-bf16``.
 
 The latents come from `laionkit encode` of generated photos with the family's tiny VAE at the real
 downsampling (16 channels at 8x for SD3, Flux, Z-Image and Qwen-Image; for Sana a tiny 32-channel DC-AE at 32x,
@@ -105,9 +105,11 @@ TRAIN_FLAGS = {"z-image": ("--full-bf16",),
 BARE_FLAGS = {"qwen-image": {"lora": 64, "checkpointing": True}, "flux2-dev": {"lora": 64, "checkpointing": True}}
 # Full-parameter depth fractions (the transformer config with these overrides, and the train flags): the
 # largest full-parameter configurations of a family that does not fit whole. Flux: 8 double + 16 single blocks
-# under the default policy; Qwen-Image: 30 of 60 blocks (~10B) in full bf16.
+# under the default policy; Qwen-Image: 30 of 60 blocks (~10B) in full bf16; FLUX.2 [dev]: 4 of 8 double and
+# 12 of 48 single blocks (~10B of 32B: ~0.98B a double block, ~0.49B a single one) in full bf16.
 FRACTIONS = {"flux": (({"num_layers": 8, "num_single_layers": 16}, ()),),
-             "qwen-image": (({"num_layers": 30}, ("--full-bf16",)),)}
+             "qwen-image": (({"num_layers": 30}, ("--full-bf16",)),),
+             "flux2-dev": (({"num_layers": 4, "num_single_layers": 12}, ("--full-bf16",)),)}
 
 
 def _clip(cls, hidden: int, real_layers: int, act: str, layers: int | None):
