@@ -148,6 +148,24 @@ def test_online_text_gives_the_stored_states(dev, image_shards, tmp_path):
         np.testing.assert_allclose(row["text"].float(), found.half().float(), atol=1e-3, rtol=1e-3)
 
 
+def test_encode_without_text_stores_devs_states_and_klein_its_ids(dev, flow_latents, image_shards, tmp_path):
+    """The two FLUX.2 families' defaults differ (FamilySpec.default_text, chosen in docs/BENCHMARKS.md): without
+    --text, encode stores [dev]'s Mistral states (its 24B encoder beside the 32B transformer would not leave one
+    GPU room for the step), the stored states of the session's encode; [klein]'s are Qwen3's token ids."""
+    from conftest import run_cli
+
+    for name, model in (("dev", dev.model), ("klein", flow_latents("flux2").model)):
+        run_cli("encode", image_shards / "00000.tar", "--model", model, "--output", tmp_path / name,
+                "--resolution", "64", "--batch-size", "4", "--workers", "0", "--quiet")
+    text = json.loads((tmp_path / "dev" / "manifest.json").read_text())["text"]
+    assert "mode" not in text and text["stored"] == {"states": [512, 48]}
+    for row, want in zip(first_rows(tmp_path / "dev", 2), first_rows(dev.latents, 2), strict=True):
+        torch.testing.assert_close(row["text"], want["text"], rtol=0, atol=0)
+    klein = json.loads((tmp_path / "klein" / "manifest.json").read_text())["text"]
+    assert klein["mode"] == "online" and klein["ids"] == {"ids_tokenizer.npy": 512}
+    assert "ids_tokenizer" in first_rows(tmp_path / "klein", 1)[0]
+
+
 def test_tiny_mistral_tokenizer_is_reproducible_and_renders_the_pipelines_prompt(tmp_path):
     """write_mistral gives byte-identical files from the same captions; AutoTokenizer loads them; text outside the
     captions round-trips (byte-level BPE); the chat template renders diffusers' format_input messages as
