@@ -588,7 +588,8 @@ from laionkit.cli import main
 sys.argv = ["laionkit", *sys.argv[1:]]
 main()
 """
-# What the H200 raised in the third step: the allocator at SDXL batch 16, and inductor compiling a float8 layer.
+# What the H200 raised in the third step: the allocator at SDXL batch 16 (its whole message as torch words it,
+# here with another process holding part of the card), and inductor compiling a float8 layer.
 STEP_ERRORS = {
     "out_of_memory": 'torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 480.00 MiB. GPU 0 has a total '
                      'capacity of 139.80 GiB of which 191.56 MiB is free. Process 4242 has 10.90 GiB memory in use. '
