@@ -254,8 +254,9 @@ def real_text_encoders(family: str, folder: Path, layers: int | None = None, dty
 
 
 def free_gpu() -> None:
-    """Give back what this process's model building and encoding left in torch's CUDA cache (on an H200 the
-    Z-Image encode's ~11 GiB made the bare step at 1024 px batch 2 run out of memory in its own process)."""
+    """Give back what this process's model building (the real-size text encoders) left in torch's CUDA cache, before
+    the children run (on an H200 the parent's ~11 GiB, then from building and encoding in-process, made the bare
+    step at 1024 px batch 2 run out of memory in its own process)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -583,9 +584,7 @@ def main() -> None:
 
     def latents_at(resolution: int, text: str = "stored", window: int | None = None) -> Path:
         images = args.images if resolution <= 2048 else min(args.images, 64)  # 4096 px photos: ~5 MB each
-        latents = prepare(args.out, resolution, images, False, models, text, window)
-        free_gpu()  # encode ran in this process: its cached blocks would be missing from the children's GPU
-        return latents
+        return prepare(args.out, resolution, images, False, models, text, window)  # encode: a process of its own
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
               config: str | None = None, log_every: int | None = None) -> Path:
