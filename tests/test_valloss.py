@@ -16,7 +16,7 @@ from fixtures import free_port
 # give 21 (sample, stratum) pairs and the short rank pads) for DDPM, then flow matching, then the unstratified
 # loss (--val-strata 0), then DDPM again after one weight changed.
 EVALUATE = """
-import dataclasses, json, sys, torch
+import dataclasses, json, os, sys, torch
 from pathlib import Path
 from accelerate import Accelerator
 from laionkit.trainer import valloss
@@ -42,9 +42,15 @@ with torch.no_grad():
     unet.conv_in.weight.mul_(1.1)
 found.append(valloss.evaluate(accelerator, forward, val, batch, torch.float32, load_noise_scheduler(config)))
 if accelerator.is_main_process:
-    print(json.dumps({"keys": list(val.keys), "losses": found}))
+    print(json.dumps({"keys": list(val.keys), "losses": found}), flush=True)
+ranks = accelerator.num_processes
 accelerator.wait_for_everyone()  # no rank tears down while another is still in a collective or printing
-accelerator.end_training()  # destroys the process group: exiting with gloo's threads alive can abort a rank
+accelerator.end_training()  # destroys the process group
+if ranks > 1:  # a torchrun rank (one rank runs inside pytest's own process and returns)
+    # The work is done and printed. Interpreter finalization with gloo loaded aborted rank 1 in two clean-checkout
+    # runs out of many ('terminate called without an active exception', after the group was destroyed; not
+    # reproduced in 40 runs under load): the rank's exit code is to report the evaluation, not torch's teardown.
+    os._exit(0)
 """
 
 
