@@ -255,8 +255,8 @@ def real_text_encoders(family: str, folder: Path, layers: int | None = None, dty
 
 def free_gpu() -> None:
     """Give back what this process's model building (the real-size text encoders) left in torch's CUDA cache, before
-    the children run (on an H200 the parent's ~11 GiB, then from building and encoding in-process, made the bare
-    step at 1024 px batch 2 run out of memory in its own process)."""
+    the children run: blocks cached here are memory their timed steps cannot have (docs/BENCHMARKS.md tells of a
+    bare step that ran out of memory beside them)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
