@@ -407,3 +407,50 @@ def test_bucket_run_uploads_its_pipeline_and_single_file_whole_before_their_done
         assert json.loads(folder.done_record.read_bytes())["sizes"] == {k: len(v) for k, v in want.items()}
     pipe = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "downloaded" / "pipeline")
     assert type(pipe).__name__ == "StableDiffusionPipeline"
+
+
+def test_export_refuses_an_export_older_than_the_newest_checkpoint(latent_shards, tmp_path, monkeypatch):
+    """A run trained to step 4 (RUN/unet and its pipeline written then), resumed with a later --max-steps and
+    stopped by SIGTERM at step 6: its RUN/unet is step 4's model. `laionkit export` refuses it in one line, as it
+    refuses a run with no RUN/unet, and says how to export step 6's; the resume at that step exports it."""
+    import os
+    import signal
+
+    import torch
+    from conftest import run_cli
+    from safetensors.torch import load_file
+
+    from laionkit.trainer import loop
+    from laionkit.trainer.config import TrainConfig
+
+    run = tmp_path / "run"
+    options = dict(latents=latent_shards, output=run, unet_config="tiny",
+                   **{key: value for key, value in FAST.items() if key != "max_steps"})
+    loop.run(TrainConfig(max_steps=4, export="pipeline", **options))
+    weights = run / "unet" / "diffusion_pytorch_model.safetensors"
+    at_four = load_file(weights)
+    step = loop.train_step
+
+    def sigterm_after_six(trainer, *args):
+        done = step(trainer, *args)
+        if trainer.step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return done
+
+    monkeypatch.setattr(loop, "train_step", sigterm_after_six)
+    stopped = loop.run(TrainConfig(max_steps=20, resume="latest", **options))
+    monkeypatch.undo()
+    assert stopped.stopped_by == signal.SIGTERM and stopped.step == 6
+    assert (run / "checkpoints" / "step-00000006").is_dir()
+    for format in ("pipeline", "single-file"):
+        refused = run_cli("export", run, "--format", format, check=False)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert refused.stderr.count("\n") == 1, refused.stderr
+        assert f"{run / 'unet'} is older than {run / 'checkpoints' / 'step-00000006'}" in refused.stderr
+        assert "--resume latest --max-steps 6" in refused.stderr
+    assert all(torch.equal(value, at_four[key]) for key, value in load_file(weights).items())  # untouched
+
+    loop.run(TrainConfig(max_steps=6, resume="latest", **options))
+    assert run_cli("export", run, "--format", "pipeline").stdout.split() == [str(run / "pipeline")]
+    exported = load_file(run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == at_four.keys() and not all(torch.equal(exported[k], at_four[k]) for k in at_four)

@@ -60,12 +60,33 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
                               assign=True)
         with atomic_output(output / subfolder) as tmp:
             plain.save_pretrained(tmp, safe_serialization=True)
+            record_export(tmp, output)
         if ema is not None:
             torch.nn.Module.float(plain)
             ema.copy_to(plain.parameters())
             with atomic_output(output / f"{subfolder}_ema") as tmp:
                 plain.save_pretrained(tmp, safe_serialization=True)
     accelerator.wait_for_everyone()
+
+
+EXPORT_RECORD = "laionkit-export.record"  # JSON; not a suffix RUN/pipeline copies from the folder (pipeline.KEEP_SUFFIXES)
+
+
+def record_export(folder: Path, run: Path) -> None:
+    """Name, in the exported ``folder``, the newest checkpoint of ``run`` at the time of the export: a resumed run
+    that checkpoints past it and stops before its end leaves this export behind, and `laionkit export` must see
+    that (``stale_export``). The newest is the last step's, or an older one under --no-checkpoint-at-end."""
+    from laionkit.trainer.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(run)
+    (folder / EXPORT_RECORD).write_text(json.dumps({"checkpoint": found[-1].name if found else None}) + "\n")
+
+
+def stale_export(trained: Path, newest: Path) -> bool:
+    """``trained`` (RUN/unet, RUN/lora, ...) was written before the checkpoint ``newest``: the run went on past
+    it. An export without the record (written by an older laionkit) cannot tell, and is taken as current."""
+    record = trained / EXPORT_RECORD
+    return record.is_file() and json.loads(record.read_text())["checkpoint"] != newest.name
 
 
 # --- the exports besides the denoiser: RUN/pipeline, single files (laionkit/trainer/pipeline.py, singlefile.py) ---
@@ -101,12 +122,35 @@ def export_run(run: Path, formats: str, files: str = "copy") -> list[Path]:
         raise LaionkitError(f"--format {formats!r}: a comma-separated list of {', '.join(FORMATS)}")
     if files not in FILE_MODES:
         raise LaionkitError(f"--export-files {files!r}: choose from {', '.join(FILE_MODES)}")
+    _refuse_stale(run)
     written = []
     if "pipeline" in names:
         written.append(_rebuild_pipeline(run, files))
     if "single-file" in names:
         written += write_single_files(run)
     return written
+
+
+def _stopped(run: Path, checkpoint: Path) -> str:
+    """Why the newest checkpoint has no export, and the command that writes it (a resume at that step trains no
+    further step, and exports)."""
+    record = json.loads((checkpoint / "trainer.json").read_text())
+    step = record["step"]
+    return (f"{run} stopped at step {step} before its end. Export it by resuming at that step (it trains nothing "
+            f"more): laionkit train {record['config']['latents']} --output {run} --resume latest --max-steps {step} "
+            "<the run's flags>")
+
+
+def _refuse_stale(run: Path) -> None:
+    """An export older than the newest checkpoint (the run was resumed past it, then stopped before its end) is
+    not the run's newest model: refused, as a missing one is."""
+    from laionkit.trainer.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(run)
+    stale = [folder for folder in sorted(run.iterdir()) if folder.is_dir() and stale_export(folder, found[-1])] \
+        if found else []
+    if stale:
+        raise LaionkitError(f"{stale[0]} is older than {found[-1]}: {_stopped(run, found[-1])}")
 
 
 def _rebuild_pipeline(run: Path, files: str) -> Path:
@@ -129,14 +173,11 @@ def _rebuild_pipeline(run: Path, files: str) -> Path:
     data = open_latents(config.latents)
     schedule = None if data.family.objective.kind == "flow" else load_noise_scheduler(config, data.family)
     base = _base(config, data.family)
-    step = json.loads((found[-1] / "trainer.json").read_text())["step"]
     trained = run / ("lora" if config.lora_rank is not None else data.family.denoiser_subfolder)
     if not trained.is_dir():
         # stopped before its end (SIGTERM, a preemption): its weights are only in the checkpoint, which train
         # exports when resumed at that step (it trains no further step)
-        raise LaionkitError(f"{trained} is missing: {run} stopped at step {step} before its end. "
-                            f"Export it by resuming at that step (it trains nothing more): laionkit train "
-                            f"{config.latents} --output {run} --resume latest --max-steps {step} <the run's flags>")
+        raise LaionkitError(f"{trained} is missing: {_stopped(run, found[-1])}")
     merged = None
     if config.lora_rank is not None:  # the adapters merged into the base they trained on
         _check_lora_base(found[-1], config, data.family)

@@ -265,6 +265,8 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
+    from laionkit.trainer.export import record_export
+
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
     peft_layers = get_peft_model_state_dict(model, state_dict=state)
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
@@ -296,6 +298,7 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
             save_file(kohya, str(tmp / KOHYA_FILE), metadata={
                 "format": "pt", "ss_network_module": "networks.lora", "ss_network_dim": str(config.r),
                 "ss_network_alpha": str(config.lora_alpha)})
+        record_export(tmp, folder.parent)
     return skipped
 
 
@@ -391,8 +394,11 @@ def _save_peft_adapter(model, layers: dict, folder: Path) -> None:
     ``merge_and_unload()`` gives a plain transformer for the family's pipeline."""
     from safetensors.torch import save_file
 
+    from laionkit.trainer.export import record_export
+
     with atomic_output(folder) as tmp:
         tmp.mkdir(parents=True)
         save_file({f"base_model.model.{name}": value for name, value in layers.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         model.peft_config["default"].save_pretrained(str(tmp))
+        record_export(tmp, folder.parent)
