@@ -1,7 +1,8 @@
 """What RUN/lora holds is what training trained: loaded back by the family's own loader (diffusers'
 ``pipe.load_lora_weights``, PEFT's adapter folder for PixArt) from the tiny model folder, the denoiser gives
 the output of the trained base merged at alpha / rank, with --lora-alpha != --lora-rank (alpha 16, rank 4:
-scale 4, so a loader that assumes scale 1 is far off). The kohya / ComfyUI file beside it loads to the same."""
+scale 4, so a loader that assumes scale 1 is far off). The kohya / ComfyUI file beside it (every family ComfyUI
+has a model of) loads to the same where diffusers reads it, and holds each trained update by kohya's rule."""
 
 from __future__ import annotations
 
@@ -131,12 +132,26 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
-    if name in ("sd3", "pixart", "sana", "z-image", "qwen-image", "flux2", "flux2-dev"):  # no kohya layout for them: the diffusers / PEFT file serves
+    if name in ("sana", "z-image", "flux2", "flux2-dev"):  # no model of theirs in ComfyUI: the diffusers file serves
         assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
         return
     kohya = load_file(path)
-    assert all(key.startswith("lora_unet_") and key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+    prefix = "transformer." if name in ("sd3", "pixart") else "lora_unet_"
+    assert all(key.startswith(prefix) and key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
                for key in kohya)
+    if name in ("sd3", "pixart"):  # diffusers names, which ComfyUI maps (tests/test_comfyui.py); diffusers reads
+        # no such file for them, so the file is checked against kohya's rule: each module's update as trained
+        adapters = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")
+        modules = dict(base_denoiser(name, model).named_modules())
+        trained_modules = sorted(key.split(".lora_A.")[0] for key in adapters if ".lora_A." in key)
+        assert sorted(key[len(prefix):-len(".alpha")] for key in kohya if key.endswith(".alpha")) == trained_modules
+        for module in trained_modules:
+            down, up, alpha = (kohya[f"{prefix}{module}.{part}"] for part in ("lora_down.weight", "lora_up.weight",
+                                                                               "alpha"))
+            a, b = (adapters[f"{module}.lora_{part}.default.weight"] for part in "AB")
+            assert isinstance(modules[module], torch.nn.Linear) and alpha.item() == ALPHA
+            torch.testing.assert_close(alpha / down.shape[0] * up @ down, ALPHA / RANK * b @ a, rtol=1e-6, atol=0)
+        return
     if name != "flux":
         want = output(name, merged(name, model, run))
         torch.testing.assert_close(output(name, loaded(name, model, run / "lora", weight_name=KOHYA_FILE)), want,

@@ -269,6 +269,7 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
 
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
     peft_layers = get_peft_model_state_dict(model, state_dict=state)
+    kohya, skipped = kohya_layers(model, peft_layers)
     # isinstance, not the class name: FSDP2 swaps the model's class for a subclass named FSDP<class>.
     if isinstance(model, diffusers.UNet2DConditionModel):
         pipeline, keyword = diffusers.StableDiffusionPipeline, "unet_lora_layers"
@@ -278,9 +279,8 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
                         if isinstance(model, getattr(diffusers, name)))
         keyword = "transformer_lora_layers"
     else:  # PixArt: its pipeline loads no LoRA; PEFT's own adapter folder, for PeftModel.from_pretrained
-        _save_peft_adapter(model, peft_layers, folder)
-        return
-    kohya, skipped = kohya_layers(model, peft_layers)
+        _save_peft_adapter(model, peft_layers, folder, kohya)
+        return skipped
     layers = convert_state_dict_to_diffusers(peft_layers)
     if any(".lora_A." in key or ".lora_B." in key for key in layers):
         # --lora-targets beyond attention (time_emb_proj, add_k_proj, ...): diffusers' converter renames only
@@ -291,15 +291,19 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
         pipeline.save_lora_weights(str(tmp), **{keyword: layers},
                                    **{keyword.replace("_layers", "_adapter_metadata"): adapter_metadata(model)},
                                    weight_name=EXPORT_FILE)
-        if kohya:
-            from safetensors.torch import save_file
-
-            config = model.peft_config["default"]
-            save_file(kohya, str(tmp / KOHYA_FILE), metadata={
-                "format": "pt", "ss_network_module": "networks.lora", "ss_network_dim": str(config.r),
-                "ss_network_alpha": str(config.lora_alpha)})
+        _save_kohya(model, kohya, tmp)
         record_export(tmp, folder.parent)
     return skipped
+
+
+def _save_kohya(model, kohya: dict | None, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    if kohya:
+        config = model.peft_config["default"]
+        save_file(kohya, str(folder / KOHYA_FILE), metadata={
+            "format": "pt", "ss_network_module": "networks.lora", "ss_network_dim": str(config.r),
+            "ss_network_alpha": str(config.lora_alpha)})
 
 
 def adapter_metadata(model) -> dict:
@@ -330,16 +334,26 @@ FLUX_BLOCKS = {"transformer_blocks": ("double_blocks", FLUX_DOUBLE),
                "single_transformer_blocks": ("single_blocks", FLUX_SINGLE)}
 
 
+# The transformers whose ComfyUI model maps diffusers' module names itself (comfy/lora.py: "transformer.<module>" for
+# SD3, PixArt; the model's own names, which are diffusers', for Qwen-Image): their KOHYA_FILE keeps diffusers' names.
+COMFYUI_DIFFUSERS_NAMES = {"SD3Transformer2DModel": "transformer.", "PixArtTransformer2DModel": "transformer.",
+                           "QwenImageTransformer2DModel": "lora_unet_"}
+
+
 def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
-    """The adapters in kohya's sd-scripts / ComfyUI naming (``KOHYA_FILE``): per module ``lora_unet_<name>``
-    with ``.lora_down.weight`` (A), ``.lora_up.weight`` (B) and ``.alpha``, the update being
-    alpha / rank(lora_down) * up @ down, as diffusers' kohya loaders and ComfyUI read it. SD 1.x/2.x and SDXL
-    name the diffusers UNet's modules (``.`` -> ``_``: kohya's own SD 1.x names, and what ComfyUI and diffusers map
-    for SDXL too); Flux names BFL's modules (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...),
-    where fused modules get the parts' adapters block-diagonally (A stacked, B on the diagonal, zeros for a part
-    not trained): the same update per part, and a layout diffusers splits back into the parts' own adapters.
-    None for SD3, PixArt and Sana (diffusers reads no kohya layout for them; the diffusers file is what loads), and
-    for a Flux module BFL's layout has no place for (with why: the file would miss adapters)."""
+    """The adapters in kohya's sd-scripts / ComfyUI naming (``KOHYA_FILE``): per module ``.lora_down.weight`` (A),
+    ``.lora_up.weight`` (B) and ``.alpha``, the update being alpha / rank(lora_down) * up @ down, as diffusers'
+    kohya loaders and ComfyUI read it, for every family ComfyUI has a model of. SD 1.x/2.x and SDXL name the
+    diffusers UNet's modules ``lora_unet_<name>`` (``.`` -> ``_``: kohya's own SD 1.x names, and what ComfyUI and
+    diffusers map for SDXL too); Qwen-Image the same (its original names are diffusers', as musubi-tuner writes
+    them; diffusers' Qwen-Image loader reads them too); SD3 and PixArt ``transformer.<name>``, the diffusers
+    names ComfyUI maps onto its fused MMDiT / PixArt layers (diffusers reads no such file for them: their
+    diffusers file is the one to load there). Flux names BFL's modules (``double_blocks_N_img_attn_qkv``,
+    ``single_blocks_N_linear1``, ...), where fused modules get the parts' adapters block-diagonally (A stacked,
+    B on the diagonal, zeros for a part not trained): the same update per part, and a layout diffusers splits
+    back into the parts' own adapters. None for Sana, Z-Image and FLUX.2 (no model of theirs in the ComfyUI this
+    was tested with), and for a Flux module BFL's layout has no place for (with why: the file would miss
+    adapters)."""
     import diffusers
 
     config = model.peft_config["default"]
@@ -349,10 +363,12 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     def adapter(name):
         return layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"]
 
-    if isinstance(model, diffusers.UNet2DConditionModel):
+    prefix = next((prefix for name, prefix in COMFYUI_DIFFUSERS_NAMES.items()
+                   if isinstance(model, getattr(diffusers, name))), None)
+    if isinstance(model, diffusers.UNet2DConditionModel) or prefix is not None:
         out = {}
         for name in names:
-            key = "lora_unet_" + name.replace(".", "_")
+            key = f"{prefix}{name}" if prefix == "transformer." else "lora_unet_" + name.replace(".", "_")
             out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = adapter(name)
             out[f"{key}.alpha"] = torch.tensor(alpha)
         return out, None
@@ -388,10 +404,11 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     return out, None
 
 
-def _save_peft_adapter(model, layers: dict, folder: Path) -> None:
+def _save_peft_adapter(model, layers: dict, folder: Path, kohya: dict | None) -> None:
     """``adapter_config.json`` + ``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` writes them (keys
     under ``base_model.model.``): ``PeftModel.from_pretrained(transformer, folder)`` loads them, and
-    ``merge_and_unload()`` gives a plain transformer for the family's pipeline."""
+    ``merge_and_unload()`` gives a plain transformer for the family's pipeline. Beside them ``kohya`` (KOHYA_FILE):
+    ComfyUI reads PEFT's names too, but PEFT's file has no ``.alpha``, so ComfyUI would take alpha = rank."""
     from safetensors.torch import save_file
 
     from laionkit.trainer.export import record_export
@@ -401,4 +418,5 @@ def _save_peft_adapter(model, layers: dict, folder: Path) -> None:
         save_file({f"base_model.model.{name}": value for name, value in layers.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         model.peft_config["default"].save_pretrained(str(tmp))
+        _save_kohya(model, kohya, tmp)
         record_export(tmp, folder.parent)

@@ -77,7 +77,19 @@ def single_file_state_dict(pipeline: Path, family: str) -> dict:
         out.update(clip_to_open_clip(_load(pipeline / "text_encoder"), "cond_stage_model.model."))  # SD 2.x: OpenCLIP
     else:
         out.update(clip_to_hf_layout(_load(pipeline / "text_encoder"), "cond_stage_model.transformer."))
+    out.update(prediction_keys(pipeline))
     return out
+
+
+def prediction_keys(pipeline: Path) -> dict:
+    """``v_pred`` (an empty tensor) for a v-prediction pipeline: a CompVis / SGM checkpoint has no scheduler, and
+    ComfyUI's SDXL loader (and A1111 / Forge) take one without the key for epsilon-prediction. ComfyUI's SD 2.x
+    loader guesses v-prediction from the weights instead, and its SD 1.x loader never does (docs/FORMATS.md §4a)."""
+    import torch
+
+    scheduler = pipeline / "scheduler" / "scheduler_config.json"
+    config = json.loads(scheduler.read_text()) if scheduler.is_file() else {}
+    return {"v_pred": torch.tensor([])} if config.get("prediction_type") == "v_prediction" else {}
 
 
 def _rename_resnet(rest: str) -> str:
