@@ -123,7 +123,9 @@ def test_exported_lora_loads_at_the_trained_strength(trained):
 
 def test_kohya_file_loads_as_the_diffusers_file(trained):
     """RUN/lora/lora_kohya.safetensors (kohya / ComfyUI naming, an ``.alpha`` per module) through diffusers'
-    own kohya converters gives the denoiser the diffusers file gives, and the trained model's. Flux's single
+    own kohya converters (SD, SDXL, Qwen-Image) gives the denoiser the diffusers file gives, and the trained
+    model's. The other transformers' file keeps diffusers' names, for ComfyUI, and holds each module's trained
+    update by kohya's rule. Flux's single
     blocks fuse q, k, v and the MLP input into BFL's linear1, which diffusers' converter splits at FLUX.1's
     widths only (3072 / 12288, not the tiny model's): there the file is checked against kohya's rule itself,
     alpha / rank(lora_down) * up @ down = the trained parts' updates stacked (zeros for the MLP's rows), and
@@ -132,15 +134,12 @@ def test_kohya_file_loads_as_the_diffusers_file(trained):
 
     name, model, run = trained
     path = run / "lora" / KOHYA_FILE
-    if name in ("sana", "z-image", "flux2", "flux2-dev"):  # no model of theirs in ComfyUI: the diffusers file serves
-        assert not path.exists() and not (run / "lora_ema" / KOHYA_FILE).exists()
-        return
     kohya = load_file(path)
-    prefix = "transformer." if name in ("sd3", "pixart") else "lora_unet_"
+    prefix = "lora_unet_" if name in ("sd", "sdxl", "flux", "qwen-image") else "transformer."
     assert all(key.startswith(prefix) and key.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
                for key in kohya)
-    if name in ("sd3", "pixart"):  # diffusers names, which ComfyUI maps (tests/test_comfyui.py); diffusers reads
-        # no such file for them, so the file is checked against kohya's rule: each module's update as trained
+    if prefix == "transformer.":  # diffusers names, which ComfyUI maps (tests/test_comfyui.py); diffusers reads
+        # their diffusers file, so this one is checked against kohya's rule: each module's update as trained
         adapters = load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors")
         modules = dict(base_denoiser(name, model).named_modules())
         trained_modules = sorted(key.split(".lora_A.")[0] for key in adapters if ".lora_A." in key)

@@ -334,26 +334,19 @@ FLUX_BLOCKS = {"transformer_blocks": ("double_blocks", FLUX_DOUBLE),
                "single_transformer_blocks": ("single_blocks", FLUX_SINGLE)}
 
 
-# The transformers whose ComfyUI model maps diffusers' module names itself (comfy/lora.py: "transformer.<module>" for
-# SD3, PixArt; the model's own names, which are diffusers', for Qwen-Image): their KOHYA_FILE keeps diffusers' names.
-COMFYUI_DIFFUSERS_NAMES = {"SD3Transformer2DModel": "transformer.", "PixArtTransformer2DModel": "transformer.",
-                           "QwenImageTransformer2DModel": "lora_unet_"}
-
-
 def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     """The adapters in kohya's sd-scripts / ComfyUI naming (``KOHYA_FILE``): per module ``.lora_down.weight`` (A),
     ``.lora_up.weight`` (B) and ``.alpha``, the update being alpha / rank(lora_down) * up @ down, as diffusers'
-    kohya loaders and ComfyUI read it, for every family ComfyUI has a model of. SD 1.x/2.x and SDXL name the
-    diffusers UNet's modules ``lora_unet_<name>`` (``.`` -> ``_``: kohya's own SD 1.x names, and what ComfyUI and
-    diffusers map for SDXL too); Qwen-Image the same (its original names are diffusers', as musubi-tuner writes
-    them; diffusers' Qwen-Image loader reads them too); SD3 and PixArt ``transformer.<name>``, the diffusers
-    names ComfyUI maps onto its fused MMDiT / PixArt layers (diffusers reads no such file for them: their
-    diffusers file is the one to load there). Flux names BFL's modules (``double_blocks_N_img_attn_qkv``,
-    ``single_blocks_N_linear1``, ...), where fused modules get the parts' adapters block-diagonally (A stacked,
-    B on the diagonal, zeros for a part not trained): the same update per part, and a layout diffusers splits
-    back into the parts' own adapters. None for Sana, Z-Image and FLUX.2 (no model of theirs in the ComfyUI this
-    was tested with), and for a Flux module BFL's layout has no place for (with why: the file would miss
-    adapters)."""
+    kohya loaders and ComfyUI read it (ComfyUI reads no LoRA metadata: without ``.alpha`` it takes alpha = rank).
+    SD 1.x/2.x and SDXL name the diffusers UNet's modules ``lora_unet_<name>`` (``.`` -> ``_``: kohya's own SD 1.x
+    names, and what ComfyUI and diffusers map for SDXL too), and so does Qwen-Image (its original names are
+    diffusers', as musubi-tuner writes them; diffusers' Qwen-Image loader reads them too). Flux names BFL's modules
+    (``double_blocks_N_img_attn_qkv``, ``single_blocks_N_linear1``, ...), where fused modules get the parts'
+    adapters block-diagonally (A stacked, B on the diagonal, zeros for a part not trained): the same update per
+    part, and a layout diffusers splits back into the parts' own adapters; None (with why) for a Flux module BFL's
+    layout has no place for (the file would miss adapters). The other transformers (SD3, PixArt, Sana, Z-Image,
+    FLUX.2) keep diffusers' names under ``transformer.``, which ComfyUI maps onto its own (fused) layers for SD3
+    and PixArt (tests/test_comfyui.py); diffusers reads their diffusers file instead."""
     import diffusers
 
     config = model.peft_config["default"]
@@ -363,17 +356,14 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
     def adapter(name):
         return layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"]
 
-    prefix = next((prefix for name, prefix in COMFYUI_DIFFUSERS_NAMES.items()
-                   if isinstance(model, getattr(diffusers, name))), None)
-    if isinstance(model, diffusers.UNet2DConditionModel) or prefix is not None:
+    if not isinstance(model, diffusers.FluxTransformer2DModel):
+        kohya = isinstance(model, (diffusers.UNet2DConditionModel, diffusers.QwenImageTransformer2DModel))
         out = {}
         for name in names:
-            key = f"{prefix}{name}" if prefix == "transformer." else "lora_unet_" + name.replace(".", "_")
+            key = "lora_unet_" + name.replace(".", "_") if kohya else f"transformer.{name}"
             out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = adapter(name)
             out[f"{key}.alpha"] = torch.tensor(alpha)
         return out, None
-    if not isinstance(model, diffusers.FluxTransformer2DModel):
-        return None, None
     groups: dict[str, dict] = {}  # BFL module -> {"parts": [diffusers module per part], "block": prefix}
     for name in names:
         blocks, index, inner = (name.split(".", 2) + ["", ""])[:3]
