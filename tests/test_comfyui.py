@@ -25,6 +25,13 @@ COMFYUI = os.environ.get("LAIONKIT_COMFYUI")
 pytestmark = pytest.mark.skipif(not COMFYUI, reason="LAIONKIT_COMFYUI (a ComfyUI checkout) is not set")
 RANK, ALPHA = 4, 16.0
 SD3_AS_COMFYUI = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 64, "caption_projection_dim": 128}
+DEFAULT_TARGETS = "to_q,to_k,to_v,to_out.0"  # train's --lora-targets default
+JOINT = "add_q_proj,add_k_proj,add_v_proj,to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
+# --lora-targets beyond attention, onto layers ComfyUI fuses or renames otherwise
+WIDE_TARGETS = {"sd": "proj_in,proj_out,ff.net.0.proj,ff.net.2,time_emb_proj", "sdxl": "proj_in,ff.net.2,time_emb_proj",
+                "sd3": JOINT, "flux": f"{JOINT},proj_mlp,norm1.linear,norm1_context.linear,norm.linear",
+                "pixart": "ff.net.0.proj,ff.net.2",
+                "qwen-image": "add_q_proj,to_add_out,img_mlp.net.0.proj,txt_mlp.net.2,img_mod.1,txt_mod.1"}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +74,9 @@ def denoiser(name: str, folder: Path):
     return getattr(diffusers, spec.denoiser_class).from_pretrained(folder, subfolder=spec.denoiser_subfolder).eval()
 
 
-def write_lora(name: str, folder: Path, run: Path) -> Path:
-    """RUN/lora as training writes it (laionkit.trainer.lora), of rank-4 alpha-16 adapters on the default targets
-    with random (nonzero) weights."""
+def write_lora(name: str, folder: Path, run: Path, targets: str = DEFAULT_TARGETS) -> Path:
+    """RUN/lora as training writes it (laionkit.trainer.lora), of rank-4 alpha-16 adapters on ``targets`` with
+    random (nonzero) weights."""
     from peft import LoraConfig, inject_adapter_in_model
 
     from laionkit.trainer import lora
@@ -77,7 +84,7 @@ def write_lora(name: str, folder: Path, run: Path) -> Path:
     model = denoiser(name, folder)
     model.requires_grad_(False)
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian",
-                        target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+                        target_modules=targets.split(","))
     model.add_adapter(config) if hasattr(model, "add_adapter") else inject_adapter_in_model(config, model)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -152,19 +159,22 @@ def comfyui_keys(comfy, name: str, weights: dict, config: dict) -> dict:
             "pixart": lambda w: comfy.model_detection.convert_diffusers_mmdit(w, "")}[name](weights)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["default-targets", "wide-targets"])
 @pytest.mark.parametrize("name", ["sd", "sdxl", "sd3", "flux", "pixart", "qwen-image"])
-def test_kohya_lora_patches_comfyui_weights_as_diffusers_fuses_them(comfy, bases, name, tmp_path, monkeypatch,
+def test_kohya_lora_patches_comfyui_weights_as_diffusers_fuses_them(comfy, bases, name, wide, tmp_path, monkeypatch,
                                                                      caplog):
     """comfy.sd.load_diffusion_model_state_dict of the base, comfy.sd.load_lora_for_models of RUN/lora's kohya
     file at strength 1, the patched weights: those of diffusers' fuse_lora of the diffusers file, every key, and
-    every LoRA key loaded. The numbers (max abs / rel difference) are printed for the record."""
+    every LoRA key loaded; with the default --lora-targets and with more. The numbers (max abs / rel difference)
+    are printed for the record."""
     from laionkit.families import get_family
     from laionkit.trainer.lora import KOHYA_FILE
 
     spec = get_family(name)
     folder = bases[name]
     config = json.loads((folder / spec.denoiser_subfolder / "config.json").read_text())
-    lora_folder = write_lora(name, folder, tmp_path / "run")
+    targets = f"{DEFAULT_TARGETS},{WIDE_TARGETS[name]}" if wide else DEFAULT_TARGETS
+    lora_folder = write_lora(name, folder, tmp_path / "run", targets)
     tiny_sizes(comfy, monkeypatch, name, folder)
     base = comfyui_keys(comfy, name, denoiser(name, folder).state_dict(), config)
     want = comfyui_keys(comfy, name, fused(name, folder, lora_folder), config)
@@ -182,7 +192,7 @@ def test_kohya_lora_patches_comfyui_weights_as_diffusers_fuses_them(comfy, bases
     assert changed and {key.removeprefix("diffusion_model.") for key in patched_model.patches} == set(changed)
     worst_abs = max((got[key] - want[key]).abs().max().item() for key in want)
     worst_rel = max(((got[key] - want[key]).norm() / want[key].norm()).item() for key in changed)
-    print(f"{name}: {len(changed)} weights patched, max abs {worst_abs:.2e}, max rel {worst_rel:.2e}")
+    print(f"{name} {targets}: {len(changed)} weights patched, max abs {worst_abs:.2e}, max rel {worst_rel:.2e}")
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
