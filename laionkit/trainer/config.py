@@ -177,7 +177,7 @@ class TrainConfig:
     lora_rank: int | None = option(
         None, "Train LoRA adapters of this rank on a frozen pretrained --unet / --transformer (PEFT); "
         "checkpoints hold the adapters, RUN/lora/ is what diffusers' pipe.load_lora_weights loads "
-        "(lora_kohya.safetensors beside it for kohya / ComfyUI: SD, SDXL, Flux).")
+        "(lora_kohya.safetensors beside it, with .alpha, is what ComfyUI loads).")
     lora_alpha: float | None = option(None, "LoRA alpha (scale alpha/rank; default: the rank).")
     lora_dropout: float = option(0.0, "Dropout on the LoRA branch while training.")
     # trainchecks.DEFAULT_TARGETS

@@ -66,6 +66,7 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
             ema.copy_to(plain.parameters())
             with atomic_output(output / f"{subfolder}_ema") as tmp:
                 plain.save_pretrained(tmp, safe_serialization=True)
+                record_export(tmp, output)
     accelerator.wait_for_everyone()
 
 

@@ -24,7 +24,9 @@ export). The invariants:
   ``save_lora_weights`` on ``convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))``, with
   whole adapter tensors (gathered from the ranks' shards under FSDP), and the LoRA config (rank, alpha,
   targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
-  ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming (SD, SDXL, Flux: ``kohya_layers``).
+  ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming with an ``.alpha`` per module, every
+  family (``kohya_layers``): ComfyUI reads no adapter metadata, and its key maps read none of the diffusers
+  file's SD / SDXL names. Each export folder names the run's newest checkpoint (export.record_export).
   (Sana's SanaPipeline loads its RUN/lora the same way.) PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
