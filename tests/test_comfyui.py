@@ -198,18 +198,25 @@ def test_kohya_lora_patches_comfyui_weights_as_diffusers_fuses_them(comfy, bases
 
 
 @pytest.mark.parametrize("prediction", ["v_prediction", "epsilon"])
-def test_sdxl_single_file_loads_with_its_prediction_type(comfy, bases, prediction, tmp_path, monkeypatch):
-    """comfy.sd.load_checkpoint_guess_config of `laionkit export --format single-file` of an SDXL pipeline: a
-    v-prediction one is a v-prediction model in ComfyUI (the file's ``v_pred`` key), an epsilon one epsilon."""
+@pytest.mark.parametrize("name", ["sdxl", "sd"])
+def test_single_file_loads_with_its_prediction_type(comfy, bases, name, prediction, tmp_path, monkeypatch):
+    """comfy.sd.load_checkpoint_guess_config of `laionkit export --format single-file` of a pipeline: an SDXL
+    v-prediction one is a v-prediction model in ComfyUI (the file's ``v_pred`` key), an epsilon one epsilon. ComfyUI
+    reads no key for SD 1.x: a v-prediction SD 1.x file loads as epsilon there whatever it holds (what README and
+    FORMATS tell users to mend with a ModelSamplingDiscrete node)."""
+    from safetensors import safe_open
+
     from laionkit.trainer.singlefile import write_single_files
 
     run = tmp_path / "run"
-    shutil.copytree(bases["sdxl"], run / "pipeline")
+    shutil.copytree(bases[name], run / "pipeline")
     scheduler = run / "pipeline" / "scheduler" / "scheduler_config.json"
     scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "prediction_type": prediction}))
     [path] = write_single_files(run)
-    tiny_sizes(comfy, monkeypatch, "sdxl", bases["sdxl"])
+    with safe_open(str(path), "pt") as handle:
+        assert ("v_pred" in handle.keys()) == (prediction == "v_prediction")
+    tiny_sizes(comfy, monkeypatch, name, bases[name])
     model = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
-    want = "V_PREDICTION" if prediction == "v_prediction" else "EPS"
+    want = "V_PREDICTION" if prediction == "v_prediction" and name == "sdxl" else "EPS"
     assert model.model.model_type.name == want
     assert isinstance(model.model.model_sampling, getattr(comfy.model_sampling, want))
