@@ -135,7 +135,7 @@ def test_single_files_load_back_through_diffusers_from_single_file(runs, monkeyp
         assert "model.diffusion_model.input_blocks.0.0.weight" in sd.keys()  # what ComfyUI / A1111 detect
         assert "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight" in sd.keys()
         assert "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight" in xl.keys()
-        # the SDXL run trained v-prediction: the key ComfyUI's SDXL loader (and A1111 / Forge) read it by
+        # the SDXL run trained v-prediction: the key ComfyUI's SDXL loader reads it by (tests/test_comfyui.py)
         assert "v_pred" in xl.keys() and "v_pred" not in sd.keys()
     with safe_open(str(files["flux"]), "pt") as flux:
         assert "double_blocks.0.img_attn.qkv.weight" in flux.keys() and "single_blocks.0.linear1.weight" in flux.keys()

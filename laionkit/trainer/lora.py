@@ -299,6 +299,7 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
 
 
 def _save_kohya(model, kohya: dict | None, folder: Path) -> None:
+    """KOHYA_FILE in ``folder``, with the rank and alpha in kohya's metadata keys too (where one was made)."""
     from safetensors.torch import save_file
 
     if kohya:
@@ -359,10 +360,10 @@ def kohya_layers(model, layers: dict) -> tuple[dict | None, str | None]:
         return layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"]
 
     if not isinstance(model, diffusers.FluxTransformer2DModel):
-        kohya = isinstance(model, (diffusers.UNet2DConditionModel, diffusers.QwenImageTransformer2DModel))
+        kohya_names = isinstance(model, (diffusers.UNet2DConditionModel, diffusers.QwenImageTransformer2DModel))
         out = {}
         for name in names:
-            key = "lora_unet_" + name.replace(".", "_") if kohya else f"transformer.{name}"
+            key = "lora_unet_" + name.replace(".", "_") if kohya_names else f"transformer.{name}"
             out[f"{key}.lora_down.weight"], out[f"{key}.lora_up.weight"] = adapter(name)
             out[f"{key}.alpha"] = torch.tensor(alpha)
         return out, None

@@ -83,8 +83,8 @@ def single_file_state_dict(pipeline: Path, family: str) -> dict:
 
 def prediction_keys(pipeline: Path) -> dict:
     """``v_pred`` (an empty tensor) for a v-prediction pipeline: a CompVis / SGM checkpoint has no scheduler, and
-    ComfyUI's SDXL loader (and A1111 / Forge) take one without the key for epsilon-prediction. ComfyUI's SD 2.x
-    loader guesses v-prediction from the weights instead, and its SD 1.x loader never does (docs/FORMATS.md §4a)."""
+    ComfyUI's SDXL loader takes one without the key for epsilon-prediction. ComfyUI's SD 2.x loader guesses
+    v-prediction from the weights instead, and its SD 1.x loader never does (docs/FORMATS.md §4a)."""
     import torch
 
     scheduler = pipeline / "scheduler" / "scheduler_config.json"
