@@ -197,6 +197,35 @@ def test_kohya_lora_patches_comfyui_weights_as_diffusers_fuses_them(comfy, bases
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("name", ["sd", "sd3", "flux"])
+def test_the_diffusers_file_is_not_the_one_for_comfyui(comfy, bases, name, tmp_path, monkeypatch, caplog):
+    """Why the kohya file exists (README's table): in ComfyUI the diffusers file's SD keys load not at all, and
+    SD3's and Flux's at alpha = rank (ComfyUI reads no adapter metadata), here a quarter of the trained update."""
+    from laionkit.families import get_family
+    from laionkit.trainer.lora import EXPORT_FILE
+
+    folder = bases[name]
+    config = json.loads((folder / get_family(name).denoiser_subfolder / "config.json").read_text())
+    lora_folder = write_lora(name, folder, tmp_path / "run")
+    tiny_sizes(comfy, monkeypatch, name, folder)
+    base = comfyui_keys(comfy, name, denoiser(name, folder).state_dict(), config)
+    want = comfyui_keys(comfy, name, fused(name, folder, lora_folder), config)
+    caplog.set_level(logging.WARNING)
+    lora = comfy.utils.load_torch_file(str(lora_folder / EXPORT_FILE), safe_load=True)
+    patched_model, _ = comfy.sd.load_lora_for_models(comfy.sd.load_diffusion_model_state_dict(dict(base)), None,
+                                                     lora, 1.0, 0)
+    missed = [r.message for r in caplog.records if "lora key not loaded" in r.message]
+    if name == "sd":
+        assert len(missed) == len(lora) and not patched_model.patches
+        return
+    assert not missed and patched_model.patches
+    patched_model.patch_model()
+    got = patched_model.model.diffusion_model.state_dict()
+    for key in [key for key in want if not torch.equal(want[key], base[key])]:
+        torch.testing.assert_close(got[key] - base[key], RANK / ALPHA * (want[key] - base[key]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("prediction", ["v_prediction", "epsilon"])
 @pytest.mark.parametrize("name", ["sdxl", "sd"])
 def test_single_file_loads_with_its_prediction_type(comfy, bases, name, prediction, tmp_path, monkeypatch):
