@@ -107,18 +107,26 @@ def test_a_hostile_dcp_metadata_is_refused_in_one_line_and_its_payload_never_run
     assert not marker.exists()
 
 
-def test_a_dcp_entry_that_is_not_a_tensor_is_refused_before_dcp_unpickles_it(tmp_path):
-    """DCP stores a non-tensor value as a torch.save pickle and reads it back with weights_only=False: laionkit's
-    checkpoints hold tensors only, so such an entry (metadata made of DCP's own classes) is refused, and the
-    pickle in the .distcp file is never read."""
+def test_a_dcp_value_that_is_not_a_tensor_must_load_as_data_before_dcp_unpickles_it(tmp_path):
+    """DCP stores a non-tensor value (an optimizer's parameter groups, say) as a torch.save pickle inside a
+    .distcp file and reads it back with weights_only=False: the metadata reader first loads each such value with
+    the weights-only loader. Plain values pass; one that would run code is refused, and never runs."""
     import torch.distributed.checkpoint as dcp
 
     from laionkit.trainer.checkpoint_async import _reader
 
+    plain = {"model": {"w": torch.randn(3, 4)}, "groups": {"lr": 0.1, "name": "adamw"}}
+    dcp.save(plain, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    loaded = {"model": {"w": torch.empty(3, 4)}, "groups": {"lr": None, "name": None}}
+    dcp.load(loaded, storage_reader=_reader(tmp_path / "plain"), no_dist=True)
+    assert loaded["groups"] == plain["groups"] and torch.equal(loaded["model"]["w"], plain["model"]["w"])
+
     marker = tmp_path / "marker"
     dcp.save({"model": {"w": _System(marker)}}, checkpoint_id=str(tmp_path / "state"), no_dist=True)
-    with pytest.raises(LaionkitError, match=r"refused to load it .*BytesStorageMetadata"):
+    with pytest.raises(LaionkitError, match=r"refused to load it .*model\.w: a pickle that is not plain tensor data"
+                                            r".*GLOBAL posix\.system") as error:
         _reader(tmp_path / "state").read_metadata()
+    assert "\n" not in str(error.value)
     assert not marker.exists()
 
 
@@ -134,7 +142,7 @@ def forge(checkpoint: Path, name: str, data: bytes) -> None:
 def assert_refused(result, marker: Path, *words: str) -> None:
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert all(word in line for word in words), line
     assert not marker.exists()
 
@@ -150,3 +158,92 @@ def test_train_resume_latest_refuses_a_forged_dcp_metadata_in_one_line(latent_sh
     result = run_cli("train", latent_shards, "--output", run, *args, "--max-steps", "4", "--resume", "latest",
                      check=False)
     assert_refused(result, marker, "state/.metadata", "refused to load it", "os.system")
+
+
+# ---- CLIP weights: filter / score / eval's --clip-pretrained ----------------------------------------------
+@pytest.fixture(scope="module")
+def eval_models(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("eval-models")
+    run_cli("models", "tiny-eval", "--output", folder)
+    return folder
+
+
+def test_an_unsafe_clip_pretrained_is_one_line_naming_the_file_in_filter_score_and_eval(
+        eval_models, image_shards, latent_shards, tiny_models, realdata, tmp_path):
+    """A .pt state dict holding a pickle that would run code, as --clip-pretrained: torch's weights-only loader
+    refuses it inside open_clip; each stage says so in one line naming the file (it was a traceback)."""
+    import numpy as np
+
+    marker, weights = tmp_path / "marker", tmp_path / "clip.pt"
+    torch.save({"visual.proj": _System(marker)}, weights)
+    clip = ("--clip-model", eval_models / "tiny-clip.json", "--clip-pretrained", weights)
+    embeddings = tmp_path / "img_emb_0000.npy"
+    np.save(embeddings, np.zeros((1000, 32), np.float16))
+    commands = {
+        "filter": ("filter", realdata / "laion-sample" / "test_1000.parquet", "--embeddings", embeddings,
+                   "--score", "anime=prompt:an anime drawing", "--clip-model", "ViT-S-32", "--clip-pretrained",
+                   weights, "--output", tmp_path / "filtered", "-q"),  # prompt scores take a model name
+        "score": ("score", image_shards, "--output", tmp_path / "scored", *clip, "--workers", "0", "--quiet"),
+        "eval": ("eval", tiny_models, "--reference", realdata / "images", "--val-latents", latent_shards,
+                 "--count", "2", "--steps", "1", "--output", tmp_path / "evaluated", "--inception",
+                 eval_models / "inception.pth", *clip, "--quiet"),
+    }
+    for args in commands.values():
+        result = run_cli(*args, check=False)
+        assert_refused(result, marker, str(weights), "not plain tensor data", "GLOBAL posix.system")
+
+
+# ---- model folders: a .bin weights file instead of safetensors ----------------------------------------------
+def with_pickled_weights(folder: Path, component: str, into: Path, marker: Path) -> Path:
+    """A copy of the model folder ``folder`` whose ``component`` holds its weights as a hostile pickle (the
+    file name diffusers / transformers read when no safetensors file is there)."""
+    import shutil
+
+    shutil.copytree(folder, into)
+    target = into / component if component else into
+    weights = sorted(target.glob("*.safetensors"))
+    assert weights, target
+    for path in weights:
+        path.unlink()
+    name = "pytorch_model.bin" if (target / "config.json").is_file() and "_class_name" not in json.loads(
+        (target / "config.json").read_text()) else "diffusion_pytorch_model.bin"
+    torch.save({"weight": _System(marker)}, target / name)
+    return into
+
+
+@pytest.mark.parametrize("component", ["vae", "text_encoder"])
+def test_encode_refuses_a_model_folder_whose_pickled_weights_would_run_code(component, image_shards, tiny_models,
+                                                                          tmp_path):
+    marker = tmp_path / "marker"
+    model = with_pickled_weights(tiny_models, component, tmp_path / "model", marker)
+    result = run_cli("encode", image_shards, "--model", model, "--output", tmp_path / "out", "--resolution", "64",
+                     "--workers", "0", "--quiet", check=False)
+    assert_refused(result, marker, f"cannot load {component} from {model}", "not plain tensor data",
+                   "GLOBAL posix.system")
+
+
+def test_train_and_eval_refuse_a_model_folder_whose_pickled_weights_would_run_code(latent_shards, tiny_models,
+                                                                                 eval_models, realdata, tmp_path):
+    """train's --unet and eval's pipeline folder (DiffusionPipeline.from_pretrained, which wraps the refusal for
+    diffusers' models and passes transformers' through)."""
+    marker = tmp_path / "marker"
+    unet = with_pickled_weights(tiny_models, "unet", tmp_path / "unet-model", marker)
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet", unet, "--max-steps", "1",
+                     "--batch-size", "2", "--workers", "0", "--log-with", "none", "--quiet", check=False)
+    assert_refused(result, marker, "cannot load unet", "not plain tensor data", "GLOBAL posix.system")
+    for component in ("unet", "text_encoder"):
+        pipeline = with_pickled_weights(tiny_models, component, tmp_path / f"pipeline-{component}", marker)
+        result = run_cli("eval", pipeline, "--reference", realdata / "images", "--val-latents", latent_shards,
+                         "--count", "2", "--steps", "1", "--output", tmp_path / "evaluated", "--inception",
+                         eval_models / "inception.pth", "--clip-model", eval_models / "tiny-clip.json",
+                         "--clip-pretrained", eval_models / "tiny-clip.safetensors", "--quiet", check=False)
+        assert_refused(result, marker, f"PIPELINE {pipeline}", "not plain tensor data", "GLOBAL posix.system")
+
+
+def test_caption_refuses_a_model_whose_pickled_weights_would_run_code(image_shards, tmp_path):
+    marker, model = tmp_path / "marker", tmp_path / "tiny-vlm"
+    run_cli("models", "tiny-vlm", "--output", model)
+    with_pickled_weights(model, "", tmp_path / "hostile-vlm", marker)
+    result = run_cli("caption", image_shards, "--model", tmp_path / "hostile-vlm", "--output", tmp_path / "out",
+                     "--max-new-tokens", "4", "--quiet", check=False)
+    assert_refused(result, marker, "--model", "not plain tensor data", "GLOBAL posix.system")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from laionkit.common import LaionkitError, read_json, versions
-from laionkit.common.models import sha256_file
+from laionkit.common.models import sha256_file, weights_error
 from laionkit.common.outputs import partial_path
 from laionkit.trainer import lora
 from laionkit.trainer.checkpoint import checkpoint_dir, complete_checkpoints, last_good, ranks_differ
@@ -151,14 +152,13 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     Only exact (module, name) pairs pass: a protocol-4 pickle may name a dotted path inside a module, which
     pickle resolves attribute by attribute (``os.system`` through the metadata module's own ``import os``), so a
-    whole allowed module would allow everything it imports. The pairs are what torch 2.9 to 2.14 write for
-    laionkit's checkpoints, which hold tensors only: DCP reads a ``BytesStorageMetadata`` entry (a non-tensor
-    value) with ``torch.load(weights_only=False)``, so that class is refused too."""
+    whole allowed module would allow everything it imports. The pairs are what torch 2.9 to 2.14 write (the
+    values a ``BytesStorageMetadata`` entry points to are checked by read_metadata)."""
 
     ALLOWED = frozenset({
         *(("torch.distributed.checkpoint.metadata", name) for name in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "_MEM_FORMAT_ENCODING")),
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+            "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
@@ -188,6 +188,41 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not part of DCP's metadata")
 
 
+def read_metadata(path: Path):
+    """DCP's ``.metadata`` at ``path`` (this writer's, or FSDP's sharded state in accelerate's layout), read as
+    data; every non-tensor entry must load with torch's weights-only loader, since DCP's planner reads those
+    with ``weights_only=False``. Anything else is refused in one line, before DCP reads the file."""
+    with open(path, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle).load()
+            _check_values(Path(path).parent, metadata)
+        except Exception as error:  # noqa: BLE001 - refused, damaged or not a pickle: one line either way
+            raise LaionkitError(f"{path}: not plain checkpoint metadata, refused to load it (checkpoints are data, "
+                                f"never code): {_one_line(error)}") from None
+    return metadata
+
+
+def _check_values(folder: Path, metadata) -> None:
+    """Each non-tensor entry (BytesStorageMetadata: a torch.save pickle inside a ``.distcp`` file, such as an
+    optimizer's parameter groups) loads with the weights-only loader."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, BytesStorageMetadata):
+            continue
+        stored = (metadata.storage_data or {}).get(MetadataIndex(name))
+        where = getattr(stored, "relative_path", None)
+        if not isinstance(where, str) or Path(where).name != where or getattr(stored, "transform_descriptors", None):
+            raise pickle.UnpicklingError(f"{name}: a value stored where laionkit does not read it ({stored!r})")
+        with open(folder / where, "rb") as handle:
+            handle.seek(stored.offset)
+            data = handle.read(stored.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any refusal or damage: the entry is not plain data
+            raise pickle.UnpicklingError(f"{name}: {weights_error(error)}") from None
+
+
 def _reader(folder: Path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -196,12 +231,7 @@ def _reader(folder: Path):
         def read_metadata(self, *args, **kwargs):
             named = getattr(self, "_get_metadata_path", None)  # torch 2.8 added rank-local metadata files
             path = named(kwargs.get("rank")) if named else self.fs.concat_path(self.path, ".metadata")
-            with open(path, "rb") as handle:
-                try:
-                    metadata = _MetadataUnpickler(handle).load()
-                except Exception as error:  # noqa: BLE001 - refused, damaged or not a pickle: one line either way
-                    raise LaionkitError(f"{folder}/.metadata: not plain checkpoint metadata, refused to load it "
-                                        f"(checkpoints are data, never code): {_one_line(error)}") from None
+            metadata = read_metadata(path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
