@@ -142,7 +142,9 @@ def forge(checkpoint: Path, name: str, data: bytes) -> None:
 def assert_refused(result, marker: Path, *words: str) -> None:
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    [line] = [line for line in lines if line.startswith("error:")]
+    assert lines[-1] == line, result.stderr[-3000:]  # one line, the last: nothing of it wrapped onto the next
     assert all(word in line for word in words), line
     assert not marker.exists()
 
@@ -247,3 +249,140 @@ def test_caption_refuses_a_model_whose_pickled_weights_would_run_code(image_shar
     result = run_cli("caption", image_shards, "--model", tmp_path / "hostile-vlm", "--output", tmp_path / "out",
                      "--max-new-tokens", "4", "--quiet", check=False)
     assert_refused(result, marker, "--model", "not plain tensor data", "GLOBAL posix.system")
+
+
+# ---- accelerate's checkpoint layout (and DeepSpeed's files in it) ----------------------------------------------
+def dcp_metadata(marker: Path) -> bytes:
+    return hostile_pickles(marker)["dotted name through DCP's module"]
+
+
+# Files of accelerate's layout a resume reads, each replaced (or added, as FSDP's sharded state and a custom
+# object would be) by a hostile pickle.
+ACCELERATE_FILES = {
+    "optimizer.bin": lambda marker: pickle.dumps(_System(marker)),
+    "scheduler.bin": lambda marker: _torch_saved(marker),
+    "random_states_0.pkl": lambda marker: _torch_saved(marker),  # accelerate skips a file it cannot read
+    "custom_checkpoint_0.pkl": lambda marker: _torch_saved(marker),  # accelerate: weights_only=False
+    "pytorch_model_fsdp_0/.metadata": dcp_metadata,  # FSDP's sharded state: DCP's plain pickle.load
+}
+
+
+def _torch_saved(marker: Path) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"state": _System(marker)}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory, latent_shards) -> Path:
+    run = tmp_path_factory.mktemp("accelerate-layout") / "run"
+    run_cli("train", latent_shards, "--output", run, *TINY, "--checkpoint-every", "2", "--checkpoint-writer",
+            "accelerate", "--max-steps", "2")
+    return run
+
+
+@pytest.mark.parametrize("name", list(ACCELERATE_FILES))
+def test_train_resume_refuses_a_forged_file_of_accelerates_layout_in_one_line(name, accelerate_run, latent_shards,
+                                                                              tmp_path):
+    """Each pickle accelerate's load_state (or DCP under it) would read, forged with its hash in trainer.json:
+    refused before accelerate reads anything, one line naming the file."""
+    import shutil
+
+    run, marker = tmp_path / "run", tmp_path / "marker"
+    shutil.copytree(accelerate_run, run)
+    checkpoint = run / "checkpoints" / "step-00000002"
+    (checkpoint / name).parent.mkdir(exist_ok=True)
+    forge(checkpoint, name, ACCELERATE_FILES[name](marker))
+    result = run_cli("train", latent_shards, "--output", run, *TINY, "--checkpoint-every", "2", "--checkpoint-writer",
+                     "accelerate", "--max-steps", "4", "--resume", "latest", check=False)
+    assert_refused(result, marker, str(checkpoint / name), "refused to load it")
+
+
+def test_deepspeed_files_load_as_data_and_a_hostile_one_is_refused(tmp_path):
+    """DeepSpeed's engine unpickles its checkpoint files with weights_only=False; check_pickles reads each first
+    with the weights-only loader, allowing the data classes DeepSpeed stores (its loss scaler, ZeRO stage and
+    fragment addresses, as in the files DeepSpeed 0.19 writes for ZeRO 1-3), and nothing else."""
+    from collections import OrderedDict
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from laionkit.trainer.checkpoint import check_pickles
+
+    folder = tmp_path / "step-00000002" / "pytorch_model"
+    folder.mkdir(parents=True)
+    torch.save({"module": OrderedDict(w=torch.randn(2, 2, dtype=torch.bfloat16)), "buffer_names": [],
+                "param_shapes": [OrderedDict(w=torch.Size([2, 2]))], "ds_version": "0.19.8"},
+               folder / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.gradients,
+                                         "param_slice_mappings": [OrderedDict(w=fragment_address(4, 0))],
+                                         "single_partition_of_fp32_groups": [torch.zeros(4)]}},
+               folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    check_pickles(folder.parent, deepspeed=True)
+
+    marker = tmp_path / "marker"
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(_torch_saved(marker))
+    with pytest.raises(LaionkitError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: a pickle that is not plain "
+                                            r"tensor data, refused to load it .*posix\.system") as error:
+        check_pickles(folder.parent, deepspeed=True)
+    assert "\n" not in str(error.value) and not marker.exists()
+
+
+# ---- NumPy, YAML and TOML files ------------------------------------------------------------------------------
+def hostile_npy(path: Path, marker: Path) -> None:
+    import numpy as np
+
+    np.save(path, np.array([_System(marker)] * 4, dtype=object), allow_pickle=True)
+
+
+def test_npy_files_holding_pickles_are_refused_in_one_line(latent_shards, realdata, tmp_path):
+    """np.load never unpickles (allow_pickle=False): an object array as train's empty caption, as a sample's
+    latent member, or as filter's --embeddings is refused in one line naming the file, and never runs."""
+    import io
+    import shutil
+    import tarfile
+
+    marker = tmp_path / "marker"
+    latents = tmp_path / "latents"
+    shutil.copytree(latent_shards, latents)
+    hostile_npy(latents / "empty_caption.npy", marker)
+    result = run_cli("train", latents, "--output", tmp_path / "run", *TINY, "--max-steps", "1", check=False)
+    assert_refused(result, marker, "empty_caption.npy")
+
+    shutil.copy(latent_shards / "empty_caption.npy", latents / "empty_caption.npy")
+    buffer = io.BytesIO()
+    hostile_npy(buffer, marker)
+    for shard in ("00000.tar", "00001.tar"):
+        with tarfile.open(latent_shards / shard) as source, tarfile.open(latents / shard, "w") as target:
+            for member in source:
+                data = source.extractfile(member).read()
+                if member.name.endswith(".text.npy"):
+                    data = buffer.getvalue()
+                    member.size = len(data)
+                target.addfile(member, io.BytesIO(data))
+    result = run_cli("train", latents, "--output", tmp_path / "run2", *TINY, "--max-steps", "1", check=False)
+    assert_refused(result, marker, ".text", "cannot be decoded")
+
+    embeddings = tmp_path / "img_emb_0000.npy"
+    hostile_npy(embeddings, marker)
+    result = run_cli("filter", realdata / "laion-sample" / "test_1000.parquet", "--embeddings", embeddings,
+                     "--score", "anime=prompt:anime", "--clip-model", "ViT-S-32", "--clip-pretrained", "none",
+                     "--output", tmp_path / "filtered", check=False)
+    assert_refused(result, marker, str(embeddings))
+
+
+def test_yaml_tags_in_recipes_and_train_configs_are_refused_in_one_line(latent_shards, tmp_path):
+    """Recipes and train --config files are read with yaml.safe_load: a python/object tag is no constructor
+    there. TOML has no tags, so a train --config .toml holds plain values only."""
+    marker = tmp_path / "marker"
+    tag = f'!!python/object/apply:os.system ["touch {marker}"]'
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"workdir: {tmp_path / 'work'}\nstages:\n  filter: {tag}\n")
+    assert_refused(run_cli("run", recipe, check=False), marker, str(recipe), "not valid YAML", "python/object")
+    config = tmp_path / "train.yaml"
+    config.write_text(f"lr: {tag}\n")
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--config", config, check=False)
+    assert_refused(result, marker, str(config), "not valid YAML", "python/object")

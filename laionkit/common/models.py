@@ -145,7 +145,8 @@ def refused_pickle(error: BaseException) -> str | None:
     while error is not None and id(error) not in seen:
         if isinstance(error, pickle.UnpicklingError):
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            return ([line for line in lines if "GLOBAL" in line] or lines or [type(error).__name__])[0][:300]
+            named = ([line for line in lines if "GLOBAL" in line] or lines or [type(error).__name__])[0]
+            return named.split(" Please use ")[0][:300]  # torch's advice to allowlist the global is not ours
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
