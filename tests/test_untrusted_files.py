@@ -170,10 +170,11 @@ def eval_models(tmp_path_factory) -> Path:
     return folder
 
 
-def test_an_unsafe_clip_pretrained_is_one_line_naming_the_file_in_filter_score_and_eval(
+def test_unsafe_clip_and_inception_weights_are_one_line_naming_the_file_in_filter_score_and_eval(
         eval_models, image_shards, latent_shards, tiny_models, realdata, tmp_path):
     """A .pt state dict holding a pickle that would run code, as --clip-pretrained: torch's weights-only loader
-    refuses it inside open_clip; each stage says so in one line naming the file (it was a traceback)."""
+    refuses it inside open_clip; each stage says so in one line naming the file (it was a traceback). So does
+    eval's --inception."""
     import numpy as np
 
     marker, weights = tmp_path / "marker", tmp_path / "clip.pt"
@@ -193,6 +194,11 @@ def test_an_unsafe_clip_pretrained_is_one_line_naming_the_file_in_filter_score_a
     for args in commands.values():
         result = run_cli(*args, check=False)
         assert_refused(result, marker, str(weights), "not plain tensor data", "GLOBAL posix.system")
+    inception = list(commands["eval"])  # eval's --inception weights too
+    inception[inception.index("--inception") + 1] = weights
+    inception[inception.index("--clip-pretrained") + 1] = eval_models / "tiny-clip.safetensors"
+    assert_refused(run_cli(*inception, check=False), marker, str(weights), "not plain tensor data",
+                   "GLOBAL posix.system")
 
 
 # ---- model folders: a .bin weights file instead of safetensors ----------------------------------------------
