@@ -392,3 +392,23 @@ def test_yaml_tags_in_recipes_and_train_configs_are_refused_in_one_line(latent_s
     config.write_text(f"lr: {tag}\n")
     result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--config", config, check=False)
     assert_refused(result, marker, str(config), "not valid YAML", "python/object")
+
+
+def test_unsafe_score_heads_are_one_line_naming_the_file(eval_models, image_shards, realdata, tmp_path):
+    """The other weights filter and score read with torch.load(weights_only=True): a --score head
+    (aesthetic-v2:FILE), score's --watermark and --nsfw. Refused in one line naming the file (torch's
+    message, paragraphs long, was printed whole)."""
+    import numpy as np
+
+    marker, weights = tmp_path / "marker", tmp_path / "head.pth"
+    torch.save({"layers.0.weight": _System(marker)}, weights)
+    embeddings = tmp_path / "img_emb_0000.npy"
+    np.save(embeddings, np.zeros((1000, 768), np.float16))
+    result = run_cli("filter", realdata / "laion-sample" / "test_1000.parquet", "--embeddings", embeddings,
+                     "--score", f"aes=aesthetic-v2:{weights}", "--output", tmp_path / "filtered", check=False)
+    assert_refused(result, marker, str(weights), "not plain tensor data", "GLOBAL posix.system")
+    clip = ("--clip-model", eval_models / "tiny-clip.json", "--clip-pretrained", eval_models / "tiny-clip.safetensors")
+    for flag in ("--watermark", "--nsfw"):
+        result = run_cli("score", image_shards, "--output", tmp_path / f"scored{flag}", *clip, flag, weights,
+                         "--workers", "0", "--quiet", check=False)
+        assert_refused(result, marker, str(weights), "not plain tensor data", "GLOBAL posix.system")
