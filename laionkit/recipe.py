@@ -87,7 +87,7 @@ def load(path: Path, commands: dict[str, Any],
     try:
         recipe = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise LaionkitError(f"{path}: not valid YAML: {error}") from None
+        raise LaionkitError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None  # one line
     if not isinstance(recipe, dict) or not isinstance(recipe.get("stages"), dict):
         raise LaionkitError(f"{path}: a recipe is a mapping with a `stages:` mapping")
     unknown = set(recipe) - RECIPE_KEYS

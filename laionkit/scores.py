@@ -15,6 +15,7 @@ float32 module to ~1e-6.
 from __future__ import annotations
 
 import functools
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from laionkit.common import LaionkitError
+from laionkit.common.models import weights_error
 
 # Rows scored at once: bounds the float32 copy of a float16 memory-mapped block (8192 x 768 x 4 = 24 MiB).
 SCORE_BATCH_ROWS = 8192
@@ -95,7 +97,7 @@ def load_state_dict(path: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a bad file; all mean "not a state dict"
-        raise LaionkitError(f"{path}: not a torch state dict ({type(error).__name__}: {error})") from None
+        raise LaionkitError(f"{path}: not a torch state dict ({weights_error(error)})") from None
     if not isinstance(state, dict) or not state:
         raise LaionkitError(f"{path}: expected a non-empty torch state dict, got {type(state).__name__}")
     return state
@@ -165,8 +167,8 @@ def clip_text_model(model: str, pretrained: str | None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             clip = open_clip.create_model(model, pretrained=pretrained)
-    except RuntimeError as error:
-        raise LaionkitError(f"--clip-model {model} --clip-pretrained {pretrained}: {error}") from None
+    except (RuntimeError, pickle.UnpicklingError) as error:
+        raise LaionkitError(f"--clip-model {model} --clip-pretrained {pretrained}: {weights_error(error)}") from None
     return clip.eval(), open_clip.get_tokenizer(model)
 
 

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -273,7 +273,7 @@ class _GetsCode:
     would write files (PosixPath.write_text), called by a later pickle opcode."""
 
     def __reduce__(self):
-        return (getattr, (Path, "write_text"))
+        return (getattr, (PosixPath, "write_text"))
 
 
 def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tmp_path):
@@ -298,7 +298,7 @@ def test_dcp_metadata_is_read_as_data_and_a_pickle_that_calls_code_is_refused(tm
         _reader(tmp_path / "state").read_metadata()
     assert not Path("/tmp/laionkit-pwned").exists()
     (tmp_path / "state" / ".metadata").write_bytes(pickle.dumps(_GetsCode()))
-    with pytest.raises(LaionkitError, match=r"refused to load it .*getattr\(<class 'pathlib.*Path'>, 'write_text'\)"):
+    with pytest.raises(LaionkitError, match=r"refused to load it .*getattr\(<class 'pathlib.*PosixPath'>, 'write_text'\)"):
         _reader(tmp_path / "state").read_metadata()
 
 

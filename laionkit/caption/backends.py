@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import pickle
 from pathlib import Path
 
 import torch
 
 from laionkit.caption.config import CaptionConfig
 from laionkit.common import LaionkitError
-from laionkit.common.models import sha256_file
+from laionkit.common.models import sha256_file, weights_error
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The files that make a model folder what it is (weights, configs, tokenizer, chat template).
@@ -91,9 +92,9 @@ class TransformersCaptioner:
             self.processor = AutoProcessor.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
             model = AutoModelForImageTextToText.from_pretrained(
                 config.model, dtype=self.dtype, trust_remote_code=config.trust_remote_code)
-        except (OSError, ValueError, KeyError) as error:
+        except (OSError, ValueError, KeyError, pickle.UnpicklingError) as error:  # the last: a .bin torch refused
             raise LaionkitError(f"--model {config.model}: cannot load it with AutoProcessor + "
-                                f"AutoModelForImageTextToText: {str(error).splitlines()[0]}") from None
+                                f"AutoModelForImageTextToText: {weights_error(error)}") from None
         self.model = model.to(device).eval().requires_grad_(False)
         tokenizer = getattr(self.processor, "tokenizer", None)
         if tokenizer is not None:

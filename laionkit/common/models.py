@@ -135,13 +135,47 @@ def _missing_component(path: Path, component: str) -> str:
             f"and its model_index.json names no {component}")
 
 
+def refused_pickle(error: BaseException) -> str | None:
+    """Where ``error``, or an error it was raised from (diffusers and transformers wrap it), is torch's
+    weights-only loader refusing a pickle: the line naming what the pickle asked for (``GLOBAL posix.system``),
+    for a one-line error; None for any other error. torch's own message spans paragraphs."""
+    import pickle
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, pickle.UnpicklingError):
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            named = ([line for line in lines if "GLOBAL" in line] or lines or [type(error).__name__])[0]
+            return named.split(" Please use ")[0][:300]  # torch's advice to allowlist the global is not ours
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def weights_error(error: BaseException) -> str:
+    """``error`` of reading a weights file, in one line: a pickle that torch's weights-only loader refused
+    says so and names what it asked for; any other error gives its type and first line."""
+    refused = refused_pickle(error)
+    if refused is not None:
+        return f"a pickle that is not plain tensor data, refused to load it (weights are data, never code): {refused}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def _from_pretrained(cls, source: str, component: str, **kwargs):
+    """``cls.from_pretrained`` of ``component``; a pickled weights file there (``.bin``) is read by the library
+    with torch's weights-only loader, whose refusal of one that would run code is one line here."""
     where = resolve_source(source, component)
+    sub = f" (subfolder {where.subfolder})" if where.subfolder else ""
     try:
         return cls.from_pretrained(where.location, subfolder=where.subfolder, **kwargs)
-    except OSError as error:
-        sub = f" (subfolder {where.subfolder})" if where.subfolder else ""
-        raise LaionkitError(f"cannot load {component} from {where.location}{sub}: {error}") from error
+    except Exception as error:
+        if refused_pickle(error) is not None:
+            raise LaionkitError(f"cannot load {component} from {where.location}{sub}: a weights file there is "
+                                f"{weights_error(error)}") from None
+        if isinstance(error, OSError):
+            raise LaionkitError(f"cannot load {component} from {where.location}{sub}: {error}") from error
+        raise
 
 
 def load_vae(source: str, dtype=None):

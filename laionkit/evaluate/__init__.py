@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from laionkit.common import LaionkitError, atomic_output, save_image_grid, strict_json, write_json
+from laionkit.common.models import refused_pickle, weights_error
 
 GRID_IMAGES = 64
 
@@ -104,7 +106,11 @@ def load_pipeline(folder: Path, device, dtype: str = "auto"):
     torch_dtype = dtypes.get(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype)
+    except pickle.UnpicklingError as error:  # a .bin weights file that torch's weights-only loader refused
+        raise LaionkitError(f"PIPELINE {folder}: a weights file there is {weights_error(error)}") from None
     except (OSError, ValueError) as error:
+        if refused_pickle(error) is not None:  # diffusers wraps the refusal
+            raise LaionkitError(f"PIPELINE {folder}: a weights file there is {weights_error(error)}") from None
         raise LaionkitError(f"PIPELINE {folder}: diffusers could not load it ({str(error).splitlines()[0]})") from None
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from laionkit.common import LaionkitError
+from laionkit.common.models import weights_error
 
 # A small ViT CLIP in open_clip's config format (a model_configs/*.json file); the real BPE vocabulary.
 TINY_CLIP = {
@@ -55,6 +57,8 @@ def load_clip(model: str, pretrained: str | None, device: torch.device | str = "
     except TypeError:  # open_clip releases before weights_only=: they read with torch.load's default
         clip, _, preprocess = open_clip.create_model_and_transforms(name, pretrained=pretrained or None,
                                                                     device=device)
+    except pickle.UnpicklingError as error:  # torch's weights-only loader: a pickle that would run code
+        raise LaionkitError(f"--clip-pretrained {pretrained}: {weights_error(error)}") from None
     except (RuntimeError, AssertionError, KeyError, ValueError) as error:  # missing / unexpected keys, sizes
         first = str(error).splitlines() or [type(error).__name__]
         raise LaionkitError(f"--clip-pretrained {pretrained}: does not fit --clip-model {model}: "

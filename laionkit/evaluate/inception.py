@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from laionkit.common import LaionkitError, atomic_output
+from laionkit.common.models import weights_error
 
 # torch-fidelity's release of the converted weights (what its constructor downloads when given no path).
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -106,8 +107,7 @@ def read_state_dict(path: Path) -> dict:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch and safetensors raise many types; all mean "not a weights file"
-        raise LaionkitError(f"{path}: not a state dict loadable as data ({type(error).__name__}: "
-                            f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        raise LaionkitError(f"{path}: not a state dict loadable as data ({weights_error(error)})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):

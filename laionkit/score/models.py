@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from laionkit.common import LaionkitError
+from laionkit.common.models import weights_error
 
 WATERMARK_SIZE = 256
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -44,7 +45,7 @@ def read_weights(path: str | Path, what: str) -> dict[str, torch.Tensor]:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file is the same user mistake
-        raise LaionkitError(f"{path}: not a {what} state dict ({type(error).__name__}: {error})") from None
+        raise LaionkitError(f"{path}: not a {what} state dict ({weights_error(error)})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

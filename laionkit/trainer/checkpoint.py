@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import shutil
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -25,7 +26,7 @@ from laionkit.common import (
     read_json,
     versions,
 )
-from laionkit.common.models import sha256_file
+from laionkit.common.models import sha256_file, weights_error
 from laionkit.common.outputs import partial_path
 from laionkit.trainer import runfolder, runlock
 from laionkit.trainer.config import TrainConfig
@@ -230,8 +231,45 @@ def load_tensors(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise LaionkitError(f"{path}: not plain tensor data, refused to load it (checkpoints are data, "
-                            f"never code): {str(error).splitlines()[0]}") from None
+        raise LaionkitError(f"{path}: {weights_error(error)}") from None
+
+
+# The pickles of accelerate's layout: its optimizer / scheduler / sampler / scaler files, its generators
+# (random_states_R.pkl), DeepSpeed's model and ZeRO partition files, the master / EMA weights.
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl")
+
+
+def check_pickles(folder: Path, deepspeed: bool) -> None:
+    """Every pickle of a checkpoint in accelerate's layout loads with torch's weights-only loader before
+    anything is loaded from it: DeepSpeed unpickles its files with ``weights_only=False``, accelerate its custom
+    objects too and FSDP's sharded ``.metadata`` without restriction, and it skips a generator file it cannot
+    read without a word. Allowed besides tensors: the NumPy generator state accelerate stores, and the plain
+    data classes DeepSpeed stores (loss scaler, ZeRO stage, fragment addresses). One line naming the file
+    otherwise."""
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+    from laionkit.trainer.checkpoint_async import read_metadata
+
+    for path in sorted(folder.rglob(".metadata")):
+        read_metadata(path)
+    allowed = [*TORCH_SAFE_GLOBALS, *(_deepspeed_data() if deepspeed else ())]
+    for path in sorted({p for pattern in PICKLES for p in folder.rglob(pattern)}):
+        if path.name.startswith("custom_checkpoint_"):  # laionkit registers none; accelerate would unpickle it
+            raise LaionkitError(f"{path}: laionkit saves no custom state, and accelerate unpickles this file "
+                                "unrestricted: refused to load it (checkpoints are data, never code)")
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        except Exception as error:  # noqa: BLE001 - refused or damaged: not loaded either way
+            raise LaionkitError(f"{path}: {weights_error(error)}") from None
+
+
+def _deepspeed_data() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def check_world_size(folder: Path, distributed_type: str, written_by: int, ranks: int) -> None:
@@ -247,14 +285,11 @@ def check_world_size(folder: Path, distributed_type: str, written_by: int, ranks
 
 
 def load_checkpoint_state(accelerator, folder: Path, extra_states: dict) -> None:
-    """accelerate's state with weights_only=True (its RNG files too), then the master / EMA weights."""
-    import pickle
+    """accelerate's state (each pickle first checked as data: check_pickles), then the master / EMA weights."""
+    from accelerate.utils import DistributedType
 
-    try:
-        accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
-    except pickle.UnpicklingError as error:
-        raise LaionkitError(f"{folder}: a file of accelerate's state is not plain tensor data, refused to "
-                            f"load it (checkpoints are data, never code): {str(error).splitlines()[0]}") from None
+    check_pickles(folder, accelerator.distributed_type == DistributedType.DEEPSPEED)
+    accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
     for name, target in extra_states.items():
         target.load_state_dict(load_tensors(folder / f"{name}.pt"))
 

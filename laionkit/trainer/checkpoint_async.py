@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from laionkit.common import LaionkitError, read_json, versions
-from laionkit.common.models import sha256_file
+from laionkit.common.models import sha256_file, weights_error
 from laionkit.common.outputs import partial_path
 from laionkit.trainer import lora
 from laionkit.trainer.checkpoint import checkpoint_dir, complete_checkpoints, last_good, ranks_differ
@@ -139,33 +140,87 @@ def _bytes_tensor(text: str) -> torch.Tensor:
 
 
 # ---- loading: data only ----------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle of its Metadata dataclasses: build those, torch's sizes and dtypes and
-    plain containers, refuse anything else (a pickle that would call other code)."""
+def _torch_names() -> frozenset:
+    """torch's dtypes and layouts, as pickles name them (``torch.float32``): read from the module's own names,
+    never looked up by a name the pickle gives."""
+    return frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype | torch.layout))
 
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-               "torch.distributed.checkpoint.planner")
-    PLAIN = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-             ("pathlib", "PosixPath"), ("pathlib", "Path"),
-             ("torch.serialization", "_get_layout")}  # a layout by its name ("torch.strided")
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle of its Metadata dataclasses: build those, torch's sizes, dtypes and layouts
+    and paths, refuse anything else (a pickle that would call other code).
+
+    Only exact (module, name) pairs pass: a protocol-4 pickle may name a dotted path inside a module, which
+    pickle resolves attribute by attribute (``os.system`` through the metadata module's own ``import os``), so a
+    whole allowed module would allow everything it imports. The pairs are what torch 2.9 to 2.14 write (the
+    values a ``BytesStorageMetadata`` entry points to are checked by read_metadata)."""
+
+    ALLOWED = frozenset({
+        *(("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+            "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name ("torch.strided")
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the checkpoint's path (Python 3.13 names it so)
+    })
+    ENUMS = ("_MEM_FORMAT_ENCODING",)  # DCP's enums, whose members a pickle may name through getattr
+    TORCH = _torch_names()
 
     def find_class(self, module: str, name: str):
-        if module in self.MODULES or (module, name) in self.PLAIN:
+        if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
+        if module == "torch" and name in self.TORCH:
+            return getattr(torch, name)
         if (module, name) == ("builtins", "getattr"):  # an enum member by name (torch 2.7's memory formats)
             return self._member
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format):
-            return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
     @classmethod
     def _member(cls, owner, name: str):
         """``getattr`` as the pickle calls it, for the members of DCP's own enums and nothing else."""
-        import enum
+        from torch.distributed.checkpoint import metadata
 
-        if isinstance(owner, type) and issubclass(owner, enum.Enum) and owner.__module__ in cls.MODULES:
+        enums = [getattr(metadata, enum) for enum in cls.ENUMS]
+        if any(owner is enum for enum in enums) and isinstance(name, str) and name in owner.__members__:
             return owner[name]
         raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not part of DCP's metadata")
+
+
+def read_metadata(path: Path):
+    """DCP's ``.metadata`` at ``path`` (this writer's, or FSDP's sharded state in accelerate's layout), read as
+    data; every non-tensor entry must load with torch's weights-only loader, since DCP's planner reads those
+    with ``weights_only=False``. Anything else is refused in one line, before DCP reads the file."""
+    with open(path, "rb") as handle:
+        try:
+            metadata = _MetadataUnpickler(handle).load()
+            _check_values(Path(path).parent, metadata)
+        except Exception as error:  # noqa: BLE001 - refused, damaged or not a pickle: one line either way
+            raise LaionkitError(f"{path}: not plain checkpoint metadata, refused to load it (checkpoints are data, "
+                                f"never code): {_one_line(error)}") from None
+    return metadata
+
+
+def _check_values(folder: Path, metadata) -> None:
+    """Each non-tensor entry (BytesStorageMetadata: a torch.save pickle inside a ``.distcp`` file, such as an
+    optimizer's parameter groups) loads with the weights-only loader."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, BytesStorageMetadata):
+            continue
+        stored = (metadata.storage_data or {}).get(MetadataIndex(name))
+        where = getattr(stored, "relative_path", None)
+        if not isinstance(where, str) or Path(where).name != where or getattr(stored, "transform_descriptors", None):
+            raise pickle.UnpicklingError(f"{name}: a value stored where laionkit does not read it ({stored!r})")
+        with open(folder / where, "rb") as handle:
+            handle.seek(stored.offset)
+            data = handle.read(stored.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any refusal or damage: the entry is not plain data
+            raise pickle.UnpicklingError(f"{name}: {weights_error(error)}") from None
 
 
 def _reader(folder: Path):
@@ -176,12 +231,7 @@ def _reader(folder: Path):
         def read_metadata(self, *args, **kwargs):
             named = getattr(self, "_get_metadata_path", None)  # torch 2.8 added rank-local metadata files
             path = named(kwargs.get("rank")) if named else self.fs.concat_path(self.path, ".metadata")
-            with open(path, "rb") as handle:
-                try:
-                    metadata = _MetadataUnpickler(handle).load()
-                except pickle.UnpicklingError as error:
-                    raise LaionkitError(f"{folder}/.metadata: not plain checkpoint metadata, refused to load it "
-                                        f"(checkpoints are data, never code): {error}") from None
+            metadata = read_metadata(path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -200,9 +250,11 @@ def load(trainer, folder: Path) -> None:
     t = trainer
     state = parts(t)
     host = read_json(folder / "trainer.json").get("host", {})
+    reader = _reader(folder / STATE)
+    reader.read_metadata()  # a refusal is one line here; inside dcp.load it is wrapped into its rank report
     with torch.no_grad():
         try:
-            dcp.load(state.tensors, storage_reader=_reader(folder / STATE), no_dist=t.accelerator.num_processes == 1)
+            dcp.load(state.tensors, storage_reader=reader, no_dist=t.accelerator.num_processes == 1)
         except LaionkitError:
             raise
         except Exception as error:  # DCP's CheckpointException wraps every rank's error; the first line says it
