@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
 from laionkit.common.background import background
-from laionkit.common.keys import read_keep_keys
+from laionkit.common.keys import read_keep_list
 from laionkit.common.storage import Location
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
 from laionkit.encode.config import (
@@ -142,7 +142,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     encoders.check_sizes(config.resolution, buckets)
     models = _models(config, encoders.family)
-    keep = read_keep_keys(config.keep, options) if config.keep else None
+    keep = read_keep_list(config.keep, options) if config.keep else None
     settings = _settings(config, models, encoders, buckets, keep, scored_with)
     refuse_mixed_settings(output, settings)
     write_plan(output, shards)

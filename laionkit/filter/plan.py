@@ -117,7 +117,7 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         for location in {table.protocol: table for table in tables if not table.local}.values():
             storage.register_with_duckdb(connection, location)
         taken = {name.lower() for f in files for name in renamed_schema(f.schema, renames, scores).names}
-        join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken)
+        join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken, connection)
     lock_down(connection, [f.path for f in files] + list(join.files if join else ()), writable or Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection, join)
     tops = [top_rule(spec, files, renames, scores, connection, join)
