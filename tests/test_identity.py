@@ -15,6 +15,7 @@ import pytest
 import webdataset as wds
 from conftest import run_cli
 from fixtures import CAPTIONS, _pack_sample
+from test_caption import tiny_vlm  # noqa: F401 (a fixture)
 from test_encode_faithful import one_line_error
 from test_score import score_args
 
@@ -144,3 +145,66 @@ def test_dedup_of_two_score_folders_with_the_same_shards_and_keys_names_each_row
     result = run_cli("pack", other, "--keep", tmp_path / "dedup" / "keep.parquet", "--output", tmp_path / "subset",
                      "-q", check=False)
     one_line_error(result, "several inputs whose shard names coincide", "shard 00000 of", "other-scored")
+
+
+# --- a half-finished upstream output is refused, naming what it lacks (--allow-incomplete to insist) -----------
+
+FOUR = {f"{i:05d}": PHOTOS[2 * i: 2 * i + 2] for i in range(4)}  # 4 shards of 2 photos: rank 0 of 2 owns 0 and 2
+
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory, realdata, score_models, tiny_vlm) -> dict[str, Path]:  # noqa: F811
+    """Four shards scored, captioned and kept (pack --keep) by rank 0 of 2 only: shards 00001 and 00003 lack."""
+    root = tmp_path_factory.mktemp("half")
+    shards = write_plain_shards(root / "shards", FOUR, realdata)
+    rank0 = ("--rank", "0", "--world-size", "2")
+    run_cli(*score_args(shards, root / "scored", score_models, realdata, "--captions", "alt", *rank0))
+    run_cli("caption", shards, "--model", tiny_vlm, "--output", root / "captioned", "--max-new-tokens", "4",
+            "--batch-size", "2", "--workers", "0", "-q", *rank0)
+    run_cli("pack", shards, "--keep", root / "scored" / "scores", "--output", root / "kept", "-q", *rank0,
+            "--allow-incomplete")
+    return {"shards": shards, "scored": root / "scored", "captioned": root / "captioned", "kept": root / "kept"}
+
+
+def test_dedup_filter_pack_and_encode_refuse_a_score_run_of_rank_0_of_2(half, tmp_path, tiny_models):
+    assert json.loads((half["scored"] / "stats.json").read_text())["complete"] is False
+    missing = "is incomplete: 2 of 4 shards not scored (00001, 00003)"
+    result = run_cli("dedup", half["scored"], "--output", tmp_path / "dedup", "--layers", "exact", "-q", check=False)
+    one_line_error(result, "input", str(half["scored"]), missing, "--allow-incomplete")
+    result = run_cli("filter", half["scored"] / "scores", "--scores", half["scored"], "--output", tmp_path / "f", "-q",
+                     check=False)
+    one_line_error(result, "--scores", missing)
+    result = run_cli("pack", half["shards"], "--keep", half["scored"] / "scores", "--output", tmp_path / "p", "-q",
+                     check=False)
+    one_line_error(result, "--keep", missing)
+    encode = ("--model", tiny_models, "--resolution", "64", "--batch-size", "4", "--workers", "0", "-q")
+    result = run_cli("encode", half["shards"], "--keep", half["scored"], "--output", tmp_path / "e", *encode,
+                     check=False)
+    one_line_error(result, "--keep", missing)
+    result = run_cli("encode", half["shards"], "--captions", "alt,vlm", "--caption-scores", half["scored"], "--output",
+                     tmp_path / "c", *encode, check=False)
+    one_line_error(result, "--caption-scores", missing)
+    # insisting takes what is there, and says so
+    result = run_cli("dedup", half["scored"], "--output", tmp_path / "dedup", "--layers", "exact",
+                     "--allow-incomplete", "-q")
+    assert "used as it is (--allow-incomplete)" in result.stderr
+    assert pq.read_table(tmp_path / "dedup" / "keep.parquet").num_rows == 4
+
+
+def test_encode_refuses_a_caption_or_pack_run_of_rank_0_of_2(half, tmp_path, tiny_models):
+    encode = ("--model", tiny_models, "--resolution", "64", "--batch-size", "4", "--workers", "0", "-q")
+    result = run_cli("encode", half["captioned"], "--output", tmp_path / "a", *encode, check=False)
+    one_line_error(result, "input", "is incomplete: 2 of 4 shards not captioned (00001.tar, 00003.tar)")
+    assert not (tmp_path / "a").exists()
+    result = run_cli("encode", half["kept"], "--output", tmp_path / "b", *encode, check=False)
+    one_line_error(result, "input", "is incomplete: 2 of 4 planned shards have no done record")
+    run_cli("encode", half["captioned"], "--output", tmp_path / "c", *encode, "--allow-incomplete")
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == ["00000.tar", "00002.tar"]
+
+
+def test_pack_keep_refuses_a_filter_run_of_rank_0_of_2(half, tmp_path):
+    run_cli("filter", half["scored"] / "scores", "--where", "width > 0", "--unit-rows", "1", "--output",
+            tmp_path / "filtered", "--rank", "0", "--world-size", "2", "-q")
+    result = run_cli("pack", half["shards"], "--keep", tmp_path / "filtered", "--output", tmp_path / "p", "-q",
+                     check=False)
+    one_line_error(result, "--keep", "is incomplete:", "units not filtered")

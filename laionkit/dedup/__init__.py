@@ -65,6 +65,7 @@ import pyarrow.parquet as pq
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split
 from laionkit.common.keys import read_keep_list
 from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
+from laionkit.common.upstream import refuse_incomplete
 from laionkit.dedup.config import LAYERS, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
 from laionkit.dedup.remote import digest, is_remote, mirror, read_stats, scratch_root
@@ -167,6 +168,9 @@ def run(config: DedupConfig) -> dict:
     target = Location.parse(config.output)
     refuse_overlap([*config.inputs, *config.against, *([config.keep] if config.keep else [])], target, "dedup")
     claim_output(target, "dedup", overwrite=config.overwrite)
+    for role, given in [*(("input", f) for f in config.inputs), *(("--against", f) for f in config.against),
+                        *([("--keep", config.keep)] if config.keep else [])]:
+        refuse_incomplete(given, role, config.allow_incomplete, lambda line: print(line, file=sys.stderr))
     embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
     remote = [given for given in (config.output, *config.inputs, *config.against) if is_remote(given)]
     root = scratch_root(config.scratch) if remote else None  # laionkit.dedup.remote: mirrors and the work folder

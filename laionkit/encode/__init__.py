@@ -35,6 +35,7 @@ from laionkit.common import LaionkitError, resolve_rank, split, stage_device, st
 from laionkit.common.background import background
 from laionkit.common.keys import read_keep_list
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
@@ -122,6 +123,10 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
+    refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
+    for role, spec in (("--keep", config.keep), ("--caption-scores", config.caption_scores)):
+        if spec:
+            refuse_incomplete(spec, role, config.allow_incomplete, log, options)
     scores = scores_folder(config.caption_scores, options) if config.caption_scores else None
     if scores is not None:  # before any model loads: a missing file or column is a one-line error now
         check_scores(scores, [shard_stem(shard) for shard in split(shards, rank)], config.captions)

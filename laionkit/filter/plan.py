@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from laionkit.common import LaionkitError, storage
+from laionkit.common.upstream import refuse_incomplete
 from laionkit.filter.config import FilterConfig
 from laionkit.filter.inputs import (
     InputFile,
@@ -113,7 +115,11 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
     join = None
     if config.score_tables:
-        tables = find_score_tables(config.score_tables, storage.parse_storage_options(config.storage_options))
+        options = storage.parse_storage_options(config.storage_options)
+        for given in config.score_tables:  # a score run some ranks never finished would join as a smaller one
+            refuse_incomplete(given, "--scores", config.allow_incomplete, lambda line: print(line, file=sys.stderr),
+                              options)
+        tables = find_score_tables(config.score_tables, options)
         for location in {table.protocol: table for table in tables if not table.local}.values():
             storage.register_with_duckdb(connection, location)
         taken = {name.lower() for f in files for name in renamed_schema(f.schema, renames, scores).names}

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from laionkit.common import LaionkitError, resolve_rank, split, storage, versions
 from laionkit.common.keys import KeepList, read_keep_list
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.reader import PACK_RECORD_SUFFIX, find_shards, shard_stem, unit_samples
 from laionkit.pack.config import PackConfig
 from laionkit.pack.records import load_record, size_bucket, write_manifest
@@ -37,6 +38,8 @@ def run_subset(config: PackConfig, log=print) -> dict:
     inputs = find_shards([str(path) for path in config.inputs], log if not config.quiet else (lambda _: None),
                          options, "pack")
     storage.refuse_overlap([*(Location.parse(str(p), options) for p in config.inputs), *inputs], output, "pack")
+    refuse_incomplete_folders(config.inputs, "input", config.allow_incomplete, log, options)
+    refuse_incomplete(config.keep, "--keep", config.allow_incomplete, log, options)
     storage.claim_output(output, "pack", config.overwrite)
     if output.local:
         os.makedirs(output.path, exist_ok=True)
