@@ -116,6 +116,15 @@ def test_keep_lists_of_numbers_or_of_repeated_keys_are_refused_in_one_line(chain
     result = run_cli("pack", chain["shards"], "--keep", tmp_path / "repeated.parquet", "--output", tmp_path / "r",
                      "-q", check=False)
     one_line_error(result, "repeated.parquet", "key '0000' is listed twice", "no 'shard' column")
+    # the numbers written as strings match nothing either: said as such, not as "0 of 8 kept" or bad shards
+    pq.write_table(pa.table({"key": ["0", "1"], "shard": ["00000", "00000"]}), tmp_path / "unpadded.parquet")
+    none = "unpadded.parquet: none of the 8 samples of the input shards is in the list"
+    result = run_cli("pack", chain["shards"], "--keep", tmp_path / "unpadded.parquet", "--output", tmp_path / "u",
+                     "-q", check=False)
+    one_line_error(result, none)
+    result = run_cli("encode", chain["shards"], "--keep", tmp_path / "unpadded.parquet", "--model", tiny_models,
+                     "--output", tmp_path / "lat", "--resolution", "64", "--workers", "0", "-q", check=False)
+    one_line_error(result, none)
 
 
 def test_truncated_keep_parquets_are_one_line_errors(chain, tmp_path, tiny_models):
@@ -208,3 +217,13 @@ def test_pack_keep_refuses_a_filter_run_of_rank_0_of_2(half, tmp_path):
     result = run_cli("pack", half["shards"], "--keep", tmp_path / "filtered", "--output", tmp_path / "p", "-q",
                      check=False)
     one_line_error(result, "--keep", "is incomplete:", "units not filtered")
+
+
+def test_a_truncated_caption_scores_parquet_is_a_one_line_error(chain, tmp_path, tiny_models):
+    (tmp_path / "cut" / "scores").mkdir(parents=True)
+    for path in sorted((chain["scored"] / "scores").glob("*.parquet")):
+        whole = path.read_bytes()
+        (tmp_path / "cut" / "scores" / path.name).write_bytes(whole[: len(whole) // 2])
+    result = run_cli("encode", chain["shards"], "--captions", "alt,vlm", "--caption-scores", tmp_path / "cut",
+                     "--model", tiny_models, "--output", tmp_path / "lat", "--resolution", "64", "-q", check=False)
+    one_line_error(result, "--caption-scores", "00000.parquet: not a readable parquet file")

@@ -42,6 +42,14 @@ def check_key_type(where: str, column: str, kind: pa.DataType) -> None:
                             f"name them (e.g. '000001', not 1): write the column as strings")
 
 
+def refuse_none_kept(spec: str, samples: int) -> None:
+    """A keep list that matched none of the shards' samples is a mistake (another dataset's list, keys
+    written otherwise), never an empty result."""
+    raise LaionkitError(f"--keep {spec}: none of the {samples:,} samples of the input shards is in the list (a "
+                        f"sample is kept where the list has its shard's stem and its key, as strings, or its key "
+                        f"alone in a list without a {SHARD_COLUMN!r} column): is it these shards' list?")
+
+
 @dataclass(frozen=True)
 class KeepList:
     """The samples of a keep list: (shard, key) pairs, shard None where the list names a key alone."""

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
 from laionkit.common.background import background
-from laionkit.common.keys import read_keep_list
+from laionkit.common.keys import read_keep_list, refuse_none_kept
 from laionkit.common.storage import Location
 from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
@@ -169,6 +169,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
                                           progress, checked_reads(todo, inputs), keep, scores))
     manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
+        if manifest["counts"]["samples_in"] and manifest["counts"].get("not_kept") == manifest["counts"]["samples_in"]:
+            refuse_none_kept(config.keep, manifest["counts"]["samples_in"])
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
                             f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
                             "are these image shards?")

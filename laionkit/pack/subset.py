@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, resolve_rank, split, storage, versions
-from laionkit.common.keys import KeepList, read_keep_list
+from laionkit.common.keys import KeepList, read_keep_list, refuse_none_kept
 from laionkit.common.storage import Location
 from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.reader import PACK_RECORD_SUFFIX, find_shards, shard_stem, unit_samples
@@ -61,7 +61,11 @@ def run_subset(config: PackConfig, log=print) -> dict:
             f"{len(mine)} mine, {len(todo)} to do -> {output}")
     for shard in todo:
         subset_shard(shard, output, keep, identity, len(shards))
-    return write_manifest(output)
+    manifest = write_manifest(output)
+    samples = sum(shard["input"]["samples"] for shard in manifest["shards"])
+    if manifest["complete"] and samples and not manifest["samples"]:
+        refuse_none_kept(config.keep, samples)
+    return manifest
 
 
 def subset_shard(shard: Location, output: Location, keep: KeepList, identity: dict, planned: int) -> None:
