@@ -152,7 +152,8 @@ def pack(
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
     keep: Annotated[Optional[str], typer.Option(
-        help="A parquet file or folder with a `key` column (filter's output): INPUTS are then existing shard folders "
+        help="A parquet file or folder with a `key` column, and `shard` to tell keys that repeat across shards apart "
+        "(dedup's keep.parquet, filter's output): INPUTS are then existing shard folders "
         "(pack's, img2dataset's, WebDataset), and each shard is rewritten with only the kept samples, nothing "
         "downloaded again.")] = None,
     allow_incomplete: AllowIncompleteOption = False,
@@ -426,7 +427,7 @@ def encode(
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart, sana): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
-    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
+    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column, and `shard` to tell keys that repeat across shards apart (dedup's keep.parquet, filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
     captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
     max_sequence_length: Annotated[Optional[int], typer.Option(help="The caption window in tokens, as the pipelines' max_sequence_length keyword (default: theirs: flux 512, sd3's T5 256, pixart and sana 300, z-image, qwen-image and flux2 512; sd and sdxl keep CLIP's 77). Shorter captions cost less to train (Flux, SD3 and FLUX.2 attend to every padding token); generate with the same max_sequence_length. Recorded in the manifest.")] = None,
     caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,

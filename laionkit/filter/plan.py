@@ -149,7 +149,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         record["top"] = [found for _, found in tops]
     if join:  # likewise
         record["scores_joined"] = {"files": list(join.files), "columns": [f.name for f in join.columns],
-                                   "by_name": join.by_name}
+                                   "by_name": join.by_name,
+                                   **({"by_shard": True} if join.by_shard else {})}  # a key join's plan stays
     return Plan(files, bad, units, rules, scores, renames, record,
                 labels={rule.expr: found["rule"] for rule, found in tops}, join=join)
 
