@@ -373,8 +373,11 @@ def test_dedup_reads_scores_from_the_bucket_and_writes_there_like_local_disk_and
     assert len(list((scratch / "inputs").rglob("*.npy"))) == 4  # the embeddings mirrored once
 
     run_cli("dedup", *argv, env=s3.env)
-    for name in ("keep.parquet", "removed.parquet"):
-        assert (target / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name
+    assert (target / "removed.parquet").read_bytes() == (tmp_path / "local" / "removed.parquet").read_bytes()
+    kept, local_kept = (pq.read_table(pa.BufferReader(path.read_bytes())).to_pydict()
+                        for path in (target / "keep.parquet", Location.parse(tmp_path / "local" / "keep.parquet")))
+    assert set(kept.pop("input")) == {s3.url("scored")} and set(local_kept.pop("input")) == {str(scores)}
+    assert kept == local_kept  # the rows kept; each names its input as given (the URL)
     stats, local = (target / "stats.json").read_json(), json.loads((tmp_path / "local" / "stats.json").read_text())
     assert stats["inputs"] == [s3.url("scored", "scores", f"{stem:05d}.parquet") for stem in range(4)]
     where = ("inputs", "plan")  # the plan covers the inputs' paths and times

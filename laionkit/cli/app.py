@@ -9,7 +9,13 @@ import typer
 from rich.console import Console
 
 from laionkit import __version__
-from laionkit.common.options import QUIET_HELP, RANK_HELP, STORAGE_HELP, WORLD_SIZE_HELP
+from laionkit.common.options import (
+    ALLOW_INCOMPLETE_HELP,
+    QUIET_HELP,
+    RANK_HELP,
+    STORAGE_HELP,
+    WORLD_SIZE_HELP,
+)
 
 app = typer.Typer(
     name="laionkit",
@@ -28,6 +34,8 @@ err_console = Console(stderr=True, markup=False, emoji=False, highlight=False)
 RankOption = Annotated[Optional[int], typer.Option("--rank", help=RANK_HELP)]
 WorldSizeOption = Annotated[Optional[int], typer.Option("--world-size", help=WORLD_SIZE_HELP)]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+# Stages that read another stage's output folder (laionkit.common.upstream.refuse_incomplete).
+AllowIncompleteOption = Annotated[bool, typer.Option("--allow-incomplete", help=ALLOW_INCOMPLETE_HELP)]
 # Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
 # AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
 StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP)]

@@ -9,7 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from laionkit.caption import CaptionConfig
-from laionkit.cli.app import QuietOption, RankOption, StorageOption, WorldSizeOption, app, err_console
+from laionkit.cli.app import (
+    AllowIncompleteOption,
+    QuietOption,
+    RankOption,
+    StorageOption,
+    WorldSizeOption,
+    app,
+    err_console,
+)
 from laionkit.common import available_cpus
 from laionkit.common.options import typer_parameters
 
@@ -71,6 +79,7 @@ def filter_command(
         help="CPU threads for this rank (default: the CPUs it may use); units run in parallel, one thread each.")] = None,
     skip_bad: Annotated[bool, typer.Option(
         "--skip-bad", help="Skip unreadable inputs (counted in stats) instead of stopping.")] = False,
+    allow_incomplete: AllowIncompleteOption = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Redo finished units instead of resuming; also write into a folder that holds another stage's outputs.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
@@ -87,6 +96,7 @@ def filter_command(
         clip_model=clip_model, clip_pretrained=clip_pretrained, unit_rows=unit_rows, threads=threads, rank=rank,
         world_size=world_size, dedup_wait=dedup_wait, dedup_bucket_rows=dedup_bucket_rows,
         skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
+        allow_incomplete=allow_incomplete,
     )
     stats = filter_stage.run(config)
     if not quiet:
@@ -142,9 +152,11 @@ def pack(
         bool, typer.Option(help="Skip images whose X-Robots-Tag says noai/noimageai/noindex/noimageindex.")
     ] = True,
     keep: Annotated[Optional[str], typer.Option(
-        help="A parquet file or folder with a `key` column (filter's output): INPUTS are then existing shard folders "
+        help="A parquet file or folder with a `key` column, and `shard` to tell keys that repeat across shards apart "
+        "(dedup's keep.parquet, filter's output): INPUTS are then existing shard folders "
         "(pack's, img2dataset's, WebDataset), and each shard is rewritten with only the kept samples, nothing "
         "downloaded again.")] = None,
+    allow_incomplete: AllowIncompleteOption = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. latents); "
         "files of the same name are replaced.")] = False,
@@ -165,7 +177,7 @@ def pack(
         threads=threads, timeout=timeout, max_bytes=max_bytes, allow_private_hosts=allow_private_hosts,
         retries=retries, shard_size=shard_size, url_column=url_column,
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
-        quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep,
+        quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep, allow_incomplete=allow_incomplete,
     )
     manifest = run(config)
     if not quiet:
@@ -281,7 +293,7 @@ def score(
 
     laionkit dedup s3://bucket/scored --output s3://bucket/dedup --scratch /nvme/dedup   # a bucket, worked on local disk
 
-out/dedup/keep.parquet holds the kept rows' key and shard (a `--keep` list); removed.parquet says why each
+out/dedup/keep.parquet holds the kept rows' key, shard and input folder (a `--keep` list); removed.parquet says why each
 other row went. Rerun the same command after a crash: finished steps are kept.
 """)
 def dedup_command(
@@ -309,6 +321,7 @@ def dedup_command(
     keep: Annotated[Optional[str], typer.Option(
         "--keep", help="Parquet file or folder with a `key` column (filter's output): dedup only these rows, so "
         "each duplicate group keeps its best row among those the filter kept.")] = None,
+    allow_incomplete: AllowIncompleteOption = False,
     bucket_rows: Annotated[int, typer.Option(
         help="Rows per hash bucket / cluster partition: what one rank holds in memory at a time.")] = 4_000_000,
     wait: Annotated[float, typer.Option(help="Seconds a rank waits for the other ranks' outputs of a step.")] = 3600.0,
@@ -330,7 +343,7 @@ def dedup_command(
         phash_distance=phash_distance, phash_bands=phash_bands, epsilon=epsilon, clusters=clusters,
         kmeans_iterations=kmeans_iterations, clusters_per_row=clusters_per_row, seed=seed, keep_by=keep_by, against=tuple(against or ()), keep=keep,
         bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, scratch=scratch, rank=rank,
-        world_size=world_size, quiet=quiet,
+        world_size=world_size, quiet=quiet, allow_incomplete=allow_incomplete,
     )
     stats = dedup.run(config)
     if not quiet and "kept" in stats:
@@ -414,10 +427,11 @@ def encode(
     device: Annotated[Optional[str], typer.Option(help="torch device (default: cuda:LOCAL_RANK, else cpu).")] = None,
     text: Annotated[Optional[str], typer.Option(help="stored: the text encoders' outputs per sample; online (sd3, flux, pixart, sana): token ids only, train runs the frozen text encoders. Default: the family's (online for flux, stored for the others; docs/BENCHMARKS.md).")] = None,
     caption_key: Annotated[Optional[str], typer.Option(help="Where captions are: a member (txt, caption) or a json key (e.g. TEXT). Default: the first non-empty of .txt, .caption, json caption, text, TEXT.")] = None,
-    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column (filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
+    keep: Annotated[Optional[str], typer.Option(help="A parquet file or folder with a `key` column, and `shard` to tell keys that repeat across shards apart (dedup's keep.parquet, filter's output, e.g. after `filter --scores`): encode only those samples of the shards, nothing downloaded again; the others are counted as not_kept.")] = None,
     captions: Annotated[Optional[str], typer.Option(help="Several captions per sample, comma-separated names: alt (the alt-text, as found without this flag) and any key of the image json's captions (what `laionkit caption` writes), e.g. alt,vlm. Each one's text states (or token ids) are stored; train --caption-mix picks one per sample and step. A sample lacking a named caption stores the others (recorded); one lacking all is skipped.")] = None,
     max_sequence_length: Annotated[Optional[int], typer.Option(help="The caption window in tokens, as the pipelines' max_sequence_length keyword (default: theirs: flux 512, sd3's T5 256, pixart and sana 300, z-image, qwen-image and flux2 512; sd and sdxl keep CLIP's 77). Shorter captions cost less to train (Flux, SD3 and FLUX.2 attend to every padding token); generate with the same max_sequence_length. Recorded in the manifest.")] = None,
     caption_scores: Annotated[Optional[str], typer.Option(help="`laionkit score --captions NAMES` output folder: each --captions name's CLIP score is its similarity_NAME column, joined by shard and key, for train --caption-mix clip. Then the only source of scores: json caption_scores are ignored (docs/FORMATS.md section 3).")] = None,
+    allow_incomplete: AllowIncompleteOption = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into --output even if it holds another stage's outputs (e.g. image shards); same names are replaced.")] = False,
     storage_options: StorageOption = None,
     rank: RankOption = None,
@@ -434,7 +448,7 @@ def encode(
         batch_size=batch_size, workers=workers, decode=decode, dtype=dtype, compile=compile, device=device,
         rank=rank, world_size=world_size, quiet=quiet, storage_options=storage_options, text=text,
         caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=max_sequence_length, allow_incomplete=allow_incomplete,
     )
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:

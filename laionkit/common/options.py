@@ -19,6 +19,7 @@ RANK_HELP = "This process's rank (default: RANK, the Slurm array task's, SLURM_P
 WORLD_SIZE_HELP = ("Number of processes (default: WORLD_SIZE, the Slurm array's size, SLURM_NTASKS, else 1). "
                    "Alone in a Slurm array task: the task id is the rank.")
 QUIET_HELP = "No progress bar."
+ALLOW_INCOMPLETE_HELP = ("Use another stage's output that is not finished (some of its ranks did not run, or were killed) as it is; by default it is refused, naming what is missing.")
 STORAGE_HELP = ('JSON options for URL paths, e.g. \'{"endpoint_url": "http://minio:9000"}\' or \'{"s3": {...}, '
                 '"hf": {...}}\'; credentials otherwise come from AWS_* / fsspec config.')
 

@@ -63,8 +63,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split
-from laionkit.common.keys import keys_identity, read_keep_keys
+from laionkit.common.keys import read_keep_list
 from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
+from laionkit.common.upstream import refuse_incomplete
 from laionkit.dedup.config import LAYERS, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
 from laionkit.dedup.remote import digest, is_remote, mirror, read_stats, scratch_root
@@ -167,6 +168,9 @@ def run(config: DedupConfig) -> dict:
     target = Location.parse(config.output)
     refuse_overlap([*config.inputs, *config.against, *([config.keep] if config.keep else [])], target, "dedup")
     claim_output(target, "dedup", overwrite=config.overwrite)
+    for role, given in [*(("input", f) for f in config.inputs), *(("--against", f) for f in config.against),
+                        *([("--keep", config.keep)] if config.keep else [])]:
+        refuse_incomplete(given, role, config.allow_incomplete, lambda line: print(line, file=sys.stderr))
     embeddings_why = "the semantic layer reads them" if "semantic" in config.layers else None
     remote = [given for given in (config.output, *config.inputs, *config.against) if is_remote(given)]
     root = scratch_root(config.scratch) if remote else None  # laionkit.dedup.remote: mirrors and the work folder
@@ -179,8 +183,8 @@ def run(config: DedupConfig) -> dict:
     reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
     references = find_units(against, reference_columns, "--against with the semantic layer reads them"
                             if embeddings_why else None, role="--against") if against else []
-    keep = read_keep_keys(config.keep) if config.keep else None
-    identity = plan_id(config, units, references, keys_identity(keep) if keep is not None else None, shown)
+    keep = read_keep_list(config.keep) if config.keep else None
+    identity = plan_id(config, units, references, keep.identity() if keep is not None else None, shown)
     work_root = Path(config.output) if target.local else root / "work" / digest(str(target))  # .work-<plan> in it
     stats_path = work_root / STATS_NAME  # a local output's
 
@@ -273,8 +277,14 @@ def shown_name(scores: Path, shown: dict[str, str]) -> str:
     return str(Location.parse(folder) / scores.name) if folder else str(scores)
 
 
+def input_name(unit: Unit, shown: dict[str, str]) -> str:
+    """keep.parquet's ``input`` of a unit's rows: its input folder as given (a remote one by its URL)."""
+    given = shown.get(str(unit.scores.parent))
+    return str(Location.parse(given).parent) if given else unit.folder
+
+
 def write_outputs(work: Work, output: Location, identity: str, shown: dict[str, str] | None = None) -> dict:
-    """keep.parquet (key, shard of every row no layer removed, in input order), removed.parquet (the
+    """keep.parquet (key, shard, input of every row no layer removed, in input order), removed.parquet (the
     removed rows by input order), then stats.json: the record that the run is complete (a folder: each renamed
     into place; an object store: each uploaded with its done record). ``shown``: the name stats.json gives a
     mirrored input's scores folder (its URL)."""
@@ -282,8 +292,10 @@ def write_outputs(work: Work, output: Location, identity: str, shown: dict[str, 
     db = work.db
     removed = parquet_list(work.removed_files(None, ("against", *work.layers)))
     rows = parquet_list([work.path(f"unit-{u.index:06d}") / "rows.parquet" for u in work.units])
-    kept = db.sql(f"SELECT key, shard FROM {rows} WHERE pos NOT IN (SELECT pos FROM {removed}) "
-                      "ORDER BY pos").to_arrow_table()
+    db.register("unit_inputs", pa.table({"start": [u.start for u in work.units], "stop": [u.stop for u in work.units],
+                                         "input": [input_name(u, shown) for u in work.units]}))
+    kept = db.sql(f"SELECT key, shard, input FROM {rows} JOIN unit_inputs ON pos >= start AND pos < stop "
+                  f"WHERE pos NOT IN (SELECT pos FROM {removed}) ORDER BY pos").to_arrow_table()
     gone = db.sql(f"SELECT * EXCLUDE (pos) FROM {removed} ORDER BY pos").to_arrow_table()
     with atomic_write(output / KEEP_NAME) as tmp:
         pq.write_table(kept, tmp)

@@ -33,6 +33,7 @@ class DedupConfig:
     rank: int | None = None
     world_size: int | None = None
     quiet: bool = False
+    allow_incomplete: bool = False  # use score folders (or a --keep list) their stage has not finished
 
     def settings(self) -> dict:
         """What decides the outputs (not where they go, nor how many ranks or threads make them)."""

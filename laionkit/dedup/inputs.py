@@ -3,7 +3,9 @@
 A SCORES_DIR holds ``scores/<stem>.parquet`` (one row per image: ``key``, ``shard``, ``sha256``, ``phash``,
 score columns) and ``img_emb/img_emb_<stem>.npy`` (its CLIP image embeddings, row i of one is row i of the
 other). A unit of work is one such shard; units are ordered by input folder (as given), then stem, and
-each row's global position (``pos``) is its index in that order, the last tie-breaker of every choice.
+each row's global position (``pos``) is its index in that order, the last tie-breaker of every choice. Two
+folders may hold the same stems and keys (score folders of two webdatasets whose shard and key numbering both
+start at 0), so a row is named by its folder too (``Unit.folder``: keep.parquet's ``input``).
 Everything a layer needs is checked before any work, from the parquet footers and npy headers only, so
 a mistake stops every rank at once with one line naming the file and column.
 """
@@ -28,6 +30,7 @@ class Unit:
     embeddings: Path | None  # DIR/img_emb/img_emb_<stem>.npy, when a layer needs them
     rows: int
     start: int  # global position of its first row
+    folder: str  # the input folder it is in, as given: with (shard, key), what names one of its rows
 
     @property
     def stop(self) -> int:
@@ -72,7 +75,7 @@ def find_units(folders: tuple[str, ...], columns: dict[str, str], embeddings: st
                                         f"{role}s' are {dim}-dimensional")
                 dim = layout.shape[1]
             start = units[-1].stop if units else 0
-            units.append(Unit(len(units), path, npy, rows, start))
+            units.append(Unit(len(units), path, npy, rows, start, folder))
     return units
 
 

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from laionkit.common import atomic_output
+from laionkit.common.keys import KeepList
 from laionkit.common.phash import BITS, hamming_many
 from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
 from laionkit.dedup.inputs import Unit, normalise, read_embeddings
@@ -60,14 +61,14 @@ class Work:
 
     def __init__(self, config: DedupConfig, units: list[Unit], folder: Path, done: Callable[[], bool],
                  connection: duckdb.DuckDBPyConnection, references: References | None,
-                 keep: frozenset[str] | None = None):
+                 keep: KeepList | None = None):
         self.config = config
         self.units = units
         self.folder = folder
         self.done = done
         self.db = connection
         self.references = references
-        self.keep = pa.array(sorted(keep), pa.string()) if keep is not None else None  # --keep's keys
+        self.keep = keep  # --keep's samples
         self.rows = units[-1].stop if units else 0
         self.buckets = max(1, math.ceil(self.rows / config.bucket_rows))
         self.layers = [layer for layer in LAYERS if layer in config.layers]
@@ -134,7 +135,7 @@ class Work:
         }
         rows = pa.table(columns)
         if self.keep is not None:  # rows outside --keep's list take part in nothing; positions stay global
-            rows = rows.filter(pc.is_in(rows["key"], value_set=self.keep))
+            rows = rows.filter(self.keep.mask(rows["shard"], rows["key"]))
         with atomic_output(self.path(f"unit-{unit.index:06d}")) as tmp:
             tmp.mkdir()
             pq.write_table(rows, tmp / "rows.parquet")

@@ -33,8 +33,9 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, resolve_rank, split, stage_device, storage
 from laionkit.common.background import background
-from laionkit.common.keys import read_keep_keys
+from laionkit.common.keys import read_keep_list, refuse_none_kept
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.caption_scores import check_scores, scores_folder, scores_identity
 from laionkit.encode.config import (
     COMPUTE_DTYPES,
@@ -122,6 +123,10 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
+    refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
+    for role, spec in (("--keep", config.keep), ("--caption-scores", config.caption_scores)):
+        if spec:
+            refuse_incomplete(spec, role, config.allow_incomplete, log, options)
     scores = scores_folder(config.caption_scores, options) if config.caption_scores else None
     if scores is not None:  # before any model loads: a missing file or column is a one-line error now
         check_scores(scores, [shard_stem(shard) for shard in split(shards, rank)], config.captions)
@@ -142,7 +147,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     buckets = bucket_sizes(config.resolution) if config.buckets else None
     encoders.check_sizes(config.resolution, buckets)
     models = _models(config, encoders.family)
-    keep = read_keep_keys(config.keep, options) if config.keep else None
+    keep = read_keep_list(config.keep, options) if config.keep else None
     settings = _settings(config, models, encoders, buckets, keep, scored_with)
     refuse_mixed_settings(output, settings)
     write_plan(output, shards)
@@ -164,6 +169,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
                                           progress, checked_reads(todo, inputs), keep, scores))
     manifest = update_manifest(output)
     if manifest["complete"] and not manifest["counts"]["samples_out"]:
+        if manifest["counts"]["samples_in"] and manifest["counts"].get("not_kept") == manifest["counts"]["samples_in"]:
+            refuse_none_kept(config.keep, manifest["counts"]["samples_in"])
         raise LaionkitError(f"encode wrote no sample: {manifest['counts']['samples_in']} read from "
                             f"{len(shards)} shard(s), all skipped ({_reasons(manifest['skips'])}); "
                             "are these image shards?")

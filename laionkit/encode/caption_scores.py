@@ -39,6 +39,7 @@ def shard_scores_path(folder: Location, stem: str) -> Location:
 
 def check_scores(folder: Location, stems: Sequence[str], names: Sequence[str]) -> None:
     """Every shard's parquet exists and has ``key`` and each name's column (footers only)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     columns = ["key", *(similarity_column(name) for name in names)]
@@ -50,7 +51,7 @@ def check_scores(folder: Location, stems: Sequence[str], names: Sequence[str]) -
         try:
             with path.open_read() as handle:
                 have = pq.ParquetFile(handle).schema_arrow.names
-        except OSError as error:
+        except (OSError, pa.ArrowException) as error:
             raise LaionkitError(f"--caption-scores {path}: not a readable parquet file ({error})") from None
         for column in columns:
             if column not in have:
@@ -61,11 +62,16 @@ def check_scores(folder: Location, stems: Sequence[str], names: Sequence[str]) -
 
 def read_shard_scores(folder: Location, stem: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
     """{key: {name: score}} of one shard (nulls left out: an empty or missing caption has no score)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     columns = {name: similarity_column(name) for name in names}
-    with shard_scores_path(folder, stem).open_read() as handle:
-        table = pq.read_table(handle, columns=["key", *columns.values()])
+    path = shard_scores_path(folder, stem)
+    try:
+        with path.open_read() as handle:
+            table = pq.read_table(handle, columns=["key", *columns.values()])
+    except (OSError, pa.ArrowException) as error:
+        raise LaionkitError(f"--caption-scores {path}: not a readable parquet file ({error})") from None
     found: dict[str, dict[str, float]] = {}
     values = {name: table.column(column).to_pylist() for name, column in columns.items()}
     for row, key in enumerate(table.column("key").to_pylist()):

@@ -48,6 +48,7 @@ class EncodeConfig:
     # caption encode always stored (alt, also when --captions alt is given alone)
     captions: tuple[str, ...] | str | None = None
     overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)
+    allow_incomplete: bool = False  # use an unfinished input, --keep or --caption-scores folder (common.upstream)
     keep: str | None = None  # --keep PARQUET: encode only these keys (common.keys); the others are counted, not_kept
     # --caption-scores DIR: each --captions name's CLIP score from `laionkit score --captions`'s similarity_NAME
     # columns, joined by shard and key (encode.caption_scores); None: json caption_scores, as before

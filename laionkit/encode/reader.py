@@ -26,6 +26,7 @@ from PIL import Image
 from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError, split
 from laionkit.common.jpeg import joined
+from laionkit.common.keys import KeepList
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples, tar_files
 from laionkit.encode.caption_scores import read_shard_scores
@@ -407,7 +408,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, shards: Sequence[Location], tokenizer, resolution: int,
                  buckets: Sequence[tuple[int, int]] | None, batch_size: int, gpu_decode: bool,
-                 caption_key: str | None = None, keep: frozenset[str] | None = None,
+                 caption_key: str | None = None, keep: KeepList | None = None,
                  captions: Sequence[str] | None = None, caption_scores: Location | None = None) -> None:
         super().__init__()
         self.caption_scores = caption_scores  # --caption-scores: score's scores/ folder, joined per shard and key
@@ -434,13 +435,14 @@ class ShardBatches(torch.utils.data.IterableDataset):
         shard = Location.parse(shard)
         pending: dict[tuple[int, int], list[dict]] = {}
         done = ShardDone(output_name(shard), 0)
-        scores = (read_shard_scores(self.caption_scores, shard_stem(shard), self.captions)
+        stem = shard_stem(shard)
+        scores = (read_shard_scores(self.caption_scores, stem, self.captions)
                   if self.caption_scores is not None else None)
         stream = ExitStack()
         try:
             for sample in unit_samples(shard, stream):
                 done.samples_in += 1
-                if self.keep is not None and sample["__key__"] not in self.keep:
+                if self.keep is not None and not self.keep.kept(stem, sample["__key__"]):
                     done.not_kept += 1
                     continue
                 try:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laionkit.common import LaionkitError, refuse_other_settings, storage, versions
-from laionkit.common.keys import keys_identity
+from laionkit.common.keys import KeepList
 from laionkit.common.models import fingerprint
 from laionkit.common.storage import Location
 from laionkit.encode.config import EncodeConfig
@@ -43,7 +43,7 @@ def _models(config: EncodeConfig, family: FamilySpec) -> dict:
     return {component: fingerprint(config.source(component), component) for component in components}
 
 
-def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, keep: frozenset[str] | None = None,
+def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, keep: KeepList | None = None,
               caption_scores: dict | None = None) -> dict:
     """What every shard of one folder must share; a rerun with other settings is refused.
 
@@ -59,7 +59,7 @@ def _settings(config: EncodeConfig, models: dict, encoders: Encoders, buckets, k
         "buckets": [list(size) for size in buckets] if buckets else None,
         "compute_dtype": str(encoders.dtype).removeprefix("torch."),
         **({"caption_key": config.caption_key} if config.caption_key else {}),
-        **({"keep": keys_identity(keep)} if keep is not None else {}),
+        **({"keep": keep.identity()} if keep is not None else {}),
         # --captions: the names stored per sample, in order (absent: the one alt-text caption, as always)
         **({"captions": list(config.captions)} if config.captions else {}),
         # --caption-scores: the columns joined and the score folder's settings (encode.caption_scores)

@@ -30,4 +30,5 @@ class FilterConfig:
     skip_bad: bool = False
     overwrite: bool = False
     quiet: bool = False
+    allow_incomplete: bool = False  # --scores of a score run not every rank finished (common.upstream)
     storage_options: str | None = None  # --storage-options JSON for s3:// and other URLs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from laionkit.common import LaionkitError, storage
+from laionkit.common.upstream import refuse_incomplete
 from laionkit.filter.config import FilterConfig
 from laionkit.filter.inputs import (
     InputFile,
@@ -113,11 +115,15 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
     join = None
     if config.score_tables:
-        tables = find_score_tables(config.score_tables, storage.parse_storage_options(config.storage_options))
+        options = storage.parse_storage_options(config.storage_options)
+        for given in config.score_tables:  # a score run some ranks never finished would join as a smaller one
+            refuse_incomplete(given, "--scores", config.allow_incomplete, lambda line: print(line, file=sys.stderr),
+                              options)
+        tables = find_score_tables(config.score_tables, options)
         for location in {table.protocol: table for table in tables if not table.local}.values():
             storage.register_with_duckdb(connection, location)
         taken = {name.lower() for f in files for name in renamed_schema(f.schema, renames, scores).names}
-        join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken)
+        join = plan_join(tables, [f.path for f in files], [f.schema for f in files], taken, connection)
     lock_down(connection, [f.path for f in files] + list(join.files if join else ()), writable or Path(config.output))
     check_columns(files, rules, renames, scores, config.dedup, connection, join)
     tops = [top_rule(spec, files, renames, scores, connection, join)
@@ -143,7 +149,8 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         record["top"] = [found for _, found in tops]
     if join:  # likewise
         record["scores_joined"] = {"files": list(join.files), "columns": [f.name for f in join.columns],
-                                   "by_name": join.by_name}
+                                   "by_name": join.by_name,
+                                   **({"by_shard": True} if join.by_shard else {})}  # a key join's plan stays
     return Plan(files, bad, units, rules, scores, renames, record,
                 labels={rule.expr: found["rule"] for rule, found in tops}, join=join)
 

@@ -58,6 +58,7 @@ class PackConfig:
     quiet: bool = False
     storage_options: str | None = None  # --storage-options JSON for URL paths
     overwrite: bool = False  # write into a folder that holds another stage's outputs (same names replaced)
+    allow_incomplete: bool = False  # --keep: an unfinished input folder or keep list's stage (common.upstream)
     keep: str | None = None  # --keep PARQUET: inputs are existing shards; keep only these keys (pack/subset.py)
 
     def __post_init__(self) -> None:
@@ -89,5 +90,6 @@ class PackConfig:
 
     def options(self) -> dict[str, Any]:
         """What a shard record keeps: everything but where the data lives and who ran it."""
-        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite", "keep"}
+        skipped = {"inputs", "output", "rank", "world_size", "quiet", "storage_options", "overwrite", "keep",
+                   "allow_incomplete"}
         return {key: value for key, value in asdict(self).items() if key not in skipped}

@@ -1,9 +1,9 @@
 """`pack --keep`: the kept samples of existing shards (pack's, img2dataset's, plain WebDataset), written as
 a new pack folder without downloading anything again.
 
-Each input shard becomes the output shard of the same name holding only the samples whose key the keep list
-has, members byte for byte, in order; shard *i* belongs to rank *i mod W*, as in every stage. Per shard the
-tar, then img2dataset's per-sample parquet (the kept samples' json rows), then ``<shard>_stats.json`` last,
+Each input shard becomes the output shard of the same name holding only the samples the keep list has (by
+shard and key: laionkit.common.keys), members byte for byte, in order; shard *i* belongs to rank *i mod W*, as
+in every stage. Per shard the tar, then img2dataset's per-sample parquet (the kept samples' json rows), then ``<shard>_stats.json`` last,
 with every key pack's records carry (``count`` = ``successes`` = samples kept, ``not_kept``, ``input`` naming
 the source shard and the keep list's identity), so encode, score and `laionkit stats` read the folder as
 pack's. A shard is done iff its record is complete and made with the same keep list; a rerun redoes the rest.
@@ -22,8 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, resolve_rank, split, storage, versions
-from laionkit.common.keys import keys_identity, read_keep_keys
+from laionkit.common.keys import KeepList, read_keep_list, refuse_none_kept
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete, refuse_incomplete_folders
 from laionkit.encode.reader import PACK_RECORD_SUFFIX, find_shards, shard_stem, unit_samples
 from laionkit.pack.config import PackConfig
 from laionkit.pack.records import load_record, size_bucket, write_manifest
@@ -37,11 +38,13 @@ def run_subset(config: PackConfig, log=print) -> dict:
     inputs = find_shards([str(path) for path in config.inputs], log if not config.quiet else (lambda _: None),
                          options, "pack")
     storage.refuse_overlap([*(Location.parse(str(p), options) for p in config.inputs), *inputs], output, "pack")
+    refuse_incomplete_folders(config.inputs, "input", config.allow_incomplete, log, options)
+    refuse_incomplete(config.keep, "--keep", config.allow_incomplete, log, options)
     storage.claim_output(output, "pack", config.overwrite)
     if output.local:
         os.makedirs(output.path, exist_ok=True)
-    keep = read_keep_keys(config.keep, options)
-    identity = keys_identity(keep)
+    keep = read_keep_list(config.keep, options)
+    identity = keep.identity()
     shards = list(inputs)
     mine = split(shards, rank)
     todo = []
@@ -54,14 +57,18 @@ def run_subset(config: PackConfig, log=print) -> dict:
         if found is None:
             todo.append(shard)
     if not config.quiet:
-        log(f"pack --keep: rank {rank.rank}/{rank.world_size}, {len(keep):,} keys kept, {len(shards)} shards, "
+        log(f"pack --keep: rank {rank.rank}/{rank.world_size}, {len(keep):,} samples kept, {len(shards)} shards, "
             f"{len(mine)} mine, {len(todo)} to do -> {output}")
     for shard in todo:
         subset_shard(shard, output, keep, identity, len(shards))
-    return write_manifest(output)
+    manifest = write_manifest(output)
+    samples = sum(shard["input"]["samples"] for shard in manifest["shards"])
+    if manifest["complete"] and samples and not manifest["samples"]:
+        refuse_none_kept(config.keep, samples)
+    return manifest
 
 
-def subset_shard(shard: Location, output: Location, keep: frozenset[str], identity: dict, planned: int) -> None:
+def subset_shard(shard: Location, output: Location, keep: KeepList, identity: dict, planned: int) -> None:
     import webdataset as wds
 
     stem = shard_stem(shard)
@@ -72,7 +79,7 @@ def subset_shard(shard: Location, output: Location, keep: frozenset[str], identi
         with wds.TarWriter(str(tmp), mtime=0) as sink:
             for sample in unit_samples(shard, stream):
                 samples_in += 1
-                if sample["__key__"] not in keep:
+                if not keep.kept(stem, sample["__key__"]):
                     continue
                 sink.write({name: value for name, value in sample.items()
                             if name == "__key__" or not name.startswith("__")})
