@@ -1,0 +1,63 @@
+"""score, caption, encode, dedup and eval on what a user may hand them by mistake: a FIFO named like a shard or a
+scores parquet (refused in one line, never waited on), an output that cannot be written (one line, before any
+work), and two processes into one output (the second refused)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, run_cli_process
+from fixtures import write_image_shards
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("vlm") / "tiny-vlm"
+    run_cli("models", "tiny-vlm", "--output", folder)
+    return folder
+
+
+def stage_args(stage: str, inputs: Path, output: Path, models: dict) -> list:
+    """The stage's command line on ``inputs``, with tiny real models, so that it gets as far as reading them."""
+    if stage == "score":
+        return ["score", inputs, "--output", output, "--clip-model", models["score"]["config"], "--clip-pretrained",
+                models["score"]["weights"], "--workers", "0", "--batch-size", "3", "-q"]
+    if stage == "caption":
+        return ["caption", inputs, "--model", models["caption"], "--output", output, "--max-new-tokens", "4",
+                "--batch-size", "3", "--workers", "0", "-q"]
+    if stage == "encode":
+        return ["encode", inputs, "--model", models["encode"], "--output", output, "--resolution", "64",
+                "--batch-size", "4", "--workers", "0", "-q"]
+    return ["dedup", inputs, "--output", output, "--layers", "exact,phash", "-q"]
+
+
+@pytest.fixture
+def models(request, score_models) -> dict:
+    found = {"score": score_models}
+    if "caption" in request.node.name:
+        found["caption"] = request.getfixturevalue("tiny_vlm")
+    if "encode" in request.node.name:
+        found["encode"] = request.getfixturevalue("tiny_models")
+    return found
+
+
+@pytest.mark.parametrize("stage", ["score", "caption", "encode", "dedup"])
+def test_a_fifo_named_like_an_input_is_refused_in_one_line_not_waited_on(stage, models, realdata, tmp_path):
+    """Opening a FIFO to read waits for a writer: each stage hung until killed. A subprocess with a timeout, so
+    that a regression fails instead of hanging the suite."""
+    inputs = tmp_path / "in"
+    if stage == "dedup":
+        write_image_shards(realdata / "images", tmp_path / "shards")
+        run_cli(*stage_args("score", tmp_path / "shards", inputs, models))
+        fifo = inputs / "scores" / "00001.parquet"
+    else:
+        write_image_shards(realdata / "images", inputs)
+        fifo = inputs / "00001.tar"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    result = run_cli_process(*stage_args(stage, inputs, tmp_path / "out", models), check=False, timeout=180)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert errors == [f"error: {fifo}: a FIFO, not a regular file; refused (reading it could wait for ever)"]
