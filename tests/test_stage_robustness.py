@@ -5,11 +5,14 @@ work), and two processes into one output (the second refused)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_cli_process
 from fixtures import write_image_shards
+from test_dedup_layers import planted
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +64,35 @@ def test_a_fifo_named_like_an_input_is_refused_in_one_line_not_waited_on(stage, 
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert errors == [f"error: {fifo}: a FIFO, not a regular file; refused (reading it could wait for ever)"]
+
+
+HOLD = """import sys, time
+from laionkit.common.runlock import LocalLock
+LocalLock(sys.argv[1], sys.argv[2], 0).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("stage", ["caption", "dedup"])
+def test_a_second_process_of_one_rank_into_an_output_is_refused_while_the_first_runs(stage, models, realdata,
+                                                                                       tmp_path):
+    """Two processes of one rank wrote the same files: dedup's removed the other's scratch (FileNotFoundError),
+    caption's renamed the other's unfinished tar into place. The second is refused, naming the first."""
+    if stage == "dedup":
+        inputs = planted().write(tmp_path / "in")
+    else:
+        write_image_shards(realdata / "images", tmp_path / "in")
+        inputs = tmp_path / "in"
+    output = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(output), stage], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        result = run_cli(*stage_args(stage, inputs, output, models), check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"--output {output} is in use by another {stage} as rank 0 (pid {holder.pid} " in result.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    run_cli(*stage_args(stage, inputs, output, models))  # the lock goes with its process, kill -9 included
+    assert not [path.name for path in output.glob(".*.partial")]

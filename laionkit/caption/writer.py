@@ -4,11 +4,16 @@ gaining the caption, written through encode's tar writer (TarMembers) under a te
 
 from __future__ import annotations
 
+import glob
 import json
+import socket
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from laionkit.common import storage
+from laionkit.common.outputs import PARTIAL_SUFFIX
+from laionkit.common.runlock import pid_alive
 from laionkit.common.storage import Location
 from laionkit.encode.tars import TarMembers
 
@@ -22,13 +27,28 @@ def with_caption(members: dict[str, bytes], name: str, caption: str, model: str)
     return {**members, "json": json.dumps(meta).encode()}
 
 
+def clear_dead_temporaries(path: Location) -> None:
+    """Remove the temporaries of ``path`` that this host's killed caption processes left (their pid is gone):
+    each process writes under a name of its own, which no later run reuses, so nothing else would."""
+    if not path.local:
+        return
+    final = Path(path.path)
+    prefix = f".{final.name}.{socket.gethostname()}-"
+    for tmp in final.parent.glob(glob.escape(prefix) + "*" + PARTIAL_SUFFIX):
+        pid = tmp.name[len(prefix):-len(PARTIAL_SUFFIX)]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
 class CaptionedShard:
     """One output tar: samples in input order (skipped ones left out), members in webdataset's order."""
 
     def __init__(self, path: Location) -> None:
         self.path = path
         self.stack = ExitStack()
-        self.sink = TarMembers(str(self.stack.enter_context(storage.atomic_write(path))))
+        clear_dead_temporaries(path)
+        # a temporary of this process's own (shared): another process's can never be renamed into place as ours
+        self.sink = TarMembers(str(self.stack.enter_context(storage.atomic_write(path, shared=True))))
         self.samples = 0
         self.empty = 0
         self.chars = 0

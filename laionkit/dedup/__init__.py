@@ -64,6 +64,7 @@ import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split
 from laionkit.common.keys import keys_identity, read_keep_keys
+from laionkit.common.runlock import holding, output_lock
 from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
 from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
@@ -208,6 +209,13 @@ def run(config: DedupConfig) -> dict:
         raise LaionkitError(f"{target / STATS_NAME} is from another run (other inputs or settings: {stats.get('settings')}); "
                             "choose another --output, or --overwrite to replace it")
 
+    with holding(output_lock(Location("", str(work_root)), "dedup", rank.rank)):  # one process per rank
+        return run_steps(config, rank, target, units, references, keep, identity, finished, work_root, shown)
+
+
+def run_steps(config: DedupConfig, rank, target: Location, units: list[Unit], references: list[Unit],
+              keep: frozenset[str] | None, identity: str, finished, work_root: Path, shown: dict[str, str]) -> dict:
+    """run's steps in ``work_root/.work-<identity>`` (each item once, resumed), then rank 0's outputs."""
     if (stats := finished()) is not None:
         return stats
     threads = config.threads or available_cpus()
