@@ -96,3 +96,68 @@ def test_a_second_process_of_one_rank_into_an_output_is_refused_while_the_first_
         holder.wait()
     run_cli(*stage_args(stage, inputs, output, models))  # the lock goes with its process, kill -9 included
     assert not [path.name for path in output.glob(".*.partial")]
+
+
+@pytest.fixture(scope="module")
+def scorers(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("scorers")
+    run_cli("models", "tiny-eval", "--output", folder)
+    return folder
+
+
+def eval_args(pipeline: Path, reference: Path, output: Path, scorers: Path, tmp_path: Path) -> list:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat on a mat\na dog in the park\n")
+    return ["eval", pipeline, "--reference", reference, "--prompts", prompts, "--count", "2", "--steps", "1",
+            "--resolution", "32", "--output", output, "--inception", scorers / "inception.pth", "--clip-model",
+            scorers / "tiny-clip.json", "--clip-pretrained", scorers / "tiny-clip.safetensors", "--kid-subsets", "2",
+            "--kid-subset-size", "2", "--quiet"]
+
+
+@pytest.mark.parametrize("stage", ["score", "caption", "dedup", "eval"])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(stage, models, realdata, tmp_path, request):
+    """An --output under a regular file (what a read-only folder is to root, who may write anywhere else): a
+    NotADirectoryError traceback in score; eval found it only after generating every image."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    output = blocker / "out"
+    if stage == "eval":
+        args = eval_args(request.getfixturevalue("tiny_models"), realdata / "images", output,
+                         request.getfixturevalue("scorers"), tmp_path)
+    elif stage == "dedup":
+        args = stage_args(stage, planted().write(tmp_path / "in"), output, models)
+    else:
+        write_image_shards(realdata / "images", tmp_path / "in")
+        args = stage_args(stage, tmp_path / "in", output, models)
+    result = run_cli(*args, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(errors) == 1 and str(output) in errors[0] and "Not a directory" in errors[0], result.stderr
+    if stage == "eval":
+        assert "nothing was generated" in errors[0]
+
+
+FULL_DISK = """import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("stage", ["score", "caption", "dedup"])
+def test_a_disk_that_takes_no_more_is_one_line_naming_the_file(stage, models, realdata, tmp_path):
+    """A file-size limit (RLIMIT_FSIZE) in the stage's process: its writes past 3000 bytes fail as on a full disk
+    (root cannot be kept from writing by permissions, and a small mount needs privileges CI may not have)."""
+    if stage == "dedup":
+        inputs = planted().write(tmp_path / "in")
+    else:
+        write_image_shards(realdata / "images", tmp_path / "in")
+        inputs = tmp_path / "in"
+    output = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, *map(str, stage_args(stage, inputs, output, models))],
+                            capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(errors) == 1 and f"cannot write {output}{os.sep}" in errors[0] and "File too large" in errors[0]

@@ -4,6 +4,7 @@ gaining the caption, written through encode's tar writer (TarMembers) under a te
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import socket
@@ -56,15 +57,18 @@ class CaptionedShard:
         self.started = time.perf_counter()
 
     def write(self, key: str, members: dict[str, bytes], name: str, caption: str, model: str) -> None:
-        self.sink.add_sample(key, with_caption(members, name, caption, model))
+        with storage.one_line_errors("cannot write", self.path):  # a full disk, named by the tar
+            self.sink.add_sample(key, with_caption(members, name, caption, model))
         self.samples += 1
         self.empty += not caption
         self.chars += len(caption)
 
     def finish(self) -> None:
-        self.sink.close()
+        with storage.one_line_errors("cannot write", self.path):
+            self.sink.close()
         self.stack.close()
 
     def abort(self, error: BaseException) -> None:
-        self.sink.close()
+        with contextlib.suppress(OSError):  # the temporary is removed anyway; a full disk fails its end blocks too
+            self.sink.close()
         self.stack.__exit__(type(error), error, error.__traceback__)
