@@ -4,7 +4,9 @@ work), and two processes into one output (the second refused)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +163,62 @@ def test_a_disk_that_takes_no_more_is_one_line_naming_the_file(stage, models, re
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert len(errors) == 1 and f"cannot write {output}{os.sep}" in errors[0] and "File too large" in errors[0]
+
+
+def test_eval_counts_unreadable_reference_files_as_skips_and_refuses_another_familys_pipeline(
+        tiny_models, scorers, realdata, tmp_path):
+    """A decompression bomb (a traceback after generating), a FIFO named like a photo (a hang), a file that is
+    no image: counted skips, found before anything is generated. And a model_index.json that names a family
+    whose components the folder lacks loaded in diffusers and failed once it generated."""
+    from PIL import Image
+
+    reference = tmp_path / "reference"
+    shutil.copytree(realdata / "images", reference)
+    Image.new("1", (14_000, 14_000)).save(reference / "bomb.png")  # over twice Pillow's pixel limit
+    os.mkfifo(reference / "waiting.jpg")
+    (reference / "notes.jpg").write_text("not an image")
+    run_cli(*eval_args(tiny_models, reference, tmp_path / "out", scorers, tmp_path))
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert (result["reference_images"], result["reference_skipped"]) == (8, 3)
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in ("bomb.png", "notes.jpg", "original.png"):
+        shutil.copy(reference / name, few / name)
+    failed = run_cli(*eval_args(tiny_models, few, tmp_path / "few-out", scorers, tmp_path), check=False)
+    assert failed.returncode == 2 and f"--reference {few}: 1 readable images (2 skipped)" in failed.stderr
+    assert not (tmp_path / "few-out" / "eval.json").exists()
+
+    other = tmp_path / "sdxl-named"
+    shutil.copytree(tiny_models, other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
+    failed = run_cli(*eval_args(other, reference, tmp_path / "sdxl-out", scorers, tmp_path), check=False)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    assert (f"PIPELINE {other}: model_index.json names StableDiffusionXLPipeline (sdxl), but the folder has no "
+            "tokenizer_2, text_encoder_2 folder") in " ".join(failed.stderr.split())
+
+
+def test_eval_downloads_each_inception_url_into_its_own_file(scorers, tmp_path, monkeypatch):
+    """Two URLs ending in one file name: the second was given the first one's cached weights."""
+    import functools
+    import http.server
+    import threading
+
+    import torch
+
+    from laionkit.evaluate.inception import resolve_weights
+
+    for folder, seed in (("a", 1), ("b", 2)):
+        (tmp_path / "site" / folder).mkdir(parents=True)
+        torch.save({"w": torch.full((2,), float(seed))}, tmp_path / "site" / folder / "inception.pth")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        first, second = (resolve_weights(f"{base}/{folder}/inception.pth") for folder in ("a", "b"))
+    finally:
+        server.shutdown()
+    assert first != second
+    assert [torch.load(path)["w"][0].item() for path in (first, second)] == [1.0, 2.0]

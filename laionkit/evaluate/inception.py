@@ -64,7 +64,7 @@ def build_inception(state: dict | None = None) -> torch.nn.Module:
 
 
 def resolve_weights(source: str) -> Path:
-    """A local file, an http(s) URL (downloaded once into torch's hub cache), or a Hugging Face hub id
+    """A local file, an http(s) URL (downloaded once per URL into torch's hub cache), or a Hugging Face hub id
     ``owner/name`` (one of HUB_FILES) or ``owner/name/FILE``."""
     path = Path(source).expanduser()
     if path.is_file():
