@@ -268,14 +268,14 @@ def run(config: EvalConfig, log=print) -> dict:
     from laionkit.evaluate.prompts import read_prompts, reference_images
 
     check_folders(config)
-    check_output(Path(config.output))
-    reference_images(Path(config.reference), None, config.reference_count)  # enough readable ones, before generating
     prompts = read_prompts(config.prompts, config.val_latents, config.count)
     device = pick_device(config.device)
     started = time.perf_counter()
     cache: dict = {}
     load_scorers(config, device, cache)
     pipe = load_pipeline(Path(config.pipeline), device, config.dtype)
+    check_output(Path(config.output))  # the output and enough readable reference images, before generating
+    reference_images(Path(config.reference), None, config.reference_count)
     images = generate(pipe, prompts, config.seed, config.steps, config.batch_size, config.guidance_scale,
                       config.resolution, config.quiet, config.max_sequence_length)
     del pipe
