@@ -227,6 +227,8 @@ def test_vllm_backend_without_vllm_is_one_line(photo_shards, tiny_vlm, tmp_path)
 @pytest.mark.parametrize(("flags", "message"), [
     (("--name", "alt"), "--name 'alt'"),
     (("--name", "a:b"), "--name 'a:b'"),
+    (("--name", "qwen2.5"), "--name 'qwen2.5': caption name 'qwen2.5' must be a letter then"),  # encode refused it
+    (("--name", "text"), "--name 'text': caption name 'text' must be"),  # a stored tensor's name
     (("--backend", "onnx"), "--backend 'onnx'"),
     (("--max-new-tokens", "0"), "--max-new-tokens"),
 ])
