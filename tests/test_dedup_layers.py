@@ -394,3 +394,6 @@ def test_more_clusters_than_rows_is_refused_not_a_silent_empty_layer(tmp_path: P
                      check=False)
     assert result.returncode == 2 and "--clusters 65: more clusters than the 64 input rows" in result.stderr
     run_cli("dedup", scores, "--output", tmp_path / "exact", "--clusters", "65", "--layers", "exact", "-q")
+    # 60 clusters for the 58 rows exact and phash leave: said, even with -q
+    result = run_cli("dedup", scores, "--output", tmp_path / "out", "--clusters", "60", "--bucket-rows", "16", "-q")
+    assert "--clusters 60 is more than the 58 rows the earlier layers left" in " ".join(result.stderr.split())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,10 @@ class Work:
                               .fetchnumpy()["pos"], np.int64) - u.start for u in self.units]
         total = sum(len(s) for s in survivors)
         clusters = max(1, min(self.clusters, total))
+        if self.clusters > total:  # said even with --quiet: the layer the user asked for finds nothing
+            print(f"dedup: warning: --clusters {self.clusters} is more than the {total} rows the earlier layers "
+                  f"left: k-means makes {clusters} clusters of one row each, so the semantic layer finds no "
+                  "duplicates; give fewer clusters", file=sys.stderr)
         stride = max(1, total // (clusters * 256))  # faiss's max_points_per_centroid: 256
         sample, seen = [], 0
         for unit, rows in zip(self.units, survivors):
