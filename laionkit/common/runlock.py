@@ -1,5 +1,5 @@
 """One writer per output: an exclusive lock held for a run's life (train's run folder; a rank's share of a
-score, caption or dedup folder, which several ranks write at once, each its own).
+caption or dedup folder, which several ranks write at once, each its own).
 
 Two runs writing one ``--output`` interleave ``metrics.jsonl``, prune each other's checkpoints and export
 over each other, and a ``--resume`` or ``--overwrite`` started while another run trains there truncates
