@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
@@ -115,7 +116,7 @@ def test_caption_copies_every_member_and_adds_the_caption(reference, photo_shard
     from laionkit.encode.reader import find_shards
 
     inputs_before = digests(photo_shards)
-    assert sorted(path.name for path in reference.iterdir()) == [
+    assert sorted(path.name for path in reference.iterdir() if path.name != ".laionkit-caption-rank-0.lock") == [
         "00000.tar", "00000_stats.json", "00001.tar", "00001_stats.json", "00002.tar", "00002_stats.json",
         "caption.json"]
     seen = 0
@@ -186,8 +187,8 @@ def test_two_ranks_with_a_kill_give_the_reference_shards(reference, photo_shards
     output = tmp_path / "ranks"
     ranks = [_caption_process(photo_shards, tiny_vlm, output, "--workers", "0", env={**env, "RANK": str(rank)})
              for rank in (0, 1)]
-    partial = output / ".00000.tar.partial"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 600  # rank 0's temporary is named after its process (unique per writer)
+    partial = output / f".00000.tar.{socket.gethostname()}-{ranks[0].pid}.partial"
     while ranks[0].poll() is None and time.monotonic() < deadline and not (
             partial.exists() and partial.stat().st_size > 0):
         time.sleep(0.01)
@@ -201,7 +202,8 @@ def test_two_ranks_with_a_kill_give_the_reference_shards(reference, photo_shards
     assert digests(output) == digests(reference)
     records = {path.name: json.loads(path.read_text())["rank"] for path in output.glob("*_stats.json")}
     assert records == {"00000_stats.json": 0, "00001_stats.json": 1, "00002_stats.json": 0}
-    assert not [path.name for path in output.iterdir() if path.name.startswith(".")]
+    left = [path.name for path in output.iterdir() if path.name.startswith(".")]  # the killed one's temporary too
+    assert sorted(left) == [".laionkit-caption-rank-0.lock", ".laionkit-caption-rank-1.lock"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
@@ -225,6 +227,8 @@ def test_vllm_backend_without_vllm_is_one_line(photo_shards, tiny_vlm, tmp_path)
 @pytest.mark.parametrize(("flags", "message"), [
     (("--name", "alt"), "--name 'alt'"),
     (("--name", "a:b"), "--name 'a:b'"),
+    (("--name", "qwen2.5"), "--name 'qwen2.5': caption name 'qwen2.5' must be a letter then"),  # encode refused it
+    (("--name", "text"), "--name 'text': caption name 'text' must be"),  # a stored tensor's name
     (("--backend", "onnx"), "--backend 'onnx'"),
     (("--max-new-tokens", "0"), "--max-new-tokens"),
 ])

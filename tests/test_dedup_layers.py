@@ -342,3 +342,58 @@ def test_real_photos_copies_and_reencodes_are_found(tmp_path: Path):
     assert removed == {"copy-of-0": ("exact", names[0]), "reencode-of-1": ("phash", names[1]),
                        "half-of-2": ("phash", names[2])}
     assert keep == names[:len(photos)] and stats["removed"] == {"exact": 1, "phash": 2}
+
+
+def test_a_nan_or_inf_embedding_is_one_line_naming_the_file_and_row(tmp_path: Path):
+    """faiss asserted on them (a traceback), and a cosine with NaN matches nothing: refused, inputs and --against."""
+    data = planted()
+    data.emb[19, 0] = np.nan  # shard 00001, row 3
+    data.emb[40, 5] = np.inf  # shard 00002, row 8
+    scores = data.write(tmp_path / "scored")
+    for args in ([scores], [planted().write(tmp_path / "clean"), "--against", scores]):
+        result = run_cli("dedup", *args, "--output", tmp_path / "out", *FAST, check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"{scores / 'img_emb' / 'img_emb_00001.npy'}: row 3 of the embeddings holds NaN or Inf" in result.stderr
+    assert not (tmp_path / "out" / "stats.json").exists()
+
+
+def test_an_unsigned_phash_column_dedups_as_the_same_64_bits(tmp_path: Path):
+    """A uint64 pHash >= 2**63 (another tool's scores) failed a checked cast to int64; its bits are the pHash."""
+    data = planted()
+    signed = data.write(tmp_path / "signed")
+    unsigned = data.write(tmp_path / "unsigned")
+    for path in sorted((unsigned / "scores").glob("*.parquet")):
+        table = pq.read_table(path)
+        bits = pa.array([value & (2**64 - 1) for value in table["phash"].to_pylist()], pa.uint64())
+        pq.write_table(table.set_column(table.schema.get_field_index("phash"), "phash", bits), path)
+    assert max(pq.read_table(unsigned / "scores" / "00001.parquet")["phash"].to_pylist()) >= 2**63
+    run_cli("dedup", signed, "--output", tmp_path / "a", *FAST)
+    run_cli("dedup", unsigned, "--output", tmp_path / "b", *FAST)
+    assert read(tmp_path / "a")[:2] == read(tmp_path / "b")[:2] == (
+        [k for k in data.keys if k not in data.removed], data.removed)
+
+
+def test_keep_by_puts_nan_last_and_refuses_a_column_that_is_no_score(tmp_path: Path):
+    """FORMATS §7: nulls last; DuckDB sorts NaN above +inf, so the NaN row was kept over a 9.0."""
+    data = planted()
+    data.aesthetic[3] = float("nan")  # the exact group 3, 20, 21: 3 was kept by its NaN
+    data.aesthetic[21] = 9.0
+    scores = data.write(tmp_path / "scored")
+    run_cli("dedup", scores, "--output", tmp_path / "out", "--keep-by", "aesthetic", *FAST)
+    keep, removed, _ = read(tmp_path / "out")
+    assert "0021" in keep and removed["0003"] == removed["0020"] == ("exact", "0021")
+    for column in ("key", "sha256", "phash"):  # keys and hashes, numeric or not, are no score
+        result = run_cli("dedup", scores, "--output", tmp_path / column, "--keep-by", column, *FAST, check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"--keep-by {column}: that column names or hashes a row, it is not a score" in result.stderr
+
+
+def test_more_clusters_than_rows_is_refused_not_a_silent_empty_layer(tmp_path: Path):
+    scores = planted().write(tmp_path / "scored")
+    result = run_cli("dedup", scores, "--output", tmp_path / "out", "--clusters", "65", "--bucket-rows", "16", "-q",
+                     check=False)
+    assert result.returncode == 2 and "--clusters 65: more clusters than the 64 input rows" in result.stderr
+    run_cli("dedup", scores, "--output", tmp_path / "exact", "--clusters", "65", "--layers", "exact", "-q")
+    # 60 clusters for the 58 rows exact and phash leave: said, even with -q
+    result = run_cli("dedup", scores, "--output", tmp_path / "out", "--clusters", "60", "--bucket-rows", "16", "-q")
+    assert "--clusters 60 is more than the 58 rows the earlier layers left" in " ".join(result.stderr.split())

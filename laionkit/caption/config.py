@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 
+from laionkit.captions import check_name
 from laionkit.common import LaionkitError
 from laionkit.common.options import (
     QUIET_HELP,
@@ -18,9 +18,8 @@ from laionkit.common.options import (
 )
 
 DEFAULT_PROMPT = "Describe this image in detail."
-# A caption's name is a json key and a word of train's --caption-mix (alt:0.2,vlm:0.8): no separators in it,
-# and "alt" names the alt-text (the txt member).
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+# A caption's name is a json key and a word of encode's --captions and train's --caption-mix (alt:0.2,vlm:0.8):
+# their rule (laionkit.captions.check_name), and not "alt" nor "txt", which name the alt-text (the txt member).
 RESERVED_NAMES = ("alt", "txt")
 
 
@@ -65,8 +64,8 @@ class CaptionConfig:
         for name, flag in (("shards", "SHARDS"), ("output", "--output"), ("model", "--model")):
             if not getattr(self, name):
                 raise LaionkitError(f"give {flag}")
-        if not NAME_PATTERN.fullmatch(self.name) or self.name in RESERVED_NAMES:
-            raise LaionkitError(f"--name {self.name!r}: use letters, digits, '_', '.' or '-' (a json key and a "
-                                f"word of --caption-mix), not {' or '.join(RESERVED_NAMES)} (the alt-text)")
+        if self.name.lower() in RESERVED_NAMES:
+            raise LaionkitError(f"--name {self.name!r}: not {' or '.join(RESERVED_NAMES)}, which name the alt-text")
+        check_name(self.name, f"--name {self.name!r}")  # what encode --captions and train --caption-mix take
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.workers < 0:
             raise LaionkitError("--max-new-tokens and --batch-size must be >= 1, --workers >= 0")

@@ -18,7 +18,7 @@ from laionkit.caption.config import CaptionConfig
 from laionkit.caption.reader import CaptionBatches
 from laionkit.caption.records import record_path, settings_of, shard_complete, shard_record, write_plan
 from laionkit.caption.writer import CaptionedShard
-from laionkit.common import LaionkitError, resolve_rank, stage_device, storage
+from laionkit.common import LaionkitError, resolve_rank, runlock, stage_device, storage
 from laionkit.common.background import timed
 from laionkit.common.storage import Location
 from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo
@@ -35,26 +35,27 @@ def run(config: CaptionConfig, log: Callable[[str], None] = print) -> dict:
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "caption")
     storage.claim_output(output, "caption", config.overwrite)
-    if config.quiet:
-        import transformers.utils.logging
+    with runlock.holding(runlock.output_lock(output, "caption", rank.rank)):  # one process per rank
+        if config.quiet:
+            import transformers.utils.logging
 
-        transformers.utils.logging.disable_progress_bar()
-    captioner = load_captioner(config, stage_device(config.device, rank))
-    settings = settings_of(config, captioner, model_fingerprint(config.model))
-    write_plan(output, shards, settings)
+            transformers.utils.logging.disable_progress_bar()
+        captioner = load_captioner(config, stage_device(config.device, rank))
+        settings = settings_of(config, captioner, model_fingerprint(config.model))
+        write_plan(output, shards, settings)
 
-    counts, todo = rank_todo(shards, inputs, rank, lambda shard, samples: shard_complete(output, shard, settings, samples))
-    if not config.quiet:
-        log(f"laionkit caption: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
-            f"device {captioner.device}, {settings['dtype']}, config {json.dumps(asdict(config), default=str)}")
-    summary = {"rank": rank.rank, "shards": len(todo), "captioned": 0, "skipped": 0, "empty_captions": 0,
-               "seconds": 0.0}
-    if todo:
-        with tqdm(total=sum(counts[shard] for shard in todo), desc=f"caption rank {rank.rank}", unit="img",
-                  disable=config.quiet) as progress:
-            summary.update(_caption_shards(config, captioner, todo, output, settings, rank.rank, progress,
-                                           checked_reads(todo, inputs)))
-    return summary
+        counts, todo = rank_todo(shards, inputs, rank, lambda shard, samples: shard_complete(output, shard, settings, samples))
+        if not config.quiet:
+            log(f"laionkit caption: rank {rank.rank}/{rank.world_size}, {len(todo)} of {len(counts)} shards to do, "
+                f"device {captioner.device}, {settings['dtype']}, config {json.dumps(asdict(config), default=str)}")
+        summary = {"rank": rank.rank, "shards": len(todo), "captioned": 0, "skipped": 0, "empty_captions": 0,
+                   "seconds": 0.0}
+        if todo:
+            with tqdm(total=sum(counts[shard] for shard in todo), desc=f"caption rank {rank.rank}", unit="img",
+                      disable=config.quiet) as progress:
+                summary.update(_caption_shards(config, captioner, todo, output, settings, rank.rank, progress,
+                                               checked_reads(todo, inputs)))
+        return summary
 
 
 def _caption_shards(config, captioner, todo, output, settings, rank, progress, check) -> dict:

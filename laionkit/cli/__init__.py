@@ -23,6 +23,7 @@ from laionkit.cli.errors import (
     timeout_advice,
 )
 from laionkit.common import LaionkitError
+from laionkit.common.errors import write_refused, write_refused_line
 
 __all__ = ["app", "device_failed", "main", "memory_advice", "out_of_memory"]
 
@@ -30,7 +31,8 @@ __all__ = ["app", "device_failed", "main", "memory_advice", "out_of_memory"]
 def main() -> None:
     """Entry point: user mistakes (LaionkitError) become one red line and exit code 2, not a traceback; so
     does an out-of-memory (exit code 1), with the settings that lower memory, and a collective that timed out
-    waiting for another rank (exit code 1). A failed device prints its
+    waiting for another rank (exit code 1); a file system that refuses a write (full, read-only: exit code 2). A
+    failed device prints its
     traceback and exits 1 at once, skipping the teardown that can hang on a failed CUDA context (a launcher
     or a Slurm step then sees the failure instead of a silent hang)."""
     try:
@@ -42,6 +44,9 @@ def main() -> None:
         if out_of_memory(error):  # a batch too large for the device: a setting to change, not a bug to trace
             err_console.print(Text.assemble(("error:", "bold red"), f" {memory_advice(error)}"), soft_wrap=True)
             sys.exit(1)
+        if write_refused(error):  # a full or read-only disk: one line naming the file, as train's checkpoints say it
+            err_console.print(Text.assemble(("error:", "bold red"), f" {write_refused_line(error)}"), soft_wrap=True)
+            sys.exit(2)
         if collective_timed_out(error):  # a peer that stopped answering: the run is to restart, not to debug
             err_console.print(Text.assemble(("error:", "bold red"), f" {timeout_advice(error)}"), soft_wrap=True)
             sys.exit(1)

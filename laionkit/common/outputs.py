@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from laionkit.common.errors import LaionkitError
+from laionkit.common.errors import LaionkitError, write_refused, write_refused_line
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -56,9 +56,11 @@ def atomic_output(path: str | os.PathLike[str], shared: bool = False) -> Iterato
         _remove(tmp)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as error:
         if tmp.exists():
             _remove(tmp)
+        if write_refused(error):  # a full or read-only disk, named by the output (numpy's and pyarrow's errors do not)
+            raise LaionkitError(write_refused_line(error, final)) from None
         raise
     if final.is_dir() and tmp.is_dir():
         shutil.rmtree(final)

@@ -23,6 +23,7 @@ def count_samples(path: str | os.PathLike[str]) -> int:
 
     location = Location.parse(path)
     if location.local:
+        location.refuse_special()
         try:
             found = _count_local(location.path)
         except OSError as error:

@@ -64,17 +64,19 @@ import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, available_cpus, read_json, resolve_rank, split
 from laionkit.common.keys import read_keep_list
+from laionkit.common.runlock import holding, output_lock
 from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
 from laionkit.common.upstream import refuse_incomplete
-from laionkit.dedup.config import LAYERS, DedupConfig
+from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
 from laionkit.dedup.remote import digest, is_remote, mirror, read_stats, scratch_root
-from laionkit.dedup.steps import REMOVED, Finished, References, Work
+from laionkit.dedup.steps import REMOVED, Finished, References, Work, phash_column, refuse_non_finite
 from laionkit.filter.dedup import parquet_list, wait_for
 
 __all__ = ["DedupConfig", "LAYERS", "run"]
 
 KEEP_NAME, REMOVED_NAME, STATS_NAME = "keep.parquet", "removed.parquet", "stats.json"
+IDENTITY_COLUMNS = ("key", "shard", "sha256", "phash")  # never a --keep-by score
 
 
 def needed_columns(config: DedupConfig) -> dict[str, str]:
@@ -102,6 +104,9 @@ def check(config: DedupConfig) -> None:
         raise LaionkitError("--bucket-rows must be >= 1 and --clusters >= 0")
     if config.clusters_per_row < 1:
         raise LaionkitError(f"--clusters-per-row {config.clusters_per_row}: want >= 1 (each row's nearest clusters)")
+    if config.keep_by in IDENTITY_COLUMNS:
+        raise LaionkitError(f"--keep-by {config.keep_by}: that column names or hashes a row, it is not a score; "
+                            "name a score column (aesthetic, similarity, ...)")
     if config.keep and is_remote(config.keep):
         raise LaionkitError(f"--keep {config.keep}: a local parquet file or folder (copy the key list down first)")
 
@@ -145,11 +150,12 @@ def load_references(config: DedupConfig, units: list[Unit]) -> References:
                 if sha is not None:
                     sha256.setdefault(sha, base + i)
         if "phash" in columns:  # a reference without a pHash matches nothing by pHash
-            for i, value in enumerate(table["phash"].cast("int64").to_pylist()):
+            for i, value in enumerate(phash_column(table["phash"]).to_pylist()):
                 if value is not None:
                     phashes.append((value, base + i))
         if unit.embeddings is not None:
             vectors.append(normalise(np.asarray(np.load(unit.embeddings, mmap_mode="r"), np.float32)))
+            refuse_non_finite(unit.embeddings, vectors[-1], np.arange(len(vectors[-1])))
     index = None
     if vectors:
         data = np.ascontiguousarray(np.concatenate(vectors))
@@ -180,6 +186,11 @@ def run(config: DedupConfig) -> dict:
              for local, given in zip((*inputs, *against), (*config.inputs, *config.against), strict=True)
              if is_remote(given)}
     units = find_units(inputs, needed_columns(config), embeddings_why)
+    rows = units[-1].stop if units else 0
+    if "semantic" in config.layers and config.clusters > rows:
+        raise LaionkitError(f"--clusters {config.clusters}: more clusters than the {rows} input rows, so every row "
+                            "would be alone in its cluster and the semantic layer would find nothing; give at most "
+                            f"{rows} (0: one per {ROWS_PER_CLUSTER} rows)")
     reference_columns = {k: v for k, v in needed_columns(config).items() if k != config.keep_by}
     references = find_units(against, reference_columns, "--against with the semantic layer reads them"
                             if embeddings_why else None, role="--against") if against else []
@@ -202,6 +213,13 @@ def run(config: DedupConfig) -> dict:
         raise LaionkitError(f"{target / STATS_NAME} is from another run (other inputs or settings: {stats.get('settings')}); "
                             "choose another --output, or --overwrite to replace it")
 
+    with holding(output_lock(Location("", str(work_root)), "dedup", rank.rank)):  # one process per rank
+        return run_steps(config, rank, target, units, references, keep, identity, finished, work_root, shown)
+
+
+def run_steps(config: DedupConfig, rank, target: Location, units: list[Unit], references: list[Unit],
+              keep: frozenset[str] | None, identity: str, finished, work_root: Path, shown: dict[str, str]) -> dict:
+    """run's steps in ``work_root/.work-<identity>`` (each item once, resumed), then rank 0's outputs."""
     if (stats := finished()) is not None:
         return stats
     threads = config.threads or available_cpus()

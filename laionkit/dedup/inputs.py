@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError
-from laionkit.common.storage import npy_layout
+from laionkit.common.storage import Location, npy_layout
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ def find_units(folders: tuple[str, ...], columns: dict[str, str], embeddings: st
         if not files:
             raise LaionkitError(f"{role} {folder}: no scores/*.parquet in it (the layout `laionkit score` writes)")
         for path in files:
+            Location("", str(path)).refuse_special()
             schema = pq.read_schema(path)
             for name, why in columns.items():
                 if name not in schema.names:
@@ -64,6 +65,7 @@ def find_units(folders: tuple[str, ...], columns: dict[str, str], embeddings: st
             npy = None
             if embeddings is not None:
                 npy = embeddings_path(path)
+                Location("", str(npy)).refuse_special()
                 if not npy.is_file():
                     raise LaionkitError(f"{path}: no embeddings {npy} beside it ({embeddings})")
                 layout = npy_layout(str(npy))

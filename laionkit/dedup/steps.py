@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from laionkit.common import atomic_output
+from laionkit.common import LaionkitError, atomic_output
 from laionkit.common.keys import KeepList
 from laionkit.common.phash import BITS, hamming_many
 from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
@@ -130,8 +131,8 @@ class Work:
             "pos": pa.array(np.arange(unit.start, unit.stop, dtype=np.int64)),
             "key": table["key"].cast(pa.string()), "shard": table["shard"].cast(pa.string()),
             "sha256": table["sha256"].cast(pa.string()) if "sha256" in wanted else pa.nulls(unit.rows, pa.string()),
-            "phash": table["phash"].cast(pa.int64()) if "phash" in wanted else pa.nulls(unit.rows, pa.int64()),
-            "score": table[config.keep_by].cast(pa.float64()) if config.keep_by else pa.nulls(unit.rows, pa.float64()),
+            "phash": phash_column(table["phash"]) if "phash" in wanted else pa.nulls(unit.rows, pa.int64()),
+            "score": score_column(table[config.keep_by]) if config.keep_by else pa.nulls(unit.rows, pa.float64()),
         }
         rows = pa.table(columns)
         if self.keep is not None:  # rows outside --keep's list take part in nothing; positions stay global
@@ -177,7 +178,7 @@ class Work:
             todo = np.nonzero(match < 0)[0]
             if len(todo):
                 local = rows["pos"].to_numpy()[todo] - unit.start  # --keep may have dropped rows before them
-                similarity, nearest = refs.index.search(read_embeddings(unit, local), 1)
+                similarity, nearest = refs.index.search(finite_embeddings(unit, local), 1)
                 hit = similarity[:, 0] >= 1 - self.config.epsilon
                 match[todo[hit]] = nearest[hit, 0]
                 distance[todo[hit]] = 1 - similarity[hit, 0]
@@ -281,6 +282,10 @@ class Work:
                               .fetchnumpy()["pos"], np.int64) - u.start for u in self.units]
         total = sum(len(s) for s in survivors)
         clusters = max(1, min(self.clusters, total))
+        if self.clusters > total:  # said even with --quiet: the layer the user asked for finds nothing
+            print(f"dedup: warning: --clusters {self.clusters} is more than the {total} rows the earlier layers "
+                  f"left: k-means makes {clusters} clusters of one row each, so the semantic layer finds no "
+                  "duplicates; give fewer clusters", file=sys.stderr)
         stride = max(1, total // (clusters * 256))  # faiss's max_points_per_centroid: 256
         sample, seen = [], 0
         for unit, rows in zip(self.units, survivors):
@@ -288,7 +293,7 @@ class Work:
             picked = rows[offset::stride]
             seen += len(rows)
             if len(picked):
-                sample.append(read_embeddings(unit, picked))
+                sample.append(finite_embeddings(unit, picked))
         data = np.ascontiguousarray(np.concatenate(sample)) if sample else np.zeros((1, 1), np.float32)
         kmeans = faiss.Kmeans(data.shape[1], clusters, niter=self.config.kmeans_iterations, seed=self.config.seed,
                               spherical=True, max_points_per_centroid=1 << 30, min_points_per_centroid=1,
@@ -312,7 +317,7 @@ class Work:
             tmp.mkdir()
             if not len(local):
                 return
-            vectors = read_embeddings(unit, local)
+            vectors = finite_embeddings(unit, local)
             near = min(self.config.clusters_per_row, len(centroids))
             cluster = np.empty((len(local), near), np.int64)
             for lo in range(0, len(local), SIMILARITY_BLOCK):
@@ -403,11 +408,40 @@ class Work:
             unit = self.units[index]
             where = np.nonzero(owner == index)[0]
             local, inverse = np.unique(positions[where] - unit.start, return_inverse=True)
-            vectors = normalise(read_embeddings(unit, local).astype(np.float16).astype(np.float32))
+            vectors = normalise(finite_embeddings(unit, local).astype(np.float16).astype(np.float32))
             if out.shape[1] != vectors.shape[1]:
                 out = np.zeros((len(positions), vectors.shape[1]), np.float32)
             out[where] = vectors[inverse]
         return out
+
+
+def finite_embeddings(unit: Unit, rows: np.ndarray) -> np.ndarray:
+    """read_embeddings, refusing rows that hold NaN or Inf: faiss asserts on them, and every cosine with one is
+    NaN, so the row would silently match nothing."""
+    vectors = read_embeddings(unit, rows)
+    refuse_non_finite(unit.embeddings, vectors, rows)
+    return vectors
+
+
+def refuse_non_finite(path: Path, vectors: np.ndarray, rows: np.ndarray) -> None:
+    """One line naming the file and the first row (of ``rows``, the file's indices of ``vectors``) that is not finite."""
+    bad = np.nonzero(~np.isfinite(vectors).all(axis=1))[0]
+    if len(bad):
+        raise LaionkitError(f"{path}: row {int(rows[bad[0]])} of the embeddings holds NaN or Inf ({len(bad)} such "
+                            "rows); rescore that shard, or drop those rows from its scores parquet and embeddings")
+
+
+def phash_column(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """pHashes as int64 with their 64 bits kept: an unsigned column's values >= 2**63 become the negative int64
+    of the same bits (what `laionkit score` writes), which a checked cast refuses."""
+    return column.cast(pa.int64(), safe=not pa.types.is_unsigned_integer(column.type))
+
+
+def score_column(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """--keep-by's values as float64 with NaN made null: PRIORITY puts nulls last (docs/FORMATS.md §7), where
+    DuckDB would sort NaN above every number and keep the NaN row."""
+    values = column.cast(pa.float64())
+    return pc.if_else(pc.is_nan(values), pa.scalar(None, pa.float64()), values)
 
 
 def find(parent: np.ndarray, i: int) -> int:

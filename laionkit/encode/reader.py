@@ -100,6 +100,7 @@ def output_name(path: Path | Location) -> str:
 
 
 def _pack_count(record: Location) -> int:
+    record.refuse_special()
     try:
         return int(record.read_json()["successes"])
     except (OSError, ValueError, KeyError, TypeError, LaionkitError) as error:
@@ -143,6 +144,8 @@ def find_shards(specs: Sequence[str], log: Callable[[str], None] = print,
             raise LaionkitError(f"input shard {spec} does not exist")
         found += matches
     found = sorted(set(found), key=str)
+    for path in found:
+        path.refuse_special()
     names = Counter(output_name(path) for path in found)
     clashes = [name for name, count in names.items() if count > 1]
     if clashes:
@@ -207,6 +210,7 @@ def _files_members(shard: Location) -> dict[str, list[Location]]:
     """A files-format folder's samples: key (the name up to its first dot, as webdataset groups) -> files."""
     samples: dict[str, list[Location]] = {}
     for entry in shard.list(complete_only=None):
+        entry.refuse_special()
         if "." in entry.name:
             samples.setdefault(entry.name.split(".", 1)[0], []).append(entry)
     return dict(sorted(samples.items()))

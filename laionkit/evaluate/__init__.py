@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import time
 from dataclasses import asdict, dataclass, field
@@ -79,6 +80,7 @@ def check_folders(config: EvalConfig) -> None:
     if not (pipeline / "model_index.json").is_file():
         raise LaionkitError(f"PIPELINE {pipeline}: no model_index.json; give an exported diffusers pipeline folder "
                             "(RUN/pipeline, or `laionkit export RUN --format pipeline`)")
+    check_family(pipeline)
     if not Path(config.reference).exists():
         raise LaionkitError(f"--reference {config.reference}: no such folder or tar file")
     out = Path(config.output).expanduser().resolve()
@@ -87,6 +89,38 @@ def check_folders(config: EvalConfig) -> None:
         if out == source or source in out.parents:
             raise LaionkitError(f"--output {config.output} {'is' if out == source else 'lies inside'} {flag} "
                                 f"{given}; outputs never go into inputs, choose another folder")
+
+
+def check_family(pipeline: Path) -> None:
+    """The folder holds what the pipeline its model_index.json names draws with (that family's denoiser and
+    text encoders): one of another family's loads in diffusers and fails only once it generates."""
+    from laionkit.families import detect_family
+
+    spec = detect_family(str(pipeline))
+    folders = (spec.denoiser_subfolder, *(folder for pair in spec.text_encoders for folder in pair))
+    missing = [folder for folder in folders if not (pipeline / folder).is_dir()]
+    try:
+        denoiser = json.loads((pipeline / spec.denoiser_subfolder / "config.json").read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        denoiser = None
+    if missing or denoiser != spec.denoiser_class:
+        found = f"no {', '.join(missing)} folder" if missing else \
+            f"{spec.denoiser_subfolder}/ holds a {denoiser or 'model of no known class'}"
+        raise LaionkitError(f"PIPELINE {pipeline}: model_index.json names {spec.pipeline_class} ({spec.name}), but "
+                            f"the folder has {found} (that family draws with a {spec.denoiser_class}); give a "
+                            "pipeline exported whole (`laionkit export RUN --format pipeline`)")
+
+
+def check_output(output: Path) -> None:
+    """The output folder can be written (a file written and removed there), before anything is generated."""
+    probe = output / f".eval-probe-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise LaionkitError(f"--output {output}: cannot write there ({error.strerror or error}); nothing was "
+                            "generated") from None
 
 
 def pick_device(device: str | None):
@@ -237,7 +271,7 @@ def last_step(metrics: Path) -> int | None:
 def run(config: EvalConfig, log=print) -> dict:
     """Generate, score, write OUTPUT/eval.json (and the run's metrics.jsonl record); returns eval.json's
     content."""
-    from laionkit.evaluate.prompts import read_prompts
+    from laionkit.evaluate.prompts import read_prompts, reference_images
 
     check_folders(config)
     prompts = read_prompts(config.prompts, config.val_latents, config.count)
@@ -246,6 +280,8 @@ def run(config: EvalConfig, log=print) -> dict:
     cache: dict = {}
     load_scorers(config, device, cache)
     pipe = load_pipeline(Path(config.pipeline), device, config.dtype)
+    check_output(Path(config.output))  # the output and enough readable reference images, before generating
+    reference_images(Path(config.reference), None, config.reference_count)
     images = generate(pipe, prompts, config.seed, config.steps, config.batch_size, config.guidance_scale,
                       config.resolution, config.quiet, config.max_sequence_length)
     del pipe

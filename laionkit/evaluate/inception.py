@@ -14,6 +14,7 @@ afterwards, so a file of another architecture is refused by name.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 from pathlib import Path
@@ -64,13 +65,15 @@ def build_inception(state: dict | None = None) -> torch.nn.Module:
 
 
 def resolve_weights(source: str) -> Path:
-    """A local file, an http(s) URL (downloaded once into torch's hub cache), or a Hugging Face hub id
+    """A local file, an http(s) URL (downloaded once per URL into torch's hub cache), or a Hugging Face hub id
     ``owner/name`` (one of HUB_FILES) or ``owner/name/FILE``."""
     path = Path(source).expanduser()
     if path.is_file():
         return path
     if source.startswith(("http://", "https://")):
-        target = Path(torch.hub.get_dir()) / "checkpoints" / source.rsplit("/", 1)[-1]
+        # named by the URL's hash too: two URLs of one file name are two files (never one's weights for the other)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        target = Path(torch.hub.get_dir()) / "checkpoints" / f"{digest}-{source.rsplit('/', 1)[-1]}"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             try:

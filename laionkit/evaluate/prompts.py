@@ -60,22 +60,29 @@ def latent_captions(folder: Path | str, count: int) -> list[str]:
     return captions
 
 
-def _reference_files(source: Path) -> Iterator[tuple[str, bytes]]:
-    """(name, encoded bytes) of every image in a folder of images or of webdataset tars."""
+def _reference_files(source: Path) -> Iterator[tuple[str, bytes | None]]:
+    """(name, encoded bytes) of every image in a folder of images or of webdataset tars; None for a file that
+    cannot be read (no permission, or not a regular file: a FIFO would wait for a writer), a counted skip."""
     if source.is_file() and source.suffix == ".tar":
         tars, files = [source], []
     elif source.is_dir():
-        tars = sorted(source.glob("*.tar"))
+        tars = sorted(p for p in source.glob("*.tar") if p.is_file())
         files = sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     else:
         raise LaionkitError(f"--reference {source}: no such folder or tar file")
     for path in files:
-        yield str(path), path.read_bytes()
+        try:
+            yield str(path), path.read_bytes() if path.is_file() else None
+        except OSError:
+            yield str(path), None
     for tar in tars:
-        with tarfile.open(tar) as archive:
-            for member in archive:
-                if member.isfile() and Path(member.name).suffix.lower() in IMAGE_SUFFIXES:
-                    yield f"{tar}:{member.name}", archive.extractfile(member).read()
+        try:
+            with tarfile.open(tar) as archive:
+                for member in archive:
+                    if member.isfile() and Path(member.name).suffix.lower() in IMAGE_SUFFIXES:
+                        yield f"{tar}:{member.name}", archive.extractfile(member).read()
+        except (tarfile.TarError, OSError) as error:
+            raise LaionkitError(f"--reference {tar}: cannot read the tar ({error})") from None
 
 
 def square(image, size: int):
@@ -88,20 +95,26 @@ def square(image, size: int):
     return image.crop((left, top, left + side, top + side)).resize((size, size), Image.Resampling.BICUBIC)
 
 
-def reference_images(source: Path, size: int, limit: int = 0) -> tuple[np.ndarray, int]:
-    """(N, size, size, 3) uint8 reference images and the number of unreadable files skipped."""
-    from PIL import Image, UnidentifiedImageError
+def reference_images(source: Path, size: int | None, limit: int = 0) -> tuple[np.ndarray | None, int]:
+    """(N, size, size, 3) uint8 reference images and the number of files skipped: unreadable, not an image,
+    cut short, or a decompression bomb (more pixels than Pillow's limit). ``size`` None: only opened (their
+    headers read, so bombs and unreadable files are found), for the check before anything is generated;
+    the images are then None."""
+    from PIL import Image
 
     images, skipped = [], 0
     for _name, data in _reference_files(Path(source)):
         try:
+            if data is None:
+                raise OSError("unreadable")
             with Image.open(io.BytesIO(data)) as image:
-                images.append(np.asarray(square(image, size)))
-        except (UnidentifiedImageError, OSError):
+                images.append(np.asarray(square(image, size)) if size is not None else None)
+        except Exception:  # noqa: BLE001 - any unreadable image (Pillow's bomb error too) is a counted skip
             skipped += 1
             continue
         if limit and len(images) == limit:
             break
     if len(images) < 2:
-        raise LaionkitError(f"--reference {source}: {len(images)} readable images; FID and KID need at least 2")
-    return np.stack(images), skipped
+        raise LaionkitError(f"--reference {source}: {len(images)} readable images ({skipped} skipped); FID and "
+                            "KID need at least 2")
+    return (np.stack(images) if size is not None else None), skipped

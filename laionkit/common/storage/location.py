@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -17,6 +18,8 @@ from laionkit.common.storage.readers import DEFAULT_BLOCK, GuardedReader, Prefet
 
 DONE_SUFFIX = ".done"
 READ_ONLY = {"http", "https"}
+_SPECIAL = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+            (stat.S_ISBLK, "block device"))
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,20 @@ class Location:
         """Refuse a read-only store (http(s)://) before anything is written to it."""
         if self.protocol in READ_ONLY:
             raise LaionkitError(f"{self}: {self.protocol}:// URLs are read-only; write to a folder or s3://…")
+
+    def refuse_special(self) -> None:
+        """Refuse a local path that is neither a regular file nor a folder (a FIFO, socket or device named like
+        a shard or a parquet): opening a FIFO to read waits for a writer, so a stage would hang on it. An
+        object in a bucket is always a file; a missing path is left to whoever reads it."""
+        if not self.local:
+            return
+        try:
+            mode = os.stat(self.path).st_mode
+        except OSError:
+            return
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = next((name for test, name in _SPECIAL if test(mode)), "special file")
+            raise LaionkitError(f"{self}: a {kind}, not a regular file; refused (reading it could wait for ever)")
 
     # ---- queries --------------------------------------------------------------------------------
     def exists(self) -> bool:
