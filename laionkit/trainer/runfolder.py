@@ -150,6 +150,7 @@ class RunFolder:
 
     def _decide(self, config, run_outputs) -> str | None:
         """Rank 0: the checkpoint to download (None: none), after the fresh-run rules."""
+        storage.claim_output(self.remote, "train", config.overwrite)
         found = [entry for entry in self.remote.list(complete_only=False) if entry.name in run_outputs]
         complete = self.remote.join("checkpoints").list("step-*") if config.resume == "latest" else []
         metrics = self.remote / "metrics.jsonl"
