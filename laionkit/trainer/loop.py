@@ -80,6 +80,7 @@ from laionkit.trainer.precision import (
     apply_gradients,
     full_bf16_policy,
     make_optimizer,
+    rebase_lr,
     scaled_lr,
 )
 from laionkit.trainer.signals import StopFlag
@@ -365,6 +366,11 @@ def resume(trainer: Trainer) -> Path | None:
         # A checkpoint from before per-bucket counts had one bucket, which took every sample.
         counted = state.get("bucket_samples") or {buckets[0]: t.step * config.batch_size * config.grad_accum}
     t.bucket_samples = [int(counted.get(key, 0)) for key in buckets]
+    lr = scaled_lr(config, t.schedule.global_batch)
+    old = rebase_lr(t.lr_scheduler, t.optimizer, lr)
+    if old is not None:
+        accelerator.print(f"--lr {config.lr:g} --scale-lr {config.scale_lr}: the learning rate is {lr:.2e} at global "
+                          f"batch {t.schedule.global_batch}, the checkpoint's {old:.2e}; the schedule continues")
     accelerator.print(f"resumed from {folder} at step {t.step}")
     return folder
 
@@ -431,6 +437,8 @@ def open_records(trainer: Trainer) -> tuple[Path, Path]:
     if config.resume is not None:  # also with no checkpoint yet: a killed run's records are redone
         if main:
             truncate_jsonl(metrics_path, step)
+            for path in runfolder.dropped_ranks_records(config.output, accelerator.num_processes):  # onto fewer ranks
+                truncate_jsonl(path, step)  # (a URL --output uploads them again: RunFolder)
         if config.record_keys:
             truncate_jsonl(keys_path, step)
     if config.record_keys:

@@ -95,6 +95,13 @@ def start_over(config, where, found: list[str], checkpoint: bool, logged: int | 
                         "checkpoint folder")
 
 
+def dropped_ranks_records(output: Path, world: int) -> list[Path]:
+    """The seen-keys files (RUN/seen/rank-N.jsonl) of ranks N >= ``world``: after an elastic resume onto
+    fewer ranks no rank truncates them, so rank 0 does (their steps past the checkpoint are redone)."""
+    found = sorted((output / "seen").glob("rank-*.jsonl"))
+    return [path for path in found if path.stem[5:].isdigit() and int(path.stem[5:]) >= world]
+
+
 def _gather(accelerator, item) -> list:
     from accelerate.utils import gather_object
 
@@ -230,6 +237,9 @@ class RunFolder:
         own = self.local / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
         if own.is_file():
             self._put(own)
+        if accelerator.is_main_process:  # as rank 0 truncated them (loop.open_records)
+            for path in dropped_ranks_records(self.local, accelerator.num_processes):
+                self._put(path)
 
     def _put(self, path: Path) -> None:
         """One file or folder as plain objects (no done record): a single PUT is whole or absent."""
