@@ -280,6 +280,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+        if not 0 <= self.seed < 2**32:  # accelerate's set_seed seeds numpy, whose seeds are 32-bit
+            raise LaionkitError(f"--seed {self.seed}: must be an integer in [0, 2**32)")
         for name in ("lr", "epochs", "pg_timeout_minutes", "checkpoint_minutes"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
