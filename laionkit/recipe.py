@@ -54,7 +54,8 @@ def _as_list(value: Any) -> list:
 
 def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[str]:
     """Stage options as the command line a user would type; unknown keys are refused by name. A key is a
-    long flag without its dashes, `-` or `_` alike (options.command_keys, as `train --config` reads them)."""
+    long flag without its dashes, `-` or `_` alike (options.command_keys, as `train --config` reads them).
+    A list is several values of an option that repeats (--where); for any other the last would win."""
     keys = command_keys(command)
     argv = [stage]
     argv += [str(path) for path in _as_list(spec[INPUT_KEY])]
@@ -73,6 +74,8 @@ def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[st
             if value != param.default:
                 argv.append(flag if value else (param.secondary_opts or [flag])[0])
             continue
+        if isinstance(value, list) and not getattr(param, "multiple", False):
+            raise LaionkitError(f"{where}: `{key}` takes one value, not a list ({json.dumps(value)})")
         for item in _as_list(value):
             argv += [flag, str(item)]
     return argv
