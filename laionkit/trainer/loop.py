@@ -16,7 +16,7 @@ import base64
 import json
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import validation_grid, validation_prompts
 from laionkit.trainer.export import after_training, export
-from laionkit.trainer.metrics import MetricsWindow
+from laionkit.trainer.metrics import MetricsWindow, start_trackers
 from laionkit.trainer.model import build_unet, flops_per_sample, fsdp_wrap_units
 from laionkit.trainer.objective import (
     OnlineText,
@@ -444,8 +444,7 @@ def open_records(trainer: Trainer) -> tuple[Path, Path]:
     if config.record_keys:
         keys_path.parent.mkdir(parents=True, exist_ok=True)
     if main and accelerator.log_with:
-        tracker_config = {f.name: str(getattr(config, f.name)) for f in fields(config)}
-        accelerator.init_trackers("laionkit", config=tracker_config)
+        start_trackers(accelerator, config)
     return metrics_path, keys_path
 
 

@@ -148,7 +148,7 @@ class RunFolder:
             if name is not None:
                 self._download(self.remote.join("checkpoints", name), self.local / "checkpoints" / name)
             if config.resume is not None:  # the records truncate_jsonl cuts back to the checkpoint's step
-                for part in ("metrics.jsonl", "seen"):
+                for part in ("metrics.jsonl", "seen", "wandb.json"):  # and the W&B run a resume continues
                     self._download(self.remote / part, self.local / part)
         accelerator.wait_for_everyone()
         if name is not None and config.resume != "latest":
@@ -222,6 +222,7 @@ class RunFolder:
             storage.mark_done(target, {"sizes": sizes})
             self._prune(keep)
             self._put(self.local / "metrics.jsonl")
+            self._put(self.local / "wandb.json")  # absent without --log-with wandb: _put skips it
         accelerator.wait_for_everyone()
         if not final.is_dir() and folder.is_dir() and accelerator.is_local_main_process:
             shutil.rmtree(folder, ignore_errors=True)  # staged on a node rank 0 does not tidy
