@@ -40,20 +40,31 @@ def shipped() -> dict[str, bytes]:
 
 
 def copy(output: str | Path, overwrite: bool = False) -> list[str]:
-    """Write the shipped configs under ``output``; an existing file is refused unless ``overwrite``."""
+    """Write the shipped configs under ``output``; an existing file is refused unless ``overwrite``, a
+    file as ``output`` always, and a place that cannot be written (read-only, full, under a file) is
+    one line naming ``output``."""
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise LaionkitError(f"configs copy: {output} is a file, not a folder; choose a folder")
     files = shipped()
     if not overwrite:
         taken = [name for name in files if (output / name).exists()]
         if taken:
             raise LaionkitError(f"configs copy: {output} already holds {', '.join(taken[:3])}"
                                 f"{' ...' if len(taken) > 3 else ''}; choose another folder, or --overwrite")
-    for name, data in files.items():
-        target = output / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.partial")
-        tmp.write_bytes(data)
-        if name.endswith(".sh"):
-            tmp.chmod(0o755)
-        tmp.replace(target)
+    try:
+        for name, data in files.items():
+            _write(output / name, data, executable=name.endswith(".sh"))
+    except OSError as error:
+        raise LaionkitError(f"configs copy: cannot write {output} ({error.strerror or error}: "
+                            f"{error.filename})") from None
     return sorted(files)
+
+
+def _write(target: Path, data: bytes, executable: bool) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.partial")
+    tmp.write_bytes(data)
+    if executable:
+        tmp.chmod(0o755)
+    tmp.replace(target)

@@ -4,8 +4,9 @@ file, through the real commands.
 A recipe is validated whole before any stage runs (unknown stages or options, missing input paths),
 because a typo found after an hour of downloading is an hour lost. Each stage is invoked exactly as
 `laionkit STAGE ...` would be, so a recipe can always be replayed by hand. A stage whose last run
-finished with the same options is skipped (a `.laionkit-run/STAGE.json` record in the workdir); each
-stage resumes its own unfinished work anyway. Inputs, outputs and the workdir may be URLs (s3://...);
+finished with the same options on the same inputs (the files' sizes and times) is skipped (a
+`.laionkit-run/STAGE.json` record in the workdir); any other runs, resuming its own unfinished work and
+refusing an input that changed under it, as the stage alone would. Inputs, outputs and the workdir may be URLs (s3://...);
 their credentials come from the environment (AWS_*), as for the stages themselves.
 
 A stage runs more than once under names `STAGE@NAME` (`filter@scores:` after `filter:`), because a curation
@@ -45,6 +46,7 @@ class Step:
     argv: list[str]
     launch: dict[str, Any] | None
     output: str  # a path or URL
+    inputs: tuple[str, ...] = ()  # paths or URLs
 
 
 def _as_list(value: Any) -> list:
@@ -54,7 +56,8 @@ def _as_list(value: Any) -> list:
 
 def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[str]:
     """Stage options as the command line a user would type; unknown keys are refused by name. A key is a
-    long flag without its dashes, `-` or `_` alike (options.command_keys, as `train --config` reads them)."""
+    long flag without its dashes, `-` or `_` alike (options.command_keys, as `train --config` reads them).
+    A list is several values of an option that repeats (--where); for any other the last would win."""
     keys = command_keys(command)
     argv = [stage]
     argv += [str(path) for path in _as_list(spec[INPUT_KEY])]
@@ -73,6 +76,8 @@ def _argv(stage: str, spec: dict[str, Any], command: Any, where: str) -> list[st
             if value != param.default:
                 argv.append(flag if value else (param.secondary_opts or [flag])[0])
             continue
+        if isinstance(value, list) and not getattr(param, "multiple", False):
+            raise LaionkitError(f"{where}: `{key}` takes one value, not a list ({json.dumps(value)})")
         for item in _as_list(value):
             argv += [flag, str(item)]
     return argv
@@ -113,7 +118,7 @@ def load(path: Path, commands: dict[str, Any],
             if not _written_by(str(item), produced) and not Location.parse(str(item)).exists():
                 raise LaionkitError(f"{where}: input `{item}` does not exist and no earlier stage writes it")
         steps.append(Step(str(name), stage, _argv(stage, spec, commands[stage], where), spec.get(LAUNCH_KEY),
-                          str(spec["output"])))
+                          str(spec["output"]), tuple(str(item) for item in _as_list(spec[INPUT_KEY]))))
         produced.append(str(spec["output"]))
     return Location.parse(values["workdir"]), steps
 
@@ -129,6 +134,51 @@ def _record_path(workdir: Location, name: str) -> Location:
 
 def _fingerprint(step: Step) -> str:
     return hashlib.sha256(json.dumps([step.argv, step.launch]).encode()).hexdigest()
+
+
+# What identifies a file's content in a listing: local files and each object store's fields.
+IDENTITY = ("size", "mtime", "ETag", "etag", "LastModified", "md5Hash", "generation")
+
+
+def _inputs_state(step: Step) -> str:
+    """The inputs as a skip sees them: every file under the step's inputs (dot-names, temporaries and
+    locks, left out) with its size and modification time or etag. A skip on the record alone took an
+    input replaced at the same path (other rows) as done; when this differs the stage runs instead, and
+    its own checks decide (filter refuses a changed input, pack a changed shard), its finished units
+    resumed as usual."""
+    found = []
+    for given in step.inputs:
+        root = Location.parse(given)
+        entries = _local_listing(Path(root.path)) if root.local else _store_listing(root)
+        found += [[given, name, *(str(info[key]) for key in IDENTITY if key in info)]
+                  for name, info in sorted(entries.items()) if not _hidden(name)]
+    return hashlib.sha256(json.dumps(found).encode()).hexdigest()
+
+
+def _hidden(name: str) -> bool:
+    """A dot-name at any depth below the input (``.`` is the input file itself)."""
+    return name != "." and any(part.startswith(".") for part in name.split("/"))
+
+
+def _local_listing(root: Path) -> dict[str, dict]:
+    """The files under ``root`` (or ``root`` itself) by path relative to it, with size and mtime."""
+    paths = sorted(root.rglob("*")) if root.is_dir() else [root] if root.is_file() else []
+    found = {}
+    for path in filter(Path.is_file, paths):
+        stat = path.stat()
+        found[path.relative_to(root).as_posix()] = {"size": stat.st_size, "mtime": stat.st_mtime_ns}
+    return found
+
+
+def _store_listing(root: Location) -> dict[str, dict]:
+    """The objects under ``root`` (or ``root`` itself) by key relative to it, with what the store lists."""
+    if not root.exists():
+        return {}
+    if not root.is_dir():
+        return {".": root.fs.info(root.path)}
+    prefix = root.path.rstrip("/") + "/"
+    return {key[len(prefix):]: info for key, info in root.fs.find(root.path, detail=True).items()
+            if key.startswith(prefix)}
 
 
 def _launch_argv(step: Step) -> list[str]:
@@ -160,9 +210,9 @@ def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], 
             echo: Callable[[str], None]) -> None:
     """Run the steps in order; `invoke` runs one laionkit command in-process and raises LaionkitError."""
     for step in steps:
-        record = _record_path(workdir, step.name)
+        record, inputs = _record_path(workdir, step.name), _inputs_state(step)
         if record.is_complete() and record.read_json().get("fingerprint") == _fingerprint(step) \
-                and Location.parse(step.output).exists():
+                and record.read_json().get("inputs") == inputs and Location.parse(step.output).exists():
             echo(f"[{step.name}] complete with these options; skipped ({record})")
             continue
         echo(f"[{step.name}] {shlex.join(command_line(step))}")
@@ -171,5 +221,5 @@ def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], 
             _run_step(step, invoke)
         except LaionkitError as error:
             raise LaionkitError(f"stage `{step.name}` failed: {error}; later stages not run") from None
-        storage.write_json(record, {"fingerprint": _fingerprint(step), "argv": step.argv,
+        storage.write_json(record, {"fingerprint": _fingerprint(step), "inputs": inputs, "argv": step.argv,
                             "seconds": round(time.perf_counter() - start, 2)})

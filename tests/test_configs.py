@@ -58,3 +58,19 @@ def test_the_docker_image_installs_the_s3_and_ops_extras():
     wanted = [set(found.split(",")) for line in installs for found in re.findall(r"\.\[([\w,-]+)\]", line)]
     assert any({"s3", "ops"} <= chosen for chosen in wanted), installs
     assert {"s3", "ops"} <= set(extras)
+
+
+def test_configs_copy_onto_a_file_or_where_it_cannot_write_is_one_line(tmp_path: Path):
+    """A file as DIR, and a DIR under a regular file (unwritable even for root): tracebacks before."""
+    from conftest import run_cli
+
+    (tmp_path / "file").write_text("mine")
+    for target, message in [(tmp_path / "file", f"configs copy: {tmp_path / 'file'} is a file, not a folder"),
+                            (tmp_path / "file" / "configs", f"configs copy: cannot write {tmp_path / 'file'}")]:
+        result = run_cli("configs", "copy", target, check=False)
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr.replace("\n", "") and "Traceback" not in result.stderr, result.stderr
+        assert (tmp_path / "file").read_text() == "mine"
+    for overwrite in ((), ("--overwrite",)):
+        result = run_cli("configs", "copy", tmp_path / "file", *overwrite, check=False)
+        assert result.returncode == 2 and "is a file, not a folder" in result.stderr, result.stderr

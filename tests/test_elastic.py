@@ -167,3 +167,26 @@ def test_add_shards_joins_from_the_next_epoch_and_is_refused_without_the_flag(la
     record = data_record(last_checkpoint(run))
     assert record["progress"]["from_epoch"] == [0] * 4 + [1] * 4
     assert record["history"][-1]["added_shards"] == [f"c{c}_{n:05d}.tar" for c in (2, 3) for n in (0, 1)]
+
+
+def test_onto_fewer_ranks_the_dropped_ranks_records_and_the_scaled_lr_follow_the_checkpoint(latent_shards, tmp_path):
+    """2 ranks run a step past their checkpoint, then 1 rank resumes: rank 1's record of that step was kept
+    (its samples recorded twice in the epoch), and --scale-lr sqrt kept the 2-rank rate (lr x sqrt 2)."""
+    run = tmp_path / "run"
+    lr = ("--lr", "2e-3", "--scale-lr", "sqrt", "--batch-size", 1)
+    finish(torchrun(2, latent_shards, run, "--workers", 0, *lr, "--max-steps", 3, "--checkpoint-every", 2,
+                    "--no-checkpoint-at-end"))
+    first = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert first[3] == pytest.approx(2e-3 * 2 ** 0.5)
+    result = run_cli("train", latent_shards, "--output", run, *TINY, "--workers", 0, *lr, "--max-steps", 6,
+                     "--resume", "latest")
+    assert "elastic resume at step 2" in result.stdout, result.stdout[-3000:]
+    assert "--scale-lr sqrt: the learning rate is 2.00e-03 at global batch 1, the checkpoint's 2.83e-03" \
+        in result.stdout, result.stdout[-3000:]
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == list(range(1, 7))
+    assert all(records[step]["lr"] == pytest.approx(2e-3) for step in range(3, 7))
+    dropped = [json.loads(line)["step"] for line in (run / "seen" / "rank-00001.jsonl").read_text().splitlines()]
+    assert dropped == [1, 2]
+    epoch0 = collections.Counter(key for key, epoch in trained(run) if epoch == 0)
+    assert set(epoch0.values()) == {1} and set(epoch0) == keys_of(latent_shards)

@@ -157,3 +157,50 @@ def test_in_process_train_gives_the_signal_handlers_back(latent_shards, tmp_path
                              batch_size=2, workers=0, log_with="none", quiet=True))
     assert result.step == 1 and (tmp_path / "run" / "unet").is_dir()
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_sigterm_with_a_spot_nodes_30_s_grace_leaves_a_complete_resumable_checkpoint(latent_shards, tmp_path):
+    """The Kubernetes train Job as a spot node runs it: its checkpoint flags (--checkpoint-minutes, the async
+    writer), 2 ranks under torchrun, SIGTERM to torchrun (preStop -> tini -> torchrun), and SIGKILL to
+    everything left 30 s later (GKE Spot and AKS Spot give at most that). The newest checkpoint is complete
+    and --resume latest continues from it."""
+    import re
+
+    import yaml
+
+    from laionkit.trainer.checkpoint import complete_checkpoints, verify_checkpoint
+
+    manifest = Path(__file__).resolve().parents[1] / "pipelines" / "k8s" / "train-job.yaml"
+    [container] = list(yaml.safe_load_all(manifest.read_text()))[1]["spec"]["template"]["spec"]["containers"]
+    script = container["args"][2]
+    writer = re.search(r"--checkpoint-writer (\S+)", script).group(1)
+    minutes = float(re.search(r"--checkpoint-minutes (\S+)", script).group(1))
+    assert writer in ("async", "auto") and 0 < minutes <= 30
+    run, grace = tmp_path / "run", 30
+    # minutes as seconds here: periodic checkpoints come during the test's steps too
+    flags = ("--checkpoint-writer", writer, "--checkpoint-minutes", minutes / 60 / 60, "--resume", "latest")
+    process = subprocess.Popen(torchrun(2, latent_shards, run, "--max-steps", 1000, *flags), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while steps_done(run) < 2:
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no 2 steps in 120 s"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            out, _ = process.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            signal_all(process_tree(process.pid), signal.SIGKILL)
+            out, _ = process.communicate()
+    finally:
+        if process.poll() is None:
+            signal_all(process_tree(process.pid), signal.SIGKILL)
+            process.wait()
+    stopped = [int(step) for step in re.findall(r"stopped by signal 15 at step (\d+)", out)]
+    assert len(stopped) == 2 and len(set(stopped)) == 1, out[-3000:]
+    newest = complete_checkpoints(run)[-1]
+    assert newest.name == f"step-{stopped[0]:08d}" and verify_checkpoint(newest) is None
+    resumed = run_cli(*single(latent_shards, run, "--max-steps", stopped[0] + 1, *flags, "--workers", 0)[3:])
+    assert f"resumed from {newest} at step {stopped[0]}" in resumed.stdout, resumed.stdout[-3000:]
+    assert sorted(losses(run)) == list(range(1, stopped[0] + 2))

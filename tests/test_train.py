@@ -524,6 +524,8 @@ def test_bad_options_are_refused_before_anything_runs(tmp_path, options, message
     (lambda d: (d / "00000.stats.json").write_text("{}"), (), "a shard record lacks"),
     (None, ("--lr", "nan"), "--lr nan: must be a finite number > 0"),  # the other option checks: below
     (None, ("--output", "FILE"), "is a file, not a run folder"),
+    (None, ("--seed", "-1"), "--seed -1: must be an integer in [0, 2**32)"),
+    (None, ("--seed", str(2**64)), f"--seed {2**64}: must be an integer in [0, 2**32)"),
     (None, ("--output", "INSIDE"), "lies inside the input"),
 ])
 def test_bad_input_is_one_clear_line(latent_shards, tmp_path, damage, args, message):

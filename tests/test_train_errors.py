@@ -126,3 +126,28 @@ def test_a_disk_full_at_a_checkpoint_is_one_line_and_leaves_no_checkpoint(latent
     assert line.startswith(f"error: step 2: the disk of {run} ("), line
     assert "is full: no space for checkpoint step-00000002" in line and "--resume latest" in line, line
     assert list((run / "checkpoints").iterdir()) == []
+
+
+def test_train_refuses_another_stages_folder_in_one_line(latent_shards, bucket_latents, image_shards, realdata,
+                                                         score_models, tmp_path):
+    """train wrote checkpoints/ into a score, latents or pack folder (exit 0) where every other stage
+    refuses one; --overwrite writes there anyway, as it does for the other stages."""
+    from fixtures import pack_folder
+
+    scored = tmp_path / "scored"
+    run_cli("score", image_shards / "00000.tar", "--output", scored, "--clip-model", score_models["config"],
+            "--clip-pretrained", score_models["weights"], "--workers", "0")
+    latents = tmp_path / "latents"
+    shutil.copytree(bucket_latents, latents)
+    folders = {"score's scores": scored, "encode's latent shards": latents,
+               "pack's image shards": pack_folder(tmp_path / "packed", realdata)}
+    for kind, folder in folders.items():
+        before = sorted(p.name for p in folder.iterdir())
+        result = run_cli("train", latent_shards, "--output", folder, *TINY, "--max-steps", "1", "--workers", "0",
+                         check=False)
+        assert result.returncode == 2, result.stderr[-3000:]
+        line = _one_error_line(result.stderr)
+        assert f"--output {folder} holds {kind}" in line, line
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == before
+    run_cli("train", latent_shards, "--output", latents, *TINY, "--max-steps", "1", "--workers", "0", "--overwrite")
+    assert (latents / "unet").is_dir()

@@ -245,3 +245,26 @@ def test_each_flow_stratum_is_diffusers_flow_match_scale_noise_at_its_shifted_si
             noisy = scheduler.scale_noise(x0, timestep, noise)
             want.append(_mse(unet(noisy, timestep, text, return_dict=False)[0], noise - x0))
     assert got["val_loss_strata"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bucketed_latents_train_with_the_validation_loss_and_grids_on(bucket_latents, tmp_path, ranks):
+    """--val-latents with --validate-every on bucketed latents stopped at the first grid: its prompts were
+    collated with their latents, whose shapes differ (torch.stack). The grid needs the text alone."""
+    run = tmp_path / "run"
+    args = ("train", bucket_latents, "--output", run, "--unet-config", "tiny", "--batch-size", "2", "--log-with",
+            "none", "--quiet", "--max-steps", "2", "--workers", "0", "--val-latents", bucket_latents, "--val-every",
+            "2", "--val-samples", "3", "--val-strata", "1", "--validate-every", "2", "--validation-count", "4",
+            "--validation-steps", "1")
+    if ranks == 1:
+        run_cli(*args)
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(free_port()), "-m", "laionkit.cli"]
+        result = subprocess.run([*launcher, *map(str, args)], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert len((run / "samples" / "prompts.txt").read_text().splitlines()) == 4
+    assert (run / "samples" / "step-000002.png").stat().st_size > 0
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and record["val_loss"] > 0

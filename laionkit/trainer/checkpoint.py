@@ -28,6 +28,7 @@ from laionkit.common import (
 )
 from laionkit.common.models import sha256_file, weights_error
 from laionkit.common.outputs import partial_path
+from laionkit.common.storage import claim_output
 from laionkit.trainer import runfolder, runlock
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.precision import MasterWeights
@@ -307,12 +308,14 @@ def claim_run_folder(config: TrainConfig, accelerator) -> None:
     """A fresh run never mixes into another's outputs: the main rank takes the folder's lock first (one
     train per folder, laionkit/trainer/runlock.py), then a folder that holds a run is refused unless --resume
     continues it or --overwrite deletes it first (runfolder.start_over: also a --resume latest that has
-    no checkpoint to continue from)."""
+    no checkpoint to continue from). A folder that holds another stage's outputs is refused as every
+    stage refuses it (storage.claim_output), unless --overwrite."""
     answer = [None, False]  # error, start over
     if accelerator.is_main_process:
         try:
             config.output.mkdir(parents=True, exist_ok=True)
             runlock.hold(runlock.LocalLock(config.output))
+            claim_output(config.output, "train", config.overwrite)
             found = [name for name in RUN_OUTPUTS if (config.output / name).exists()]
             answer = [None, runfolder.start_over(config, config.output, found, bool(complete_checkpoints(
                 config.output)), runfolder.last_logged_step(config.output / "metrics.jsonl"))]

@@ -165,6 +165,12 @@ class TrainConfig:
     log_every: int = option(10, "Log (and check for SIGTERM) every N steps.")
     log_with: Literal["tensorboard", "wandb", "none"] = option(
         "tensorboard", "tensorboard, wandb or none (metrics.jsonl is always written).")
+    # --log-with wandb: wandb.init's project, entity, name and tags; the run id is kept in RUN/wandb.json
+    wandb_project: str | None = option(None, "--log-with wandb: the W&B project (default: laionkit).")
+    wandb_entity: str | None = option(None, "--log-with wandb: the W&B entity (team or user; default: yours).")
+    wandb_run_name: str | None = option(
+        None, "--log-with wandb: the W&B run's name (default: W&B's); a resume keeps the run's id.")
+    wandb_tags: str | None = option(None, "--log-with wandb: comma-separated W&B tags.")
     validate_every: int = option(0, "Sample images every N steps (0: never).")
     validation_count: int = option(4, "Fixed prompts: the first N captions of the first shard.")
     validation_steps: int = option(25, "DDIM steps per validation image.")
@@ -280,10 +286,16 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be >= {low}")
+        if not 0 <= self.seed < 2**32:  # accelerate's set_seed seeds numpy, whose seeds are 32-bit
+            raise LaionkitError(f"--seed {self.seed}: must be an integer in [0, 2**32)")
         for name in ("lr", "epochs", "pg_timeout_minutes", "checkpoint_minutes"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise LaionkitError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
+        given = [name for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags")
+                 if getattr(self, name) is not None]
+        if given and self.log_with != "wandb":
+            raise LaionkitError(f"--{given[0].replace('_', '-')} goes with --log-with wandb (not {self.log_with})")
         if self.add_shards and self.resume is None:
             raise LaionkitError("--add-shards goes with --resume: it takes new shards into a run that continues")
         if self.resume not in (None, "latest") and self.overwrite:

@@ -21,7 +21,8 @@ from laionkit.trainer.objective import OnlineText, drop_captions
 def validation_conditioning(data: LatentSet, count: int, online: OnlineText | None = None
                             ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """Fixed prompts: the captions and stored text tensors (by stored key) of the first samples of the
-    first shard, and their size fields."""
+    first shard, and their size fields. Their latents are left out: a grid draws its own, and bucketed
+    samples' latents differ in shape, so they do not collate."""
     import webdataset as wds
 
     from laionkit.latents import decode
@@ -31,7 +32,7 @@ def validation_conditioning(data: LatentSet, count: int, online: OnlineText | No
     captions, rows = [], []
     for sample in samples:
         captions.append(json.loads(sample["json"]).get("caption", "") if "json" in sample else sample["__key__"])
-        rows.append(decode(sample))
+        rows.append({name: value for name, value in decode(sample).items() if name != "moments"})
         if len(rows) == count:
             break
     batch = collate(rows)  # trimmed text padded to the longest prompt

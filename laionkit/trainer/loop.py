@@ -16,7 +16,7 @@ import base64
 import json
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import validation_grid, validation_prompts
 from laionkit.trainer.export import after_training, export
-from laionkit.trainer.metrics import MetricsWindow
+from laionkit.trainer.metrics import MetricsWindow, start_trackers
 from laionkit.trainer.model import build_unet, flops_per_sample, fsdp_wrap_units
 from laionkit.trainer.objective import (
     OnlineText,
@@ -80,6 +80,7 @@ from laionkit.trainer.precision import (
     apply_gradients,
     full_bf16_policy,
     make_optimizer,
+    rebase_lr,
     scaled_lr,
 )
 from laionkit.trainer.signals import StopFlag
@@ -365,6 +366,11 @@ def resume(trainer: Trainer) -> Path | None:
         # A checkpoint from before per-bucket counts had one bucket, which took every sample.
         counted = state.get("bucket_samples") or {buckets[0]: t.step * config.batch_size * config.grad_accum}
     t.bucket_samples = [int(counted.get(key, 0)) for key in buckets]
+    lr = scaled_lr(config, t.schedule.global_batch)
+    old = rebase_lr(t.lr_scheduler, t.optimizer, lr)
+    if old is not None:
+        accelerator.print(f"--lr {config.lr:g} --scale-lr {config.scale_lr}: the learning rate is {lr:.2e} at global "
+                          f"batch {t.schedule.global_batch}, the checkpoint's {old:.2e}; the schedule continues")
     accelerator.print(f"resumed from {folder} at step {t.step}")
     return folder
 
@@ -431,13 +437,14 @@ def open_records(trainer: Trainer) -> tuple[Path, Path]:
     if config.resume is not None:  # also with no checkpoint yet: a killed run's records are redone
         if main:
             truncate_jsonl(metrics_path, step)
+            for path in runfolder.dropped_ranks_records(config.output, accelerator.num_processes):  # onto fewer ranks
+                truncate_jsonl(path, step)  # (a URL --output uploads them again: RunFolder)
         if config.record_keys:
             truncate_jsonl(keys_path, step)
     if config.record_keys:
         keys_path.parent.mkdir(parents=True, exist_ok=True)
     if main and accelerator.log_with:
-        tracker_config = {f.name: str(getattr(config, f.name)) for f in fields(config)}
-        accelerator.init_trackers("laionkit", config=tracker_config)
+        start_trackers(accelerator, config)
     return metrics_path, keys_path
 
 

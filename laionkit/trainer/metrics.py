@@ -3,12 +3,14 @@ JSON (no NaN)."""
 
 from __future__ import annotations
 
+import secrets
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from laionkit.common import LaionkitError, strict_json
+from laionkit.common import LaionkitError, read_json, strict_json, write_json
 from laionkit.trainer import ranktimes
 from laionkit.trainer.checkpoint import last_good
 
@@ -107,3 +109,28 @@ class MetricsWindow:
     def close(self) -> None:
         if self.exporter is not None:
             self.exporter.close()
+
+
+WANDB_RECORD = "wandb.json"  # RUN/wandb.json: the W&B run this run folder logs to
+
+
+def start_trackers(accelerator, config) -> None:
+    """Rank 0: the --log-with trackers, the run's options as their config. W&B gets --wandb-project,
+    --wandb-entity, --wandb-run-name and --wandb-tags, and the run id of RUN/wandb.json: written by the
+    run that started it and read by a resume, which continues that W&B run (resume="allow") instead of
+    starting another (a resume keeps the recorded project and entity unless given). W&B's local files go
+    to RUN/logs, not the working directory."""
+    values = {f.name: str(getattr(config, f.name)) for f in fields(config)}
+    if config.log_with != "wandb":
+        accelerator.init_trackers("laionkit", config=values)
+        return
+    record = config.output / WANDB_RECORD
+    found = read_json(record) if config.resume is not None and record.is_file() else {}
+    run = {"id": found.get("id") or secrets.token_hex(4), "project": config.wandb_project or found.get("project")
+           or "laionkit", "entity": config.wandb_entity or found.get("entity")}
+    write_json(record, run)
+    (config.output / "logs").mkdir(exist_ok=True)
+    tags = [tag.strip() for tag in (config.wandb_tags or "").split(",") if tag.strip()]
+    accelerator.init_trackers(run["project"], config=values, init_kwargs={"wandb": {
+        "id": run["id"], "resume": "allow", "entity": run["entity"], "name": config.wandb_run_name,
+        "tags": tags or None, "dir": str(config.output / "logs")}})

@@ -148,3 +148,22 @@ def scaled_lr(config: TrainConfig, global_batch: int) -> float:
     """diffusers' --scale_lr rule: --lr is per sample and grows with the global batch (linearly or by sqrt)."""
     factor = {"none": 1.0, "linear": global_batch, "sqrt": math.sqrt(global_batch)}[config.scale_lr]
     return config.lr * factor
+
+
+def rebase_lr(lr_scheduler, optimizer, lr: float) -> float | None:
+    """After a resume: the checkpoint restored its own base rate, which --scale-lr computed for the global
+    batch it was written with; an elastic resume changes that batch. Every group's rate is scaled to this
+    run's ``lr`` (the schedule's position kept: a LambdaLR's rate is base x factor(step)). Returns the
+    checkpoint's base rate where it differed, else None."""
+    inner = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's AcceleratedScheduler wraps it
+    old = inner.base_lrs[0]
+    if math.isclose(old, lr, rel_tol=1e-9):
+        return None
+    factor = lr / old
+    inner.base_lrs = [base * factor for base in inner.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return old

@@ -95,6 +95,13 @@ def start_over(config, where, found: list[str], checkpoint: bool, logged: int | 
                         "checkpoint folder")
 
 
+def dropped_ranks_records(output: Path, world: int) -> list[Path]:
+    """The seen-keys files (RUN/seen/rank-N.jsonl) of ranks N >= ``world``: after an elastic resume onto
+    fewer ranks no rank truncates them, so rank 0 does (their steps past the checkpoint are redone)."""
+    found = sorted((output / "seen").glob("rank-*.jsonl"))
+    return [path for path in found if path.stem[5:].isdigit() and int(path.stem[5:]) >= world]
+
+
 def _gather(accelerator, item) -> list:
     from accelerate.utils import gather_object
 
@@ -141,7 +148,7 @@ class RunFolder:
             if name is not None:
                 self._download(self.remote.join("checkpoints", name), self.local / "checkpoints" / name)
             if config.resume is not None:  # the records truncate_jsonl cuts back to the checkpoint's step
-                for part in ("metrics.jsonl", "seen"):
+                for part in ("metrics.jsonl", "seen", "wandb.json"):  # and the W&B run a resume continues
                     self._download(self.remote / part, self.local / part)
         accelerator.wait_for_everyone()
         if name is not None and config.resume != "latest":
@@ -150,6 +157,7 @@ class RunFolder:
 
     def _decide(self, config, run_outputs) -> str | None:
         """Rank 0: the checkpoint to download (None: none), after the fresh-run rules."""
+        storage.claim_output(self.remote, "train", config.overwrite)
         found = [entry for entry in self.remote.list(complete_only=False) if entry.name in run_outputs]
         complete = self.remote.join("checkpoints").list("step-*") if config.resume == "latest" else []
         metrics = self.remote / "metrics.jsonl"
@@ -214,6 +222,7 @@ class RunFolder:
             storage.mark_done(target, {"sizes": sizes})
             self._prune(keep)
             self._put(self.local / "metrics.jsonl")
+            self._put(self.local / "wandb.json")  # absent without --log-with wandb: _put skips it
         accelerator.wait_for_everyone()
         if not final.is_dir() and folder.is_dir() and accelerator.is_local_main_process:
             shutil.rmtree(folder, ignore_errors=True)  # staged on a node rank 0 does not tidy
@@ -229,6 +238,9 @@ class RunFolder:
         own = self.local / "seen" / f"rank-{accelerator.process_index:05d}.jsonl"
         if own.is_file():
             self._put(own)
+        if accelerator.is_main_process:  # as rank 0 truncated them (loop.open_records)
+            for path in dropped_ranks_records(self.local, accelerator.num_processes):
+                self._put(path)
 
     def _put(self, path: Path) -> None:
         """One file or folder as plain objects (no done record): a single PUT is whole or absent."""
