@@ -80,7 +80,7 @@ def score_lacks(folder: Location) -> str | None:
 
 
 def dedup_lacks(folder: Location) -> str | None:
-    from laionkit.dedup import STATS_NAME
+    from laionkit.dedup.config import STATS_NAME
 
     if (folder / STATS_NAME).is_complete():
         return None
@@ -109,7 +109,7 @@ def pack_lacks(folder: Location) -> str | None:
 
 
 def filter_lacks(folder: Location) -> str | None:
-    from laionkit.filter.folder import existing_parts, plan_location, read_record
+    from laionkit.filter.records import existing_parts, plan_location, read_record
 
     plan = plan_location(folder)
     if plan is None:

@@ -67,7 +67,7 @@ from laionkit.common.keys import read_keep_list
 from laionkit.common.runlock import holding, output_lock
 from laionkit.common.storage import Location, atomic_write, claim_output, refuse_overlap, write_json
 from laionkit.common.upstream import refuse_incomplete
-from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, DedupConfig
+from laionkit.dedup.config import LAYERS, ROWS_PER_CLUSTER, STATS_NAME, DedupConfig
 from laionkit.dedup.inputs import Unit, find_units, normalise
 from laionkit.dedup.remote import digest, is_remote, mirror, read_stats, scratch_root
 from laionkit.dedup.steps import REMOVED, Finished, References, Work, phash_column, refuse_non_finite
@@ -75,7 +75,7 @@ from laionkit.filter.dedup import parquet_list, wait_for
 
 __all__ = ["DedupConfig", "LAYERS", "run"]
 
-KEEP_NAME, REMOVED_NAME, STATS_NAME = "keep.parquet", "removed.parquet", "stats.json"
+KEEP_NAME, REMOVED_NAME = "keep.parquet", "removed.parquet"
 IDENTITY_COLUMNS = ("key", "shard", "sha256", "phash")  # never a --keep-by score
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 LAYERS = ("exact", "phash", "semantic")  # the order they apply in, whatever order --layers names them
 DEFAULT_BUCKET_ROWS = 4_000_000
 ROWS_PER_CLUSTER = 10_000  # --clusters 0: ceil(rows / this), SemDeDup's LAION-440M scale (50k clusters)
+STATS_NAME = "stats.json"  # written last, after keep.parquet: its presence says dedup finished (common.upstream)
 
 
 @dataclass(frozen=True)

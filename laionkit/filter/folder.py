@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from laionkit.common import LaionkitError, Rank, refuse_other_settings, storage, versions
@@ -20,24 +19,21 @@ from laionkit.common.storage import Location
 from laionkit.filter.config import FilterConfig
 from laionkit.filter.inputs import Unit
 from laionkit.filter.plan import Plan
+from laionkit.filter.records import (  # noqa: F401 - the folder's names, read where the folder is
+    JSON_PLAN_NAME,
+    JSON_STATS_GLOB,
+    LEGACY_PLAN_NAME,
+    PART_NAME,
+    PLAN_NAME,
+    SIDECAR_KEY,
+    SIDECARS,
+    STATS_GLOB,
+    STATS_KEY,
+    existing_parts,
+    plan_location,
+    read_record,
+)
 from laionkit.filter.sql import glob_literal, literal, nullable, quote
-
-# Sidecars (the plan, each rank's stats) live in _laionkit/ as parquet files with no rows, the parts'
-# columns and the record in their footer: pandas, pyarrow.dataset and Spark skip "_" names, while
-# polars.read_parquet(DIR) reads every file below DIR (refusing other extensions) and
-# datasets.load_dataset(DIR) every non-hidden one; a parquet file with the same columns and no row group
-# adds no row to either.
-SIDECARS = "_laionkit"
-PLAN_NAME = f"{SIDECARS}/filter-plan.parquet"
-STATS_GLOB = "filter-stats-*.parquet"  # in SIDECARS
-SIDECAR_KEY = "laionkit.filter.record"
-JSON_PLAN_NAME = "_filter-plan.json"  # folders filtered before the sidecars moved: still read, resumed
-JSON_STATS_GLOB = "_stats-*.json"
-LEGACY_PLAN_NAME = "filter-plan.json"  # before sidecars were "_"-named
-
-
-STATS_KEY = "laionkit.filter.unit"
-PART_NAME = re.compile(r"^part-(\d{5})-(\d{6})\.parquet$")
 
 
 @dataclass
@@ -48,16 +44,6 @@ class RuleCounts:
     nulls: int = 0
 
 
-def existing_parts(output: Location) -> dict[int, Location]:
-    """Finished parts (in an object store: those with their done record)."""
-    parts = {}
-    for path in output.list("part-*.parquet"):
-        match = PART_NAME.match(path.name)
-        if match:
-            parts[int(match.group(2))] = path
-    return parts
-
-
 def unit_stats_from_part(path: Location) -> dict:
     """A finished unit's stats: the counts its footer records, and its rows kept, which the part holds."""
     with path.open_read(block_size=2**20) as handle:
@@ -66,15 +52,6 @@ def unit_stats_from_part(path: Location) -> dict:
     if STATS_KEY.encode() not in metadata:
         raise LaionkitError(f"{path}: no laionkit stats in its footer (not written by laionkit filter?)")
     return {**json.loads(metadata[STATS_KEY.encode()]), "rows_out": footer.num_rows}
-
-
-def plan_location(folder: Location | Path | str) -> Location | None:
-    """The folder's plan sidecar (an older folder's JSON one), None when it has none."""
-    folder = Location.parse(folder)
-    for path in (folder / PLAN_NAME, folder / JSON_PLAN_NAME):
-        if path.is_complete() and not path.is_dir():
-            return path
-    return None
 
 
 def stats_paths(folder: Location | Path | str) -> list[Location]:
@@ -97,24 +74,6 @@ def write_sidecar(path: Location, record: dict, plan: Plan, connection: duckdb.D
     with storage.atomic_write(path, shared=shared, staging=plan.staging) as tmp:
         connection.execute(f"COPY (SELECT {', '.join(map(nullable, output))} FROM ({source})) TO {literal(str(tmp))} "
                            f"(FORMAT parquet, KV_METADATA {{{literal(SIDECAR_KEY)}: {metadata}}})").fetchall()
-
-
-def read_record(path: Location) -> dict:
-    """A sidecar record (plan or rank stats; parquet footer or older JSON), or a one-line error naming it."""
-    try:
-        if path.name.endswith(".parquet"):
-            # Read whole (a footer and no row): one GET, and no stale listing cache of an object store
-            metadata = pq.read_metadata(pa.BufferReader(path.read_bytes())).metadata or {}
-            if SIDECAR_KEY.encode() not in metadata:
-                raise ValueError(f"no {SIDECAR_KEY} in its footer")
-            record = json.loads(metadata[SIDECAR_KEY.encode()])
-        else:
-            record = path.read_json()
-    except (OSError, ValueError, pa.ArrowException, LaionkitError) as error:
-        raise LaionkitError(f"{path}: unreadable ({error}); delete it and rerun the filter") from None
-    if not isinstance(record, dict):
-        raise LaionkitError(f"{path}: not a laionkit filter record; delete it and rerun the filter")
-    return record
 
 
 def refuse_changed_inputs(plan_path: Location, found: dict, wanted: dict) -> None:

@@ -249,7 +249,7 @@ def check_pickles(folder: Path, deepspeed: bool) -> None:
     otherwise."""
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
-    from laionkit.trainer.checkpoint_async import read_metadata
+    from laionkit.trainer.dcpmetadata import read_metadata
 
     for path in sorted(folder.rglob(".metadata")):
         read_metadata(path)

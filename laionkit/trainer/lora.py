@@ -26,7 +26,7 @@ export). The invariants:
   targets) as its ``lora_adapter_metadata``, without which the loader takes alpha = rank; beside it
   ``lora_kohya.safetensors``, the same adapters in kohya / ComfyUI naming with an ``.alpha`` per module, every
   family (``kohya_layers``): ComfyUI reads no adapter metadata, and its key maps read none of the diffusers
-  file's SD / SDXL names. Each export folder names the run's newest checkpoint (export.record_export).
+  file's SD / SDXL names. Each export folder names the run's newest checkpoint (exportrecord.record_export).
   (Sana's SanaPipeline loads its RUN/lora the same way.) PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
@@ -267,7 +267,7 @@ def _save_lora(model, named: dict, folder: Path) -> str | None:
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    from laionkit.trainer.export import record_export
+    from laionkit.trainer.exportrecord import record_export
 
     state = {name: value.detach().float().cpu().contiguous() for name, value in named.items()}
     peft_layers = get_peft_model_state_dict(model, state_dict=state)
@@ -404,7 +404,7 @@ def _save_peft_adapter(model, layers: dict, folder: Path, kohya: dict | None) ->
     ComfyUI reads PEFT's names too, but PEFT's file has no ``.alpha``, so ComfyUI would take alpha = rank."""
     from safetensors.torch import save_file
 
-    from laionkit.trainer.export import record_export
+    from laionkit.trainer.exportrecord import record_export
 
     with atomic_output(folder) as tmp:
         tmp.mkdir(parents=True)
