@@ -1,9 +1,9 @@
 """`laionkit train --block-swap N`: on one GPU, N of the family's blocks keep their weights in host memory.
 
-The last N blocks of ``FamilySpec.blocks`` (in forward order) are *swapped*. Before a swapped block runs, its
-weights are on the GPU; the next swapped block's are copied in on a side CUDA stream while this one computes
-(from pinned host memory, so the copy overlaps), and every other swapped block's weights are dropped from the
-GPU. Backward walks the blocks in reverse: a hook on a block's outputs fires when their gradient is ready,
+The last N blocks of ``FamilySpec.blocks`` are *swapped*. Before a swapped block runs, its weights are on the
+GPU; the next swapped block's (in the order the first forward ran them) are copied in on a side CUDA stream
+while this one computes (from pinned host memory, so the copy overlaps), and every other swapped block's
+weights are dropped from the GPU. Backward walks the blocks in reverse: a hook on a block's outputs fires when their gradient is ready,
 i.e. before the block's own backward ops run, and brings its weights back (prefetching the block before it).
 So at any moment at most two swapped blocks are on the GPU (the one computing and the one being copied in),
 in forward, in backward and in the forward that activation checkpointing recomputes (it runs after the
@@ -55,6 +55,10 @@ class BlockSwap:
         self.dirty: set[int] = set()  # resident blocks whose host copy is stale (a full fine-tune's rest state)
         self.pending: dict[int, object] = {}
         self.current: int | None = None
+        # the swapped blocks' order of execution, learned as forward runs (blocks() lists modules in the order
+        # they were registered, which is not always the order a forward calls them: a UNet's mid block)
+        self.following: dict[int, int] = {}
+        self.previous: int | None = None
         self.backward_queued = False
 
     @property
@@ -126,7 +130,7 @@ class BlockSwap:
     def rest(self) -> None:
         """Between steps: a full fine-tune has every weight on the device (the step and EMA read them there,
         and may change them: dirty); LoRA leaves the frozen weights where they are."""
-        self.current = None
+        self.current = self.previous = None
         self.backward_queued = False
         if not self.trained:
             return
@@ -145,8 +149,12 @@ class BlockSwap:
 
     def _before_forward(self, index: int):
         def hook(module, args):
-            if self.current != index:  # the same block again: checkpointing's recompute inside backward
-                self.activate(index, index + 1 if index + 1 < len(self.blocks) else None)
+            if self.current == index:  # the same block again: checkpointing's recompute inside backward
+                return
+            if self.previous is not None:
+                self.following[self.previous] = index
+            self.previous = index
+            self.activate(index, self.following.get(index))
         return hook
 
     def _after_forward(self, index: int):
@@ -155,7 +163,7 @@ class BlockSwap:
                 for tensor in _tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._before_backward(index))
-            elif index == len(self.blocks) - 1:  # a forward without backward ends here
+            elif index not in self.following:  # a forward without backward ends here
                 self.rest()
         return hook
 
@@ -164,7 +172,7 @@ class BlockSwap:
             if not self.backward_queued:  # once per backward pass: rest when it ends
                 self.backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.rest)
-            self.activate(index, index - 1 if index > self.first else None)
+            self.activate(index, next((before for before, after in self.following.items() if after == index), None))
         return hook
 
 
@@ -212,9 +220,8 @@ def place(unet, config, family, accelerator):
     count = check_run(config, family, unet, accelerator)
     kept = {id(p) for block in family.blocks(unet)[count - config.block_swap:] for p in block.parameters()}
     for module in unet.modules():
-        for param in module.parameters(recurse=False):
-            if id(param) not in kept:
-                param.data = param.data.to(device)
+        for param in module.parameters(recurse=False):  # a from-scratch base drawn on the GPU leaves it here
+            param.data = param.data.to("cpu" if id(param) in kept else device)
         for name, buffer in module.named_buffers(recurse=False):
             module._buffers[name] = buffer.to(device)
     return unet
