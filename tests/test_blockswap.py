@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import assert_lora_resumed_like
+from fixtures import assert_lora_resumed_like, assert_same_exports
 
 from laionkit.trainer.blockswap import BlockSwap
 
@@ -153,15 +153,19 @@ def test_block_swap_trains_the_plain_runs_weights(flow_latents, tmp_path, monkey
             assert torch.equal(want[key], have[key]), (name, key)
 
 
-def test_block_swap_resumes_exactly(flow_latents, tmp_path):
-    latents, *args = flux_args(flow_latents, lora=True)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_block_swap_resumes_exactly_with_ema(flow_latents, tmp_path, lora):
+    latents, *args = flux_args(flow_latents, lora=lora)
     args = (*args, "--block-swap", "2", "--checkpoint-every", "2", "--ema", "--ema-decay", "0.5",
-            "--export", "auto")
+            "--export", "auto", "--checkpointing", "blocks")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_cli("train", latents, "--output", whole, *args, "--max-steps", "4")
     run_cli("train", latents, "--output", resumed, *args, "--max-steps", "4",
             "--resume", whole / "checkpoints" / "step-00000002")
-    assert_lora_resumed_like(whole, resumed, [3, 4])
+    if lora:
+        assert_lora_resumed_like(whole, resumed, [3, 4])
+    else:
+        assert_same_exports(whole, resumed)
 
 
 @pytest.mark.parametrize("flags, message", [
