@@ -3,8 +3,9 @@
 The last N blocks of ``FamilySpec.blocks`` are *swapped*. Before a swapped block runs, its weights are on the
 GPU; the next swapped block's (in the order the first forward ran them) are copied in on a side CUDA stream
 while this one computes (from pinned host memory, so the copy overlaps), and every other swapped block's
-weights are dropped from the GPU. Backward walks the blocks in reverse: a hook on a block's outputs fires when their gradient is ready,
-i.e. before the block's own backward ops run, and brings its weights back (prefetching the block before it).
+weights are dropped from the GPU. Backward walks the blocks in reverse: a hook on a block's outputs fires when
+their gradient is ready, i.e. before the block's own backward ops run, and brings its weights back (prefetching
+the block before it).
 So at any moment at most two swapped blocks are on the GPU (the one computing and the one being copied in),
 in forward, in backward and in the forward that activation checkpointing recomputes (it runs after the
 block's backward hook has brought the weights in, and the pre-forward hook leaves the current block alone).

@@ -294,8 +294,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         deepspeed["gradient_clipping"] = config.max_grad_norm
     if accelerator.distributed_type == DistributedType.FSDP:
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
-    # --block-swap: build placed the model; accelerate's .to(device) would bring the host's blocks back
-    unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=[not config.block_swap, True])
+    # --block-swap: placed above; accelerate's .to(device) would bring the host's blocks back
+    placement = [False, True] if config.block_swap else None
+    unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=placement)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
         lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
