@@ -51,6 +51,9 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
           full-parameter depth fraction under the default policy (fp32 master weights). Qwen-Image and
           FLUX.2 [dev]: a full-parameter depth fraction (``FRACTIONS``) under ``--full-bf16``.
+(swap)    ``--block-swap N``: `laionkit train --block-swap 0` and ``N`` (LoRA-64, ``--swap-kinds lora,full`` adds
+          full-parameter rows) on a pipeline folder holding the full-size random-init transformer in bf16, same
+          seed: samples/s, peak GiB and the first five losses of each (``swap_rows``); ``--parts swap`` runs it alone.
 
 The latents come from `laionkit encode` of generated photos with the family's tiny VAE at the real
 downsampling (16 channels at 8x for SD3, Flux, Z-Image and Qwen-Image; for Sana a tiny 32-channel DC-AE at 32x,
@@ -63,6 +66,8 @@ own process.
     python scripts/bench_train_flow.py --family pixart --parts online --out /tmp/pixart   # stored vs online only
     python scripts/bench_train_flow.py --family sana --resolutions 1024 512 --ab-resolutions 1024 512 \
         --parts peak,a,b,online,lora --out /tmp/sana --report $OUT
+    python scripts/bench_train_flow.py --family flux --parts swap --block-swap 30 --resolutions 512 --images 32 \
+        --text-layers 1 --steps 6 --out /tmp/swap --report $OUT                           # block swap, one H100
 """
 
 from __future__ import annotations
