@@ -51,6 +51,9 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
           full-parameter depth fraction under the default policy (fp32 master weights). Qwen-Image and
           FLUX.2 [dev]: a full-parameter depth fraction (``FRACTIONS``) under ``--full-bf16``.
+(swap)    ``--block-swap N``: `laionkit train --block-swap 0` and ``N`` (LoRA-64, ``--swap-kinds lora,full`` adds
+          full-parameter rows) on a pipeline folder holding the full-size random-init transformer in bf16, same
+          seed: samples/s, peak GiB and the first five losses of each (``swap_rows``); ``--parts swap`` runs it alone.
 
 The latents come from `laionkit encode` of generated photos with the family's tiny VAE at the real
 downsampling (16 channels at 8x for SD3, Flux, Z-Image and Qwen-Image; for Sana a tiny 32-channel DC-AE at 32x,
@@ -63,6 +66,8 @@ own process.
     python scripts/bench_train_flow.py --family pixart --parts online --out /tmp/pixart   # stored vs online only
     python scripts/bench_train_flow.py --family sana --resolutions 1024 512 --ab-resolutions 1024 512 \
         --parts peak,a,b,online,lora --out /tmp/sana --report $OUT
+    python scripts/bench_train_flow.py --family flux --parts swap --block-swap 30 --resolutions 512 --images 32 \
+        --text-layers 1 --steps 6 --out /tmp/swap --report $OUT                           # block swap, one H100
 """
 
 from __future__ import annotations
@@ -551,6 +556,11 @@ def main() -> None:
     parser.add_argument("--fp8-steps", type=int, default=200)
     parser.add_argument("--fp8-resolution", type=int, default=512)
     parser.add_argument("--fp8-batch", type=int, default=16)
+    parser.add_argument("--block-swap", type=int, default=0,
+                        help="(swap): `laionkit train --block-swap N` against N = 0 on a pretrained folder holding "
+                             "the full-size random-init transformer in bf16 (LoRA-64; --swap-kinds full adds "
+                             "full-parameter rows): samples/s, peak GiB and the first losses of each")
+    parser.add_argument("--swap-kinds", default="lora", help="(swap): comma list of lora, full")
     parser.add_argument("--child", choices=["bare", "peak"])
     parser.add_argument("--text-len", type=int, help="child: a masked family's text length")
     parser.add_argument("--lora", type=int, help="child: LoRA adapters of this rank on the frozen model")
@@ -592,7 +602,9 @@ def main() -> None:
         window = max(2, args.steps // 3)
         total = steps or window * 4
         measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
-                       "--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]),
+                       # config "": the extra flags name a pretrained --transformer (swap_rows)
+                       *(("--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]))
+                         if config != "" else ()),
                        "--batch-size", str(batch), "--max-steps", str(total), "--log-every", str(log_every or window),
                        "--checkpoint-every", str(10**9), "--no-checkpoint-at-end", "--export", "none",
                        "--log-with", "none", "--quiet", "--workers", "4", "--shuffle-buffer", "64",
@@ -685,6 +697,9 @@ def main() -> None:
         flags = [flag for flag in flags if not (args.smoke and flag == "--full-bf16")]
         train(f"big-full-{tag}-{first}", latents_at(first), 1, "--checkpointing", "blocks", *flags, config=str(path))
 
+    if args.block_swap:  # (swap): what --block-swap N costs and saves against the same run without it
+        swap_rows(args, train, latents_at(first), models, results)
+
     summary = {"date": time.strftime("%Y-%m-%d"), "family": family, "device": torch.cuda.get_device_name(0)
                if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
     save_results(summary, args.out, args.report, suffix=f"-{family}", tail=8000)
@@ -726,7 +741,47 @@ def main() -> None:
         print(f"  fp8 speed-up: {rate('fp8-on') / rate('fp8-off'):.3f}; mean loss, second half: fp8 "
               f"{statistics.mean(on[tail:]):.4f} vs bf16 {statistics.mean(off[tail:]):.4f} (bf16 step-to-step "
               f"std {statistics.pstdev(off[tail:]):.4f})")
+    for kind in args.swap_kinds.split(",") if args.block_swap else ():
+        off, on = results.get(f"swap0-{kind}", {}), results.get(f"swap{args.block_swap}-{kind}", {})
+        if off.get("losses") and on.get("losses"):
+            print(f"  block swap {args.block_swap} {kind}: {(on.get('samples_per_s') or 0) / (off.get('samples_per_s') or 1):.3f}"
+                  f" x the samples/s, peak {on.get('gpu_mem_gib')} vs {off.get('gpu_mem_gib')} GiB, largest loss "
+                  f"difference over the first steps {max(abs(a - b) for a, b in zip(on['losses'], off['losses'])):.3g}")
     print(f"total {time.perf_counter() - started:.0f} s")
+
+
+def swap_rows(args, train: Callable, latents: Path, models: Path, results: dict) -> None:
+    """(swap) rows: `laionkit train --transformer FOLDER` with --block-swap 0 and N, same seed and data, a loss
+    logged every step. The folder is the tiny pipeline with the full-size random-init transformer saved in bf16
+    (the tiny one under --smoke): a pretrained base is what block swap is for, and what it keeps off the GPU
+    from the load on (a from-scratch build draws every weight on the GPU first)."""
+    import diffusers
+
+    from laionkit.families import get_family
+
+    spec = get_family(args.family)
+    folder = args.out / "swap-base"
+    if not (folder / "model_index.json").exists():
+        shutil.copytree(models, folder, dirs_exist_ok=True)
+        if not args.smoke:
+            arch = spec.configs[CONFIG[args.family]]
+            torch.manual_seed(0)
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(torch.bfloat16)
+            shutil.rmtree(folder / spec.denoiser_subfolder)
+            model.save_pretrained(folder / spec.denoiser_subfolder)
+            del model
+            free_gpu()
+    kinds = {"lora": ("--lora-rank", "64", "--checkpointing", "blocks"),
+             "full": ("--checkpointing", "blocks", *(() if args.smoke else ("--full-bf16",)))}
+    for kind in args.swap_kinds.split(","):
+        for n in (0, args.block_swap):
+            name = f"swap{n}-{kind}"
+            train(name, latents, LORA_BATCH.get(args.resolutions[0], 2), "--transformer", str(folder), "--seed", "0",
+                  "--block-swap", str(n), *kinds[kind], config="", log_every=1)
+            logged = args.out / f"{name}-metrics.jsonl"
+            if logged.exists():
+                results[name]["losses"] = [json.loads(line)["loss"] for line in logged.read_text().splitlines()][:5]
 
 
 if __name__ == "__main__":

@@ -128,6 +128,13 @@ class TrainConfig:
         False, "With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, "
         "instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")
     channels_last: bool = option(False, "channels_last memory format for the UNet.")
+    # --- block swap on one GPU (laionkit/trainer/blockswap.py) ---
+    block_swap: int = option(
+        0, "One GPU: the last N of the family's blocks keep their weights in (pinned) host memory, each copied in "
+        "on a side stream one block ahead of use, in forward and backward. LoRA: the frozen base's weights swap "
+        "(the adapters stay on the GPU), so a base larger than the GPU trains; full fine-tune: weights leave the "
+        "GPU only during forward and backward (gradients and optimizer state stay), less activation-time memory. "
+        "0: off. Not with --compile, FSDP, DeepSpeed or several ranks.")
     tf32: bool = option(True, "TF32 matmuls and convolutions in float32.")
     seed: int = option(0, "Seed: model init (same on every rank), data order and noise.")
     workers: int = option(2, "DataLoader workers per rank.")
@@ -323,6 +330,7 @@ class TrainConfig:
         trainchecks.check_eval(self)
         trainchecks.check_fp8(self)
         trainchecks.check_export(self)
+        trainchecks.check_block_swap(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block

@@ -36,6 +36,7 @@ from laionkit.latents import (
     end_workers,
 )
 from laionkit.trainer import (
+    blockswap,
     checkpoint_async,
     datastate,
     evalhook,
@@ -247,7 +248,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
         unet = build_unet(config, data)
     trainchecks.check_guidance(config, data.family, unet)
-    unet = unet.to(device)
+    unet = blockswap.place(unet, config, data.family, accelerator)  # unet.to(device); --block-swap: see there
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
@@ -275,6 +276,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         data.family.compile_blocks(unet, dynamic=config.compile_dynamic, mode=config.compile_mode)
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
+    blockswap.attach(unet, config, data.family, accelerator)  # --block-swap N (laionkit/trainer/blockswap.py)
     unet.train()
     full_bf16 = full_bf16_policy(config, accelerator, unet)
     master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
@@ -293,7 +295,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         deepspeed["gradient_clipping"] = config.max_grad_norm
     if accelerator.distributed_type == DistributedType.FSDP:
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
+    # --block-swap: placed above; accelerate's .to(device) would bring the host's blocks back
+    placement = [False, True] if config.block_swap else None
+    unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=placement)
     if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
         lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.

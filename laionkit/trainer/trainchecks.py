@@ -195,3 +195,12 @@ def check_export(config) -> None:
                             "--lora-random-base's base is random and never saved: give --export none")
     if config.export_files not in FILE_MODES:
         raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
+
+
+def check_block_swap(config) -> None:
+    """--block-swap N (laionkit/trainer/blockswap.py); the ranks and the block count are checked at build."""
+    if config.block_swap < 0:
+        raise LaionkitError(f"--block-swap {config.block_swap}: must be >= 0 (0: off)")
+    if config.block_swap and config.compile:
+        raise LaionkitError(f"--block-swap {config.block_swap} with --compile: the swap moves weights in hooks "
+                            "around each block, which a compiled block does not run; drop one of them")
