@@ -43,6 +43,7 @@ from laionkit.trainer import (
     fsdp,
     lora,
     memory,
+    offload,
     runfolder,
     runlock,
     trainchecks,
@@ -156,6 +157,7 @@ def make_accelerator(config: TrainConfig):
 
     timeout = config.pg_timeout_minutes
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
+    offload.request(config)  # --cpu-offload: FSDP2's CPUOffloadPolicy (laionkit/trainer/offload.py)
     accelerator = Accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))] if timeout else None,
         gradient_accumulation_steps=config.grad_accum,
@@ -243,10 +245,11 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     set_seed(config.seed)  # the same initial weights on every rank
     # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
-    with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
+    home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
+    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
         unet = build_unet(config, data)
     trainchecks.check_guidance(config, data.family, unet)
-    unet = unet.to(device)
+    unet = unet.to(home)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):

@@ -195,3 +195,11 @@ def check_export(config) -> None:
                             "--lora-random-base's base is random and never saved: give --export none")
     if config.export_files not in FILE_MODES:
         raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
+
+
+def check_offload(config) -> None:
+    """--cpu-offload's combinations (TrainConfig.__post_init__); that the launch is FSDP is checked when the
+    Accelerator is built (laionkit/trainer/offload.py)."""
+    if config.cpu_offload and config.ema:
+        raise LaionkitError("--cpu-offload with --ema: FSDP2 keeps a shard of each weight per rank and EMA needs "
+                            "whole ones on every rank (DDP or DeepSpeed ZeRO-2); drop --ema")
