@@ -1,6 +1,8 @@
 """Offload with real ranks on CPU (gloo): FSDP2's CPUOffloadPolicy (--cpu-offload) under `accelerate launch
 --config_file train/fsdp.yaml`, on 2 ranks and on a world of 1 (how one GPU runs it), against the plain FSDP2
-run; and the one-line refusals of what does not compose.
+run; DeepSpeed ZeRO-3 with its parameters and optimizer offloaded (train/deepspeed-zero3-offload.yaml), against
+DDP, and ZeRO-3 on SD3 in bf16 (train/deepspeed-zero3.yaml): DeepSpeed's own CPU ranks (laionkit/trainer/zero.py);
+and the one-line refusals of what does not compose.
 
 On CPU ranks the "host" and the "device" are the same memory, so what these tests check is FSDP2's offload
 path itself (the shards kept as host tensors, gradients copied to them, the optimizer stepping them,
@@ -9,6 +11,8 @@ checkpoints and exports read from them), not the PCIe traffic a GPU run pays (do
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from fixtures import accelerate_launch, finish, metrics
 from laionkit.common import LaionkitError
 
 REPO = Path(__file__).resolve().parents[1]
+UNET = ("--unet-config", "tiny", "--lr", "1e-3", "--grad-accum", "2", "--max-grad-norm", "0.05")
 SD3 = ("--transformer-config", "tiny", "--lr", "1e-3", "--max-grad-norm", "0.05", "--grad-accum", "2")
 
 
@@ -62,10 +67,8 @@ def test_one_process_fsdp2_cpu_offload_is_how_one_gpu_runs_it(latent_shards, tmp
     from diffusers import UNet2DConditionModel
 
     run = tmp_path / "run"
-    command = accelerate_launch("fsdp.yaml", "no", latent_shards, run, "--unet-config", "tiny", "--max-steps", 2,
-                                "--checkpoint-every", 2, "--cpu-offload")
-    command[command.index("--num_processes") + 1] = "1"
-    result = finish(command)
+    result = finish(one_process(accelerate_launch("fsdp.yaml", "no", latent_shards, run, "--unet-config", "tiny",
+                                                  "--max-steps", 2, "--checkpoint-every", 2, "--cpu-offload")))
     assert "FSDP2 CPU offload" in result.stdout
     assert sorted(metrics(run)) == [1, 2]
     assert (run / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
@@ -87,3 +90,74 @@ def test_cpu_offload_with_ema_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(LaionkitError, match="--cpu-offload with --ema"):
         TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1, cpu_offload=True,
                     ema=True)
+
+
+def one_process(command: list[str]) -> list[str]:
+    command[command.index("--num_processes") + 1] = "1"
+    return command
+
+
+def test_zero3_offload_trains_resumes_and_exports_as_ddp(latent_shards, tmp_path):
+    """train/deepspeed-zero3-offload.yaml on 2 ranks in fp32, accumulating and clipped: DeepSpeed's
+    partitioned checkpoint at step 2, resumed, logs DDP's losses and gradient norms on the same ranks, and the
+    export (the fp32 master weights gathered from the host partitions) is DDP's UNet."""
+    from diffusers import UNet2DConditionModel
+
+    ddp, zero3 = tmp_path / "ddp", tmp_path / "zero3"
+    finish(accelerate_launch("ddp.yaml", "no", latent_shards, ddp, *UNET, "--max-steps", 4))
+    finish(accelerate_launch("deepspeed-zero3-offload.yaml", "no", latent_shards, zero3, *UNET, "--max-steps", 2,
+                             "--checkpoint-every", 2, "--export", "none"))
+    partitions = zero3 / "checkpoints" / "step-00000002" / "pytorch_model"
+    assert sorted(p.name for p in partitions.glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    resumed = finish(accelerate_launch("deepspeed-zero3-offload.yaml", "no", latent_shards, zero3, *UNET,
+                                       "--max-steps", 4, "--resume", "latest"))
+    assert "resumed from" in resumed.stdout
+
+    want, got = metrics(ddp), metrics(zero3)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for step in want:
+        assert want[step]["grad_norm"] > 0.05  # the clipping bites
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)
+    reference = UNet2DConditionModel.from_pretrained(ddp / "unet").state_dict()
+    exported = UNet2DConditionModel.from_pretrained(zero3 / "unet").state_dict()
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():  # Adam's first steps amplify rounding where gradients are ~0
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_zero3_runs_the_sd3_transformer_in_bf16_and_exports_its_fp32_weights(flow_latents, tmp_path):
+    """train/deepspeed-zero3.yaml on 2 ranks in bf16: the family's forward under ZeRO-3's gather hooks, in
+    training and in the validation loss (eval mode, between steps), and an export of whole fp32 tensors that
+    from_pretrained loads."""
+    from diffusers import SD3Transformer2DModel
+
+    sd3 = flow_latents("sd3")
+    run = tmp_path / "run"
+    finish(accelerate_launch("deepspeed-zero3.yaml", "bf16", sd3.latents, run, *SD3, "--max-steps", 2,
+                             "--val-latents", sd3.latents, "--val-every", 2, "--val-samples", 2))
+    got = metrics(run)
+    assert sorted(got) == [1, 2] and got[2]["val_loss"] > 0
+    exported = SD3Transformer2DModel.from_pretrained(run / "transformer").state_dict()
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert all(t.numel() > 0 for t in exported.values())  # gathered, not ZeRO-3's empty placeholders
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--ema",), "--ema under DeepSpeed ZeRO-3"),
+    (("--cpu-offload",), "--cpu-offload is FSDP2's CPU offload"),
+    (("--lora-rank", "4", "--lora-random-base", "--export", "none"), "--lora-rank runs on one device, DDP or FSDP"),
+])
+def test_what_zero3_does_not_compose_with_is_one_line(latent_shards, tmp_path, extra, message):
+    """--ema needs whole weights between steps, --cpu-offload is FSDP2's, LoRA runs under DDP or FSDP: each is
+    one line (exit 2) naming what to use instead, on a one-process ZeRO-3 launch (what one GPU runs)."""
+    command = one_process(accelerate_launch("deepspeed-zero3-offload.yaml", "no", latent_shards, tmp_path / "run",
+                                            "--unet-config", "tiny", "--max-steps", 1, *extra))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and message in errors[0], result.stderr[-2000:]
+    # the launcher reports its failed child with its own traceback; no frame of laionkit's is in it
+    assert str(REPO / "laionkit") not in result.stderr and "site-packages/laionkit" not in result.stderr

@@ -48,6 +48,7 @@ from laionkit.trainer import (
     runlock,
     trainchecks,
     valloss,
+    zero,
 )
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
@@ -156,17 +157,18 @@ def make_accelerator(config: TrainConfig):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     timeout = config.pg_timeout_minutes
+    group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.cpu_backend()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
     offload.request(config)  # --cpu-offload: FSDP2's CPUOffloadPolicy (laionkit/trainer/offload.py)
     accelerator = Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))] if timeout else None,
+        kwargs_handlers=[InitProcessGroupKwargs(**group)] if group else None,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         log_with=None if config.log_with == "none" else config.log_with,
         project_config=ProjectConfiguration(project_dir=str(config.output),
                                             logging_dir=str(config.output / "logs")),
         step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
-        cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
+        cpu=zero.cpu_ranks(),  # lets torchrun / accelerate start several CPU ranks (gloo); DeepSpeed's own
     )
     fsdp.honor_fsdp_on_cpu(accelerator)  # accelerate would run an FSDP config on CPU ranks as DDP
     return accelerator
@@ -190,6 +192,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
     world = accelerator.num_processes
     if config.ema and accelerator.distributed_type == DistributedType.FSDP:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
+    zero.check(config, accelerator)  # ZeRO-3's refusals (laionkit/trainer/zero.py)
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
     inputs = [config.latents, *(folder for folder, _ in config.later_stages()),
