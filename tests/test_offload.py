@@ -129,14 +129,15 @@ def test_zero3_offload_trains_resumes_and_exports_as_ddp(latent_shards, tmp_path
 
 def test_zero3_runs_the_sd3_transformer_in_bf16_and_exports_its_fp32_weights(flow_latents, tmp_path):
     """train/deepspeed-zero3.yaml on 2 ranks in bf16: the family's forward under ZeRO-3's gather hooks, in
-    training and in the validation loss (eval mode, between steps), and an export of whole fp32 tensors that
-    from_pretrained loads."""
+    training with activation checkpointing per block (the backward's recompute gathers again) and in the
+    validation loss (eval mode, between steps), and an export of whole fp32 tensors that from_pretrained loads."""
     from diffusers import SD3Transformer2DModel
 
     sd3 = flow_latents("sd3")
     run = tmp_path / "run"
     finish(accelerate_launch("deepspeed-zero3.yaml", "bf16", sd3.latents, run, *SD3, "--max-steps", 2,
-                             "--val-latents", sd3.latents, "--val-every", 2, "--val-samples", 2))
+                             "--checkpointing", "blocks", "--val-latents", sd3.latents, "--val-every", 2,
+                             "--val-samples", 2))
     got = metrics(run)
     assert sorted(got) == [1, 2] and got[2]["val_loss"] > 0
     exported = SD3Transformer2DModel.from_pretrained(run / "transformer").state_dict()
