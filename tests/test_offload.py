@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import run_cli
 from fixtures import accelerate_launch, finish, metrics
+from safetensors.torch import load_file
 
 from laionkit.common import LaionkitError
 
@@ -31,6 +32,11 @@ def transformer(run: Path) -> dict[str, torch.Tensor]:
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel.from_pretrained(run / "transformer").state_dict()
+
+
+def one_process(command: list[str]) -> list[str]:
+    command[command.index("--num_processes") + 1] = "1"
+    return command
 
 
 def test_fsdp2_cpu_offload_trains_resumes_and_exports_as_the_plain_fsdp2_run(flow_latents, tmp_path):
@@ -61,18 +67,24 @@ def test_fsdp2_cpu_offload_trains_resumes_and_exports_as_the_plain_fsdp2_run(flo
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
-def test_one_process_fsdp2_cpu_offload_is_how_one_gpu_runs_it(latent_shards, tmp_path):
-    """`--num_processes 1`: FSDP2 over a world of 1 with the shards on the host (one GPU's launch), the UNet
-    in fp32, checkpointed and exported."""
-    from diffusers import UNet2DConditionModel
-
-    run = tmp_path / "run"
-    result = finish(one_process(accelerate_launch("fsdp.yaml", "no", latent_shards, run, "--unet-config", "tiny",
-                                                  "--max-steps", 2, "--checkpoint-every", 2, "--cpu-offload")))
-    assert "FSDP2 CPU offload" in result.stdout
-    assert sorted(metrics(run)) == [1, 2]
-    assert (run / "checkpoints" / "step-00000002" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
-    assert UNet2DConditionModel.from_pretrained(run / "unet").config.in_channels == 4
+def test_one_gpu_launch_of_lora_under_fsdp2_cpu_offload_trains_the_plain_runs_adapters(latent_shards, tiny_models,
+                                                                                        tmp_path):
+    """`--num_processes 1` (how one GPU runs it: FSDP2 over a world of 1) with --lora-rank in bf16: the frozen
+    base and the fp32 adapters on the host; the checkpoint's adapters are the plain FSDP2 run's, checkpointed
+    in FSDP2's sharded layout, and the export is RUN/lora."""
+    args = ("--unet", tiny_models, "--lora-rank", "4", "--lr", "1e-2", "--max-steps", "2", "--checkpoint-every", "2")
+    plain, offloaded = tmp_path / "plain", tmp_path / "offload"
+    finish(one_process(accelerate_launch("fsdp.yaml", "bf16", latent_shards, plain, *args)))
+    result = finish(one_process(accelerate_launch("fsdp.yaml", "bf16", latent_shards, offloaded, *args,
+                                                  "--cpu-offload")))
+    assert "FSDP2 on CPU ranks (gloo)" in result.stdout and "FSDP2 CPU offload" in result.stdout
+    checkpoint = offloaded / "checkpoints" / "step-00000002"
+    assert (checkpoint / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
+    want, got = (load_file(run / "checkpoints" / "step-00000002" / "adapter.safetensors") for run in (plain, offloaded))
+    assert want and set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert (offloaded / "lora").is_dir() and not (offloaded / "unet").exists()
 
 
 def test_cpu_offload_outside_an_fsdp_launch_is_one_line(latent_shards, tmp_path):
@@ -90,11 +102,6 @@ def test_cpu_offload_with_ema_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(LaionkitError, match="--cpu-offload with --ema"):
         TrainConfig(latents=tmp_path, output=tmp_path / "run", unet_config="tiny", max_steps=1, cpu_offload=True,
                     ema=True)
-
-
-def one_process(command: list[str]) -> list[str]:
-    command[command.index("--num_processes") + 1] = "1"
-    return command
 
 
 def test_zero3_offload_trains_resumes_and_exports_as_ddp(latent_shards, tmp_path):
@@ -145,20 +152,24 @@ def test_zero3_runs_the_sd3_transformer_in_bf16_and_exports_its_fp32_weights(flo
     assert all(t.numel() > 0 for t in exported.values())  # gathered, not ZeRO-3's empty placeholders
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--ema",), "--ema under DeepSpeed ZeRO-3"),
-    (("--cpu-offload",), "--cpu-offload is FSDP2's CPU offload"),
-    (("--lora-rank", "4", "--lora-random-base", "--export", "none"), "--lora-rank runs on one device, DDP or FSDP"),
-])
-def test_what_zero3_does_not_compose_with_is_one_line(latent_shards, tmp_path, extra, message):
-    """--ema needs whole weights between steps, --cpu-offload is FSDP2's, LoRA runs under DDP or FSDP: each is
-    one line (exit 2) naming what to use instead, on a one-process ZeRO-3 launch (what one GPU runs)."""
+def test_ema_under_zero3_is_one_line(latent_shards, tmp_path):
+    """--ema needs whole weights between steps: one line (exit 2) naming what to use instead, on a one-process
+    ZeRO-3 launch (what one GPU runs)."""
     command = one_process(accelerate_launch("deepspeed-zero3-offload.yaml", "no", latent_shards, tmp_path / "run",
-                                            "--unet-config", "tiny", "--max-steps", 1, *extra))
+                                            "--unet-config", "tiny", "--max-steps", 1, "--ema"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and message in errors[0], result.stderr[-2000:]
+    assert "error: --ema under DeepSpeed ZeRO-3" in result.stderr, result.stderr[-2000:]
     # the launcher reports its failed child with its own traceback; no frame of laionkit's is in it
     assert str(REPO / "laionkit") not in result.stderr and "site-packages/laionkit" not in result.stderr
+
+
+def test_cpu_offload_under_a_deepspeed_launch_names_zero3_offload(latent_shards, tmp_path, monkeypatch):
+    """A DeepSpeed launch offloads through its config: --cpu-offload there is one line naming it (checked
+    before the Accelerator is built, so in process with the launch's environment)."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps",
+                     "1", "--workers", "0", "--log-with", "none", "--quiet", "--cpu-offload", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "train/deepspeed-zero3-offload.yaml" in result.stderr and "Traceback" not in result.stderr
