@@ -259,7 +259,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
     noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
     shapes = schedule.shapes()
-    model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in schedule.buckets]
+    model_flops = [flops_per_sample(unet, data, home, shapes[key], objective) for key in schedule.buckets]
     if config.gradient_checkpointing:
         accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
     interval = config.checkpoint_interval()

@@ -6,7 +6,7 @@
   class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
-* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8 and --export, refused by
+* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8, --export and --cpu-offload, refused by
   TrainConfig.__post_init__ before anything loads.
 """
 
