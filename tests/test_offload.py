@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,14 @@ def test_cpu_offload_under_a_deepspeed_launch_names_zero3_offload(latent_shards,
                      "1", "--workers", "0", "--log-with", "none", "--quiet", "--cpu-offload", check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "train/deepspeed-zero3-offload.yaml" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(latent_shards, tmp_path, monkeypatch):
+    """Without DeepSpeed a deepspeed-*.yaml launch is one line naming the package (sys.modules' None entry is
+    how an uninstalled module looks to the import system)."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps",
+                     "1", "--workers", "0", "--log-with", "none", "--quiet", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "needs DeepSpeed: pip install deepspeed" in result.stderr and "Traceback" not in result.stderr

@@ -157,7 +157,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     timeout = config.pg_timeout_minutes
-    group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.cpu_backend()}
+    group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.process_group()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
     offload.request(config)  # --cpu-offload: FSDP2's CPUOffloadPolicy (laionkit/trainer/offload.py)
     accelerator = Accelerator(

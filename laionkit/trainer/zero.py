@@ -34,11 +34,17 @@ def cpu_ranks() -> bool:
     return not torch.cuda.is_available() and not _deepspeed_launch()
 
 
-def cpu_backend() -> dict:
-    """The process group's backend for make_accelerator's InitProcessGroupKwargs: gloo for a DeepSpeed launch
-    without GPUs (accelerate knows no backend for a CPU device it was not told is a CPU, and would count a
-    world of 1 while DeepSpeed runs all ranks), else accelerate's own choice."""
-    return {"backend": "gloo"} if _deepspeed_launch() and not torch.cuda.is_available() else {}
+def process_group() -> dict:
+    """A DeepSpeed launch's part of make_accelerator's InitProcessGroupKwargs: gloo without GPUs (accelerate
+    knows no backend for a CPU device it was not told is a CPU, and would count a world of 1 while DeepSpeed
+    runs all ranks), else accelerate's own choice. Refused in one line where DeepSpeed is not installed."""
+    if not _deepspeed_launch():
+        return {}
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise LaionkitError("a train/deepspeed-*.yaml launch needs DeepSpeed: pip install deepspeed")
+    return {} if torch.cuda.is_available() else {"backend": "gloo"}
 
 
 def stage(accelerator) -> int | None:
