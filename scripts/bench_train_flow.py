@@ -46,6 +46,10 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           Z-Image; Qwen-Image's (b) rows are this).
 (fp8)     `laionkit train --fp8` against the same run in bf16, compiled, over ``--fp8-steps`` steps on the same
           data: samples/s and the two loss curves (mean |difference| against the bf16 run's own step noise).
+(offload) A full fine-tune on one GPU under `--cpu-offload` (FSDP2 over a world of 1, ``accelerate launch
+          --config_file train/fsdp.yaml --num_processes 1``; the parameters, gradients and AdamW state on the host),
+          batch 1 at the first resolution with ``--checkpointing blocks``, at the ``OFFLOAD`` depth fraction the
+          host holds (``--offload-config``): samples/s, GPU peak and the host's peak resident memory.
 (big)     The largest configurations that train on this GPU, samples/s, MFU and peak memory, all with
           ``--checkpointing blocks``. Flux: LoRA rank 64 on the whole 12B with stored and with online text per
           resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
@@ -64,6 +68,8 @@ own process.
     python scripts/bench_train_flow.py --family sd3 --out /tmp/flow --report $OUT        # GPU machine
     python scripts/bench_train_flow.py --family sd3 --smoke --out /tmp/flow-smoke         # CPU plumbing check
     python scripts/bench_train_flow.py --family pixart --parts online --out /tmp/pixart   # stored vs online only
+    python scripts/bench_train_flow.py --family flux --parts offload --resolutions 1024 --images 32 --steps 6 \
+        --text-layers 2 --out /tmp/offload --report $OUT                               # Flux full FT, --cpu-offload
     python scripts/bench_train_flow.py --family sana --resolutions 1024 512 --ab-resolutions 1024 512 \
         --parts peak,a,b,online,lora --out /tmp/sana --report $OUT
     python scripts/bench_train_flow.py --family flux --parts swap --block-swap 30 --resolutions 512 --images 32 \
@@ -75,6 +81,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -115,6 +122,11 @@ BARE_FLAGS = {"qwen-image": {"lora": 64, "checkpointing": True}, "flux2-dev": {"
 FRACTIONS = {"flux": (({"num_layers": 8, "num_single_layers": 16}, ()),),
              "qwen-image": (({"num_layers": 30}, ("--full-bf16",)),),
              "flux2-dev": (({"num_layers": 4, "num_single_layers": 12}, ("--full-bf16",)),)}
+# (offload) The full fine-tune under --cpu-offload that one GPU's host holds: FSDP2 keeps the fp32 parameters,
+# gradients and AdamW state on the host, 16 bytes per parameter (docs/CLUSTER.md, "Offload: when each pays"), so
+# the lent H100's 128 GB host holds ~7B: Flux 8 double + 16 single blocks (~5.1B, ~82 GB), Qwen-Image 16 of 60
+# blocks (~5.4B). --offload-config '{}' takes the whole model (Flux-12B: ~190 GB of host memory).
+OFFLOAD = {"flux": {"num_layers": 8, "num_single_layers": 16}, "qwen-image": {"num_layers": 16}}
 
 
 def _clip(cls, hidden: int, real_layers: int, act: str, layers: int | None):
@@ -536,7 +548,10 @@ def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
     parser.add_argument("--parts", default="peak,a,b,online,fp8",
-                        help="comma list of peak, a, b, online, fp8, lora, big, window")
+                        help="comma list of peak, a, b, online, fp8, lora, big, window, offload")
+    parser.add_argument("--offload-config", type=json.loads,
+                        help="(offload) transformer config overrides as JSON (default: the family's OFFLOAD "
+                             "fraction; '{}': the whole model)")
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 256],
                         help="(window): caption windows to train at, besides the family's own (b-<first>-eager)")
     parser.add_argument("--window-flags", default="",
@@ -597,11 +612,11 @@ def main() -> None:
         return prepare(args.out, resolution, images, False, models, text, window)  # encode: a process of its own
 
     def train(name: str, latents: Path, batch: int, *extra: str, steps: int | None = None,
-              config: str | None = None, log_every: int | None = None) -> Path:
+              config: str | None = None, log_every: int | None = None, launch: tuple[str, ...] = ()) -> Path:
         run = args.out / f"run-{name}"
         window = max(2, args.steps // 3)
         total = steps or window * 4
-        measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
+        measure(name, [sys.executable, *launch, "-m", "laionkit.cli", "train", str(latents), "--output", str(run),
                        # config "": the extra flags name a pretrained --transformer (swap_rows)
                        *(("--transformer-config", "tiny" if args.smoke else (config or CONFIG[family]))
                          if config != "" else ()),
@@ -699,6 +714,21 @@ def main() -> None:
 
     if args.block_swap:  # (swap): what --block-swap N costs and saves against the same run without it
         swap_rows(args, train, latents_at(first), models, results)
+
+    if "offload" in parts and family in OFFLOAD:
+        # one GPU's full fine-tune with FSDP2 CPU offload: FSDP2 over a world of 1, launched as a user would
+        overrides = OFFLOAD[family] if args.offload_config is None else args.offload_config
+        path = args.out / f"{family}-offload.json"
+        path.write_text(json.dumps({**get_family(family).configs[CONFIG[family]], **overrides}))
+        name = f"offload-{'x'.join(map(str, overrides.values())) or 'whole'}-{first}"
+        launch = ("-m", "accelerate.commands.launch", "--config_file", str(REPO / "train" / "fsdp.yaml"),
+                  "--num_processes", "1", "--mixed_precision", "no" if args.smoke else "bf16")
+        train(name, latents_at(first), 1, "--cpu-offload", "--checkpointing", "blocks", config=str(path),
+              launch=launch)
+        # the largest resident set of a child so far (Linux counts a child's waited-for descendants, the rank
+        # here): the host's peak under offload, which this part runs last to keep its own
+        results[name]["host_peak_gib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        print(f"{name}: host peak {results[name]['host_peak_gib']:.1f} GiB", flush=True)
 
     summary = {"date": time.strftime("%Y-%m-%d"), "family": family, "device": torch.cuda.get_device_name(0)
                if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}

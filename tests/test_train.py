@@ -358,8 +358,8 @@ def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(lat
 
 def test_deepspeed_zero2_config_parses_and_launches_two_cpu_processes(latent_shards, tmp_path):
     """train/deepspeed-zero2.yaml parses and launches 2 processes that train, checkpoint, resume and
-    export. On CPU accelerate runs it as plain multi-process training, so this does not exercise
-    DeepSpeed or ZeRO-2 sharding (untested here; see train/README)."""
+    export. On CPU these are DeepSpeed's own ranks (its CPU accelerator over gloo, laionkit/trainer/zero.py):
+    ZeRO-2's partitioned optimizer checkpoint, one file per rank."""
     from diffusers import UNet2DConditionModel
 
     repo = Path(__file__).resolve().parents[1]
@@ -385,6 +385,7 @@ def test_deepspeed_zero2_config_parses_and_launches_two_cpu_processes(latent_sha
     assert sorted(metrics(run)) == [2, 4, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step-00000002", "step-00000004", "step-00000006"]
+    assert len(list((run / "checkpoints" / "step-00000006" / "pytorch_model").glob("*optim_states.pt"))) == 2
     assert UNet2DConditionModel.from_pretrained(run / "unet").config.in_channels == 4
 
 

@@ -120,10 +120,12 @@ def find_resume(config: TrainConfig, accelerator, max_steps: int | None = None) 
 def weights_fingerprint(accelerator, unet, master: MasterWeights | None) -> tuple[str, bool] | None:
     """sha256 of the fp32 (master) weights in parameter-name order, and whether all are finite. Ranks
     of DDP / ZeRO-2 hold the same whole weights after every step, so their fingerprints must agree;
-    FSDP ranks hold different shards, so it has no fingerprint to compare (None)."""
+    FSDP and ZeRO-3 ranks hold different shards, so they have no fingerprint to compare (None)."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type == DistributedType.FSDP:
+    from laionkit.trainer import zero
+
+    if accelerator.distributed_type == DistributedType.FSDP or zero.stage(accelerator) == 3:
         return None
     if master is not None:
         named = zip(master.names, master.master)

@@ -277,6 +277,12 @@ class TrainConfig:
         "with a timeout instead of hanging (default: torch's, 10 for NCCL, 30 for gloo). Raise it when one "
         "rank may pause long (a slow checkpoint upload on rank 0), lower it to fail fast on a dead node; "
         "e.g. --pg-timeout-minutes 60.")
+    # --- offload (laionkit/trainer/offload.py; DeepSpeed's is train/deepspeed-zero3-offload.yaml) ---
+    cpu_offload: bool = option(
+        False, "FSDP2 CPU offload (CPUOffloadPolicy): each rank's shard of the parameters, gradients and AdamW "
+        "state in host memory, the optimizer step on the CPU; for full fine-tunes larger than the GPUs (Flux-12B "
+        "on one 80 GB GPU). Under an FSDP launch only, one GPU included: accelerate launch --config_file "
+        "train/fsdp.yaml --num_processes 1 -m laionkit.cli train ... --cpu-offload. Not with --ema.")
     quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"))
 
     def __post_init__(self) -> None:
@@ -331,6 +337,7 @@ class TrainConfig:
         trainchecks.check_fp8(self)
         trainchecks.check_export(self)
         trainchecks.check_block_swap(self)
+        trainchecks.check_offload(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block

@@ -46,6 +46,7 @@ def honor_fsdp_on_cpu(accelerator) -> bool:
     it did (and says so). Called right after the Accelerator is built, before anything is prepared."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     if (accelerator.distributed_type != DistributedType.MULTI_CPU
             or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"):
@@ -59,6 +60,8 @@ def honor_fsdp_on_cpu(accelerator) -> bool:
         raise LaionkitError("FSDP on CPU ranks: --mixed-precision fp16 is not supported; use bf16 or no")
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # --cpu-offload: no GPU to pin host memory for
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     state = accelerator.state
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP

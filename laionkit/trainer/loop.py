@@ -44,10 +44,12 @@ from laionkit.trainer import (
     fsdp,
     lora,
     memory,
+    offload,
     runfolder,
     runlock,
     trainchecks,
     valloss,
+    zero,
 )
 from laionkit.trainer.checkpoint import (
     check_ranks_agree,
@@ -157,16 +159,18 @@ def make_accelerator(config: TrainConfig):
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     timeout = config.pg_timeout_minutes
+    group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.process_group()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
+    offload.request(config)  # --cpu-offload: FSDP2's CPUOffloadPolicy (laionkit/trainer/offload.py)
     accelerator = Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=timeout))] if timeout else None,
+        kwargs_handlers=[InitProcessGroupKwargs(**group)] if group else None,
         gradient_accumulation_steps=config.grad_accum,
         mixed_precision=config.mixed_precision,
         log_with=None if config.log_with == "none" else config.log_with,
         project_config=ProjectConfiguration(project_dir=str(config.output),
                                             logging_dir=str(config.output / "logs")),
         step_scheduler_with_optimizer=False,  # the LR schedule counts optimizer steps, once per step
-        cpu=not torch.cuda.is_available(),  # lets torchrun / accelerate start several CPU ranks (gloo)
+        cpu=zero.cpu_ranks(),  # lets torchrun / accelerate start several CPU ranks (gloo); DeepSpeed's own
     )
     fsdp.honor_fsdp_on_cpu(accelerator)  # accelerate would run an FSDP config on CPU ranks as DDP
     return accelerator
@@ -190,6 +194,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
     world = accelerator.num_processes
     if config.ema and accelerator.distributed_type == DistributedType.FSDP:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
+    zero.check(config, accelerator)  # ZeRO-3's refusals (laionkit/trainer/zero.py)
     if output.exists() and not output.is_dir():
         raise LaionkitError(f"--output {output} is a file, not a run folder")
     inputs = [config.latents, *(folder for folder, _ in config.later_stages()),
@@ -245,17 +250,19 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     set_seed(config.seed)  # the same initial weights on every rank
     # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
-    with torch.device(device) if config.unet is None and device.type == "cuda" else nullcontext():
+    home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
+    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
         unet = build_unet(config, data)
     trainchecks.check_guidance(config, data.family, unet)
-    unet = blockswap.place(unet, config, data.family, accelerator)  # unet.to(device); --block-swap: see there
+    # --cpu-offload: the host until FSDP2 shards it; else the device (--block-swap: some blocks stay on the host)
+    unet = unet.to(home) if config.cpu_offload else blockswap.place(unet, config, data.family, accelerator)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
         lora.attach(unet, config, accelerator)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
     noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
     shapes = schedule.shapes()
-    model_flops = [flops_per_sample(unet, data, device, shapes[key], objective) for key in schedule.buckets]
+    model_flops = [flops_per_sample(unet, data, home, shapes[key], objective) for key in schedule.buckets]
     if config.gradient_checkpointing:
         accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
     interval = config.checkpoint_interval()

@@ -6,7 +6,7 @@
   class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
-* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8 and --export, refused by
+* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8, --export and --cpu-offload, refused by
   TrainConfig.__post_init__ before anything loads.
 """
 
@@ -204,3 +204,11 @@ def check_block_swap(config) -> None:
     if config.block_swap and config.compile:
         raise LaionkitError(f"--block-swap {config.block_swap} with --compile: the swap moves weights in hooks "
                             "around each block, which a compiled block does not run; drop one of them")
+
+
+def check_offload(config) -> None:
+    """--cpu-offload's combinations (TrainConfig.__post_init__); that the launch is FSDP is checked when the
+    Accelerator is built (laionkit/trainer/offload.py)."""
+    if config.cpu_offload and config.ema:
+        raise LaionkitError("--cpu-offload with --ema: FSDP2 keeps a shard of each weight per rank and EMA needs "
+                            "whole ones on every rank (DDP or DeepSpeed ZeRO-2); drop --ema")
