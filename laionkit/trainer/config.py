@@ -128,6 +128,16 @@ class TrainConfig:
         False, "With --compile: trace symbolic shapes (dynamic=True), one graph for every bucket shape, "
         "instead of one static graph per bucket. docs/BENCHMARKS.md measures both on aspect-ratio buckets.")
     channels_last: bool = option(False, "channels_last memory format for the UNet.")
+    # --- `laionkit plan`'s answers: a share of the GPU, and the plan a run comes from (laionkit/plan.py) ---
+    gpu_memory_gib: float | None = option(
+        None, "Cap this process's share of its GPU at G GiB (torch.cuda.set_per_process_memory_fraction), as a "
+        "smaller card would hold it: what trains on 24 / 48 GB, measured on a larger GPU (`laionkit plan "
+        "--gpu-memory-gib`). Memory outside PyTorch's allocator (the CUDA context) is not counted. Ignored, "
+        "with a line, without a CUDA device.")
+    plan: Path | None = option(
+        None, "A plan.json `laionkit plan` wrote: train its fastest candidate (the plan's LATENTS, train flags "
+        "and the candidate's batch / checkpointing / compile / memory flags; flags given here override them, "
+        "and they override a --config file's). RUN/plan.json keeps a copy.")
     tf32: bool = option(True, "TF32 matmuls and convolutions in float32.")
     seed: int = option(0, "Seed: model init (same on every rank), data order and noise.")
     workers: int = option(2, "DataLoader workers per rank.")
@@ -318,6 +328,7 @@ class TrainConfig:
             raise LaionkitError("--compile-dynamic chooses how --compile treats shapes: give it with --compile")
         self.later_stages()
         self.checkpoint_interval()
+        trainchecks.check_plan(self)
         trainchecks.check_lora(self)
         trainchecks.check_val_loss(self)
         trainchecks.check_eval(self)
