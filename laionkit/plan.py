@@ -148,7 +148,10 @@ def needs_more_memory(candidate: Candidate, failed: Candidate) -> bool:
 
 
 def skip_reason(candidate: Candidate, done: list[Candidate]) -> str | None:
-    """Why ``candidate`` need not run, given the candidates ``done`` so far (None: run it)."""
+    """Why ``candidate`` need not run, given the candidates ``done`` so far (None: run it): one that ran out
+    of memory needing no more than it (needs_more_memory); one that failed with a subset of its extra flags
+    (they fail again); a lower rung that fits the same batch, compile and --fp8 setting with any
+    checkpointing (activation checkpointing is the cheaper way to save memory); none where it is auto."""
     for other in done:
         same = (other.batch_size, other.compile, other.fp8) == (candidate.batch_size, candidate.compile,
                                                                  candidate.fp8)
