@@ -3,15 +3,22 @@
 The fastest configuration that fits a GPU is rarely the one with the largest batch: activation checkpointing
 buys memory with about a third more compute per block, compile changes both, and a larger batch only pays
 while the GPU is not yet busy. So plan measures instead of guessing: each candidate (per-GPU batch x
---checkpointing x compile) runs as its own `laionkit train` process on the user's latents and flags, in a
-throwaway run folder, for one window of ``--steps`` steps to warm up (compilation, allocator, data
-workers) and one window of ``--steps`` steps that is measured (metrics.jsonl's samples/s and peak memory:
-the numbers train itself reports). Once the measured window's record is written the process is stopped
-(its --max-steps is never reached), so no checkpoint or export is paid for. A candidate that runs out of memory is recorded as not fitting,
-and the larger batches with the same or less checkpointing and the same compile setting are skipped
-(they need more memory), and so is ``auto`` where ``none`` fits the same batch (auto would take none).
-The table is printed, and OUTPUT/plan.json holds every candidate and the
-fastest's command line.
+--checkpointing x compile x --fp8 x a memory strategy) runs as its own `laionkit train` process on the user's
+latents and flags, in a throwaway run folder, for one window of ``--steps`` steps to warm up (compilation,
+allocator, data workers) and one window of ``--steps`` steps that is measured (metrics.jsonl's samples/s and
+peak memory: the numbers train itself reports). Once the measured window's record is written the process is
+stopped (its --max-steps is never reached), so no checkpoint or export is paid for.
+
+The memory strategies form a ladder (``ladder``): the frozen base's dtype (bf16, then quantized), then block
+swap, then FSDP2 CPU offload; each rung saves more memory and costs more time than the one below, so a rung is
+tried at a batch only where no lower rung fit that batch (``skip_reason``). A candidate that runs out of memory
+is recorded as not fitting, and the larger batches with the same or less checkpointing, the same or a lower
+rung and the same compile / --fp8 setting are skipped (they need more memory), and so is ``auto`` where
+``none`` fits the same batch (auto would take none). A candidate whose strategy flags fail (a flag this
+install lacks, a combination train refuses) is recorded and the candidates with those flags are skipped; a
+plain candidate that fails stops the plan (the train flags themselves are wrong). The table is printed, and
+OUTPUT/plan.json holds every candidate and the fastest's flags and command line, which `laionkit train --plan
+OUTPUT/plan.json` starts.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from laionkit.common.storage import write_json
 
 MAX_STEPS = 10**6  # never reached: the process is stopped after its measured window
 OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError", "does not fit even with every block checkpointed")
+BASE_DTYPES = ("bf16", "fp8", "int8", "nf4")  # the frozen base's storage (LoRA), from least to most memory saved
+# --cpu-offload runs under an FSDP2 launch, a world of 1 on one GPU (laionkit/trainer/offload.py)
+FSDP_CONFIG = Path(__file__).resolve().parents[1] / "train" / "fsdp.yaml"
+OFFLOAD_LAUNCH = ("-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "1")
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,30 @@ class PlanConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     checkpointing: tuple[str, ...] = ("none", "blocks")
     compile: tuple[bool, ...] = (False, True)
+    fp8: tuple[bool, ...] = (False,)
+    base_dtypes: tuple[str, ...] = ("bf16",)
+    block_swaps: tuple[int, ...] = (0,)
+    cpu_offload: bool = False
+    gpu_memory_gib: float | None = None
     steps: int = 5
     timeout: float = 1800.0
     train_args: tuple[str, ...] = ()
     quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A memory strategy: the frozen base's dtype (LoRA), blocks swapped to the host, or FSDP2 CPU offload."""
+
+    base_dtype: str = "bf16"
+    block_swap: int = 0
+    cpu_offload: bool = False
+
+    def flags(self) -> list[str]:
+        """Train flags; the default of each is left out, so that a plain candidate needs no new flag."""
+        return [*(["--base-dtype", self.base_dtype] if self.base_dtype != "bf16" else []),
+                *(["--block-swap", str(self.block_swap)] if self.block_swap else []),
+                *(["--cpu-offload"] if self.cpu_offload else [])]
 
 
 @dataclass
@@ -52,6 +83,9 @@ class Candidate:
     batch_size: int
     checkpointing: str
     compile: bool
+    fp8: bool = False
+    strategy: Strategy = Strategy()
+    rung: int = 0  # the strategy's place on the ladder: 0 saves the least memory (and costs the least time)
     status: str = "pending"  # fits, out of memory, skipped, failed, timed out
     samples_per_s: float | None = None
     gpu_mem_gib: float | None = None
@@ -61,8 +95,31 @@ class Candidate:
     flags: list[str] = field(default_factory=list)
 
     @property
+    def extras(self) -> list[str]:
+        """The flags beyond batch, checkpointing and compile: --fp8 and the strategy's."""
+        return [*(["--fp8"] if self.fp8 else []), *self.strategy.flags()]
+
+    @property
     def name(self) -> str:
-        return f"bs{self.batch_size}-{self.checkpointing}-{'compiled' if self.compile else 'eager'}"
+        strategy = self.strategy
+        parts = [f"bs{self.batch_size}", self.checkpointing, "compiled" if self.compile else "eager",
+                 *(["fp8"] if self.fp8 else []), *([f"base-{strategy.base_dtype}"] if strategy.base_dtype != "bf16" else []),
+                 *([f"swap{strategy.block_swap}"] if strategy.block_swap else []),
+                 *(["offload"] if strategy.cpu_offload else [])]
+        return "-".join(parts)
+
+
+def ladder(base_dtypes: tuple[str, ...], block_swaps: tuple[int, ...], cpu_offload: bool) -> list[Strategy]:
+    """The memory strategies in the order plan climbs them, each saving more memory than the one before at
+    more cost in time: every base dtype given (bf16, then quantized: a dequantization per matmul), then
+    block swap of more and more blocks (their weights cross PCIe twice a step) on the most saving of those
+    dtypes, then FSDP2 CPU offload (every weight and the optimizer step on the host). The smallest
+    --block-swaps value (0: none) goes with the base dtypes."""
+    dtypes = [dtype for dtype in BASE_DTYPES if dtype in base_dtypes]
+    swaps = sorted(set(block_swaps))
+    rungs = [Strategy(dtype, swaps[0]) for dtype in dtypes]
+    rungs += [Strategy(dtypes[-1], swap) for swap in swaps[1:]]
+    return rungs + ([Strategy(dtypes[-1], cpu_offload=True)] if cpu_offload else [])
 
 
 def density(checkpointing: str) -> float:
@@ -79,8 +136,10 @@ def density(checkpointing: str) -> float:
 
 def needs_more_memory(candidate: Candidate, failed: Candidate) -> bool:
     """``candidate`` needs at least what ``failed`` (out of memory) needed: a larger or equal batch with
-    the same compile setting and no more checkpointing (auto only against auto: it adapts)."""
-    if candidate.compile != failed.compile or candidate.batch_size < failed.batch_size:
+    the same compile and --fp8 setting, no higher rung of the ladder and no more checkpointing (auto only
+    against auto: it adapts)."""
+    if (candidate.compile, candidate.fp8) != (failed.compile, failed.fp8) or candidate.rung > failed.rung \
+            or candidate.batch_size < failed.batch_size:
         return False
     mine, theirs = density(candidate.checkpointing), density(failed.checkpointing)
     if mine != mine or theirs != theirs:  # auto
@@ -88,26 +147,51 @@ def needs_more_memory(candidate: Candidate, failed: Candidate) -> bool:
     return mine <= theirs
 
 
+def skip_reason(candidate: Candidate, done: list[Candidate]) -> str | None:
+    """Why ``candidate`` need not run, given the candidates ``done`` so far (None: run it): one that ran out
+    of memory needing no more than it (needs_more_memory); one that failed with a subset of its extra flags
+    (they fail again); a lower rung that fits the same batch, compile and --fp8 setting with any
+    checkpointing (activation checkpointing is the cheaper way to save memory); none where it is auto."""
+    for other in done:
+        same = (other.batch_size, other.compile, other.fp8) == (candidate.batch_size, candidate.compile,
+                                                                 candidate.fp8)
+        if other.status == "out of memory" and needs_more_memory(candidate, other):
+            return f"{other.name} ran out of memory"
+        if other.status == "failed" and other.extras and set(other.extras) <= set(candidate.extras):
+            return f"{other.name} failed"
+        if other.status == "fits" and same and other.rung < candidate.rung:
+            return f"{other.name} fits with less memory saved"
+        if other.status == "fits" and same and other.rung == candidate.rung \
+                and (candidate.checkpointing, other.checkpointing) == ("auto", "none"):
+            return f"{other.name} fits: auto is none there"
+    return None
+
+
 def candidates(config: PlanConfig) -> list[Candidate]:
-    """Every combination, smallest batch first (so that an out-of-memory result prunes the larger ones)."""
+    """Every combination, smallest batch first (so that an out-of-memory result prunes the larger ones), and
+    within a batch the ladder's rungs in order. --checkpointing auto is left out under CPU offload (FSDP:
+    auto measures one GPU or DDP)."""
     from laionkit.trainer.config import TrainConfig
 
     for value in config.checkpointing:  # the flag's own check, once, before anything runs
         TrainConfig(latents=Path("."), output=Path("."), unet_config="tiny", max_steps=1,
                     checkpointing=value).checkpoint_interval()
-    return [Candidate(batch, checking, compiled) for batch, checking, compiled
-            in itertools.product(sorted(set(config.batch_sizes)), config.checkpointing, config.compile)]
+    rungs = ladder(config.base_dtypes, config.block_swaps, config.cpu_offload)
+    return [Candidate(batch, checking, compiled, fp8, rungs[rung], rung) for batch, rung, checking, compiled, fp8
+            in itertools.product(sorted(set(config.batch_sizes)), range(len(rungs)), config.checkpointing,
+                                 config.compile, config.fp8)
+            if not (rungs[rung].cpu_offload and checking.strip().lower() == "auto")]
 
 
 def train_argv(config: PlanConfig, candidate: Candidate, folder: Path) -> list[str]:
-    flags = ["--batch-size", str(candidate.batch_size), "--checkpointing", candidate.checkpointing]
-    if candidate.compile:
-        flags.append("--compile")
+    flags = ["--batch-size", str(candidate.batch_size), "--checkpointing", candidate.checkpointing,
+             *(["--compile"] if candidate.compile else []), *candidate.extras]
     candidate.flags = flags
-    return [sys.executable, "-m", "laionkit.cli", "train", config.latents, *config.train_args, *flags,
-            "--output", str(folder), "--overwrite", "--max-steps", str(MAX_STEPS),
-            "--log-every", str(config.steps), "--checkpoint-every", str(10**9), "--log-with", "none",
-            "--validate-every", "0", "--quiet"]
+    cap = ["--gpu-memory-gib", f"{config.gpu_memory_gib:g}"] if config.gpu_memory_gib else []
+    return [sys.executable, *(OFFLOAD_LAUNCH if candidate.strategy.cpu_offload else ()), "-m", "laionkit.cli",
+            "train", config.latents, *config.train_args, *flags, *cap, "--output", str(folder), "--overwrite",
+            "--max-steps", str(MAX_STEPS), "--log-every", str(config.steps), "--checkpoint-every", str(10**9),
+            "--log-with", "none", "--validate-every", "0", "--quiet"]
 
 
 def measure(config: PlanConfig, candidate: Candidate) -> None:
@@ -144,7 +228,7 @@ def measure(config: PlanConfig, candidate: Candidate) -> None:
     if candidate.status == "timed out":
         return
     text = log.read_text(errors="replace")
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [words for words in (line.strip(" │╭╮╰╯─") for line in text.splitlines()) if words]  # a usage box
     candidate.detail = lines[-1][:300] if lines else f"exit {process.returncode}"
     candidate.status = "out of memory" if any(mark in text for mark in OUT_OF_MEMORY) else "failed"
 
@@ -180,21 +264,16 @@ def fastest(found: list[Candidate]) -> Candidate | None:
 
 
 def run(config: PlanConfig) -> list[Candidate]:
-    """Measure every candidate (skipping those an out-of-memory one rules out); OUTPUT/plan.json is
-    rewritten after each, so a plan cut short keeps what it measured."""
+    """Measure every candidate that ``skip_reason`` does not rule out; OUTPUT/plan.json is rewritten after
+    each, so a plan cut short keeps what it measured."""
     if config.steps < 1:
         raise LaionkitError(f"--steps {config.steps}: measure at least one step")
     found = candidates(config)
     config.output.mkdir(parents=True, exist_ok=True)
-    for candidate in found:
-        failed = [c for c in found if c.status == "out of memory"]
-        blocker = next((c for c in failed if needs_more_memory(candidate, c)), None)
-        plain = next((c for c in found if c.status == "fits" and c.checkpointing == "none"
-                      and (c.batch_size, c.compile) == (candidate.batch_size, candidate.compile)), None)
-        if blocker is not None:
-            candidate.status, candidate.detail = "skipped", f"{blocker.name} ran out of memory"
-        elif candidate.checkpointing == "auto" and plain is not None:  # auto takes none where none fits
-            candidate.status, candidate.detail = "skipped", f"{plain.name} fits: auto is none there"
+    for done, candidate in enumerate(found):
+        reason = skip_reason(candidate, found[:done])
+        if reason is not None:
+            candidate.status, candidate.detail = "skipped", reason
         else:
             if not config.quiet:
                 print(f"plan: {candidate.name} ...", flush=True)
@@ -202,22 +281,60 @@ def run(config: PlanConfig) -> list[Candidate]:
             if not config.quiet:
                 print(f"plan: {candidate.name}: {describe(candidate)}", flush=True)
         write_plan(config, found)
-        if candidate.status == "failed":
+        if candidate.status == "failed" and not candidate.extras:  # the train flags themselves fail
             raise LaionkitError(f"plan: {candidate.name} failed: {candidate.detail} "
                                 f"(log: {config.output / 'logs' / (candidate.name + '.log')})")
     return found
 
 
+def command(config: PlanConfig, candidate: Candidate) -> str:
+    """The command line that trains ``candidate`` (add --output and --max-steps); CPU offload launches
+    FSDP2 over a world of 1. --gpu-memory-gib is left out: it stood in for a smaller GPU."""
+    launch = (["accelerate", "launch", "--config_file", "train/fsdp.yaml", "--num_processes", "1", "-m",
+               "laionkit.cli"] if candidate.strategy.cpu_offload else ["laionkit"])
+    return " ".join([*launch, "train", shlex.quote(config.latents), *map(shlex.quote, config.train_args),
+                     *candidate.flags])
+
+
 def write_plan(config: PlanConfig, found: list[Candidate]) -> None:
-    """OUTPUT/plan.json: every candidate so far, the fastest that fits and its command line."""
+    """OUTPUT/plan.json: every candidate so far, the fastest that fits, its train flags and command line."""
     best = fastest(found)
-    command = None
-    if best is not None:
-        command = " ".join(["laionkit", "train", shlex.quote(config.latents), *map(shlex.quote, config.train_args),
-                            *best.flags])
     write_json(str(config.output / "plan.json"), {
         "latents": config.latents, "train_args": list(config.train_args), "steps": config.steps,
-        "candidates": [asdict(c) for c in found], "fastest": best and best.name, "command": command})
+        "gpu_memory_gib": config.gpu_memory_gib, "candidates": [asdict(c) for c in found],
+        "fastest": best and best.name, "train_flags": best and best.flags,
+        "command": best and command(config, best)})
+
+
+def train_options(ctx, options: dict) -> dict:
+    """`laionkit train --plan PLAN`: ``options`` (train's parameters by name) with the plan's latents, train
+    flags and its fastest candidate's flags for every parameter the command line did not give, each parsed
+    as train parses it (so they override a --config file's)."""
+    import click
+
+    path = options.get("plan")
+    if path is None:
+        return options
+    if not Path(path).is_file():
+        raise LaionkitError(f"--plan {path}: no such file (`laionkit plan ... --output DIR` writes DIR/plan.json)")
+    try:
+        recorded = json.loads(Path(path).read_text())
+        args = [recorded["latents"], *recorded["train_args"], *recorded["train_flags"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LaionkitError(f"--plan {path}: not a plan.json `laionkit plan` wrote with a candidate that fits "
+                            f"({type(error).__name__}: {error})") from None
+    try:
+        planned = ctx.command.make_context(ctx.info_name, [str(arg) for arg in args], parent=ctx.parent)
+    except click.ClickException as error:
+        raise LaionkitError(f"--plan {path}: its train flags do not parse: {error.format_message()}") from None
+    merged = dict(options)
+    for name, value in planned.params.items():
+        given = ctx.get_parameter_source(name)
+        if name in ("config", "plan") or planned.get_parameter_source(name).name != "COMMANDLINE" \
+                or (given is not None and given.name in ("COMMANDLINE", "ENVIRONMENT")):
+            continue
+        merged[name] = value
+    return merged
 
 
 def describe(candidate: Candidate) -> str:

@@ -58,10 +58,11 @@ torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.m
 """)
 def train_command(ctx: typer.Context, **options) -> None:
     """Train a latent-diffusion UNet on latent shards with Accelerate (one process, DDP, FSDP or DeepSpeed)."""
+    from laionkit import plan
     from laionkit.trainer import trainfile
     from laionkit.trainer.loop import run
 
-    options = trainfile.merge(ctx, options, options.pop("config"))
+    options = plan.train_options(ctx, trainfile.merge(ctx, options, options.pop("config")))  # --plan over --config
     for name, flag in (("latents", "LATENTS"), ("output", "--output")):
         if options[name] is None:
             raise LaionkitError(f"give {flag} (or {name}: in the --config file)")
@@ -90,8 +91,15 @@ train_command.__signature__ = inspect.Signature(
 
     laionkit plan latents/ --output plans/sd15 --batch-sizes 16,32,64 --checkpointing none,every-2,auto -- --unet sd15 --mixed-precision bf16
 
+    laionkit plan latents-flux2/ --output plans/flux2-24 --gpu-memory-gib 24 --base-dtypes bf16,fp8,nf4
+    --block-swaps 0,8,16 -- --transformer flux2-dev --lora-rank 64 --mixed-precision bf16
+
+    laionkit train --plan plans/flux/plan.json --output runs/flux --max-steps 2000   # the fastest that fit
+
 Everything after -- is passed to every candidate's `laionkit train` as given (model, precision, LoRA,
-objective...). Each candidate runs in its own process: --steps steps to warm up, --steps measured.
+objective...). Each candidate runs in its own process: --steps steps to warm up, --steps measured. The memory
+strategies (--base-dtypes, --block-swaps, --cpu-offload) are a ladder: each is tried at a batch only where
+those before it did not fit.
 """)
 def plan_command(
     ctx: typer.Context,
@@ -100,28 +108,39 @@ def plan_command(
     batch_sizes: Annotated[str, typer.Option(help="Per-GPU batch sizes to try, comma-separated.")] = "1,2,4",
     checkpointing: Annotated[str, typer.Option(help="--checkpointing values to try, comma-separated (none, every-N, blocks, auto).")] = "none,blocks",
     compile: Annotated[str, typer.Option(help="off, on or both: --compile for each candidate.")] = "both",
+    fp8: Annotated[str, typer.Option(help="off, on or both: --fp8 (float8 matmuls) for each candidate.")] = "off",
+    base_dtypes: Annotated[str, typer.Option(help="LoRA runs: --base-dtype values for the frozen base, comma-separated (bf16, fp8, int8, nf4), tried in that order.")] = "bf16",
+    block_swaps: Annotated[str, typer.Option(help="--block-swap values (blocks on the host; 0: none), comma-separated, tried smallest first after the base dtypes.")] = "0",
+    cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Last: FSDP2 --cpu-offload (one GPU: accelerate launch --config_file train/fsdp.yaml --num_processes 1), where nothing else fits.")] = False,
+    gpu_memory_gib: Annotated[Optional[float], typer.Option(help="Each candidate's train --gpu-memory-gib: what fits on a GPU of G GiB, measured on a larger one.")] = None,
     steps: Annotated[int, typer.Option(help="Steps per window: one window warms up, the next is measured.")] = 5,
     timeout: Annotated[float, typer.Option(help="Seconds a candidate may take (compile included).")] = 1800.0,
     quiet: QuietOption = False,
 ) -> None:
-    """Measure candidate train configurations (batch, checkpointing, compile) and print the fastest that fits."""
+    """Measure candidate train configurations (batch, checkpointing, compile, --fp8, memory strategy) and print the fastest that fits."""
     from laionkit import plan
 
-    def numbers(text: str) -> tuple[int, ...]:
+    def numbers(flag: str, text: str, low: int) -> tuple[int, ...]:
         try:
             values = tuple(int(v) for v in text.split(","))
         except ValueError:
             values = ()
-        if not values or min(values) < 1:
-            raise LaionkitError(f"--batch-sizes {text!r}: comma-separated positive integers, e.g. 1,2,4")
+        if not values or min(values) < low:
+            raise LaionkitError(f"{flag} {text!r}: comma-separated integers >= {low}, e.g. {'0,8,16' if low == 0 else '1,2,4'}")
         return values
 
     modes = {"off": (False,), "on": (True,), "both": (False, True)}
-    if compile not in modes:
-        raise LaionkitError(f"--compile {compile!r}: off, on or both")
-    config = plan.PlanConfig(latents=latents, output=output, batch_sizes=numbers(batch_sizes),
+    for flag, value in (("--compile", compile), ("--fp8", fp8)):
+        if value not in modes:
+            raise LaionkitError(f"{flag} {value!r}: off, on or both")
+    dtypes = tuple(v.strip() for v in base_dtypes.split(",") if v.strip())
+    if not dtypes or set(dtypes) - set(plan.BASE_DTYPES):
+        raise LaionkitError(f"--base-dtypes {base_dtypes!r}: comma-separated {', '.join(plan.BASE_DTYPES)}")
+    config = plan.PlanConfig(latents=latents, output=output, batch_sizes=numbers("--batch-sizes", batch_sizes, 1),
                              checkpointing=tuple(v.strip() for v in checkpointing.split(",") if v.strip()),
-                             compile=modes[compile], steps=steps, timeout=timeout, train_args=tuple(ctx.args),
+                             compile=modes[compile], fp8=modes[fp8], base_dtypes=dtypes,
+                             block_swaps=numbers("--block-swaps", block_swaps, 0), cpu_offload=cpu_offload,
+                             gpu_memory_gib=gpu_memory_gib, steps=steps, timeout=timeout, train_args=tuple(ctx.args),
                              quiet=quiet)
     found = plan.run(config)
     for candidate in found:
@@ -130,6 +149,7 @@ def plan_command(
     if best is None:
         raise LaionkitError(f"plan: no candidate fits (see {output / 'plan.json'})")
     typer.echo(f"fastest that fits: {json.loads((output / 'plan.json').read_text())['command']}")
+    typer.echo(f"train it: laionkit train --plan {output / 'plan.json'} --output RUN --max-steps N")
 
 
 @app.command("export", epilog="""Examples:

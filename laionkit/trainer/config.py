@@ -135,6 +135,16 @@ class TrainConfig:
         "(the adapters stay on the GPU), so a base larger than the GPU trains; full fine-tune: weights leave the "
         "GPU only during forward and backward (gradients and optimizer state stay), less activation-time memory. "
         "0: off. Not with --compile, FSDP, DeepSpeed or several ranks.")
+    # --- `laionkit plan`'s answers: a share of the GPU, and the plan a run comes from (laionkit/plan.py) ---
+    gpu_memory_gib: float | None = option(
+        None, "Cap this process's share of its GPU at G GiB (torch.cuda.set_per_process_memory_fraction), as a "
+        "smaller card would hold it: what trains on 24 / 48 GB, measured on a larger GPU (`laionkit plan "
+        "--gpu-memory-gib`). Memory outside PyTorch's allocator (the CUDA context) is not counted. Ignored, "
+        "with a line, without a CUDA device.")
+    plan: Path | None = option(
+        None, "A plan.json `laionkit plan` wrote: train its fastest candidate (the plan's LATENTS, train flags "
+        "and the candidate's batch / checkpointing / compile / memory flags; flags given here override them, "
+        "and they override a --config file's). RUN/plan.json keeps a copy.")
     tf32: bool = option(True, "TF32 matmuls and convolutions in float32.")
     seed: int = option(0, "Seed: model init (same on every rank), data order and noise.")
     workers: int = option(2, "DataLoader workers per rank.")
@@ -331,6 +341,7 @@ class TrainConfig:
             raise LaionkitError("--compile-dynamic chooses how --compile treats shapes: give it with --compile")
         self.later_stages()
         self.checkpoint_interval()
+        trainchecks.check_plan(self)
         trainchecks.check_lora(self)
         trainchecks.check_val_loss(self)
         trainchecks.check_eval(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -185,6 +186,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
 
     output = config.output
     accelerator = make_accelerator(config)
+    memory.cap_gpu_memory(config, accelerator)  # --gpu-memory-gib: before anything is allocated
     launcher = resolve_rank(config.rank, config.world_size)
     if (launcher.rank, launcher.world_size) != (accelerator.process_index, accelerator.num_processes):
         raise LaionkitError(
@@ -206,6 +208,8 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         accelerator.print(f"laionkit train: {json.dumps(asdict(config), default=str)}")
+        if config.plan is not None:  # `train --plan`: the plan the run's flags came from, kept beside them
+            shutil.copyfile(config.plan, output / "plan.json")
     if config.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

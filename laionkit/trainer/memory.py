@@ -161,6 +161,31 @@ def measure_peak(trainer, shape: tuple[int, ...], interval: int) -> float | None
     return None if low.item() < 0 else float(high.item())
 
 
+def device_memory(config, device: torch.device) -> int:
+    """Bytes this process may use on its GPU: the device's memory, or --gpu-memory-gib where that is less."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(total, int(config.gpu_memory_gib * 2**30)) if config.gpu_memory_gib else total
+
+
+def cap_gpu_memory(config, accelerator) -> None:
+    """--gpu-memory-gib: PyTorch's allocator on this rank's GPU stops at G GiB and raises out of memory past
+    it, so a larger GPU answers what trains on a smaller one (what runs outside the allocator, the CUDA
+    context, is not counted). Without CUDA there is nothing to cap: a line says it is ignored, so a plan
+    or recipe written for a GPU still runs on a CPU smoke test. A cap above the GPU's memory is refused."""
+    gib = config.gpu_memory_gib
+    if gib is None:
+        return
+    if accelerator.device.type != "cuda":
+        accelerator.print(f"--gpu-memory-gib {gib:g}: no CUDA device, nothing to cap (ignored)")
+        return
+    total = torch.cuda.get_device_properties(accelerator.device).total_memory
+    if gib * 2**30 > total:
+        raise LaionkitError(f"--gpu-memory-gib {gib:g}: this GPU has {total / 2**30:.1f} GiB; give less, or leave "
+                            "the flag out to use all of it")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, accelerator.device)
+    accelerator.print(f"--gpu-memory-gib {gib:g}: {gib * 2**30 / total:.3f} of this GPU's {total / 2**30:.1f} GiB")
+
+
 def auto_checkpointing(trainer) -> dict:
     """Choose and apply --checkpointing auto's interval on ``trainer``'s denoiser; the record written to
     RUN/checkpointing.json (main process)."""
@@ -180,7 +205,7 @@ def auto_checkpointing(trainer) -> dict:
             dynamo = torch._dynamo.config
             dynamo.recompile_limit *= len(INTERVALS) + 1
             dynamo.accumulated_recompile_limit *= len(INTERVALS) + 1
-        total = torch.cuda.get_device_properties(t.device).total_memory
+        total = device_memory(t.config, t.device)
         budget, extra = MEMORY_SHARE * total, optimizer_state_bytes(t)
         interval, trials = choose_interval(lambda i: measure_peak(t, shape, i), blocks, extra, budget)
         t.data.family.checkpoint_blocks(t.accelerator.unwrap_model(t.unet), interval)

@@ -6,7 +6,8 @@
   class, checked on its config before diffusers loads weights into the wrong class (a shape error deep
   in from_pretrained otherwise);
 * ``--train-guidance`` needs a denoiser with a guidance embedding (it was dropped silently);
-* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8, --export and --cpu-offload, refused by
+* flag combinations of --lora-rank, the validation loss, --eval-every, --fp8, --export, --cpu-offload, --block-swap
+  and --gpu-memory-gib, refused by
   TrainConfig.__post_init__ before anything loads.
 """
 
@@ -168,6 +169,16 @@ def check_fp8(config) -> None:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise LaionkitError("--fp8 needs torchao: pip install 'laionkit[fp8]'") from None
+
+
+def check_plan(config) -> None:
+    """--gpu-memory-gib (TrainConfig.__post_init__); against the GPU's memory it is checked where it is applied
+    (memory.cap_gpu_memory), and --plan's file where the command reads it (laionkit/plan.py)."""
+    import math
+
+    gib = config.gpu_memory_gib
+    if gib is not None and not (math.isfinite(gib) and gib > 0):
+        raise LaionkitError(f"--gpu-memory-gib {gib}: a number of GiB > 0, e.g. 24")
 
 
 def parse_formats(value: str | None, lora: bool = False) -> tuple[str, ...]:
