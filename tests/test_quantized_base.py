@@ -170,3 +170,38 @@ def test_loading_quantizes_block_by_block_without_the_whole_bf16_state(flow_late
             assert layer.bias is None or torch.equal(layer.bias, plain[name].bias.float())
         assert isinstance(got.x_embedder, torch.nn.Linear) and not isinstance(got.x_embedder, FrozenLinear)
         torch.testing.assert_close(got.x_embedder.weight, model.x_embedder.weight.float())
+
+
+def test_a_random_base_is_drawn_straight_into_its_quantized_form(flow_latents, tmp_path):
+    """--lora-random-base --base-dtype (the benchmark's FLUX.2 [dev] 32B, whose bf16 weights would not fit): the
+    blocks' linears are drawn one at a time straight into FrozenLinear, and under the same seed they are
+    from_config's weights quantized (so the benchmark's loss compares with its bf16 base's); it trains."""
+    import diffusers
+
+    from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.data import open_latents
+    from laionkit.trainer.model import build_unet
+
+    flux = flow_latents("flux")
+    config = TrainConfig(latents=flux.latents, output=tmp_path / "run", unet_config="tiny", max_steps=2, lora_rank=4,
+                         lora_random_base=True, base_dtype="nf4", export="none")
+    data = open_latents(flux.latents)
+    torch.manual_seed(0)
+    model = build_unet(config, data)
+    torch.manual_seed(0)
+    plain = build_unet(TrainConfig(latents=flux.latents, output=tmp_path / "run", unet_config="tiny", max_steps=2),
+                       data)
+    assert isinstance(plain, diffusers.FluxTransformer2DModel)
+    frozen = {name: module for name, module in model.named_modules() if isinstance(module, FrozenLinear)}
+    assert frozen and {module.fmt for module in frozen.values()} == {"nf4"}
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    modules = dict(plain.named_modules())
+    for name, layer in frozen.items():
+        codes, scale = quantized_base.quantize(modules[name].weight, "nf4")
+        assert torch.equal(layer.weight, codes) and torch.equal(layer.scale, scale), name
+    state = plain.state_dict()
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items()
+               if key.removesuffix(".weight") not in frozen and key.removesuffix(".scale") not in frozen)
+    run_cli("train", flux.latents, "--output", tmp_path / "run", "--transformer-config", "tiny", "--lora-rank", "4",
+            "--lora-random-base", "--base-dtype", "nf4", "--export", "none", *FAST, "--max-steps", "2")
+    assert all(torch.isfinite(torch.tensor(record["loss"])) for record in metrics(tmp_path / "run").values())

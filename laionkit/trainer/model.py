@@ -83,7 +83,13 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
     arch = _architecture(config, spec, "--transformer-config",
                          lambda source: _load_config(cls, source, spec.denoiser_subfolder))
     largest = max(max(shape[1:]) for shape in data.bucket_shapes)
-    return cls.from_config(spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim))
+    fitted = spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim)
+    if config.lora_rank is not None and config.base_dtype != "bf16":  # --lora-random-base, quantized as it is drawn
+        from laionkit.trainer import quantized_base
+
+        return quantized_base.random_init(cls, fitted, spec.block_classes, config.base_dtype,
+                                          device or torch.device("cpu"))
+    return cls.from_config(fitted)
 
 
 def _pretrained(config: TrainConfig, spec: FamilySpec, device: torch.device | None):

@@ -19,7 +19,8 @@ The matmul is one autograd.Function (``FrozenMatmul``): the forward dequantizes 
 float8 compute, casts the input to float8 and runs ``torch._scaled_mm`` against the stored float8 weight, with the
 ``--fp8-recipe`` scaling of the input: ``tensorwise`` one scale, ``rowwise`` one per token); the backward computes
 the input's gradient alone (a frozen weight needs none), from the stored weight again, so no dequantized weight is
-kept between forward and backward. Float8 needs both sides of the layer and the token count to be multiples of 16
+kept between forward and backward; the gradient goes to float8 as torchao's recipes cast it (e5m2 tensorwise, e4m3
+rowwise). Float8 needs both sides of the layer and the token count to be multiples of 16
 (as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in bf16.
 
 A pretrained base loads block by block (``load``): the model is built on the meta device, the safetensors shards
@@ -123,11 +124,11 @@ class FrozenMatmul(torch.autograd.Function):
             w8, w_scale = _float8_weight(fmt, codes, scale, rowwise)
             if rowwise:
                 out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale.reshape(1, -1), out_dtype=ctx.dtype)
-            else:  # one scale per operand; a per-channel weight scale multiplies the output's columns
-                one = torch.ones((), device=x.device)
-                out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale if w_scale.numel() == 1 else one,
-                                       out_dtype=torch.float32)
-                out = (out * (w_scale.reshape(1, -1) if w_scale.numel() > 1 else 1)).to(ctx.dtype)
+            elif w_scale.numel() == 1:
+                out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=ctx.dtype)
+            else:  # tensorwise GEMM on a per-channel float8 weight: its scales multiply the output's columns
+                out = torch._scaled_mm(x8, w8.t(), x_scale, torch.ones((), device=x.device), out_dtype=torch.float32)
+                out = (out * w_scale.reshape(1, -1)).to(ctx.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -141,7 +142,7 @@ class FrozenMatmul(torch.autograd.Function):
             w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise)
             one = torch.ones((), device=grad.device)
             folded = rows.float() * w_scale.reshape(1, -1) if w_scale.numel() > 1 else rows
-            g8, g_scale = _float8(folded, rowwise, E5M2)
+            g8, g_scale = _float8(folded, rowwise, E4M3 if rowwise else E5M2)  # sm90's rowwise GEMM: e4m3 only
             b_scale = one if w_scale.numel() > 1 else w_scale
             if rowwise:
                 b_scale = b_scale.reshape(1, 1).expand(1, w8.shape[1]).contiguous()
@@ -251,6 +252,33 @@ def load(cls, source: str, component: str, block_classes, fmt: str, device: torc
     if state:
         raise LaionkitError(f"{source}: its {component} weights lack {sorted(state)[0]} (and {len(state) - 1} more)")
     return model.to(device).eval()
+
+
+def random_init(cls, config: dict, block_classes, fmt: str, device: torch.device):
+    """``cls.from_config(config)`` built on ``device`` with the blocks' linear weights quantized as ``fmt`` as each
+    is drawn (--lora-random-base: a 32B base never exists in bf16). Built on the meta device, then each module's
+    own parameters are drawn in module order by its ``reset_parameters`` (nn.Linear's, LayerNorm's, ...; 1-D
+    parameters of modules without one are norm scales: ones), on ``device``, in fp32 as from_config draws them:
+    where the construction draws in that order too (Flux, FLUX.2), the weights are from_config's under the same
+    seed, so a run's loss compares with the bf16 base's."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = cls.from_config(config)
+    names = set(block_linears(model, block_classes, fmt, "bf16"))
+    for name, module in list(model.named_modules()):
+        if not any(t.is_meta for t in module.parameters(recurse=False)):
+            continue
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                for param in module.parameters(recurse=False):
+                    param.fill_(1.0) if param.dim() == 1 else param.normal_(0, 0.02)
+        if name in names:  # one layer at a time: its fp32 weight lives only while it is quantized
+            swap(model, [name], lambda layer: FrozenLinear.of(layer, fmt))
+    return model.to(device)
 
 
 def weights_files(source: str, component: str) -> list[Path]:
