@@ -28,7 +28,9 @@ next one's caption (rank 16, alpha = rank, which diffusers reads from the file's
 projections and on the transformer blocks' proj_in / proj_out and feed-forward: on the attention projections
 alone, the default, a base trained with --seed 1 drew 7 of 8, one caption's seed giving another image). The
 base's own pipeline with RUN/lora loaded draws the new mapping (the criterion and its negative), and those
-samples fail the old one; without the LoRA it draws the old mapping (criterion and negative). SD for LoRA:
+samples fail the old one; without the LoRA it draws the old mapping (criterion and negative). The same LoRA
+trained on the base held in int8 (--base-dtype int8) draws the new mapping as well, loaded onto the full-precision
+base. SD for LoRA:
 its base trains as fast as SDXL's (the same UNet but SDXL's text_time embedding), and every path of its
 caption into the UNet goes through the attention the adapters sit on, where SDXL's pooled vector enters
 through add_embedding, which no target here adapts.
@@ -264,6 +266,14 @@ def test_trained_sd_regenerates_each_captions_image_and_a_lora_on_it_a_new_mappi
     drawn = assert_learned(family, base / "pipeline", new, with_lora, lora / "lora")
     old = retrieval(drawn, own)  # the same samples judged by the old mapping
     assert old["nearest_own"] <= 2 and old["own_mse"] > 2 * retrieval(drawn, new)["own_mse"], old
+
+    # The same LoRA trained on the base held in int8 (--base-dtype, laionkit/trainer/quantized_base.py): its
+    # export, loaded onto the base's own full-precision pipeline, draws the new mapping too.
+    quantized = tmp_path / "lora-int8"
+    train(family, tmp_path / "moved", quantized, "--unet", base / "pipeline", "--lora-rank", LORA["rank"],
+          "--lora-targets", LORA["targets"], "--max-steps", LORA["steps"], "--lr", LORA["lr"], "--base-dtype", "int8")
+    (tmp_path / "with-int8-lora").mkdir()
+    assert_learned(family, base / "pipeline", new, tmp_path / "with-int8-lora", quantized / "lora")
 
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family != LORA["family"]])

@@ -333,6 +333,31 @@ def _load_config(cls, source: str, component: str) -> dict:
         raise LaionkitError(f"cannot read the {component} config from {location}: {error}") from error
 
 
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def read_safetensors(path: Path):
+    """Yield (name, tensor) of a safetensors file one tensor at a time, each read into memory of its own by a
+    plain file read (no memory map): what is resident at once is the tensor the caller holds, whatever the
+    file's size (a base quantized as it loads: laionkit/trainer/quantized_base.py)."""
+    import torch
+
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+        header.pop("__metadata__", None)
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            handle.seek(8 + size + begin)
+            data = bytearray(end - begin)
+            handle.readinto(data)
+            dtype = getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])
+            yield name, (torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)).reshape(
+                entry["shape"])
+
+
 def load_scheduler(source: str):
     """The training noise scheduler (DDPM with the model's beta schedule and prediction type)."""
     from diffusers import DDPMScheduler

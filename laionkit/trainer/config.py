@@ -209,6 +209,12 @@ class TrainConfig:
     lora_random_base: bool = option(
         False, "Allow --lora-rank with --unet-config / --transformer-config: adapters on a random base that "
         "is never saved, useless outside the run; for throughput measurements.")
+    # the frozen base's block linear layers stored quantized (laionkit/trainer/quantized_base.py)
+    base_dtype: Literal["bf16", "fp8", "int8", "nf4"] = option(
+        "bf16", "With --lora-rank: how the frozen base's block linear layers are held: bf16, fp8 (e4m3, a scale per "
+        "output channel), int8 (a scale per output channel) or nf4 (QLoRA's 4-bit levels, a scale per 64 weights), "
+        "quantized block by block as the base loads; embedders, norms and adapters stay bf16/fp32, checkpoints hold "
+        "the adapters, the export merges into the bf16 base. A resume needs the same --base-dtype.")
     val_latents: Path | None = option(
         None, "A latent folder (encode output) for a deterministic validation loss, written to metrics.jsonl "
         "as val_loss.")
@@ -262,7 +268,8 @@ class TrainConfig:
     # the blocks' linear layers in float8 (laionkit/trainer/fp8.py)
     fp8: bool = option(
         False, "Train the denoiser blocks' linear layers in float8 (torchao; GPUs of compute capability "
-        "8.9+; fastest with --compile), bf16 elsewhere. Opt-in: docs/BENCHMARKS.md measures its speed and "
+        "8.9+; fastest with --compile), bf16 elsewhere; with --lora-rank, the frozen base's block matmuls run in "
+        "float8 (the input's gradient only; --base-dtype fp8 uses the stored float8 weights). Opt-in: docs/BENCHMARKS.md measures its speed and "
         "loss against bf16.")
     fp8_recipe: str = option(
         "tensorwise", "--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")
@@ -346,6 +353,7 @@ class TrainConfig:
         trainchecks.check_val_loss(self)
         trainchecks.check_eval(self)
         trainchecks.check_fp8(self)
+        trainchecks.check_base_dtype(self)
         trainchecks.check_export(self)
         trainchecks.check_block_swap(self)
         trainchecks.check_offload(self)

@@ -256,12 +256,12 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
     with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
-        unet = build_unet(config, data)
+        unet = build_unet(config, data, home)  # --base-dtype: quantized as it loads, there
     trainchecks.check_guidance(config, data.family, unet)
     # --cpu-offload: the host until FSDP2 shards it; else the device (--block-swap: some blocks stay on the host)
     unet = unet.to(home) if config.cpu_offload else blockswap.place(unet, config, data.family, accelerator)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
-        lora.attach(unet, config, accelerator)
+        lora.attach(unet, config, accelerator, data.family)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
     noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
@@ -274,7 +274,8 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         checked = data.family.checkpoint_blocks(unet, interval)
         accelerator.print(f"activation checkpointing: {len(checked)} of {len(data.family.blocks(unet))} "
                           f"{'/'.join(data.family.block_classes)} blocks")
-    if config.fp8:  # FP8 hook: the blocks' linear layers train in float8 (laionkit/trainer/fp8.py)
+    if config.fp8 and config.lora_rank is None:  # FP8 hook: the blocks' linear layers train in float8 (fp8.py);
+        # a LoRA run's frozen base multiplies in float8 from lora.attach (laionkit/trainer/quantized_base.py)
         fp8.check_device(device)
         converted = fp8.convert(unet, data.family.block_classes, config.fp8_recipe)
         accelerator.print(f"fp8 ({config.fp8_recipe}): {len(converted)} linear layers of the "

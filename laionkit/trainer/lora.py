@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
+from laionkit.trainer import quantized_base
 from laionkit.trainer.trainchecks import targets
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -50,8 +51,11 @@ KOHYA_FILE = "lora_kohya.safetensors"  # the same adapters in kohya's sd-scripts
 
 def settings(config) -> dict:
     """The LoRA settings a checkpoint records and a resume must match (they shape or change the adapters)."""
-    return {"lora_rank": config.lora_rank, "lora_alpha": alpha(config), "lora_dropout": config.lora_dropout,
-            "lora_targets": targets(config)}
+    found = {"lora_rank": config.lora_rank, "lora_alpha": alpha(config), "lora_dropout": config.lora_dropout,
+             "lora_targets": targets(config)}
+    if config.base_dtype != "bf16":  # the adapters learned the quantized base's error; bf16 checkpoints lack the key
+        found["base_dtype"] = config.base_dtype
+    return found
 
 
 def alpha(config) -> float:
@@ -59,8 +63,9 @@ def alpha(config) -> float:
 
 
 
-def attach(unet, config, accelerator) -> None:
-    """Freeze ``unet`` and add the adapters (in place), with the dtype policy of the module docstring."""
+def attach(unet, config, accelerator, family) -> None:
+    """Freeze ``unet`` and add the adapters (in place), with the dtype policy of the module docstring; the base's
+    block linears first become quantized_base.FrozenLinear under --base-dtype / --fp8."""
     from accelerate.utils import DistributedType
     from peft import LoraConfig
 
@@ -71,6 +76,7 @@ def attach(unet, config, accelerator) -> None:
         raise LaionkitError(f"--lora-rank runs on one device, DDP or FSDP, not {accelerator.distributed_type.value}: "
                             "launch with train/ddp.yaml or train/fsdp.yaml")
     unet.requires_grad_(False)
+    quantized_base.freeze(unet, config, accelerator, family.block_classes)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if low is not None and not MasterWeights.wanted(config, accelerator):
         torch.nn.Module.to(unet, low)  # not diffusers' .to, which warns to use from_pretrained
@@ -234,7 +240,8 @@ def check_resume(folder: Path, config, family) -> None:
             metadata = handle.metadata() or {}
         found = json.loads(metadata.get("laionkit_lora", "{}"))
         refuse_other_settings(folder, found, settings(config), "trained",
-                              "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets")
+                              "exact resume needs the same --lora-rank, --lora-alpha, --lora-dropout, --lora-targets, "
+                              "--base-dtype")
         _refuse_other_base(folder, json.loads(metadata.get(BASE_KEY, "null")), config, family)
 
 

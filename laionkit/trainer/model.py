@@ -21,9 +21,10 @@ from laionkit.trainer.data import LatentSet
 from laionkit.trainer.objective import guidance_input
 
 
-def build_unet(config: TrainConfig, data: LatentSet):
+def build_unet(config: TrainConfig, data: LatentSet, device: torch.device | None = None):
     """A pretrained denoiser (--unet) or a fresh one of the family's configs / a config file (--unet-config),
-    fitted to the data: latent channels, sample size, text width and (SDXL) the pooled width."""
+    fitted to the data: latent channels, sample size, text width and (SDXL) the pooled width. Under --base-dtype
+    a pretrained one loads block by block onto ``device``, its block linears quantized (quantized_base.load)."""
     import diffusers
 
     from laionkit.common.models import load_unet, load_unet_config
@@ -33,10 +34,10 @@ def build_unet(config: TrainConfig, data: LatentSet):
     latent_channels, text_dim = channels // data.moments_per_channel, data.text_shape[-1]
     pooled_dim = data.empty["pooled"].shape[-1] if "pooled" in data.empty else None
     if spec.fit_config is not None:
-        return build_transformer(config, data, latent_channels, text_dim, pooled_dim)
+        return build_transformer(config, data, latent_channels, text_dim, pooled_dim, device)
     if config.unet is not None:
         trainchecks.check_denoiser_folder(config.unet, spec, "--unet")  # another family's model: one line
-        unet = load_unet(spec.presets.get(config.unet, config.unet))
+        unet = _pretrained(config, spec, device) or load_unet(spec.presets.get(config.unet, config.unet))
         expects = (unet.config.in_channels, unet.config.cross_attention_dim, _pooled_width(unet.config))
         if expects != (latent_channels, text_dim, pooled_dim):
             raise LaionkitError(
@@ -58,7 +59,7 @@ def build_unet(config: TrainConfig, data: LatentSet):
 
 
 def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int, text_dim: int,
-                      pooled_dim: int | None):
+                      pooled_dim: int | None, device: torch.device | None = None):
     """The transformer families' denoiser: from_pretrained on --transformer (a preset, a pipeline folder
     or hub repo: its transformer/ subfolder), or from_config on a family config / a config file
     (--transformer-config), fitted to the data by the family."""
@@ -70,7 +71,8 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
     cls = getattr(diffusers, spec.denoiser_class)
     if config.unet is not None:
         trainchecks.check_denoiser_folder(config.unet, spec, "--transformer")  # another family's model: one line
-        model = _from_pretrained(cls, spec.presets.get(config.unet, config.unet), spec.denoiser_subfolder)
+        model = (_pretrained(config, spec, device)
+                 or _from_pretrained(cls, spec.presets.get(config.unet, config.unet), spec.denoiser_subfolder))
         found = spec.expects(model.config)
         if tuple(found) != (latent_channels, text_dim, pooled_dim):
             raise LaionkitError(
@@ -81,7 +83,27 @@ def build_transformer(config: TrainConfig, data: LatentSet, latent_channels: int
     arch = _architecture(config, spec, "--transformer-config",
                          lambda source: _load_config(cls, source, spec.denoiser_subfolder))
     largest = max(max(shape[1:]) for shape in data.bucket_shapes)
-    return cls.from_config(spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim))
+    fitted = spec.fit_config(arch, latent_channels, largest, text_dim, pooled_dim)
+    if config.lora_rank is not None and config.base_dtype != "bf16":  # --lora-random-base, quantized as it is drawn
+        from laionkit.trainer import quantized_base
+
+        return quantized_base.random_init(cls, fitted, spec.block_classes, config.base_dtype,
+                                          device or torch.device("cpu"))
+    return cls.from_config(fitted)
+
+
+def _pretrained(config: TrainConfig, spec: FamilySpec, device: torch.device | None):
+    """The pretrained denoiser loaded block by block with its block linears quantized, under --base-dtype
+    fp8 / int8 / nf4 (a LoRA run's frozen base: laionkit/trainer/quantized_base.py); else None."""
+    import diffusers
+
+    from laionkit.trainer import quantized_base
+
+    if config.base_dtype == "bf16" or config.lora_rank is None:
+        return None
+    return quantized_base.load(getattr(diffusers, spec.denoiser_class), spec.presets.get(config.unet, config.unet),
+                               spec.denoiser_subfolder, spec.block_classes, config.base_dtype,
+                               device or torch.device("cpu"))
 
 
 def _architecture(config: TrainConfig, spec, flag: str, load) -> dict:

@@ -162,11 +162,9 @@ def check_fp8(config) -> None:
         return
     if config.fp8_recipe not in RECIPES:
         raise LaionkitError(f"--fp8-recipe {config.fp8_recipe!r}: one of {', '.join(RECIPES)}")
-    if config.lora_rank is not None:
-        raise LaionkitError("--fp8 with --lora-rank: the frozen base would stay bf16 and only the small adapter "
-                            "matmuls could run in float8; train LoRA in bf16 (drop --fp8)")
     try:
-        import torchao.float8  # noqa: F401
+        if config.lora_rank is None:  # LoRA's frozen base runs torch._scaled_mm itself (quantized_base.py)
+            import torchao.float8  # noqa: F401
     except ImportError:
         raise LaionkitError("--fp8 needs torchao: pip install 'laionkit[fp8]'") from None
 
@@ -179,6 +177,13 @@ def check_plan(config) -> None:
     gib = config.gpu_memory_gib
     if gib is not None and not (math.isfinite(gib) and gib > 0):
         raise LaionkitError(f"--gpu-memory-gib {gib}: a number of GiB > 0, e.g. 24")
+
+
+def check_base_dtype(config) -> None:
+    """--base-dtype quantizes the frozen base of a LoRA run; a full-parameter run trains its weights in them."""
+    if config.base_dtype != "bf16" and config.lora_rank is None:
+        raise LaionkitError(f"--base-dtype {config.base_dtype} quantizes the frozen base of a LoRA run: give "
+                            "--lora-rank N too (a full-parameter run trains every weight, which stays bf16/fp32)")
 
 
 def parse_formats(value: str | None, lora: bool = False) -> tuple[str, ...]:

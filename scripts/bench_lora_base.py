@@ -1,0 +1,133 @@
+"""Benchmark LoRA on a quantized or float8 frozen base (`laionkit train --base-dtype`, `--fp8 --lora-rank`) against
+the bare diffusers + PEFT bf16 step (not a test; results in docs/BENCHMARKS.md).
+
+Flux-12B (``--transformer-config flux-dev``, random init) LoRA-64 at 1024 px, batch 2, compiled, every row on the
+same latents with the same seed (so the same noise and timesteps step by step):
+
+(bare)      the ceiling: bench_train_flow.py's bare diffusers step, PEFT ``add_adapter`` rank 64 on the frozen bf16
+            model, each block compiled.
+(bf16)      `laionkit train --lora-rank 64 --lora-random-base --compile`: the frozen base in bf16.
+(fp8-tw)    the same with ``--fp8`` (``--fp8-recipe tensorwise``): the bf16 base's block matmuls in float8.
+(fp8-rw)    the same with ``--fp8-recipe rowwise``.
+(nf4, int8) ``--base-dtype nf4`` / ``int8``: the base's block linears stored so, dequantized per matmul (bf16).
+(fp8-base)  ``--base-dtype fp8 --fp8``: the stored float8 weights straight into float8 matmuls (tensorwise).
+(flux2)     FLUX.2 [dev] (32B, random init drawn block by block straight into ``--flux2-dtype``, nf4 by default:
+            its 64 GB of bf16 never exist) LoRA-64 at 1024 px, batch 1, ``--checkpointing blocks``, eager.
+
+Each row reports samples/s (median of the steps after the first ``--warmup``), peak GPU memory, and its loss per
+step; the summary gives each row's rate against bf16 and against the bare ceiling, and its mean |loss - bf16's
+loss| over the steps against the bf16 run's own step-to-step spread (the float8 / quantization noise it adds).
+Rows run in order, each in its own process, until ``--budget`` seconds are spent (a row needs 40 s to start).
+
+    python scripts/bench_lora_base.py --out /tmp/lora-base --report $OUT            # H100: one call, < 8 min
+    python scripts/bench_lora_base.py --smoke --out /tmp/lora-base-smoke --budget 1200   # CPU plumbing (eager)
+    python scripts/bench_lora_base.py --rows bf16,fp8-rw --steps 200 --out /tmp/x   # loss parity, longer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_train_flow  # noqa: E402
+from bench_train import family_bench_parser, measurer, print_table, save_results  # noqa: E402
+from bench_train_sdxl import prepare  # noqa: E402
+
+LORA = ("--lora-rank", "64", "--lora-random-base")
+# row -> `laionkit train` flags besides LORA (Flux-12B, compiled)
+ROWS = {"bf16": (), "fp8-tw": ("--fp8", "--fp8-recipe", "tensorwise"), "fp8-rw": ("--fp8", "--fp8-recipe", "rowwise"),
+        "nf4": ("--base-dtype", "nf4"), "fp8-base": ("--base-dtype", "fp8", "--fp8"), "int8": ("--base-dtype", "int8")}
+ORDER = "bare,bf16,fp8-tw,fp8-rw,flux2,nf4,fp8-base,int8"
+
+
+def main() -> None:
+    parser = family_bench_parser(__doc__)
+    parser.add_argument("--rows", default=ORDER, help=f"comma list of {ORDER}")
+    parser.add_argument("--batch-size", type=int, default=2, help="Flux-12B's batch")
+    parser.add_argument("--flux2-dtype", default="nf4", choices=["nf4", "int8", "fp8"])
+    parser.set_defaults(resolutions=[1024], images=64, steps=24, budget=470)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if args.smoke:
+        args.resolutions, args.images, args.steps, args.batch_size = [64], 8, 4, 2
+    resolution = args.resolutions[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(bench_train_flow.REPO),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    results: dict[str, dict] = {}
+    measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
+    rows = args.rows.split(",")
+    latents = {}
+    for family in ("flux", "flux2-dev") if "flux2" in rows else ("flux",):  # real-width text, 1 layer deep
+        models = bench_train_flow.write_models(args.out / f"models-{family}", family, args.smoke, text_layers=1)
+        latents[family] = prepare(args.out / family, resolution, args.images, False, models)
+    bench_train_flow.free_gpu()
+    print(f"latents ready after {time.perf_counter() - started:.0f} s", flush=True)
+
+    def train(name: str, family: str, batch: int, *flags: str) -> None:
+        run = args.out / f"run-{name}"
+        measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents[family]), "--output", str(run),
+                       "--transformer-config", "tiny" if args.smoke else bench_train_flow.CONFIG[family],
+                       "--batch-size", str(batch), "--max-steps", str(args.steps), "--log-every", "1", "--seed", "0",
+                       "--checkpoint-every", str(10**9), "--no-checkpoint-at-end", "--export", "none",
+                       "--log-with", "none", "--quiet", "--workers", "4", "--shuffle-buffer", "64",
+                       "--mixed-precision", "no" if args.smoke else "bf16", *LORA, *flags], run)
+        logged = args.out / f"{name}-metrics.jsonl"
+        if logged.exists():
+            records = [json.loads(line) for line in logged.read_text().splitlines()]
+            results[name]["losses"] = [record["loss"] for record in records]
+            rates = [record["samples_per_s"] for record in records][args.warmup:]
+            results[name]["samples_per_s"] = statistics.median(rates) if rates else None
+
+    for row in rows:
+        if row == "bare":
+            measure("bare", bench_train_flow.child_argv(
+                args.out, "bare", "bare", script=bench_train_flow.__file__, family="flux", resolution=resolution,
+                batch=args.batch_size, steps=args.steps, warmup=args.warmup, compile=not args.smoke, smoke=args.smoke,
+                lora=64))
+        elif row == "flux2":
+            train("flux2", "flux2-dev", 1, "--base-dtype", args.flux2_dtype, "--checkpointing", "blocks")
+        else:
+            train(row, "flux", args.batch_size, *(() if args.smoke else ("--compile",)), *ROWS[row])
+
+    summary = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0)
+               if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "results": results}
+    save_results(summary, args.out, args.report, suffix="-lora-base", tail=8000)
+    print_table({name: {k: v for k, v in result.items() if k != "losses"} for name, result in results.items()},
+                f"{summary['device']}, torch {torch.__version__}")
+    report(results)
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+def report(results: dict[str, dict]) -> None:
+    """Each Flux row's rate against bf16 and the bare ceiling, and its loss against bf16's, step by step."""
+    rate = lambda name: results.get(name, {}).get("samples_per_s")  # noqa: E731
+    base = results.get("bf16", {}).get("losses") or []
+    spread = statistics.pstdev(base) if len(base) > 1 else None
+    for name in ROWS:
+        if not rate(name):
+            continue
+        line = f"  {name}: {rate(name):.3f} samples/s, peak {results[name].get('gpu_mem_gib')} GiB"
+        if rate("bf16"):
+            line += f"; x{rate(name) / rate('bf16'):.3f} bf16"
+        if rate("bare"):
+            line += f", {rate(name) / rate('bare'):.3f} of bare"
+        losses = results[name].get("losses") or []
+        if base and losses and name != "bf16":
+            steps = min(len(base), len(losses))
+            gap = statistics.mean(abs(a - b) for a, b in zip(losses[:steps], base[:steps]))
+            line += f"; mean |loss - bf16's| {gap:.4f} over {steps} steps (bf16's step-to-step std {spread:.4f})"
+        print(line)
+    if rate("flux2"):
+        print(f"  flux2-dev 32B: {rate('flux2'):.3f} samples/s, peak {results['flux2'].get('gpu_mem_gib')} GiB")
+
+
+if __name__ == "__main__":
+    main()
