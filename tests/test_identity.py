@@ -211,6 +211,18 @@ def test_encode_refuses_a_caption_or_pack_run_of_rank_0_of_2(half, tmp_path, tin
     assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == ["00000.tar", "00002.tar"]
 
 
+def test_score_and_caption_refuse_a_caption_or_pack_run_of_rank_0_of_2(half, tmp_path, score_models, realdata,
+                                                                      tiny_vlm):  # noqa: F811
+    result = run_cli(*score_args(half["captioned"], tmp_path / "s", score_models, realdata), check=False)
+    one_line_error(result, "input", "is incomplete: 2 of 4 shards not captioned (00001.tar, 00003.tar)")
+    assert not (tmp_path / "s").exists()
+    caption = ("--model", tiny_vlm, "--max-new-tokens", "4", "--batch-size", "2", "--workers", "0", "-q")
+    result = run_cli("caption", half["kept"], "--output", tmp_path / "c", *caption, check=False)
+    one_line_error(result, "input", "is incomplete: 2 of 4 planned shards have no done record")
+    run_cli("caption", half["kept"], "--output", tmp_path / "c", *caption, "--allow-incomplete")
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.tar")) == ["00000.tar", "00002.tar"]
+
+
 def test_pack_keep_refuses_a_filter_run_of_rank_0_of_2(half, tmp_path):
     run_cli("filter", half["scored"] / "scores", "--where", "width > 0", "--unit-rows", "1", "--output",
             tmp_path / "filtered", "--rank", "0", "--world-size", "2", "-q")

@@ -9,6 +9,7 @@ from typing import Literal
 from laionkit.captions import check_name
 from laionkit.common import LaionkitError
 from laionkit.common.options import (
+    ALLOW_INCOMPLETE_HELP,
     QUIET_HELP,
     RANK_HELP,
     STORAGE_HELP,
@@ -57,6 +58,7 @@ class CaptionConfig:
     rank: int | None = option(None, RANK_HELP)
     world_size: int | None = option(None, WORLD_SIZE_HELP)
     quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"))
+    allow_incomplete: bool = option(False, ALLOW_INCOMPLETE_HELP, flags=("--allow-incomplete",))
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -21,6 +21,7 @@ from laionkit.caption.writer import CaptionedShard
 from laionkit.common import LaionkitError, resolve_rank, runlock, stage_device, storage
 from laionkit.common.background import timed
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete_folders
 from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo
 
 QUEUE_DEPTH = 2  # batches each worker prepares ahead
@@ -34,6 +35,7 @@ def run(config: CaptionConfig, log: Callable[[str], None] = print) -> dict:
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options, "caption")
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "caption")
+    refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
     storage.claim_output(output, "caption", config.overwrite)
     with runlock.holding(runlock.output_lock(output, "caption", rank.rank)):  # one process per rank
         if config.quiet:

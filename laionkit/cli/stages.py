@@ -254,6 +254,7 @@ def score(
     rank: RankOption = None,
     world_size: WorldSizeOption = None,
     quiet: QuietOption = False,
+    allow_incomplete: AllowIncompleteOption = False,
 ) -> None:
     """Decode each image once and write per sample: key, source row, size, sha256, pHash, CLIP embedding
     (float16 npy, LAION's embeddings layout), caption similarity, pwatermark, punsafe and --score columns;
@@ -265,7 +266,7 @@ def score(
         clip_pretrained=None if clip_pretrained.lower() == "none" else clip_pretrained, scores=tuple(score_spec or ()),
         watermark=watermark, nsfw=nsfw, batch_size=batch_size, workers=workers, dtype=dtype, device=device,
         cuda_graphs=cuda_graphs, compile=compile, decode=decode, caption_key=caption_key, captions=captions, rank=rank,
-        world_size=world_size, overwrite=overwrite, quiet=quiet,
+        world_size=world_size, overwrite=overwrite, quiet=quiet, allow_incomplete=allow_incomplete,
         storage_options=storage_options,
     )
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))

@@ -33,6 +33,7 @@ from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, sto
 from laionkit.common.background import background, timed
 from laionkit.common.cudagraphs import Graphed
 from laionkit.common.storage import Location
+from laionkit.common.upstream import refuse_incomplete_folders
 from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo, shard_stem
 from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
 from laionkit.score.models import (
@@ -248,6 +249,7 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
                          "score")
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "score")
+    refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
     storage.claim_output(output, "score", config.overwrite)
     if output.local:
         os.makedirs(output.path, exist_ok=True)

@@ -49,6 +49,7 @@ class ScoreConfig:
     world_size: int | None = None
     overwrite: bool = False
     quiet: bool = False
+    allow_incomplete: bool = False  # use an unfinished pack or caption input folder (common.upstream)
     storage_options: str | None = None
 
     def __post_init__(self) -> None:
