@@ -76,16 +76,20 @@ time.sleep(600)
 """
 
 
+
+def stage_inputs(stage: str, realdata: Path, tmp_path: Path) -> Path:
+    """dedup's input (a planted score folder) or score's / caption's (shards of the real photos)."""
+    if stage == "dedup":
+        return planted().write(tmp_path / "in")
+    write_image_shards(realdata / "images", tmp_path / "in")
+    return tmp_path / "in"
+
 @pytest.mark.parametrize("stage", ["caption", "dedup"])
 def test_a_second_process_of_one_rank_into_an_output_is_refused_while_the_first_runs(stage, models, realdata,
                                                                                        tmp_path):
     """Two processes of one rank wrote the same files: dedup's removed the other's scratch (FileNotFoundError),
     caption's renamed the other's unfinished tar into place. The second is refused, naming the first."""
-    if stage == "dedup":
-        inputs = planted().write(tmp_path / "in")
-    else:
-        write_image_shards(realdata / "images", tmp_path / "in")
-        inputs = tmp_path / "in"
+    inputs = stage_inputs(stage, realdata, tmp_path)
     output = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(output), stage], stdout=subprocess.PIPE, text=True)
     try:
@@ -152,11 +156,7 @@ main()
 def test_a_disk_that_takes_no_more_is_one_line_naming_the_file(stage, models, realdata, tmp_path):
     """A file-size limit (RLIMIT_FSIZE) in the stage's process: its writes past 3000 bytes fail as on a full disk
     (root cannot be kept from writing by permissions, and a small mount needs privileges CI may not have)."""
-    if stage == "dedup":
-        inputs = planted().write(tmp_path / "in")
-    else:
-        write_image_shards(realdata / "images", tmp_path / "in")
-        inputs = tmp_path / "in"
+    inputs = stage_inputs(stage, realdata, tmp_path)
     output = tmp_path / "out"
     result = subprocess.run([sys.executable, "-c", FULL_DISK, *map(str, stage_args(stage, inputs, output, models))],
                             capture_output=True, text=True, timeout=300)

@@ -41,22 +41,10 @@ from laionkit.common.storage import Location
 from laionkit.filter.config import DEFAULT_UNIT_ROWS, FilterConfig
 from laionkit.filter.dedup import Dedup
 from laionkit.filter.folder import (
-    JSON_PLAN_NAME,
-    JSON_STATS_GLOB,
-    LEGACY_PLAN_NAME,
-    PART_NAME,
-    PLAN_NAME,
-    SIDECAR_KEY,
-    SIDECARS,
-    STATS_GLOB,
-    STATS_KEY,
     RuleCounts,
-    existing_parts,
     part_path,
-    plan_location,
     prepare_output,
     rank_stats,
-    read_record,
     refuse_changed_inputs,
     stats_paths,
     unit_stats_from_part,
@@ -82,6 +70,20 @@ from laionkit.filter.plan import (
     make_plan,
     plan_id,
     renamed_schema,
+)
+from laionkit.filter.records import (
+    JSON_PLAN_NAME,
+    JSON_STATS_GLOB,
+    LEGACY_PLAN_NAME,
+    PART_NAME,
+    PLAN_NAME,
+    SIDECAR_KEY,
+    SIDECARS,
+    STATS_GLOB,
+    STATS_KEY,
+    existing_parts,
+    plan_location,
+    read_record,
 )
 from laionkit.filter.rules import (
     ALIASES,

@@ -19,11 +19,10 @@ from laionkit.common.storage import Location
 from laionkit.filter.config import FilterConfig
 from laionkit.filter.inputs import Unit
 from laionkit.filter.plan import Plan
-from laionkit.filter.records import (  # noqa: F401 - the folder's names, read where the folder is
+from laionkit.filter.records import (
     JSON_PLAN_NAME,
     JSON_STATS_GLOB,
     LEGACY_PLAN_NAME,
-    PART_NAME,
     PLAN_NAME,
     SIDECAR_KEY,
     SIDECARS,

@@ -20,9 +20,10 @@ from tqdm import tqdm
 
 from laionkit.common import LaionkitError, storage
 from laionkit.common.storage import Location
-from laionkit.filter.folder import STATS_KEY, RuleCounts
+from laionkit.filter.folder import RuleCounts
 from laionkit.filter.inputs import InputFile, Unit
 from laionkit.filter.plan import Plan, renamed_schema
+from laionkit.filter.records import STATS_KEY
 from laionkit.filter.rules import alias_names
 from laionkit.filter.sql import ROW_NUMBER, glob_literal, literal, nullable, quote
 from laionkit.scores import Scorer, score_embeddings
