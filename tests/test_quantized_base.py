@@ -205,3 +205,42 @@ def test_a_random_base_is_drawn_straight_into_its_quantized_form(flow_latents, t
     run_cli("train", flux.latents, "--output", tmp_path / "run", "--transformer-config", "tiny", "--lora-rank", "4",
             "--lora-random-base", "--base-dtype", "nf4", "--export", "none", *FAST, "--max-steps", "2")
     assert all(torch.isfinite(torch.tensor(record["loss"])) for record in metrics(tmp_path / "run").values())
+
+
+def cpu_peak_bytes(fn):
+    """``fn()`` and the most bytes torch's CPU allocator held at once while it ran, above what it held before
+    (the profiler's memory events: tracemalloc does not see torch's allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    held = peak = 0
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda event: event.start_ns())
+    for event in events:
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            held += event.nbytes()
+            peak = max(peak, held)
+    return result, peak
+
+
+def test_a_random_base_is_never_held_in_full_precision_while_it_is_drawn():
+    """--lora-random-base --base-dtype nf4 on FLUX.2 [dev]'s blocks (its MLP ratio and layout, narrower and
+    3 blocks deep): the bytes held at once while drawing stay within the built model's plus one block's bf16
+    weights: each drawn fp32 layer is freed once quantized, and quantizing it needs no multiple of its size."""
+    import diffusers
+
+    from laionkit.families.flux2_dev import TRANSFORMER_CONFIG
+
+    spec = get_family("flux2-dev")
+    config = dict(TRANSFORMER_CONFIG, num_layers=1, num_single_layers=2, num_attention_heads=8,
+                  joint_attention_dim=1024)
+    cls = diffusers.Flux2Transformer2DModel
+    model, peak = cpu_peak_bytes(lambda: quantized_base.random_init(cls, config, spec.block_classes, "nf4",
+                                                                    torch.device("cpu")))
+    built = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    with torch.device("meta"):
+        plain = cls.from_config(config)
+    block = max(sum(2 * p.numel() for p in module.parameters()) for module in plain.modules()
+                if type(module).__name__ in spec.block_classes)
+    assert sum(isinstance(module, FrozenLinear) for module in model.modules()) > 10
+    assert peak <= built + block, (peak, built, block)

@@ -45,13 +45,22 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 NF4_BLOCK = 64
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+QUANTIZE_SLICE = 1 << 20  # about as many weights as quantize converts at once
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A (out, in) weight as ``fmt``'s stored tensors: (codes, scales as integer bits); bf16: (weight, None)."""
+    """A (out, in) weight as ``fmt``'s stored tensors: (codes, scales as integer bits); bf16: (weight, None).
+    Quantized a slice of rows of about QUANTIZE_SLICE weights at a time (whole NF4 blocks: a multiple of 64 rows),
+    so its fp32 and index temporaries stay a few MB where the whole layer's are several times its bf16 size."""
     if fmt == "bf16":
         return weight.detach(), None
-    w = weight.detach().float()
+    rows = max(NF4_BLOCK, QUANTIZE_SLICE // weight.shape[1] // NF4_BLOCK * NF4_BLOCK)
+    codes, scales = zip(*(_quantize_rows(part, fmt) for part in weight.detach().split(rows)))
+    return torch.cat(codes), torch.cat(scales)
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float()
     if fmt in ("fp8", "int8"):
         top = torch.finfo(E4M3).max if fmt == "fp8" else 127.0
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
@@ -61,8 +70,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     blocks = w.reshape(-1, NF4_BLOCK)
     absmax = blocks.abs().amax(dim=1).clamp(min=1e-12).to(torch.bfloat16)
     levels = torch.tensor(NF4, device=w.device)
-    codes = torch.bucketize(blocks / absmax.float()[:, None], (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
-    codes = codes.reshape(w.shape)
+    codes = torch.bucketize(blocks / absmax.float()[:, None], (levels[1:] + levels[:-1]) / 2, out_int32=True)
+    codes = codes.to(torch.uint8).reshape(w.shape)
     return codes[:, 0::2] << 4 | codes[:, 1::2], absmax.view(torch.int16)
 
 
@@ -266,7 +275,8 @@ def random_init(cls, config: dict, block_classes, fmt: str, device: torch.device
     with init_empty_weights():
         model = cls.from_config(config)
     names = set(block_linears(model, block_classes, fmt, "bf16"))
-    for name, module in list(model.named_modules()):
+    for name in [name for name, _ in model.named_modules()]:  # names, not modules: a drawn layer swapped out is freed
+        module = model.get_submodule(name)
         if not any(t.is_meta for t in module.parameters(recurse=False)):
             continue
         module.to_empty(device=device, recurse=False)
