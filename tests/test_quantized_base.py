@@ -244,3 +244,34 @@ def test_a_random_base_is_never_held_in_full_precision_while_it_is_drawn():
                 if type(module).__name__ in spec.block_classes)
     assert sum(isinstance(module, FrozenLinear) for module in model.modules()) > 10
     assert peak <= built + block, (peak, built, block)
+
+
+@pytest.mark.parametrize("compute", ["bf16", "tensorwise"])
+@pytest.mark.parametrize("fmt", ("bf16", *QUANTIZED))
+def test_compiled_frozen_linears_save_no_dequantized_weight_for_the_backward(fmt, compute):
+    """Under torch.compile (AOTAutograd's min-cut partitioner, as Inductor runs it) the tensors two FrozenLinears'
+    forward saves for the backward hold no weight-sized tensor besides the stored codes: a dequantized bf16 copy
+    (or NF4's unpacked codes) saved per layer made an int8 base use more memory than the bf16 one."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved = []
+
+    def backward_compiler(graph, inputs):
+        saved.extend(node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")
+                     if isinstance(node.meta.get("val"), torch.Tensor))
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=lambda graph, inputs: make_boxed_func(graph), bw_compiler=backward_compiler,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    layers = [FrozenLinear.of(torch.nn.Linear(128, 128), fmt, compute) for _ in range(2)]
+    module = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).bfloat16()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = torch.compile(module, backend=backend)(torch.randn(2, 32, 128, requires_grad=True))
+    out.float().sum().backward()
+    codes = layers[0].weight  # saved as it is or as a view (fp8's float8 view of its bytes): no copy
+    weight_sized = [(tuple(t.shape), t.dtype) for t in saved if t.numel() >= 128 * 128 and not
+                    (t.shape == codes.shape and t.element_size() == codes.element_size())]
+    assert saved and not weight_sized, weight_sized

@@ -18,7 +18,8 @@ it. PEFT's ``lora.Linear`` wraps a FrozenLinear as its ``base_layer`` as it wrap
 The matmul is one autograd.Function (``FrozenMatmul``): the forward dequantizes the weight on the fly (or, with
 float8 compute, casts the input to float8 and runs ``torch._scaled_mm`` against the stored float8 weight, with the
 ``--fp8-recipe`` scaling of the input: ``tensorwise`` one scale, ``rowwise`` one per token); the backward computes
-the input's gradient alone (a frozen weight needs none), from the stored weight again, so no dequantized weight is
+the input's gradient alone (a frozen weight needs none), from the stored weight again and by other ops than the
+forward's (so torch.compile's CSE cannot merge the two and save the dequantized weight), so no dequantized weight is
 kept between forward and backward; the gradient goes to float8 as torchao's recipes cast it (e5m2 tensorwise, e4m3
 rowwise). Float8 needs both sides of the layer and the token count to be multiples of 16
 (as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in bf16.
@@ -88,6 +89,21 @@ def dequantize(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype:
     return blocks.reshape(unpacked.shape).to(dtype)
 
 
+def _dequantize_apart(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` for the backward, the same weight by other ops: were they the forward's, torch.compile's CSE
+    would merge the two into one dequantized weight (or unpacked NF4 codes, or float8 copy) that the forward then
+    saves for the backward, a copy of every block weight held through the step."""
+    if fmt == "bf16":
+        return codes.to(dtype)
+    if fmt in ("fp8", "int8"):  # both codes are exact in bf16
+        values = codes.view(E4M3) if fmt == "fp8" else codes
+        return (values.to(torch.bfloat16).float() * scale.view(torch.float32)[:, None]).to(dtype)
+    table = torch.tensor(NF4, device=codes.device) * scale.view(torch.bfloat16).float()[:, None]  # a row a block
+    shifts = torch.tensor((4, 0), dtype=torch.uint8, device=codes.device).repeat(codes.shape[1])
+    unpacked = codes.repeat_interleave(2, dim=1) >> shifts & 15
+    return table.gather(1, unpacked.reshape(-1, NF4_BLOCK).long()).reshape(unpacked.shape).to(dtype)
+
+
 def storable(layer: torch.nn.Linear, fmt: str, compute: str) -> bool:
     """Whether ``layer`` can be held as ``fmt`` and multiplied in ``compute``: float8 wants both sides a multiple
     of 16, NF4 an even input width and whole blocks of 64."""
@@ -104,11 +120,13 @@ def _float8(t: torch.Tensor, rowwise: bool, dtype: torch.dtype) -> tuple[torch.T
     return (t.float() / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale
 
 
-def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight in e4m3 and its scale, (out, 1) per channel or one: the stored one as it is (fp8), else cast."""
+def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool,
+                   dequantized=dequantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in e4m3 and its scale, (out, 1) per channel or one: the stored one as it is (fp8), else cast
+    (from ``dequantized``: the backward's is ``_dequantize_apart``)."""
     if fmt == "fp8":
         return codes.view(E4M3), scale.view(torch.float32)[:, None]
-    return _float8(dequantize(fmt, codes, scale, torch.float32), rowwise, E4M3)
+    return _float8(dequantized(fmt, codes, scale, torch.float32), rowwise, E4M3)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -145,10 +163,10 @@ class FrozenMatmul(torch.autograd.Function):
         codes, scale = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
         if ctx.compute == "bf16" or rows.shape[0] % 16:
-            grad_x = rows @ dequantize(ctx.fmt, codes, scale, ctx.dtype)
+            grad_x = rows @ _dequantize_apart(ctx.fmt, codes, scale, ctx.dtype)
         else:  # g @ (s * W8) = (g * s^T) @ W8 for per-channel s: the scale leaves the reduction
             rowwise = ctx.compute == "rowwise"
-            w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise)
+            w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise, _dequantize_apart)
             one = torch.ones((), device=grad.device)
             folded = rows.float() * w_scale.reshape(1, -1) if w_scale.numel() > 1 else rows
             g8, g_scale = _float8(folded, rowwise, E4M3 if rowwise else E5M2)  # sm90's rowwise GEMM: e4m3 only
