@@ -104,6 +104,16 @@ def _dequantize_apart(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None,
     return table.gather(1, unpacked.reshape(-1, NF4_BLOCK).long()).reshape(unpacked.shape).to(dtype)
 
 
+def _input_grad(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``rows @ W`` for the backward, W apart from the forward's (``_dequantize_apart``); per-channel scales fold
+    into the gradient, g @ (s * W) = (g * s^T) @ W, so the weight side is the codes cast alone (exact in bf16)."""
+    if fmt in ("fp8", "int8"):
+        values = codes.view(E4M3) if fmt == "fp8" else codes
+        return (rows.float() * scale.view(torch.float32)).to(dtype) @ values.to(torch.bfloat16).to(dtype)
+    return rows @ _dequantize_apart(fmt, codes, scale, dtype)
+
+
 def storable(layer: torch.nn.Linear, fmt: str, compute: str) -> bool:
     """Whether ``layer`` can be held as ``fmt`` and multiplied in ``compute``: float8 wants both sides a multiple
     of 16, NF4 an even input width and whole blocks of 64."""
@@ -163,7 +173,7 @@ class FrozenMatmul(torch.autograd.Function):
         codes, scale = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
         if ctx.compute == "bf16" or rows.shape[0] % 16:
-            grad_x = rows @ _dequantize_apart(ctx.fmt, codes, scale, ctx.dtype)
+            grad_x = _input_grad(ctx.fmt, codes, scale, rows, ctx.dtype)
         else:  # g @ (s * W8) = (g * s^T) @ W8 for per-channel s: the scale leaves the reduction
             rowwise = ctx.compute == "rowwise"
             w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise, _dequantize_apart)
