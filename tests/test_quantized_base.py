@@ -205,3 +205,73 @@ def test_a_random_base_is_drawn_straight_into_its_quantized_form(flow_latents, t
     run_cli("train", flux.latents, "--output", tmp_path / "run", "--transformer-config", "tiny", "--lora-rank", "4",
             "--lora-random-base", "--base-dtype", "nf4", "--export", "none", *FAST, "--max-steps", "2")
     assert all(torch.isfinite(torch.tensor(record["loss"])) for record in metrics(tmp_path / "run").values())
+
+
+def cpu_peak_bytes(fn):
+    """``fn()`` and the most bytes torch's CPU allocator held at once while it ran, above what it held before
+    (the profiler's memory events: tracemalloc does not see torch's allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    held = peak = 0
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda event: event.start_ns())
+    for event in events:
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            held += event.nbytes()
+            peak = max(peak, held)
+    return result, peak
+
+
+def test_a_random_base_is_never_held_in_full_precision_while_it_is_drawn():
+    """--lora-random-base --base-dtype nf4 on FLUX.2 [dev]'s blocks (its MLP ratio and layout, narrower and
+    3 blocks deep): the bytes held at once while drawing stay within the built model's plus one block's bf16
+    weights: each drawn fp32 layer is freed once quantized, and quantizing it needs no multiple of its size."""
+    import diffusers
+
+    from laionkit.families.flux2_dev import TRANSFORMER_CONFIG
+
+    spec = get_family("flux2-dev")
+    config = dict(TRANSFORMER_CONFIG, num_layers=1, num_single_layers=2, num_attention_heads=8,
+                  joint_attention_dim=1024)
+    cls = diffusers.Flux2Transformer2DModel
+    model, peak = cpu_peak_bytes(lambda: quantized_base.random_init(cls, config, spec.block_classes, "nf4",
+                                                                    torch.device("cpu")))
+    built = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    with torch.device("meta"):
+        plain = cls.from_config(config)
+    block = max(sum(2 * p.numel() for p in module.parameters()) for module in plain.modules()
+                if type(module).__name__ in spec.block_classes)
+    assert sum(isinstance(module, FrozenLinear) for module in model.modules()) > 10
+    assert peak <= built + block, (peak, built, block)
+
+
+@pytest.mark.parametrize("compute", ["bf16", "tensorwise"])
+@pytest.mark.parametrize("fmt", ("bf16", *QUANTIZED))
+def test_compiled_frozen_linears_save_no_dequantized_weight_for_the_backward(fmt, compute):
+    """Under torch.compile (AOTAutograd's min-cut partitioner, as Inductor runs it) the tensors two FrozenLinears'
+    forward saves for the backward hold no weight-sized tensor besides the stored codes: a dequantized bf16 copy
+    (or NF4's unpacked codes) saved per layer made an int8 base use more memory than the bf16 one."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    saved = []
+
+    def backward_compiler(graph, inputs):
+        saved.extend(node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")
+                     if isinstance(node.meta.get("val"), torch.Tensor))
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=lambda graph, inputs: make_boxed_func(graph), bw_compiler=backward_compiler,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    layers = [FrozenLinear.of(torch.nn.Linear(128, 128), fmt, compute) for _ in range(2)]
+    module = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).bfloat16()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", torch.bfloat16):
+        out = torch.compile(module, backend=backend)(torch.randn(2, 32, 128, requires_grad=True))
+    out.float().sum().backward()
+    codes = layers[0].weight  # saved as it is or as a view (fp8's float8 view of its bytes): no copy
+    weight_sized = [(tuple(t.shape), t.dtype) for t in saved if t.numel() >= 128 * 128 and not
+                    (t.shape == codes.shape and t.element_size() == codes.element_size())]
+    assert saved and not weight_sized, weight_sized

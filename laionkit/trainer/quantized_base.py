@@ -18,7 +18,8 @@ it. PEFT's ``lora.Linear`` wraps a FrozenLinear as its ``base_layer`` as it wrap
 The matmul is one autograd.Function (``FrozenMatmul``): the forward dequantizes the weight on the fly (or, with
 float8 compute, casts the input to float8 and runs ``torch._scaled_mm`` against the stored float8 weight, with the
 ``--fp8-recipe`` scaling of the input: ``tensorwise`` one scale, ``rowwise`` one per token); the backward computes
-the input's gradient alone (a frozen weight needs none), from the stored weight again, so no dequantized weight is
+the input's gradient alone (a frozen weight needs none), from the stored weight again and by other ops than the
+forward's (so torch.compile's CSE cannot merge the two and save the dequantized weight), so no dequantized weight is
 kept between forward and backward; the gradient goes to float8 as torchao's recipes cast it (e5m2 tensorwise, e4m3
 rowwise). Float8 needs both sides of the layer and the token count to be multiples of 16
 (as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in bf16.
@@ -45,13 +46,22 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 NF4_BLOCK = 64
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+QUANTIZE_SLICE = 1 << 20  # about as many weights as quantize converts at once
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A (out, in) weight as ``fmt``'s stored tensors: (codes, scales as integer bits); bf16: (weight, None)."""
+    """A (out, in) weight as ``fmt``'s stored tensors: (codes, scales as integer bits); bf16: (weight, None).
+    Quantized a slice of rows of about QUANTIZE_SLICE weights at a time (whole NF4 blocks: a multiple of 64 rows),
+    so its fp32 and index temporaries stay a few MB where the whole layer's are several times its bf16 size."""
     if fmt == "bf16":
         return weight.detach(), None
-    w = weight.detach().float()
+    rows = max(NF4_BLOCK, QUANTIZE_SLICE // weight.shape[1] // NF4_BLOCK * NF4_BLOCK)
+    codes, scales = zip(*(_quantize_rows(part, fmt) for part in weight.detach().split(rows)))
+    return torch.cat(codes), torch.cat(scales)
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float()
     if fmt in ("fp8", "int8"):
         top = torch.finfo(E4M3).max if fmt == "fp8" else 127.0
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
@@ -61,8 +71,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     blocks = w.reshape(-1, NF4_BLOCK)
     absmax = blocks.abs().amax(dim=1).clamp(min=1e-12).to(torch.bfloat16)
     levels = torch.tensor(NF4, device=w.device)
-    codes = torch.bucketize(blocks / absmax.float()[:, None], (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
-    codes = codes.reshape(w.shape)
+    codes = torch.bucketize(blocks / absmax.float()[:, None], (levels[1:] + levels[:-1]) / 2, out_int32=True)
+    codes = codes.to(torch.uint8).reshape(w.shape)
     return codes[:, 0::2] << 4 | codes[:, 1::2], absmax.view(torch.int16)
 
 
@@ -77,6 +87,31 @@ def dequantize(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype:
     unpacked = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(codes.shape[0], -1)
     blocks = levels[unpacked.long()].reshape(-1, NF4_BLOCK) * scale.view(torch.bfloat16).float()[:, None]
     return blocks.reshape(unpacked.shape).to(dtype)
+
+
+def _dequantize_apart(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` for the backward, the same weight by other ops: were they the forward's, torch.compile's CSE
+    would merge the two into one dequantized weight (or unpacked NF4 codes, or float8 copy) that the forward then
+    saves for the backward, a copy of every block weight held through the step."""
+    if fmt == "bf16":
+        return codes.to(dtype)
+    if fmt in ("fp8", "int8"):  # both codes are exact in bf16
+        values = codes.view(E4M3) if fmt == "fp8" else codes
+        return (values.to(torch.bfloat16).float() * scale.view(torch.float32)[:, None]).to(dtype)
+    table = torch.tensor(NF4, device=codes.device) * scale.view(torch.bfloat16).float()[:, None]  # a row a block
+    shifts = torch.tensor((4, 0), dtype=torch.uint8, device=codes.device).repeat(codes.shape[1])
+    unpacked = codes.repeat_interleave(2, dim=1) >> shifts & 15
+    return table.gather(1, unpacked.reshape(-1, NF4_BLOCK).long()).reshape(unpacked.shape).to(dtype)
+
+
+def _input_grad(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``rows @ W`` for the backward, W apart from the forward's (``_dequantize_apart``); per-channel scales fold
+    into the gradient, g @ (s * W) = (g * s^T) @ W, so the weight side is the codes cast alone (exact in bf16)."""
+    if fmt in ("fp8", "int8"):
+        values = codes.view(E4M3) if fmt == "fp8" else codes
+        return (rows.float() * scale.view(torch.float32)).to(dtype) @ values.to(torch.bfloat16).to(dtype)
+    return rows @ _dequantize_apart(fmt, codes, scale, dtype)
 
 
 def storable(layer: torch.nn.Linear, fmt: str, compute: str) -> bool:
@@ -95,11 +130,13 @@ def _float8(t: torch.Tensor, rowwise: bool, dtype: torch.dtype) -> tuple[torch.T
     return (t.float() / scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale
 
 
-def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight in e4m3 and its scale, (out, 1) per channel or one: the stored one as it is (fp8), else cast."""
+def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool,
+                   dequantized=dequantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight in e4m3 and its scale, (out, 1) per channel or one: the stored one as it is (fp8), else cast
+    (from ``dequantized``: the backward's is ``_dequantize_apart``)."""
     if fmt == "fp8":
         return codes.view(E4M3), scale.view(torch.float32)[:, None]
-    return _float8(dequantize(fmt, codes, scale, torch.float32), rowwise, E4M3)
+    return _float8(dequantized(fmt, codes, scale, torch.float32), rowwise, E4M3)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -136,10 +173,10 @@ class FrozenMatmul(torch.autograd.Function):
         codes, scale = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
         if ctx.compute == "bf16" or rows.shape[0] % 16:
-            grad_x = rows @ dequantize(ctx.fmt, codes, scale, ctx.dtype)
+            grad_x = _input_grad(ctx.fmt, codes, scale, rows, ctx.dtype)
         else:  # g @ (s * W8) = (g * s^T) @ W8 for per-channel s: the scale leaves the reduction
             rowwise = ctx.compute == "rowwise"
-            w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise)
+            w8, w_scale = _float8_weight(ctx.fmt, codes, scale, rowwise, _dequantize_apart)
             one = torch.ones((), device=grad.device)
             folded = rows.float() * w_scale.reshape(1, -1) if w_scale.numel() > 1 else rows
             g8, g_scale = _float8(folded, rowwise, E4M3 if rowwise else E5M2)  # sm90's rowwise GEMM: e4m3 only
@@ -266,7 +303,8 @@ def random_init(cls, config: dict, block_classes, fmt: str, device: torch.device
     with init_empty_weights():
         model = cls.from_config(config)
     names = set(block_linears(model, block_classes, fmt, "bf16"))
-    for name, module in list(model.named_modules()):
+    for name in [name for name, _ in model.named_modules()]:  # names, not modules: a drawn layer swapped out is freed
+        module = model.get_submodule(name)
         if not any(t.is_meta for t in module.parameters(recurse=False)):
             continue
         module.to_empty(device=device, recurse=False)
