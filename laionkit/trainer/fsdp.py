@@ -33,10 +33,15 @@ from laionkit.common import LaionkitError
 _PARALLELISM, _HELD = "ACCELERATE_USE_PARALLELISM_CONFIG", "LAIONKIT_HELD_PARALLELISM_CONFIG"
 
 
+def fsdp_launch() -> bool:
+    """Whether accelerate launched this process with an FSDP config."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def hold_parallelism_on_cpu() -> None:
     """Before ``Accelerator(...)``: on a machine without GPUs, hide an FSDP launch's parallelism config (HSDP)
     from the constructor, which would refuse it on CPU ranks; honor_fsdp_on_cpu sets it afterwards."""
-    if (not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if (not torch.cuda.is_available() and fsdp_launch()
             and os.environ.get(_PARALLELISM, "false").lower() == "true"):
         os.environ.update({_PARALLELISM: "false", _HELD: "true"})
 
@@ -49,7 +54,7 @@ def honor_fsdp_on_cpu(accelerator) -> bool:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if (accelerator.distributed_type != DistributedType.MULTI_CPU
-            or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"):
+            or not fsdp_launch()):
         return False
     plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment, as Accelerator builds it
     if plugin.fsdp_version != 2:

@@ -19,6 +19,7 @@ import os
 import torch
 
 from laionkit.common import LaionkitError
+from laionkit.trainer import fsdp, zero
 
 LAUNCH = "accelerate launch --config_file train/fsdp.yaml --num_processes N (N=1 on one GPU) -m laionkit.cli train"
 
@@ -28,10 +29,10 @@ def request(config) -> None:
     line outside an FSDP launch (DDP and one plain process have nothing to offload with)."""
     if not config.cpu_offload:
         return
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if zero.deepspeed_launch():
         raise LaionkitError("--cpu-offload is FSDP2's CPU offload; under DeepSpeed offload with "
                             "train/deepspeed-zero3-offload.yaml and drop --cpu-offload")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+    if not fsdp.fsdp_launch():
         raise LaionkitError(f"--cpu-offload runs under FSDP2 (one GPU or many): {LAUNCH} ... --cpu-offload")
     os.environ["FSDP_OFFLOAD_PARAMS"] = "true"
 

@@ -24,21 +24,22 @@ import torch
 from laionkit.common import LaionkitError
 
 
-def _deepspeed_launch() -> bool:
+def deepspeed_launch() -> bool:
+    """Whether accelerate launched this process with a DeepSpeed config."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def cpu_ranks() -> bool:
     """What make_accelerator passes as ``cpu``: true on a machine without GPUs, except under a DeepSpeed
     launch (see the module docstring)."""
-    return not torch.cuda.is_available() and not _deepspeed_launch()
+    return not torch.cuda.is_available() and not deepspeed_launch()
 
 
 def process_group() -> dict:
     """A DeepSpeed launch's part of make_accelerator's InitProcessGroupKwargs: gloo without GPUs (accelerate
     knows no backend for a CPU device it was not told is a CPU, and would count a world of 1 while DeepSpeed
     runs all ranks), else accelerate's own choice. Refused in one line where DeepSpeed is not installed."""
-    if not _deepspeed_launch():
+    if not deepspeed_launch():
         return {}
     import importlib.util
 
