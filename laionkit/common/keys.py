@@ -13,6 +13,7 @@ sample of each input.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -59,12 +60,18 @@ class KeepList:
     def kept(self, shard: str, key: str) -> bool:
         return (shard, key) in self.samples or (None, key) in self.samples
 
+    @functools.cached_property
+    def _value_sets(self) -> tuple[pa.Array, pa.Array]:
+        """The list as arrow value sets, (shard NUL key) pairs and keys alone: built once, not per unit masked."""
+        pairs = pa.array(sorted(f"{shard}\x00{key}" for shard, key in self.samples if shard is not None), pa.string())
+        alone = pa.array(sorted(key for shard, key in self.samples if shard is None), pa.string())
+        return pairs, alone
+
     def mask(self, shards: pa.Array, keys: pa.Array) -> pa.Array:
         """``kept`` of every row of two string columns, as a boolean array."""
         import pyarrow.compute as pc
 
-        pairs = pa.array(sorted(f"{shard}\x00{key}" for shard, key in self.samples if shard is not None), pa.string())
-        alone = pa.array(sorted(key for shard, key in self.samples if shard is None), pa.string())
+        pairs, alone = self._value_sets
         joined = pc.binary_join_element_wise(shards.cast(pa.string()), keys.cast(pa.string()), "\x00")
         return pc.or_(pc.is_in(joined, value_set=pairs), pc.is_in(keys.cast(pa.string()), value_set=alone))
 
