@@ -82,9 +82,9 @@ def latents_for(model: str, out: Path, smoke: bool) -> Path:
 def child(args) -> dict:
     """One model and writer: plain steps for the baseline, then --saves checkpoints with the steps around them."""
     from laionkit.common import storage
-    from laionkit.latents import end_workers, latent_loader
     from laionkit.trainer import checkpoint_async, runfolder
     from laionkit.trainer.config import TrainConfig
+    from laionkit.trainer.latent_stream import end_workers, latent_loader
     from laionkit.trainer.loop import checkpoint, setup, train_step
     from laionkit.trainer.metrics import MetricsWindow
 

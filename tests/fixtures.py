@@ -202,8 +202,8 @@ def stored_states_are_the_pipelines(pipe, latents: Path, count: int = 4, **windo
 
 def first_rows(latents: Path, count: int) -> list[dict]:
     """The first ``count`` decoded samples of a latent folder's first shard."""
-    from laionkit.latents import Unit, decode, read_unit
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import Unit, decode, read_unit
 
     data = open_latents(latents)
     return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]

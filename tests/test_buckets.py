@@ -20,8 +20,8 @@ import pytest
 from conftest import run_cli
 from fixtures import compile_on_cpu, free_port, kill_tree
 
-from laionkit.latents import StreamLayout, latent_loader
-from laionkit.latents_order import DataProgress
+from laionkit.trainer.latent_order import DataProgress
+from laionkit.trainer.latent_stream import StreamLayout, latent_loader
 
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet")
 

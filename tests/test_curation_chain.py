@@ -31,8 +31,8 @@ from conftest import run_cli
 from fixtures import killed, metrics, with_hook
 from PIL import Image
 from test_caption import digests, tar_members, tiny_vlm  # noqa: F401 (tiny_vlm: a fixture)
-from test_captions import FAST as TRAIN_FAST
-from test_captions import seen
+from test_caption_mix import FAST as TRAIN_FAST
+from test_caption_mix import seen
 from test_dedup_layers import same_outputs
 from test_score import output_files, score_args
 

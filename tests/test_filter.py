@@ -335,7 +335,7 @@ def test_embeddings_row_mismatch_is_a_clear_error(sample: Path, tmp_path: Path, 
 
 
 def test_score_columns_from_embeddings_matched_by_number(sample: Path, tmp_path: Path, realdata: Path):
-    from laionkit.scores import ScoreSpec, build_scorer, score_embeddings
+    from laionkit.common.clip_scores import ScoreSpec, build_scorer, score_embeddings
 
     second = sample.parent / "laion_0001.parquet"
     pq.write_table(pq.read_table(sample).slice(0, 300), second, row_group_size=100)
@@ -402,7 +402,7 @@ def test_units_merge_row_groups_up_to_unit_rows(rows, unit_rows, expected):
 
 
 def test_prompt_score_through_the_cli_with_a_random_init_clip(sample: Path, tmp_path: Path):
-    from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
+    from laionkit.common.clip_scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
 
     clip = ClipChoice("ViT-S-32", None)
     scorer = build_scorer(ScoreSpec("anime", "prompt", "an anime drawing|a manga page"), clip)

@@ -56,8 +56,8 @@ def test_stored_states_and_latents_are_the_pipelines(flux2):
     for the empty caption); the manifest records the VAE's batch-norm statistics (128 = 4 x 32), and laionkit's
     normalised [32, h, w] latent is the pipeline's patchified, normalised [128, h/2, w/2] one unpatchified; the
     family's prediction is the transformer called as the pipeline calls it (packed tokens, its ids)."""
-    from laionkit.latents import collate
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((flux2.latents / "manifest.json").read_text())
     assert manifest["family"] == "flux2" and manifest["complete"]
@@ -101,9 +101,9 @@ def test_flow_loss_is_diffusers_flux2_klein_training_step(flux2):
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
     from laionkit.families import flow
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(flux2.latents)

@@ -42,8 +42,8 @@ def test_stored_states_and_prediction_are_the_pipelines(dev):
     (klein shares the transformer class)."""
     import shutil
 
-    from laionkit.latents import collate
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((dev.latents / "manifest.json").read_text())
     assert manifest["family"] == "flux2-dev" and manifest["text"]["stored"] == {"states": [512, 48]}

@@ -57,7 +57,7 @@ def test_stored_states_are_trimmed_losslessly(pixart):
     """Each sample stores T5's states up to its caption's last token and the mask (all ones); padded back
     (the loader's batch) they equal PixArtSigmaPipeline.encode_prompt's states at every unmasked position,
     the mask equals the pipeline's, and the transformer gives the same output as on the 300-token padding."""
-    from laionkit.latents import collate
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((pixart.latents / "manifest.json").read_text())
     assert manifest["family"] == "pixart" and manifest["complete"] and manifest["empty_mask"] == "empty_mask.npy"
@@ -136,9 +136,9 @@ def test_ddpm_loss_is_the_epsilon_half_of_the_learned_variance_output(pixart):
     the pipeline calls it, and the MSE of the first half of its 8 output channels to the noise."""
     import torch.nn.functional as F
 
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, diffusion_loss, load_noise_scheduler
 
     data = open_latents(pixart.latents)

@@ -56,7 +56,7 @@ def test_stored_states_are_encode_prompts_trimmed(qwen):
     QwenImagePipeline.encode_prompt's states at every unmasked position, and the masks are equal. The tiny
     tokenizer splits the template's system part into exactly the 34 tokens the pipeline drops."""
     from laionkit.families.qwenimage import DROP_IDX, PROMPT_TEMPLATE
-    from laionkit.latents import collate
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((qwen.latents / "manifest.json").read_text())
     assert manifest["family"] == "qwen-image" and manifest["complete"] and manifest["empty_mask"] == "empty_mask.npy"
@@ -144,9 +144,9 @@ def test_flow_target_is_the_formula_on_fixed_seeds(qwen):
     of the unpacked output to noise - x0."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(qwen.latents)

@@ -104,8 +104,8 @@ def test_resume_latest_never_replaces_a_run_it_cannot_continue(latent_shards, tm
 def test_a_bucket_run_folder_is_leased_to_one_train(latent_shards, s3):
     """--output s3://: a live lease of another run refuses the train naming its holder; an expired one (its
     run killed on another host) is taken over, renewed while training and deleted at the end."""
+    from laionkit.common.runlock import LEASE_NAME, BucketLease
     from laionkit.common.storage import Location
-    from laionkit.trainer.runlock import LEASE_NAME, BucketLease
 
     url = s3.url("runs", "a")
     lease = Location.parse(url) / LEASE_NAME

@@ -65,7 +65,7 @@ def test_stored_states_and_latents_are_the_pipelines(sana):
     caption's last unmasked position: padded back they equal the pipeline's at every unmasked position, the
     mask equals the pipeline's, the caption "" included. The empty-caption files (caption dropout, validation's
     negative) are the pipeline's negative prompt "" (no instruction)."""
-    from laionkit.latents import collate
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((sana.latents / "manifest.json").read_text())
     assert manifest["family"] == "sana" and manifest["complete"] and manifest["empty_mask"] == "empty_mask.npy"
@@ -111,9 +111,9 @@ def test_flow_loss_is_sanas_objective(sana):
     """laionkit's loss on a batch equals the formula on the same draws: the stored latent x scaling factor
     (no posterior draw), noise, sigma = shift_3(sigmoid(N(0, 1))), x_t = (1 - sigma) x0 + sigma noise, the
     transformer called as SanaPipeline calls it (timestep sigma x 1000) and the plain MSE to noise - x0."""
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(sana.latents)
@@ -295,9 +295,9 @@ def test_a_32x_dc_ae_refuses_image_sides_off_its_grid(sana, image_shards, tmp_pa
 def test_block_checkpointing_keeps_loss_and_gradients(sana):
     """--checkpointing blocks on SanaTransformerBlock (the FSDP wrap and checkpointing unit): the same loss and
     gradients as the plain forward, each block's forward recomputed in backward."""
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(sana.latents)

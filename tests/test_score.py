@@ -63,8 +63,8 @@ def output_files(folder: Path) -> dict[str, bytes]:
 
 
 def test_columns_rows_hashes_and_embeddings_match_the_tars(scored, shards, score_models, realdata):
+    from laionkit.common.clip_scores import ScoreSpec, build_scorer, score_embeddings
     from laionkit.evaluate.clipscore import load_clip
-    from laionkit.scores import ScoreSpec, build_scorer, score_embeddings
 
     clip, preprocess, _ = load_clip(str(score_models["config"]), str(score_models["weights"]))
     aesthetic = build_scorer(ScoreSpec("aes", "aesthetic-v2", str(realdata / AESTHETIC_V2)))

@@ -40,8 +40,8 @@ def load_pipeline(flow: FlowLatents):
 
 
 def first_rows(latents: Path, count: int) -> list[dict]:
-    from laionkit.latents import Unit, decode, read_unit
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import Unit, decode, read_unit
 
     data = open_latents(latents)
     return [decode(sample) for sample, _ in zip(read_unit(Unit(data.shards[0])), range(count))]

@@ -112,9 +112,9 @@ def test_sdxl_vae_runs_in_fp32_when_encode_runs_fp16(tmp_path, image_shards, tin
 def test_caption_dropout_drops_the_pooled_text_with_the_states(sdxl_latents, tiny_sdxl):
     """With dropout 1 the loss is the loss of the empty caption's states AND pooled vector."""
     from laionkit.common.models import load_unet
-    from laionkit.latents import Unit, decode, read_unit
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import Unit, decode, read_unit
     from laionkit.trainer.objective import batch_conditioning, diffusion_loss, load_noise_scheduler
 
     data = open_latents(sdxl_latents)

@@ -21,8 +21,8 @@ import pytest
 from conftest import run_cli
 from fixtures import free_port, metrics
 
-from laionkit.latents import StreamLayout, latent_loader
-from laionkit.latents_order import DataProgress
+from laionkit.trainer.latent_order import DataProgress
+from laionkit.trainer.latent_stream import StreamLayout, latent_loader
 
 # Small and fast: 8x8 latents, tiny UNet, no tensorboard.
 TINY = ("--unet-config", "tiny", "--batch-size", "4", "--lr", "1e-3", "--log-with", "none", "--quiet")

@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 
 from laionkit.common import LaionkitError
-from laionkit.latents import StreamLayout, end_workers, latent_loader
+from laionkit.trainer.latent_stream import StreamLayout, end_workers, latent_loader
 
 TINY = ("--unet-config", "tiny", "--lr", "1e-3", "--log-with", "none", "--quiet", "--batch-size", "2")
 

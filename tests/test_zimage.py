@@ -63,7 +63,7 @@ def test_stored_states_are_the_pipelines_prompt_embeds(zimage):
     """Each sample stores exactly ZImagePipeline.encode_prompt's tensor for its caption (the chat template,
     Qwen3's hidden_states[-2], the rows its mask selects: lengths differ), trimmed; the loader's padded batch
     and the family's conditioning give the pipeline's list back, and the transformer's output on it."""
-    from laionkit.latents import collate
+    from laionkit.trainer.latent_stream import collate
 
     manifest = json.loads((zimage.latents / "manifest.json").read_text())
     assert manifest["family"] == "z-image" and manifest["complete"] and manifest["empty_mask"] == "empty_mask.npy"
@@ -103,9 +103,9 @@ def test_flow_loss_is_diffusers_z_image_training_step(zimage):
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    from laionkit.latents import collate
     from laionkit.trainer.config import TrainConfig
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import collate
     from laionkit.trainer.objective import batch_conditioning, flow_loss, resolve_objective
 
     data = open_latents(zimage.latents)

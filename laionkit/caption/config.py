@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from laionkit.captions import check_name
 from laionkit.common import LaionkitError
+from laionkit.common.caption_mix import check_name
 from laionkit.common.options import (
     ALLOW_INCOMPLETE_HELP,
     QUIET_HELP,
@@ -20,7 +20,7 @@ from laionkit.common.options import (
 
 DEFAULT_PROMPT = "Describe this image in detail."
 # A caption's name is a json key and a word of encode's --captions and train's --caption-mix (alt:0.2,vlm:0.8):
-# their rule (laionkit.captions.check_name), and not "alt" nor "txt", which name the alt-text (the txt member).
+# their rule (laionkit.common.caption_mix.check_name), and not "alt" nor "txt", which name the alt-text (the txt member).
 RESERVED_NAMES = ("alt", "txt")
 
 

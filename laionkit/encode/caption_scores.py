@@ -14,8 +14,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 
-from laionkit.captions import ALT, similarity_column
 from laionkit.common import LaionkitError
+from laionkit.common.caption_mix import ALT, similarity_column
 from laionkit.common.storage import Location
 
 SCORES = "scores"  # laionkit.score.records.SCORES: score's per-shard parquet folder

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from laionkit.captions import parse_names
 from laionkit.common import LaionkitError
+from laionkit.common.caption_mix import parse_names
 from laionkit.common.models import PRESETS
 from laionkit.families import FamilySpec, detect_family
 
@@ -44,7 +44,7 @@ class EncodeConfig:
     text: str | None = None
     # where captions come from: a member (txt, caption, ...) or a json key; None: reader.caption_of's order
     caption_key: str | None = None
-    # --captions alt,vlm: every named caption's text tensors per sample (laionkit.captions); None: the one
+    # --captions alt,vlm: every named caption's text tensors per sample (laionkit.common.caption_mix); None: the one
     # caption encode always stored (alt, also when --captions alt is given alone)
     captions: tuple[str, ...] | str | None = None
     overwrite: bool = False  # write into a folder that holds another stage's outputs (storage.claim_output)

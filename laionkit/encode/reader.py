@@ -23,8 +23,8 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
-from laionkit.captions import ALT, scored
 from laionkit.common import LaionkitError, split
+from laionkit.common.caption_mix import ALT, scored
 from laionkit.common.jpeg import joined
 from laionkit.common.keys import KeepList
 from laionkit.common.storage import Location
@@ -573,7 +573,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
 def caption_texts(sample: dict, meta: dict | None, names: Sequence[str], caption_key: str | None
                   ) -> tuple[dict[str, str], list[dict]]:
-    """The one resolution of caption names (laionkit.captions), for encode and score: ``texts`` {name: text}
+    """The one resolution of caption names (laionkit.common.caption_mix), for encode and score: ``texts`` {name: text}
     of those the sample has, in ``names`` order, and a caption skip (key, caption, reason) per name it lacks
     (json captions[NAME] absent, blank or not text). ``alt`` is caption_of's, as encode always took it (an
     empty one counts as present: encoded and counted as an empty caption)."""

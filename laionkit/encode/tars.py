@@ -103,7 +103,7 @@ class ShardOutput:
               stored: dict[str, np.ndarray | list[np.ndarray]] | list[dict[str, np.ndarray]]) -> None:
         """One sample per key: moments, every stored text tensor under its member name (a batch array, or
         one array per sample where their lengths differ; with several captions, one {member: array} per
-        sample, laionkit.captions), the json."""
+        sample, laionkit.common.caption_mix), the json."""
         if isinstance(stored, list):
             rows = [{member: npy_bytes(value) for member, value in sample.items()} for sample in stored]
         else:

@@ -7,8 +7,8 @@ import threading
 import time
 from collections import Counter
 
-from laionkit import captions
 from laionkit.common import Rank, storage
+from laionkit.common import caption_mix as captions
 from laionkit.common.storage import Location
 from laionkit.encode.config import QUEUE_DEPTH
 from laionkit.encode.device import Encoders
@@ -129,7 +129,7 @@ def _host(stored: dict, trim: tuple | None) -> dict:
 
 def _caption_rows(item: dict) -> list[dict]:
     """--captions: each sample's text members, its first caption's under the plain names (text.npy, ...),
-    every other one it has under NAME.<member> (laionkit.captions)."""
+    every other one it has under NAME.<member> (laionkit.common.caption_mix)."""
     by_name = {name: _host(stored, trim) for name, (stored, trim) in item["captions"].items()}
     return [{captions.member(name, plain, index == 0): values[row]
              for index, name in enumerate(names) for plain, values in by_name[name].items()}

@@ -46,7 +46,7 @@ def latent_captions(folder: Path | str, count: int) -> list[str]:
     """The first ``count`` captions of an encode output folder (a path, or a URL train streams from)."""
     import webdataset as wds
 
-    from laionkit.latents import shard_paths
+    from laionkit.trainer.latent_stream import shard_paths
 
     if "://" not in str(folder) and not Path(folder).is_dir():
         raise LaionkitError(f"--val-latents {folder}: no such folder")

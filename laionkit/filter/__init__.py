@@ -37,6 +37,7 @@ import duckdb
 from tqdm import tqdm
 
 from laionkit.common import LaionkitError, Rank, available_cpus, resolve_rank, split, storage
+from laionkit.common.clip_scores import ClipChoice, Scorer, build_scorer
 from laionkit.common.storage import Location
 from laionkit.filter.config import DEFAULT_UNIT_ROWS, FilterConfig
 from laionkit.filter.dedup import Dedup
@@ -100,7 +101,6 @@ from laionkit.filter.rules import (
 from laionkit.filter.sql import INTERNAL_PREFIX, ROW_NUMBER, glob_literal, literal, lock_down, nullable, quote
 from laionkit.filter.top import TopSpec, top_rule, top_specs
 from laionkit.filter.units import UnitFilter
-from laionkit.scores import ClipChoice, Scorer, build_scorer
 
 __all__ = [  # the names laionkit.filter had before its split into these modules
     "ALIASES", "DEFAULT_UNIT_ROWS", "FILTER_ALIASES", "FORBIDDEN_NODES", "INTERNAL_PREFIX", "JSON_PLAN_NAME",

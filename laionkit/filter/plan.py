@@ -18,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from laionkit.common import LaionkitError, storage
+from laionkit.common.clip_scores import ScoreSpec
 from laionkit.common.upstream import refuse_incomplete
 from laionkit.filter.config import FilterConfig
 from laionkit.filter.inputs import (
@@ -34,7 +35,6 @@ from laionkit.filter.joins import Join, find_score_tables, plan_join
 from laionkit.filter.rules import Rule, alias_names, parse_renames, parse_rule, preset_rules
 from laionkit.filter.sql import INTERNAL_PREFIX, glob_literal, literal, lock_down, quote
 from laionkit.filter.top import top_rule, top_specs
-from laionkit.scores import ScoreSpec
 
 
 @dataclass

@@ -15,11 +15,11 @@ import duckdb
 import pyarrow as pa
 
 from laionkit.common import LaionkitError
+from laionkit.common.clip_scores import ScoreSpec
 from laionkit.filter.inputs import InputFile
 from laionkit.filter.joins import Join
 from laionkit.filter.rules import PRESETS, TOP_PREFIX, Rule, alias_names
 from laionkit.filter.sql import glob_literal, literal, quote
-from laionkit.scores import ScoreSpec
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from laionkit.common import LaionkitError, storage
+from laionkit.common.clip_scores import Scorer, score_embeddings
 from laionkit.common.storage import Location
 from laionkit.filter.folder import RuleCounts
 from laionkit.filter.inputs import InputFile, Unit
@@ -26,7 +27,6 @@ from laionkit.filter.plan import Plan, renamed_schema
 from laionkit.filter.records import STATS_KEY
 from laionkit.filter.rules import alias_names
 from laionkit.filter.sql import ROW_NUMBER, glob_literal, literal, nullable, quote
-from laionkit.scores import Scorer, score_embeddings
 
 
 class Duplicates(Protocol):

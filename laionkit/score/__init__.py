@@ -9,7 +9,7 @@ Data flows one way, as in encode:
                          embeddings (aesthetic, prompt, NSFW)
     -> per shard         img_emb/img_emb_<stem>.npy, scores/<stem>.parquet, records/<stem>.json last
 
-Scores of the embedding heads are computed from the float16 embeddings as stored, by laionkit.scores, so
+Scores of the embedding heads are computed from the float16 embeddings as stored, by laionkit.common.clip_scores, so
 ``laionkit filter DIR/scores --embeddings DIR/img_emb --score ...`` gives the same numbers. The shard is the
 unit of work, resume and record; batches never span shards, so outputs are the same for any ranks/workers.
 """
@@ -28,9 +28,10 @@ import torch
 import torch.utils.data
 from tqdm import tqdm
 
-from laionkit.captions import similarity_column
 from laionkit.common import LaionkitError, Rank, resolve_rank, stage_device, storage, versions
 from laionkit.common.background import background, timed
+from laionkit.common.caption_mix import similarity_column
+from laionkit.common.clip_scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
 from laionkit.common.cudagraphs import Graphed
 from laionkit.common.storage import Location
 from laionkit.common.upstream import refuse_incomplete_folders
@@ -49,7 +50,6 @@ from laionkit.score.pixels import PAD_PIXELS, DevicePixels
 from laionkit.score.reader import ScoreSamples, split_clip_transform
 from laionkit.score.records import file_sha256, shard_done, update_stats, write_shard
 from laionkit.score.text import TextEncoder
-from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, score_embeddings
 
 __all__ = ["ScoreConfig", "Scorers", "run"]
 
@@ -76,7 +76,7 @@ def compiled_full_batches(forward: Callable[[torch.Tensor], torch.Tensor], batch
 
 class Scorers:
     """Every model of one run, loaded once: CLIP (+ its tokenizer and preprocess), the optional watermark
-    detector and NSFW head, and the embedding heads of --score (laionkit.scores)."""
+    detector and NSFW head, and the embedding heads of --score (laionkit.common.clip_scores)."""
 
     def __init__(self, config: ScoreConfig, device: torch.device, log: Callable[[str], None] = print) -> None:
         self.device = device
@@ -213,7 +213,7 @@ class Scorers:
     @torch.inference_mode()
     def head_scores(self, stored: np.ndarray, shard: str) -> dict[str, np.ndarray]:
         """The heads over a whole shard's stored (float16, L2-normalised) embeddings, as LAION's release is
-        scored: laionkit.scores on the same array gives the same numbers, bit for bit (filter --score)."""
+        scored: laionkit.common.clip_scores on the same array gives the same numbers, bit for bit (filter --score)."""
         columns = {}
         if self.nsfw is not None:
             columns["punsafe"] = self.nsfw(torch.from_numpy(stored).float()).numpy().astype(np.float32)

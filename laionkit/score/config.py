@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from laionkit.captions import list_names
 from laionkit.common import LaionkitError
+from laionkit.common.caption_mix import list_names
 
 COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 # exact: every image decoded at full size (pHash = imagehash's, CLIP input = open_clip's own preprocess of the
@@ -27,7 +27,7 @@ class ScoreConfig:
     output: str
     clip_model: str = "ViT-L-14"  # open_clip name, hf-hub:ORG/REPO or a model config .json
     clip_pretrained: str | None = "openai"  # a tag open_clip knows or a weights file; None: random init (tests)
-    scores: tuple[str, ...] = ()  # NAME=KIND:ARG as filter's --score (laionkit.scores)
+    scores: tuple[str, ...] = ()  # NAME=KIND:ARG as filter's --score (laionkit.common.clip_scores)
     watermark: str | None = None  # LAION watermark detector weights; None: no pwatermark column
     nsfw: str | None = None  # LAION CLIP NSFW head weights; None: no punsafe column
     batch_size: int = 256
@@ -42,7 +42,7 @@ class ScoreConfig:
     # stay eager: one graph, no recompiles); opt-in: for ViT-L/14 it was no faster (docs/BENCHMARKS.md, score)
     compile: bool = False
     caption_key: str | None = None  # where captions are (encode's --caption-key); None: reader.caption_of's order
-    # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.captions' names, resolved as encode
+    # --captions alt,vlm: a similarity_NAME column per named caption (laionkit.common.caption_mix' names, resolved as encode
     # resolves them), for encode --caption-scores; None: only the default caption's similarity
     captions: tuple[str, ...] | str | None = None
     rank: int | None = None

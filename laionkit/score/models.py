@@ -158,7 +158,7 @@ def load_score_clip(model: str, pretrained: str | None, device: torch.device):
     logging.root.setLevel(logging.ERROR)  # open_clip warns when no pretrained weights are loaded (tests)
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)  # a random init (no weights) is seeded as laionkit.scores' prompt model is
+            torch.manual_seed(0)  # a random init (no weights) is seeded as laionkit.common.clip_scores' prompt model is
             clip, preprocess, tokenizer = load_clip(model, pretrained, device)
     finally:
         logging.root.setLevel(level)

@@ -1,10 +1,10 @@
 """`laionkit train`: the trainer as small parts around one loop (``from laionkit.trainer import TrainConfig, run``).
 
 Modules, each importing only ones listed before it (tests/test_imports.py): config (TrainConfig; the flag
-checks in trainchecks, --config files in trainfile) → data (latent sets, stages) → objective (losses,
+checks in trainchecks, --config files in trainfile) → data (latent sets, stages; the stream: latent_order, latent_stream) → objective (losses,
 noise, conditioning) → precision (master weights, optimizer; fp8) → model (builders, FLOPs, FSDP units;
-fsdp, lora) → checkpoint (save, verify, resume; runlock, runfolder) → evaluation (validation images;
-valloss) → metrics → export (the denoiser, after_training, `laionkit export`; pipeline, singlefile) →
+fsdp, lora) → checkpoint (save, verify, resume; runfolder) → evaluation (validation images;
+valloss) → metrics → export (the denoiser, after_training, `laionkit export`; pipeline_folder, singlefile) →
 signals (stop signals) → memory (--checkpointing auto: measured on the built trainer) → evalhook (--eval-every: the exported weights
 scored as `laionkit eval` scores them) → loop (setup, train_step, the run), which wires them.
 """

@@ -24,12 +24,13 @@ from laionkit.common import (
     LaionkitError,
     atomic_output,
     read_json,
+    runlock,
     versions,
 )
 from laionkit.common.models import sha256_file, weights_error
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import claim_output
-from laionkit.trainer import runfolder, runlock
+from laionkit.trainer import runfolder
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.precision import MasterWeights
 from laionkit.trainer.runfolder import RUN_OUTPUTS
@@ -308,7 +309,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 def claim_run_folder(config: TrainConfig, accelerator) -> None:
     """A fresh run never mixes into another's outputs: the main rank takes the folder's lock first (one
-    train per folder, laionkit/trainer/runlock.py), then a folder that holds a run is refused unless --resume
+    train per folder, laionkit/common/runlock.py), then a folder that holds a run is refused unless --resume
     continues it or --overwrite deletes it first (runfolder.start_over: also a --resume latest that has
     no checkpoint to continue from). A folder that holds another stage's outputs is refused as every
     stage refuses it (storage.claim_output), unless --overwrite."""

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from laionkit.captions import parse_mix
 from laionkit.common import (
     LaionkitError,
 )
+from laionkit.common.caption_mix import parse_mix
 from laionkit.common.options import (
     QUIET_HELP,
     RANK_HELP,
@@ -70,7 +70,7 @@ class TrainConfig:
     noise_offset: float = option(0.0, "Offset noise strength (0.05-0.1 typical).")
     input_perturbation: float = option(0.0, "Input perturbation strength (0.1 typical).")
     caption_dropout: float = option(0.0, "Probability of the stored empty-caption embedding.")
-    # which of a sample's stored captions it trains on (laionkit/captions.py; encode --captions stores several)
+    # which of a sample's stored captions it trains on (laionkit/common/caption_mix.py; encode --captions stores several)
     caption_mix: str | None = option(
         None, "Latents with several captions per sample (encode --captions): the caption each sample trains on, "
         "picked per sample and epoch from (seed, epoch, sample id) with these weights, e.g. alt:0.2,vlm:0.8 "
@@ -273,7 +273,7 @@ class TrainConfig:
         "loss against bf16.")
     fp8_recipe: str = option(
         "tensorwise", "--fp8 scaling: tensorwise (one scale per tensor, fastest) or rowwise (closer to bf16).")
-    # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/trainer/pipeline.py)
+    # what finish writes besides RUN/unet: auto, pipeline, single-file (laionkit/trainer/pipeline_folder.py)
     export: str = option(
         "auto", "What the run exports besides unet/ (transformer/): pipeline (RUN/pipeline, a whole "
         "diffusers pipeline folder), pipeline,single-file (also RUN/single_file/, the ComfyUI / A1111 "

@@ -17,14 +17,14 @@ from laionkit.common import (
 from laionkit.common.storage import Location
 from laionkit.common.tars import count_samples
 from laionkit.families import FamilySpec, get_family
-from laionkit.latents import (
+from laionkit.trainer.config import TrainConfig
+from laionkit.trainer.latent_stream import (
     StreamLayout,
     Unit,
     decode,
     read_unit,
     shard_paths,
 )
-from laionkit.trainer.config import TrainConfig
 
 
 @dataclass(frozen=True)

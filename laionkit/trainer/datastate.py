@@ -1,5 +1,5 @@
 """A checkpoint's data state: what the run has trained of each epoch of its current stage (bitmaps over
-sample ids, laionkit.latents_order), with which stream layout since which step, and the layouts it had.
+sample ids, laionkit.trainer.latent_order), with which stream layout since which step, and the layouts it had.
 
 --resume continues it: with the same layout exactly (every consumer's sequence goes on); with another
 number of ranks, --workers, --batch-size or --grad-accum (elastic) the untrained rest of every epoch in
@@ -21,9 +21,9 @@ import numpy as np
 
 from laionkit.common import LaionkitError
 from laionkit.common.storage import Location
-from laionkit.latents import StreamLayout, latent_loader
-from laionkit.latents_order import DataProgress
 from laionkit.trainer.data import layout_key
+from laionkit.trainer.latent_order import DataProgress
+from laionkit.trainer.latent_stream import StreamLayout, latent_loader
 
 # What an elastic resume may change; everything else of the layout key (seed, shuffle buffer, shards,
 # stages) must stay, shards but for those --add-shards appends.

@@ -41,7 +41,7 @@ import torch
 from laionkit.common import LaionkitError
 from laionkit.trainer import lora
 from laionkit.trainer.export import export
-from laionkit.trainer.pipeline import _base, merge_lora, write_pipeline
+from laionkit.trainer.pipeline_folder import _base, merge_lora, write_pipeline
 from laionkit.trainer.runfolder import _broadcast
 
 # How long the other ranks wait for rank 0's scoring: NCCL's barrier gives up after 10 minutes, which

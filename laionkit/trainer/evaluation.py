@@ -10,11 +10,11 @@ import torch
 from laionkit.common import LaionkitError, save_image_grid
 from laionkit.common.storage import Location
 from laionkit.families import FamilySpec
-from laionkit.latents import (
-    collate,
-)
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.data import LatentSet
+from laionkit.trainer.latent_stream import (
+    collate,
+)
 from laionkit.trainer.objective import OnlineText, drop_captions
 
 
@@ -25,7 +25,7 @@ def validation_conditioning(data: LatentSet, count: int, online: OnlineText | No
     samples' latents differ in shape, so they do not collate."""
     import webdataset as wds
 
-    from laionkit.latents import decode
+    from laionkit.trainer.latent_stream import decode
 
     opened = [{"url": data.shards[0], "stream": Location.parse(data.shards[0]).open_read()}]  # path or URL
     samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(opened))

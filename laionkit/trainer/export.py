@@ -15,7 +15,7 @@ from laionkit.common import (
     atomic_output,
 )
 from laionkit.trainer.exportrecord import record_export, stale_export
-from laionkit.trainer.pipeline import _base, merge_lora, write_pipeline
+from laionkit.trainer.pipeline_folder import _base, merge_lora, write_pipeline
 from laionkit.trainer.precision import MasterWeights
 from laionkit.trainer.singlefile import write_single_files
 from laionkit.trainer.trainchecks import FILE_MODES, FORMATS, parse_formats
@@ -71,7 +71,7 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
     accelerator.wait_for_everyone()
 
 
-# --- the exports besides the denoiser: RUN/pipeline, single files (laionkit/trainer/pipeline.py, singlefile.py) ---
+# --- the exports besides the denoiser: RUN/pipeline, single files (laionkit/trainer/pipeline_folder.py, singlefile.py) ---
 
 def after_training(accelerator, config, data, noise_scheduler) -> None:
     """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for."""

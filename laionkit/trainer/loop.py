@@ -7,7 +7,7 @@ EMA, LR schedule) → ``resume`` → per step ``train_step`` (micro_step: loss, 
 lives in the modules beside it (config, data, model, objective, precision, checkpoint, evaluation,
 metrics, export). Runs as one process, or under `accelerate launch` / `torchrun` with the configs in
 `train/` (DDP, FSDP, DeepSpeed ZeRO-2). Every rank runs exactly ``max_steps`` optimizer steps: the data
-stream (laionkit.latents) never runs dry, so no rank waits.
+stream (laionkit.trainer.latent_stream) never runs dry, so no rank waits.
 """
 
 from __future__ import annotations
@@ -23,19 +23,16 @@ from typing import Any
 
 import torch
 
-from laionkit.captions import parse_mix
 from laionkit.common import (
     LaionkitError,
     refuse_other_settings,
     resolve_rank,
+    runlock,
     storage,
 )
+from laionkit.common.caption_mix import parse_mix
 from laionkit.common.storage import ReadCache
 from laionkit.families import Objective
-from laionkit.latents import (
-    StreamLayout,
-    end_workers,
-)
 from laionkit.trainer import (
     blockswap,
     checkpoint_async,
@@ -47,7 +44,6 @@ from laionkit.trainer import (
     memory,
     offload,
     runfolder,
-    runlock,
     trainchecks,
     valloss,
     zero,
@@ -67,6 +63,10 @@ from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import validation_grid, validation_prompts
 from laionkit.trainer.export import after_training, export
+from laionkit.trainer.latent_stream import (
+    StreamLayout,
+    end_workers,
+)
 from laionkit.trainer.metrics import MetricsWindow, start_trackers
 from laionkit.trainer.model import build_unet, flops_per_sample, fsdp_wrap_units
 from laionkit.trainer.objective import (

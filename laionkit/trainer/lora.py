@@ -30,7 +30,7 @@ export). The invariants:
   (Sana's SanaPipeline loads its RUN/lora the same way.) PixArt's transformer has no ``add_adapter`` and its pipeline loads no LoRA: PEFT injects the adapters
   (``inject_adapter_in_model``, as PixArt's own LoRA script wraps the transformer in PEFT), and RUN/lora is
   PEFT's adapter folder, which ``PeftModel.from_pretrained(transformer, RUN/lora)`` loads. ``--export pipeline``
-  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline.py).
+  adds RUN/pipeline, RUN/lora merged into a copy of the base through those loaders (laionkit/trainer/pipeline_folder.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from laionkit.common import LaionkitError
-from laionkit.latents import SIZE_FIELDS
+from laionkit.trainer.latent_stream import SIZE_FIELDS
 
 MEMORY_SHARE = 0.92  # of the device's memory: headroom for the allocator's fragmentation and NCCL buffers
 INTERVALS = (0, 8, 4, 3, 2, 1)  # candidate --checkpointing every-N intervals; 0 none, 1 every block

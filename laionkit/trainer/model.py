@@ -12,12 +12,12 @@ from laionkit.common import (
     LaionkitError,
 )
 from laionkit.families import FamilySpec, Objective, families, get_family
-from laionkit.latents import (
-    SIZE_FIELDS,
-)
 from laionkit.trainer import trainchecks
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.data import LatentSet
+from laionkit.trainer.latent_stream import (
+    SIZE_FIELDS,
+)
 from laionkit.trainer.objective import guidance_input
 
 

@@ -12,13 +12,13 @@ from laionkit.common import (
     LaionkitError,
 )
 from laionkit.families import FamilySpec, Objective, get_family
-from laionkit.latents import (
-    SIZE_FIELDS,
-    pad_to,
-)
 from laionkit.trainer import trainchecks
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.data import LatentSet
+from laionkit.trainer.latent_stream import (
+    SIZE_FIELDS,
+    pad_to,
+)
 
 
 class OnlineText:

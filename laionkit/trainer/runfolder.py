@@ -27,10 +27,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from laionkit.common import LaionkitError, storage
+from laionkit.common import LaionkitError, runlock, storage
 from laionkit.common.outputs import partial_path
 from laionkit.common.storage import Location
-from laionkit.trainer import runlock
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "unet", "unet_ema", "transformer", "transformer_ema", "lora", "lora_ema",
                "pipeline", "single_file", "samples", "seen", "logs", "eval.png")

@@ -6,7 +6,7 @@ import signal
 
 import torch
 
-from laionkit.latents import STOP_SIGNALS
+from laionkit.trainer.latent_stream import STOP_SIGNALS
 
 
 class StopFlag:

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from laionkit.common import LaionkitError, atomic_output
-from laionkit.trainer.pipeline import PIPELINE, SINGLE_FILE, VARIANT
+from laionkit.trainer.pipeline_folder import PIPELINE, SINGLE_FILE, VARIANT
 
 # --- single-file checkpoints -------------------------------------------------------------------------
 

@@ -79,8 +79,8 @@ def strata_u(strata: int) -> torch.Tensor:
 def load(config, data) -> ValSet:
     """The fixed samples and their fixed draws, on the CPU; DIR must come from the training data's VAE
     and text encoder (same latent and text shapes, scaling and shift)."""
-    from laionkit.latents import Unit, decode, pad_stack, read_unit
     from laionkit.trainer.data import open_latents
+    from laionkit.trainer.latent_stream import Unit, decode, pad_stack, read_unit
 
     val = open_latents(config.val_latents)
     ours = (data.moments_shape, data.text_shape, data.scaling_factor, data.shift_factor)

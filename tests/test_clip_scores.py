@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from laionkit.common import LaionkitError
-from laionkit.scores import ClipChoice, ScoreSpec, build_scorer, clip_text_model, score_embeddings
+from laionkit.common.clip_scores import ClipChoice, ScoreSpec, build_scorer, clip_text_model, score_embeddings
 
 
 class ImprovedAestheticMLP(nn.Module):

@@ -1,7 +1,7 @@
 """Several captions per sample end to end: `encode --captions alt,vlm` stores each caption's text states (the
 states `encode` gives that caption alone), `train --caption-mix` picks one per sample and epoch from (seed,
 epoch, id), exactly across kill -9 + resume, and a 0/1 mix trains byte for byte as a single-caption encode
-of that caption does (laionkit/captions.py)."""
+of that caption does (laionkit/common/caption_mix.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 from conftest import run_cli
 from fixtures import add_captions, metrics, vlm_caption
 
-from laionkit.captions import CaptionMix, parse_mix, parse_names, uniform
 from laionkit.common import LaionkitError
+from laionkit.common.caption_mix import CaptionMix, parse_mix, parse_names, uniform
 
 FAST = ("--unet-config", "tiny", "--batch-size", "2", "--lr", "1e-3", "--log-with", "none", "--quiet", "--workers",
         "0", "--log-every", "1", "--shuffle-buffer", "3", "--record-keys")

@@ -11,7 +11,7 @@ caption it has as ``NAME.<member>`` (``vlm.text.npy``). Its json names them: ``c
 and ``captions`` {NAME: {text, num_tokens, truncated, score?}}.
 
 The pick. Per sample per epoch, one of its captions, drawn from a uniform number that is a hash of (seed,
-epoch, sample id): not a stateful generator, so that exact and elastic resume (laionkit.latents_order)
+epoch, sample id): not a stateful generator, so that exact and elastic resume (laionkit.trainer.latent_order)
 give every sample the caption it had in the uninterrupted run, whatever ranks or workers read it.
 ``weights`` (``alt:0.2,vlm:0.8``) are renormalised over the captions the sample has; ``clip[:T]`` weighs
 them by softmax(score / T) over the captions with a score, as Sana samples its captions. A sample with

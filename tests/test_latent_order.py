@@ -1,5 +1,5 @@
-"""The global sample order, its partition over consumers, and the trained-sample bitmaps (laionkit.latents_order);
-the stream continuing them under another layout (laionkit.latents)."""
+"""The global sample order, its partition over consumers, and the trained-sample bitmaps (laionkit.trainer.latent_order);
+the stream continuing them under another layout (laionkit.trainer.latent_stream)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from laionkit.latents import StreamLayout, end_workers, latent_loader
-from laionkit.latents_order import Bits, DataProgress, chunk, shard_order
+from laionkit.trainer.latent_order import Bits, DataProgress, chunk, shard_order
+from laionkit.trainer.latent_stream import StreamLayout, end_workers, latent_loader
 
 
 def _canonical(progress: DataProgress, seed: int, epoch: int, base: np.ndarray | None) -> list[int]:

@@ -2,7 +2,7 @@
 
 Every consumer (one DataLoader worker of one rank) reads its part of each epoch as one infinite stream,
 one pass per epoch. Which samples that part holds, in which order, and what a resume leaves out is
-laionkit.latents_order: one canonical order of all samples per epoch, cut into near-equal contiguous
+laionkit.trainer.latent_order: one canonical order of all samples per epoch, cut into near-equal contiguous
 chunks for whatever consumers exist, each chunk mixed through its consumer's shuffle buffer; the samples
 the run has already trained (its ``DataProgress`` bitmaps) are dropped after the shuffle. Training
 length is counted in steps and chunks are equal to one sample, so every rank runs the same number of
@@ -38,11 +38,11 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from laionkit.captions import CaptionMix
 from laionkit.common import LaionkitError, storage
+from laionkit.common.caption_mix import CaptionMix
 from laionkit.common.storage import Location, ReadCache
 from laionkit.common.tars import count_samples
-from laionkit.latents_order import DataProgress, chunk, shuffle_seed
+from laionkit.trainer.latent_order import DataProgress, chunk, shuffle_seed
 
 # The members a training sample needs; others are skipped unread. Extra text tensors of a model family
 # (SDXL's pooled.npy, PixArt's mask.npy) and the json's size fields (SDXL's time_ids) travel in the batch
@@ -124,7 +124,7 @@ def _wanted_member(name: str) -> bool:
 
 def _first_caption(name: str) -> bool:
     """``_wanted_member`` less the other captions' members of several-caption latents (``<key>.<NAME>.<member>``,
-    laionkit.captions): without a caption mix a sample trains on its first caption, so the rest stay unread."""
+    laionkit.common.caption_mix): without a caption mix a sample trains on its first caption, so the rest stay unread."""
     return _wanted_member(name) and name.rsplit("/", 1)[-1].count(".") < 3
 
 
@@ -163,7 +163,7 @@ def _npy(sample: dict, member: str) -> np.ndarray:
 
 def with_caption(sample: dict, record: dict | None, mix: CaptionMix, seed: int, names: Sequence[str]) -> tuple[dict, str]:
     """``sample`` with the caption ``mix`` picks for it (from its epoch and id) in the plain text members, and
-    that caption's name (laionkit.captions): a sample whose json names no captions has only its first."""
+    that caption's name (laionkit.common.caption_mix): a sample whose json names no captions has only its first."""
     given = (record or {}).get("captions")
     first = (record or {}).get("caption_name") or (names[0] if names else "alt")
     if not isinstance(given, dict) or not given:
@@ -255,7 +255,7 @@ def collate(samples: Sequence[dict]) -> dict:
 def read_part(shard: str, indices: np.ndarray, offset: int, epoch: int,
               read: Callable[[Unit], Iterable] = read_unit) -> Iterator[dict]:
     """Samples ``indices`` (ascending) of ``shard``, in tar order, each tagged with its epoch and its id
-    (``offset`` + index): what the trainer marks as trained (laionkit.latents_order)."""
+    (``offset`` + index): what the trainer marks as trained (laionkit.trainer.latent_order)."""
     if not len(indices):
         return
     wanted = iter(indices.tolist())
@@ -280,7 +280,7 @@ class StreamLayout:
     """Everything the order of samples depends on, with what the run has trained (``DataProgress``):
     exact resume needs the same layout; another layout continues the epoch with the untrained rest."""
 
-    shards: tuple[str, ...]  # in id order (laionkit.latents_order)
+    shards: tuple[str, ...]  # in id order (laionkit.trainer.latent_order)
     rank: int
     world_size: int
     workers: int
@@ -291,7 +291,7 @@ class StreamLayout:
     bucketed: bool = False
     samples: tuple[int, ...] = ()  # per shard: counted when not given
     # train --caption-mix: the caption each sample trains on, picked from (seed, epoch, id); the folder's
-    # caption names in order (laionkit.captions)
+    # caption names in order (laionkit.common.caption_mix)
     caption_mix: CaptionMix | None = None
     caption_names: tuple[str, ...] = ()
 
