@@ -98,8 +98,8 @@ def table_numbers(text: str, rates_only: bool = False) -> set[Decimal]:
 
 def quoted_measurements(text: str) -> list[tuple[str, str]]:
     """(number, unit) for each measurement README quotes: a number with a unit in a paragraph or list item that
-    reports a measurement (not one after "under" / "over", a bound), and the cells of table columns headed by a
-    unit."""
+    reports a measurement (not one after "under" / "over", a bound), the cells of table columns headed by a rate
+    or GiB, and a rate or GiB written in any other cell."""
     prose: list[str] = []
     quoted: list[tuple[str, str]] = []
     text = FENCE.sub("", text)
@@ -107,11 +107,14 @@ def quoted_measurements(text: str) -> list[tuple[str, str]]:
         if not line.startswith("|"):
             prose.append(line)
     for header, rows in tables(text):
-        for column, name in enumerate(header):
-            unit = UNIT_IN_HEADER.search(name)
-            if unit:
-                quoted += [(number, unit.group(0)) for row in rows if column < len(row)
-                           for number in re.findall(rf"(?<![\w.]){NUMBER}", row[column])]
+        for row in rows:
+            for name, cell in zip(header, row):
+                unit = UNIT_IN_HEADER.search(name)
+                if unit:
+                    quoted += [(number, unit.group(0)) for number in re.findall(rf"(?<![\w.]){NUMBER}", cell)]
+                else:  # a cell that names its unit: "2.54 samples/s", "100.8 GiB"
+                    quoted += [(number, claim.group(3)) for claim in CLAIM.finditer(cell)
+                               if UNIT_IN_HEADER.fullmatch(claim.group(3)) for number in claim.group(1, 2) if number]
     for paragraph in re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.)\s)", "\n".join(prose)):
         paragraph = " ".join(paragraph.split())
         if not MEASURED.search(paragraph):
@@ -176,8 +179,8 @@ def test_the_checks_find_an_invented_number_and_a_row_without_its_date_or_comman
     assert unbacked("On an H200 Flux trains at 1.21 samples/s, 3.1× faster.", BENCH) == ["1.21 samples/s", "3.1 ×"]
     assert unbacked("Measured: Flux trains at 88.9 samples/s.", BENCH) == ["88.9 samples/s"]  # a GiB, not a rate
     assert unbacked("Set the top 30 % of rows aside.", BENCH) == []  # no measurement in that sentence
-    table = "| family | samples/s |\n| --- | --- |\n| Flux | 1.2 |\n| SD | 7.5 |\n"
-    assert unbacked(table, BENCH) == ["7.5 samples/s"]
+    table = "| family | samples/s | fits |\n| --- | --- | --- |\n| Flux | 1.2 | 89 GiB, DC-AE 32x |\n| SD | 7.5 | 3 GiB |\n"
+    assert unbacked(table, BENCH) == ["7.5 samples/s", "3 GiB"]
     undated = BENCH.replace("| H200 | 2026-12-01 | `flux-1` |\n| the same", "| H200 | | `flux-1` |\n| the same", 1)
     assert len(malformed_rows(undated)) == 1
     assert "flux-2" in " ".join(malformed_rows(BENCH.replace("`flux-1` |\n| the same", "`flux-2` |\n| the same")))
