@@ -77,6 +77,7 @@ def main() -> None:
     families = {LARGE[row][0] if row in LARGE else "flux" for row in rows}
     for family in sorted(families):  # real-width text, 1 layer deep
         models = bench_train_flow.write_models(args.out / f"models-{family}", family, args.smoke, text_layers=1)
+        bench_train_flow.free_gpu()  # the text encoders built here: encode's process needs the card
         latents[family] = prepare(args.out / family, resolution, args.images, False, models)
     bench_train_flow.free_gpu()
     print(f"latents ready after {time.perf_counter() - started:.0f} s", flush=True)
