@@ -31,14 +31,16 @@ app = typer.Typer(
 err_console = Console(stderr=True, markup=False, emoji=False, highlight=False)
 
 # Options every rank-sharded command shares; resolved by laionkit.common.ranks.resolve_rank.
-RankOption = Annotated[Optional[int], typer.Option("--rank", help=RANK_HELP)]
-WorldSizeOption = Annotated[Optional[int], typer.Option("--world-size", help=WORLD_SIZE_HELP)]
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+RankOption = Annotated[Optional[int], typer.Option("--rank", help=RANK_HELP, rich_help_panel="Distribution")]
+WorldSizeOption = Annotated[Optional[int], typer.Option("--world-size", help=WORLD_SIZE_HELP, rich_help_panel="Distribution")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP, rich_help_panel="Logging")]
 # Stages that read another stage's output folder (laionkit.common.upstream.refuse_incomplete).
-AllowIncompleteOption = Annotated[bool, typer.Option("--allow-incomplete", help=ALLOW_INCOMPLETE_HELP)]
+AllowIncompleteOption = Annotated[bool, typer.Option("--allow-incomplete", help=ALLOW_INCOMPLETE_HELP,
+                                                                rich_help_panel="Input and output")]
 # Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
 # AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
-StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP)]
+StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP,
+                                                                rich_help_panel="Input and output")]
 
 
 def _show_version(value: bool) -> None:
