@@ -68,7 +68,8 @@ def section(name: str, command) -> str:
 
 def reference() -> str:
     group = typer.main.get_command(app)
-    return "\n".join([HEADER, *(section(name, command) for name, command in commands(group))])
+    return "\n".join([HEADER, inspect.cleandoc(group.help), "",
+                      *(section(name, command) for name, command in commands(group))])
 
 
 def main() -> None:

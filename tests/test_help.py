@@ -42,6 +42,9 @@ def commands(group, prefix: tuple[str, ...] = ()):
 
 GROUP = typer.main.get_command(app)
 COMMANDS = dict(commands(GROUP))
+# `laionkit --help` and the groups' (`models`, `configs`) open with examples too.
+WITH_EXAMPLES = {(): GROUP, **{(name,): group for name, group in GROUP.commands.items() if hasattr(group, "commands")},
+                 **COMMANDS}
 
 
 @functools.cache
@@ -129,9 +132,9 @@ def parse(argv: list[str]) -> None:
     command.make_context(" ".join(argv[:1]), rest)
 
 
-@pytest.mark.parametrize("argv", [pytest.param(argv, id=" ".join(argv)) for argv in COMMANDS])
+@pytest.mark.parametrize("argv", [pytest.param(argv, id=" ".join(argv) or "laionkit") for argv in WITH_EXAMPLES])
 def test_help_opens_with_examples_that_parse(argv):
-    command = COMMANDS[argv]
+    command = WITH_EXAMPLES[argv]
     before_panels = shown_help(argv).split("╭")[0]
     summary, examples = command.help.split("Examples:", 1)
     top = example_lines(examples)

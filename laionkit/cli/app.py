@@ -19,8 +19,21 @@ from laionkit.common.options import (
 
 app = typer.Typer(
     name="laionkit",
-    help="From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> (score, dedup, "
-         "caption: curation from the pixels) -> encode -> train.",
+    help="""From LAION parquet metadata to a trained latent-diffusion model: filter -> pack -> (score, dedup,
+caption: curation from the pixels) -> encode -> train.
+
+Examples:
+
+```
+laionkit demo   # the whole chain offline on shipped photos and tiny models, in minutes
+
+laionkit models tiny --output models/tiny && laionkit encode shards/ --model models/tiny \\
+    --output latents/ --resolution 64
+
+laionkit train latents/ --output runs/tiny --unet-config tiny --max-steps 200
+```
+
+`laionkit COMMAND --help`: a command's examples, then its options by concern; docs/CLI.md: every command.""",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="markdown",

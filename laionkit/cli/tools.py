@@ -63,8 +63,15 @@ def doctor(
     Console().print(table)
 
 
-models_app = typer.Typer(help="Model folders: tiny random-init models for offline tests and demos.",
-                         no_args_is_help=True)
+models_app = typer.Typer(help="""Model folders: tiny random-init models for offline tests and demos.
+
+Examples:
+
+```
+laionkit models tiny --output models/tiny
+
+laionkit models tiny-vlm --output models/vlm
+```""", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 
@@ -154,8 +161,13 @@ def models_tiny_eval(
     typer.echo(f"wrote inception.pth, tiny-clip.json and tiny-clip.safetensors to {output}")
 
 
-configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
-                          no_args_is_help=True)
+configs_app = typer.Typer(help="""The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.
+
+Examples:
+
+```
+laionkit configs copy my-configs
+```""", no_args_is_help=True)
 app.add_typer(configs_app, name="configs")
 
 
