@@ -53,7 +53,8 @@ from laionkit.trainer.config import TrainConfig
     laionkit train --config runs/sd15.yaml --resume latest   # the file's flags; the command line overrides them
 
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
-sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
+sample count; neither given: one epoch). The last line names what the run wrote (RUN/unet or RUN/lora/...,
+RUN/pipeline, single files). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
 def train_command(ctx: typer.Context, **options) -> None:
@@ -71,6 +72,9 @@ def train_command(ctx: typer.Context, **options) -> None:
         typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "
                    "rerun with --resume latest")
         raise typer.Exit(128 + result.stopped_by)
+    if result.written:  # rank 0's: the one line that says where the run's model is
+        output = str(options["output"]).rstrip("/")
+        typer.echo(f"done at step {result.step}; wrote " + ", ".join(f"{output}/{name}" for name in result.written))
 
 
 # train's options are TrainConfig's fields (their help, flags and defaults: laionkit/common/options.py), with

@@ -83,7 +83,8 @@ class TrainConfig:
     batch_size: int = option(32, "Samples per GPU per micro-step.")
     grad_accum: int = option(1, "Micro-steps per optimizer step (no gradient sync between).")
     max_steps: int | None = option(None, "Optimizer steps to train.")
-    epochs: float | None = option(None, "Or: passes over the manifest's samples, as steps.")
+    epochs: float | None = option(
+        None, "Or: passes over the manifest's samples, as steps (default: 1 when --max-steps is not given).")
     lr: float = option(1e-4, "Learning rate (per sample under --scale-lr linear/sqrt).")
     scale_lr: Literal["none", "linear", "sqrt"] = option(
         "none", "none, linear or sqrt: lr x global batch (or its sqrt).")
@@ -307,8 +308,8 @@ class TrainConfig:
         if (self.unet is None) == (self.unet_config is None):
             raise LaionkitError("give exactly one of --unet / --transformer (fine-tune) or --unet-config / "
                                 "--transformer-config (from scratch)")
-        if (self.max_steps is None) == (self.epochs is None):
-            raise LaionkitError("give exactly one of --max-steps or --epochs")
+        if self.max_steps is not None and self.epochs is not None:
+            raise LaionkitError("give one of --max-steps or --epochs, not both")
         at_least = {"batch_size": 1, "grad_accum": 1, "log_every": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
                     "max_steps": 1, "max_nonfinite": 1, "workers": 0, "shuffle_buffer": 0, "warmup_steps": 0,
                     "validate_every": 0, "validation_count": 1, "validation_steps": 1}
@@ -393,3 +394,4 @@ class TrainResult:
     step: int
     stopped_by: int | None  # the signal number that ended the run early, else None
     checkpoint: Path | None
+    written: tuple[str, ...] = ()  # rank 0's exports, relative to the run folder (laionkit/trainer/export.py)

@@ -73,15 +73,18 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
 
 # --- the exports besides the denoiser: RUN/pipeline, single files (laionkit/trainer/pipeline_folder.py, singlefile.py) ---
 
-def after_training(accelerator, config, data, noise_scheduler) -> None:
-    """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for."""
+def after_training(accelerator, config, data, noise_scheduler) -> list[str]:
+    """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for;
+    returns what rank 0 wrote, relative to the run folder."""
     formats = parse_formats(config.export, config.lora_rank is not None)
+    written = []
     if formats and accelerator.is_main_process:
         run, base = Path(config.output), _base(config, data.family)
         merged = merge_lora(run, data.family, base, config.ema) if config.lora_rank is not None else None
         folder = write_pipeline(run, data.family, data.models, base=base, noise_scheduler=noise_scheduler,
                                 use_ema=config.ema, files=config.export_files, denoiser=merged)
         accelerator.print(f"pipeline: {folder} (DiffusionPipeline.from_pretrained loads it)")
+        written.append(folder.name)
         window = data.family.given_max_sequence_length
         if window is not None:
             accelerator.print(f"pipeline: trained on a caption window of {window} tokens (encode "
@@ -89,7 +92,19 @@ def after_training(accelerator, config, data, noise_scheduler) -> None:
         if "single-file" in formats:
             for path in write_single_files(Path(config.output)):
                 accelerator.print(f"single file: {path}")
+                written.append(path.relative_to(config.output).as_posix())
     accelerator.wait_for_everyone()
+    return written
+
+
+def written_files(run: Path, names: list[str]) -> tuple[str, ...]:
+    """What a finished run wrote, relative to its folder, for the run's last line: a LoRA folder as the weights
+    files in it (what load_lora_weights and ComfyUI are given), other folders and files as named."""
+    found = []
+    for name in names:
+        files = sorted(path.name for path in (run / name).glob("*.safetensors")) if name.startswith("lora") else []
+        found += [f"{name}/{file}" for file in files] or [name]
+    return tuple(found)
 
 
 # --- `laionkit export RUN`: the same exports of a finished run folder --------------------------------------
