@@ -4,8 +4,11 @@ and a run says where its model went."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from fixtures import metrics
 
 from laionkit.trainer.data import open_latents
@@ -39,3 +42,18 @@ def test_max_steps_and_epochs_together_are_one_line(latent_shards, tmp_path):
                      "--epochs", "1", *QUICK, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "give one of --max-steps or --epochs, not both" in result.stderr
+
+
+def test_without_realdata_the_tests_say_which_folder_and_what_goes_in_it(tmp_path):
+    """A fresh clone without ../shared/realdata: one line naming the folder and where its files come from,
+    instead of a pointer to a file that does not exist."""
+    missing = tmp_path / "no-realdata"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
+         "tests/test_families.py", "-k", "time_ids_crop"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "LAIONKIT_REALDATA": str(missing)}, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert f"realdata: MISSING: real test data not found at {missing}" in result.stdout  # the header, once
+    said = [line for line in result.stdout.splitlines() if line.startswith(f"real test data not found at {missing}")]
+    assert said and "laion-sample/test_1000.parquet" in said[0] and "rom1504/img2dataset" in said[0]
+    assert "DEVELOPERS.md" not in result.stdout and "Traceback" not in result.stdout
