@@ -158,7 +158,9 @@ def plan_command(
 
 @app.command("export", epilog="""Examples:
 
-    laionkit export runs/sdxl --format single-file   # RUN/single_file/sdxl-sdxl.safetensors for ComfyUI / A1111
+    laionkit export runs/sdxl   # RUN/single_file/sdxl-sdxl.safetensors for ComfyUI / A1111
+
+    laionkit export runs/pixart   # no single-file format: RUN/pipeline (rebuilt if the run has none)
 
     laionkit export runs/old --format pipeline,single-file --export-files hardlink
 
@@ -169,13 +171,13 @@ checkpoint (models/checkpoints/), SD3 and Flux as the denoiser alone (models/dif
 """)
 def export_command(
     run: Annotated[Path, typer.Argument(help="A finished run folder (RUN/unet or RUN/transformer, checkpoints/).")],
-    format: Annotated[str, typer.Option("--format", help="pipeline, single-file, or both comma-separated.")] = "single-file",
+    format: Annotated[str, typer.Option("--format", help="pipeline, single-file, both comma-separated, or auto: the single file where the family has one (sd, sdxl, sd3, flux), else the pipeline folder; RUN/pipeline is rebuilt where missing.")] = "auto",
     export_files: Annotated[str, typer.Option(help="RUN/pipeline's base files: copy or hardlink.")] = "copy",
 ) -> None:
     """Export a finished run: a diffusers pipeline folder, or single-file checkpoints for ComfyUI / A1111."""
     from laionkit.trainer.export import export_run
 
-    for path in export_run(run, format, export_files):
+    for path in export_run(run, format, export_files, log=lambda line: typer.echo(line, err=True)):
         typer.echo(str(path))
 
 
