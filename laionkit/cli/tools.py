@@ -145,7 +145,7 @@ app.add_typer(configs_app, name="configs")
 
     laionkit configs copy my-configs      # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
 
-    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ --output runs/a
+    accelerate launch --config_file my-configs/train/ddp.yaml --num_processes 8 -m laionkit.cli train latents/ --output runs/a
 """)
 def configs_copy(
     output: Annotated[Path, typer.Argument(help="Folder to copy train/ and pipelines/ into.")],

@@ -19,7 +19,7 @@ from laionkit.trainer.config import TrainConfig
 
     laionkit train latents/ --output runs/tiny --unet-config tiny --max-steps 200 --batch-size 8
 
-    accelerate launch --config_file train/ddp.yaml -m laionkit.cli train latents/ --output runs/sd15
+    accelerate launch --config_file train/ddp.yaml --num_processes 8 -m laionkit.cli train latents/ --output runs/sd15
     --unet-config sd15 --epochs 10 --batch-size 64 --mixed-precision bf16 --compile --channels-last
     --snr-gamma 5 --ema --checkpoint-every 2000 --resume latest
 
