@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run_cli
 from fixtures import metrics
 
@@ -57,3 +58,48 @@ def test_without_realdata_the_tests_say_which_folder_and_what_goes_in_it(tmp_pat
     said = [line for line in result.stdout.splitlines() if line.startswith(f"real test data not found at {missing}")]
     assert said and "laion-sample/test_1000.parquet" in said[0] and "rom1504/img2dataset" in said[0]
     assert "DEVELOPERS.md" not in result.stdout and "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("family", ["sd", "pixart"])
+def test_validation_prompts_are_encoded_as_encode_encoded_the_captions(latent_shards, flow_latents, family):
+    """--validation-prompts go through the latents' own tokenizers and text encoders: a prompt equal to a stored
+    caption gets that caption's stored tensors (PixArt: trimmed to its mask and zero-padded alike)."""
+    import numpy as np
+
+    from laionkit.trainer.evaluation import prompt_texts, validation_conditioning
+
+    data = open_latents(latent_shards if family == "sd" else flow_latents(family).latents)
+    captions, stored = validation_conditioning(data, 3)
+    encoded = prompt_texts(data, captions, "cpu")
+    assert sorted(encoded) == sorted(stored)
+    for key, value in stored.items():
+        np.testing.assert_allclose(encoded[key].numpy(), value.float().numpy(), atol=3e-3, rtol=1e-2, err_msg=key)
+
+
+def test_validation_prompts_sample_the_grid_and_log_it_to_tensorboard(latent_shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, prompts = tmp_path / "run", tmp_path / "prompts.txt"
+    prompts.write_text("a red cube on a table\n\na dog on the beach\n")
+    run_cli("train", latent_shards, "--output", run, "--unet-config", "tiny", "--max-steps", "2", "--validate-every",
+            "2", "--validation-steps", "2", "--validation-prompts", "a photo of a cat", "--validation-prompts", prompts,
+            *QUICK[:4], "--quiet", "--workers", "0", "--log-with", "tensorboard")
+    assert (run / "samples" / "prompts.txt").read_text().splitlines() == [
+        "a photo of a cat", "a red cube on a table", "a dog on the beach"]
+    assert (run / "samples" / "step-000002.png").is_file()
+    logged = EventAccumulator(str(run / "logs" / "laionkit"), size_guidance={"images": 0}).Reload()  # the run's
+    assert "validation" in logged.Tags()["images"]
+    assert [image.step for image in logged.Images("validation")] == [2]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--validation-prompts", "a cat"), "--validation-prompts are the prompts of the images --validate-every N"),
+    (("--validate-every", "1", "--validation-prompts", "MISSING"), "--validation-prompts MISSING: cannot read it"),
+])
+def test_validation_prompts_mistakes_are_one_line(latent_shards, tmp_path, args, message):
+    missing = str(tmp_path / "missing.txt")
+    args = [missing if arg == "MISSING" else arg for arg in args]
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps", "1",
+                     *QUICK, *args, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert message.replace("MISSING", missing) in result.stderr, result.stderr[-2000:]

@@ -192,6 +192,11 @@ class TrainConfig:
     validate_every: int = option(0, "Sample images every N steps (0: never).")
     validation_count: int = option(4, "Fixed prompts: the first N captions of the first shard.")
     validation_steps: int = option(25, "DDIM steps per validation image.")
+    # --- validation prompts of the user's (laionkit/trainer/evaluation.py: prompt_texts) ---
+    validation_prompts: tuple[str, ...] | None = option(
+        None, "--validate-every's prompts instead of the first --validation-count captions: a prompt, or a "
+        ".txt file of prompts one per line; repeatable, in order. Encoded once at the start by the latents' "
+        "own text encoders (the manifest's models), as encode encoded the captions.")
     guidance_scale: float = option(5.0, "Classifier-free guidance scale for validation.")
     peak_tflops: float = option(989.0, "Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).")
     metrics_port: int | None = option(None, "Serve Prometheus metrics on this port (rank 0).")
@@ -358,6 +363,7 @@ class TrainConfig:
         trainchecks.check_export(self)
         trainchecks.check_block_swap(self)
         trainchecks.check_offload(self)
+        trainchecks.check_validation_prompts(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
