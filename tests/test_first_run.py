@@ -103,3 +103,20 @@ def test_validation_prompts_mistakes_are_one_line(latent_shards, tmp_path, args,
                      *QUICK, *args, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert message.replace("MISSING", missing) in result.stderr, result.stderr[-2000:]
+
+
+def test_validation_grid_is_logged_to_wandb(latent_shards, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from test_wandb import _records
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    run_cli("train", latent_shards, "--output", run, "--unet-config", "tiny", "--max-steps", "2", "--validate-every",
+            "2", "--validation-steps", "2", "--validation-prompts", "a photo of a cat", *QUICK[:4], "--quiet",
+            "--workers", "0", "--log-with", "wandb")
+    [path] = (run / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = {(record.history.step.num, item.key or item.nested_key[0])  # an image: validation/{_type, ...}
+              for record in _records(path) if record.WhichOneof("record_type") == "history"
+              for item in record.history.item}
+    assert (2, "validation") in logged, sorted(logged)
