@@ -120,3 +120,22 @@ def test_validation_grid_is_logged_to_wandb(latent_shards, tmp_path, monkeypatch
               for record in _records(path) if record.WhichOneof("record_type") == "history"
               for item in record.history.item}
     assert (2, "validation") in logged, sorted(logged)
+
+
+def test_the_curation_recipes_train_stage_builds_a_run_of_one_epoch(tmp_path, realdata, monkeypatch):
+    """pipelines/curate.yaml's train stage names no length: the command its dry run prints is a valid train
+    (it failed at the last stage, after every other had run). Run here up to the trainer, which is stubbed."""
+    import shlex
+
+    from laionkit.trainer import loop
+    from laionkit.trainer.config import TrainResult
+
+    variables = ["--var", f"workdir={tmp_path}", "--var", f"metadata={realdata / 'laion-sample' / 'test_1000.parquet'}",
+                 "--var", "aesthetic=aes.pth", "--var", "watermark=wm.pt", "--var", "nsfw=nsfw.safetensors"]
+    lines = run_cli("run", REPO / "pipelines" / "curate.yaml", *variables, "--dry-run").stdout.splitlines()
+    [train] = [shlex.split(line)[1:] for line in lines if line.startswith("laionkit train ")]
+    built = []
+    monkeypatch.setattr(loop, "run", lambda config: built.append(config) or TrainResult(1, None, None))
+    result = run_cli(*train, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [(config.max_steps, config.epochs) for config in built] == [(None, None)]  # one epoch: plan_stages
