@@ -77,7 +77,7 @@ def prompt_texts(data: LatentSet, prompts: list[str], device) -> dict[str, torch
     tokenizers = load_family_tokenizers(family, lambda name: data.models[name]["source"])
     encoders = [load_text_encoder(data.models[enc]["source"], component=enc).to(device)
                 for _, enc in family.text_encoders]
-    layer = Location.parse(data.manifest).read_json()["text"].get("layer") or "last"
+    layer = (Location.parse(data.manifest).read_json().get("text") or {}).get("layer") or "last"  # SD's --text-layer
     with torch.no_grad():
         found = family.encode_text(tokenizers, encoders, prompts, **({"layer": layer} if family.encode_ids else {}))
     found = {key: found[key].float().cpu() for key in family.stored}
