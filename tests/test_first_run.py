@@ -139,3 +139,18 @@ def test_the_curation_recipes_train_stage_builds_a_run_of_one_epoch(tmp_path, re
     result = run_cli(*train, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [(config.max_steps, config.epochs) for config in built] == [(None, None)]  # one epoch: plan_stages
+
+
+def test_a_launch_of_more_processes_than_gpus_is_one_line(latent_shards, tmp_path, monkeypatch):
+    """A process count written for a bigger machine (train/*.yaml said 8): each rank says so in one line, naming
+    the flag, before any of them asks CUDA for a GPU that is not there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    result = run_cli("train", latent_shards, "--output", tmp_path / "run", "--unet-config", "tiny", "--max-steps", "1",
+                     *QUICK, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert ("the launcher started 8 processes on this machine, which has 2 GPU(s): start one per GPU (accelerate "
+            "launch --num_processes 2") in result.stderr

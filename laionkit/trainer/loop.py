@@ -31,6 +31,7 @@ from laionkit.common import (
     storage,
 )
 from laionkit.common.caption_mix import parse_mix
+from laionkit.common.ranks import check_local_gpus
 from laionkit.common.storage import ReadCache
 from laionkit.families import Objective
 from laionkit.trainer import (
@@ -159,6 +160,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
+    check_local_gpus()  # a launch config's process count written for another machine
     timeout = config.pg_timeout_minutes
     group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.process_group()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
