@@ -184,7 +184,7 @@ def configs_copy(
     ```
     laionkit configs copy my-configs   # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
 
-    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ \\
+    accelerate launch --config_file my-configs/train/ddp.yaml --num_processes 8 -m laionkit.cli train latents/ \\
         --output runs/a
     ```
     """

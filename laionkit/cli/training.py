@@ -17,7 +17,7 @@ from laionkit.trainer.config import TrainConfig
 
 @app.command("train", epilog="""More examples:
 
-    accelerate launch --config_file train/ddp.yaml -m laionkit.cli train latents/ --output runs/sd15 \\
+    accelerate launch --config_file train/ddp.yaml --num_processes 8 -m laionkit.cli train latents/ --output runs/sd15 \\
         --unet-config sd15 --epochs 10 --batch-size 64 --mixed-precision bf16 --compile --channels-last \\
         --snr-gamma 5 --ema --checkpoint-every 2000 --resume latest
 
@@ -46,7 +46,8 @@ from laionkit.trainer.config import TrainConfig
     laionkit train --config runs/sd15.yaml --resume latest   # the file's flags; the command line overrides them
 
 Every rank runs exactly --max-steps optimizer steps (or --epochs converted to steps with the manifest's
-sample count). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
+sample count; neither given: one epoch). The last line names what the run wrote (RUN/unet or RUN/lora/...,
+RUN/pipeline, single files). SIGTERM / SIGINT / SIGHUP save a checkpoint within two steps and exit 128+signal; under
 torchrun or accelerate launch set TORCH_ELASTIC_SHUTDOWN_TIMEOUT (docs/CLUSTER.md, "Preemption").
 """)
 def train_command(ctx: typer.Context, **options) -> None:
@@ -77,6 +78,9 @@ def train_command(ctx: typer.Context, **options) -> None:
         typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "
                    "rerun with --resume latest")
         raise typer.Exit(128 + result.stopped_by)
+    if result.written:  # rank 0's: the one line that says where the run's model is
+        output = str(options["output"]).rstrip("/")
+        typer.echo(f"done at step {result.step}; wrote " + ", ".join(f"{output}/{name}" for name in result.written))
 
 
 # train's options are TrainConfig's fields (their help, flags and defaults: laionkit/common/options.py), with
@@ -164,7 +168,10 @@ def plan_command(
     typer.echo(f"train it: laionkit train --plan {output / 'plan.json'} --output RUN --max-steps N")
 
 
-@app.command("export", epilog="""
+@app.command("export", epilog="""More examples:
+
+    laionkit export runs/old --format pipeline,single-file --export-files hardlink
+
 A run trained with --export none (or before pipelines were exported) gets RUN/pipeline rebuilt from its newest
 checkpoint's record (latents, base model, noise schedule); a LoRA run's (trained with the default --export auto)
 gets RUN/lora merged into a copy of its base at alpha / rank. Single files: SD 1.x/2.x and SDXL as one CompVis/SGM
@@ -172,7 +179,7 @@ checkpoint (models/checkpoints/), SD3 and Flux as the denoiser alone (models/dif
 """)
 def export_command(
     run: Annotated[Path, typer.Argument(help="A finished run folder (RUN/unet or RUN/transformer, checkpoints/).")],
-    format: Annotated[str, typer.Option("--format", help="pipeline, single-file, or both comma-separated.")] = "single-file",
+    format: Annotated[str, typer.Option("--format", help="pipeline, single-file, both comma-separated, or auto: the single file where the family has one (sd, sdxl, sd3, flux), else the pipeline folder; RUN/pipeline is rebuilt where missing.")] = "auto",
     export_files: Annotated[str, typer.Option(help="RUN/pipeline's base files: copy or hardlink.")] = "copy",
 ) -> None:
     """Export a finished run: a diffusers pipeline folder, or single-file checkpoints for ComfyUI / A1111.
@@ -180,14 +187,14 @@ def export_command(
     Examples:
 
     ```
-    laionkit export runs/sdxl --format single-file   # RUN/single_file/sdxl-sdxl.safetensors for ComfyUI / A1111
+    laionkit export runs/sdxl   # RUN/single_file/sdxl-sdxl.safetensors for ComfyUI / A1111
 
-    laionkit export runs/old --format pipeline,single-file --export-files hardlink
+    laionkit export runs/pixart   # no single-file format: RUN/pipeline (rebuilt if the run has none)
     ```
     """
     from laionkit.trainer.export import export_run
 
-    for path in export_run(run, format, export_files):
+    for path in export_run(run, format, export_files, log=lambda line: typer.echo(line, err=True)):
         typer.echo(str(path))
 
 

@@ -254,6 +254,16 @@ def load_tokenizer(source: str, component: str = "tokenizer"):
     return _from_pretrained(cls, source, component)
 
 
+def load_family_tokenizers(family, source_of) -> list:
+    """A family's tokenizers (``source_of(component)``: where each loads from), each counting tokens in the
+    family's caption window where it has one (``text_window``: the pipeline's, not the tokenizer folder's), as
+    encode tokenizes captions and train its --validation-prompts."""
+    tokenizers = [load_tokenizer(source_of(tok), tok) for tok, _ in family.text_encoders]
+    for tokenizer in tokenizers if family.text_window else ():
+        text_tokenizer(tokenizer).model_max_length = family.text_window
+    return tokenizers
+
+
 def text_tokenizer(tokenizer):
     """The tokenizer itself of what load_tokenizer gave (a processor's ``.tokenizer``): what counts tokens."""
     return getattr(tokenizer, "tokenizer", tokenizer)

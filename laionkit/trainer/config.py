@@ -83,7 +83,9 @@ class TrainConfig:
     batch_size: int = option(32, "Samples per GPU per micro-step.", group="Optimization")
     grad_accum: int = option(1, "Micro-steps per optimizer step (no gradient sync between).", group="Optimization")
     max_steps: int | None = option(None, "Optimizer steps to train.", group="Optimization")
-    epochs: float | None = option(None, "Or: passes over the manifest's samples, as steps.", group="Optimization")
+    epochs: float | None = option(
+        None, "Or: passes over the manifest's samples, as steps (default: 1 when --max-steps is not given).",
+        group="Optimization")
     lr: float = option(1e-4, "Learning rate (per sample under --scale-lr linear/sqrt).", group="Optimization")
     scale_lr: Literal["none", "linear", "sqrt"] = option(
         "none", "none, linear or sqrt: lr x global batch (or its sqrt).", group="Optimization")
@@ -191,6 +193,11 @@ class TrainConfig:
     validate_every: int = option(0, "Sample images every N steps (0: never).", group="Validation and evaluation")
     validation_count: int = option(4, "Fixed prompts: the first N captions of the first shard.", group="Validation and evaluation")
     validation_steps: int = option(25, "DDIM steps per validation image.", group="Validation and evaluation")
+    # --- validation prompts of the user's (laionkit/trainer/evaluation.py: prompt_texts) ---
+    validation_prompts: tuple[str, ...] | None = option(
+        None, "--validate-every's prompts instead of the first --validation-count captions: a prompt, or a "
+        ".txt file of prompts one per line; repeatable, in order. Encoded once at the start by the latents' "
+        "own text encoders (the manifest's models), as encode encoded the captions.", group="Validation and evaluation")
     guidance_scale: float = option(5.0, "Classifier-free guidance scale for validation.", group="Validation and evaluation")
     peak_tflops: float = option(989.0, "Peak TFLOP/s per GPU for MFU (989: H100/H200 SXM dense bf16).", group="Logging")
     metrics_port: int | None = option(None, "Serve Prometheus metrics on this port (rank 0).", group="Logging")
@@ -307,8 +314,8 @@ class TrainConfig:
         if (self.unet is None) == (self.unet_config is None):
             raise LaionkitError("give exactly one of --unet / --transformer (fine-tune) or --unet-config / "
                                 "--transformer-config (from scratch)")
-        if (self.max_steps is None) == (self.epochs is None):
-            raise LaionkitError("give exactly one of --max-steps or --epochs")
+        if self.max_steps is not None and self.epochs is not None:
+            raise LaionkitError("give one of --max-steps or --epochs, not both")
         at_least = {"batch_size": 1, "grad_accum": 1, "log_every": 1, "checkpoint_every": 1, "keep_checkpoints": 1,
                     "max_steps": 1, "max_nonfinite": 1, "workers": 0, "shuffle_buffer": 0, "warmup_steps": 0,
                     "validate_every": 0, "validation_count": 1, "validation_steps": 1}
@@ -357,6 +364,7 @@ class TrainConfig:
         trainchecks.check_export(self)
         trainchecks.check_block_swap(self)
         trainchecks.check_offload(self)
+        trainchecks.check_validation_prompts(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
@@ -393,3 +401,4 @@ class TrainResult:
     step: int
     stopped_by: int | None  # the signal number that ended the run early, else None
     checkpoint: Path | None
+    written: tuple[str, ...] = ()  # rank 0's exports, relative to the run folder (laionkit/trainer/export.py)

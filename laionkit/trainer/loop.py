@@ -31,6 +31,7 @@ from laionkit.common import (
     storage,
 )
 from laionkit.common.caption_mix import parse_mix
+from laionkit.common.ranks import check_local_gpus
 from laionkit.common.storage import ReadCache
 from laionkit.families import Objective
 from laionkit.trainer import (
@@ -62,7 +63,7 @@ from laionkit.trainer.checkpoint import (
 from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import validation_grid, validation_prompts
-from laionkit.trainer.export import after_training, export
+from laionkit.trainer.export import after_training, export, written_files
 from laionkit.trainer.latent_stream import (
     StreamLayout,
     end_workers,
@@ -159,6 +160,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
+    check_local_gpus()  # a launch config's process count written for another machine
     timeout = config.pg_timeout_minutes
     group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.process_group()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
@@ -509,9 +511,10 @@ def validation_loss(trainer: Trainer, valset) -> dict:
     return {**losses, "val_samples": len(valset.keys)}
 
 
-def finish(trainer: Trainer) -> None:
+def finish(trainer: Trainer) -> tuple[str, ...]:
     """After the last step: the samples seen per bucket, the export (the denoiser, or the LoRA adapters)
-    and, for a remote run folder, its upload and done record."""
+    and, for a remote run folder, its upload and done record. Returns what rank 0 wrote, relative to the run
+    folder (other ranks: nothing), for the run's last line."""
     t, accelerator = trainer, trainer.accelerator
     buckets = t.schedule.buckets
     if len(buckets) > 1:
@@ -520,12 +523,17 @@ def finish(trainer: Trainer) -> None:
             f"{key} {int(n)}" for key, n in zip(buckets, seen.tolist())))
     if t.config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
         lora.export(accelerator, t.unet, t.ema, t.master, t.config.output)
+        denoiser = "lora"
     else:
         export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
                torch.bfloat16 if t.config.full_bf16 else torch.float32)
-    after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
+        denoiser = t.data.family.denoiser_subfolder
+    exported = after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
     if t.remote is not None:
         t.remote.finished(accelerator)
+    if not accelerator.is_main_process:
+        return ()
+    return written_files(Path(t.config.output), [denoiser, *([f"{denoiser}_ema"] if t.ema is not None else []), *exported])
 
 
 def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:
@@ -606,8 +614,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 break
         progress.close()
         window.close()
-        if not stopped_by:
-            finish(t)
+        written = () if stopped_by else finish(t)
         if writer is not None:
             writer.close()
         accelerator.end_training()
@@ -615,4 +622,4 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         end_workers(batches)
         if writer is not None:  # an error's exit: the save in flight, if the ranks can still finish it
             writer.close(timeout=config.pg_timeout_minutes * 60 if config.pg_timeout_minutes else 600, quiet=True)
-    return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+    return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint, written=written)

@@ -213,6 +213,15 @@ def check_export(config) -> None:
         raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
 
 
+def check_validation_prompts(config) -> None:
+    """--validation-prompts are --validate-every's (its files are read at setup, laionkit/trainer/evaluation.py)."""
+    if config.validation_prompts and not config.validate_every:
+        raise LaionkitError("--validation-prompts are the prompts of the images --validate-every N samples: give "
+                            "--validate-every too")
+    if config.validation_prompts and not all(value.strip() for value in config.validation_prompts):
+        raise LaionkitError("--validation-prompts: an empty prompt; give the text, or a .txt file of prompts")
+
+
 def check_block_swap(config) -> None:
     """--block-swap N (laionkit/trainer/blockswap.py); the ranks and the block count are checked at build."""
     if config.block_swap < 0:
