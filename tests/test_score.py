@@ -235,6 +235,24 @@ def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, sc
     assert pq.read_table(tmp_path / "rescored").num_rows == 8
 
 
+def test_filter_scores_on_pack_output_of_laion_metadata_reads_the_measured_width(tmp_path, scored, shards):
+    """pack of laion2B-en rows carries LAION's claimed WIDTH / HEIGHT beside img2dataset's measured width / height:
+    DuckDB cannot tell the two apart by case, so the claimed ones are read as source_WIDTH / source_HEIGHT (pack's
+    name for an input column img2dataset owns) and rules on width mean the pixels pack saw."""
+    metadata = tmp_path / "metadata"
+    metadata.mkdir()
+    for tar in sorted(shards.glob("*.tar")):
+        rows = [json.loads(sample["json"]) for sample in tar_samples(tar)]
+        rows = [{**row, "WIDTH": 1000 + row["width"], "HEIGHT": 1000} for row in rows]  # what LAION claims
+        pq.write_table(pa_table(rows), metadata / f"{tar.stem}.parquet")
+    result = run_cli("filter", str(metadata), "--scores", str(scored), "--where", "width < 400", "--output",
+                     str(tmp_path / "kept"))
+    kept = pq.read_table(tmp_path / "kept").to_pandas()
+    assert sorted(kept["width"]) == [123, 208, 321, 389, 389] and list(kept["source_WIDTH"]) == list(kept["width"] + 1000)
+    assert "source_HEIGHT" in kept.columns and "aes" in kept.columns
+    assert "WIDTH read as source_WIDTH" in result.stderr
+
+
 def test_filter_top_and_dedup_rank_and_match_joined_score_columns(tmp_path, scored, shards):
     """--top and --dedup read a --scores column through the units' join by key, exactly as rules do."""
     metadata = pack_metadata(shards, tmp_path / "metadata")

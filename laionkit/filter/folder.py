@@ -64,7 +64,7 @@ def write_sidecar(path: Location, record: dict, plan: Plan, connection: duckdb.D
     """``record`` in the footer of a parquet file with the columns of a part of the plan's first input and
     no row group (DuckDB writes none for no rows): readers of the folder get the same schema, no row."""
     file = plan.files[0]
-    columns = [f"{quote(name)} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
+    columns = [f"{quote(file.scanned[name])} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
     columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in plan.scores]
     output = [plan.renames.get(name, name) for name in file.schema.names] + [spec.name for spec in plan.scores]
     source = (f"SELECT {', '.join(columns)}, 0::BIGINT AS __laionkit_row "
