@@ -253,6 +253,17 @@ def test_filter_scores_on_pack_output_of_laion_metadata_reads_the_measured_width
     assert "WIDTH read as source_WIDTH" in result.stderr
 
 
+def test_filter_prompt_scores_take_the_clip_model_config_file_score_takes(tmp_path, scored, score_models):
+    """Before: filter's --clip-model refused the .json config score and eval take. Now the same model scores a prompt
+    in filter as in score: filter's prompt column equals the score run's, row by row."""
+    run_cli("filter", str(scored / "scores"), "--embeddings", str(scored / "img_emb"), "--score",
+            "again=prompt:an anime drawing|a manga page", "--clip-model", str(score_models["config"]),
+            "--clip-pretrained", str(score_models["weights"]), "--output", str(tmp_path / "out"), "--quiet")
+    rows = pq.read_table(tmp_path / "out").to_pandas()
+    assert len(rows) == 8
+    np.testing.assert_allclose(rows["again"], rows["anime"], atol=1e-5)
+
+
 def test_filter_top_and_dedup_rank_and_match_joined_score_columns(tmp_path, scored, shards):
     """--top and --dedup read a --scores column through the units' join by key, exactly as rules do."""
     metadata = pack_metadata(shards, tmp_path / "metadata")

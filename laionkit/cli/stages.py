@@ -70,7 +70,7 @@ def filter_command(
     scores_dir: Annotated[Optional[list[str]], typer.Option(
         "--scores", help="`laionkit score` output folder(s): its per-sample columns (aesthetic, pwatermark, punsafe, "
         "similarity, phash, ...) joined onto the inputs by `key`, for rules, --top and --dedup like any column.")] = None,
-    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.")] = "ViT-L-14",
+    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores: a name (ViT-L-14), hf-hub:ORG/REPO, or a model config .json file.")] = "ViT-L-14",
     clip_pretrained: Annotated[str, typer.Option(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).")] = "openai",
     unit_rows: Annotated[int, typer.Option(
