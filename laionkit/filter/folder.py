@@ -94,7 +94,8 @@ def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool,
     if (output / LEGACY_PLAN_NAME).is_complete() and not overwrite:
         raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
                             "use --overwrite to redo it, or another --output")
-    if plan_path is not None and not overwrite:
+    if plan_path is not None and not overwrite and (existing_parts(output) or stats_paths(output)):
+        # only a plan some unit was filtered by: a run that failed before any unit is retried with other arguments
         found = read_record(plan_path)
         refuse_changed_inputs(plan_path, found, plan.record)
         refuse_other_settings(plan_path, found, plan.record, "filtered",
