@@ -463,6 +463,7 @@ def encode(
     laionkit stats out/filtered        # a filter folder: rows in/out per rank, drops and nulls per rule
     laionkit stats out/shards          # pack or plain img2dataset output; plain WebDataset tars too (read-only)
     laionkit stats s3://bucket/shards  # any fsspec URL; credentials from AWS_* / --storage-options
+    laionkit stats out/deduped         # dedup: rows removed by each layer, kept; train runs: steps, loss, checkpoints
 """)
 def stats_command(
     folder: Annotated[str, typer.Argument(help="An output folder of a laionkit stage (a path or URL).")],
