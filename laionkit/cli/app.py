@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Annotated, Optional
 
 import typer
@@ -39,6 +40,11 @@ AllowIncompleteOption = Annotated[bool, typer.Option("--allow-incomplete", help=
 # Paths may be URLs of any fsspec filesystem (s3://, gs://, hf://, https:// to read); credentials come from
 # AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
 StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP)]
+
+
+# `laionkit run --dry-run`: each stage command builds its config (the checks a run makes of its options, so a
+# recipe fails its dry run where it would fail running) and returns before the stage runs.
+CONFIG_ONLY: ContextVar[bool] = ContextVar("laionkit_config_only", default=False)
 
 
 def _show_version(value: bool) -> None:

@@ -10,6 +10,7 @@ import typer
 
 from laionkit.caption import CaptionConfig
 from laionkit.cli.app import (
+    CONFIG_ONLY,
     AllowIncompleteOption,
     QuietOption,
     RankOption,
@@ -98,6 +99,8 @@ def filter_command(
         skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
         allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     stats = filter_stage.run(config)
     if not quiet:
         err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
@@ -179,6 +182,8 @@ def pack(
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
         quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     manifest = run(config)
     if not quiet:
         typer.echo(
@@ -269,6 +274,8 @@ def score(
         world_size=world_size, overwrite=overwrite, quiet=quiet, allow_incomplete=allow_incomplete,
         storage_options=storage_options,
     )
+    if CONFIG_ONLY.get():
+        return
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
         err_console.print(f"scored {summary['samples_out']} samples ({summary['skipped']} skipped) from "
@@ -346,6 +353,8 @@ def dedup_command(
         bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, scratch=scratch, rank=rank,
         world_size=world_size, quiet=quiet, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     stats = dedup.run(config)
     if not quiet and "kept" in stats:
         removed = ", ".join(f"{layer} {n:,}" for layer, n in stats["removed"].items())
@@ -374,7 +383,10 @@ def caption_command(**options) -> None:
     writing new shards whose json holds each caption beside the alt-text; rank-sharded, resumable per shard."""
     from laionkit.caption import run
 
-    summary = run(CaptionConfig(**options), log=lambda line: err_console.print(line, highlight=False))
+    config = CaptionConfig(**options)
+    if CONFIG_ONLY.get():
+        return
+    summary = run(config, log=lambda line: err_console.print(line, highlight=False))
     if not options["quiet"]:
         err_console.print(f"captioned {summary['captioned']} samples ({summary['skipped']} skipped, "
                           f"{summary['empty_captions']} empty) from {summary['shards']} shards into "
@@ -451,6 +463,8 @@ def encode(
         caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
         max_sequence_length=max_sequence_length, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
         err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
