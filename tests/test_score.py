@@ -203,6 +203,13 @@ def test_two_ranks_write_disjoint_shards_whose_union_is_one_ranks(tmp_path, scor
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["complete"]
 
 
+def test_a_caption_key_no_sample_has_is_refused_before_any_model_loads(tmp_path, shards):
+    """As encode: pack keeps LAION's TEXT as ``caption``, so --caption-key TEXT would score no caption at all."""
+    result = run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--caption-key", "TEXT",
+                     "--clip-model", "no-such-model", check=False)
+    one_line_error(result, "--caption-key TEXT", "00000.tar", "json keys url, caption, key")
+
+
 def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
     result = run_cli("score", str(shards), "--output", str(scored), "--clip-model", str(score_models["config"]),
                      "--clip-pretrained", str(score_models["weights"]), "--workers", "0", check=False)

@@ -165,7 +165,7 @@ def source_renames(files: Sequence[InputFile], renames: dict[str, str]) -> dict[
     found = {}
     for file in files:
         names = set(file.schema.names)
-        for name in names - RESERVED_COLUMNS:
+        for name in sorted(names - RESERVED_COLUMNS):
             if name.lower() in RESERVED_COLUMNS & names and not {name, name.lower()} & set(renames):
                 found[name] = f"source_{name}"
     return found
