@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Annotated, Optional
 
 import typer
@@ -54,6 +55,11 @@ AllowIncompleteOption = Annotated[bool, typer.Option("--allow-incomplete", help=
 # AWS_* / fsspec config, and this JSON (flat, or keyed by protocol) adds filesystem options.
 StorageOption = Annotated[Optional[str], typer.Option("--storage-options", help=STORAGE_HELP,
                                                                 rich_help_panel="Input and output")]
+
+
+# `laionkit run --dry-run`: each stage command builds its config (the checks a run makes of its options, so a
+# recipe fails its dry run where it would fail running) and returns before the stage runs.
+CONFIG_ONLY: ContextVar[bool] = ContextVar("laionkit_config_only", default=False)
 
 
 def _show_version(value: bool) -> None:

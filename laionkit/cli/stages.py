@@ -10,6 +10,7 @@ import typer
 
 from laionkit.caption import CaptionConfig
 from laionkit.cli.app import (
+    CONFIG_ONLY,
     AllowIncompleteOption,
     QuietOption,
     RankOption,
@@ -64,7 +65,7 @@ def filter_command(
     scores_dir: Annotated[Optional[list[str]], typer.Option(
         "--scores", help="`laionkit score` output folder(s): its per-sample columns (aesthetic, pwatermark, punsafe, "
         "similarity, phash, ...) joined onto the inputs by `key`, for rules, --top and --dedup like any column.", rich_help_panel="CLIP scores")] = None,
-    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores.", rich_help_panel="CLIP scores")] = "ViT-L-14",
+    clip_model: Annotated[str, typer.Option(help="open_clip model for prompt scores: a name (ViT-L-14), hf-hub:ORG/REPO, or a model config .json file.", rich_help_panel="CLIP scores")] = "ViT-L-14",
     clip_pretrained: Annotated[str, typer.Option(
         help="open_clip weights tag or file for prompt scores; 'none' = seeded random init (tests).", rich_help_panel="CLIP scores")] = "openai",
     unit_rows: Annotated[int, typer.Option(
@@ -105,6 +106,8 @@ def filter_command(
         skip_bad=skip_bad, overwrite=overwrite, quiet=quiet, storage_options=storage_options,
         allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     stats = filter_stage.run(config)
     if not quiet:
         err_console.print(f"filter: kept {stats['rows_out']:,} of {stats['rows_in']:,} rows -> {output}")
@@ -192,6 +195,8 @@ def pack(
         caption_column=caption_column, respect_optout=respect_optout, rank=rank, world_size=world_size,
         quiet=quiet, storage_options=storage_options, overwrite=overwrite, keep=keep, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     manifest = run(config)
     if not quiet:
         typer.echo(
@@ -290,6 +295,8 @@ def score(
         world_size=world_size, overwrite=overwrite, quiet=quiet, allow_incomplete=allow_incomplete,
         storage_options=storage_options,
     )
+    if CONFIG_ONLY.get():
+        return
     summary = run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
         err_console.print(f"scored {summary['samples_out']} samples ({summary['skipped']} skipped) from "
@@ -372,6 +379,8 @@ def dedup_command(
         bucket_rows=bucket_rows, wait=wait, threads=threads, overwrite=overwrite, scratch=scratch, rank=rank,
         world_size=world_size, quiet=quiet, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     stats = dedup.run(config)
     if not quiet and "kept" in stats:
         removed = ", ".join(f"{layer} {n:,}" for layer, n in stats["removed"].items())
@@ -408,7 +417,10 @@ def caption_command(**options) -> None:
     """
     from laionkit.caption import run
 
-    summary = run(CaptionConfig(**options), log=lambda line: err_console.print(line, highlight=False))
+    config = CaptionConfig(**options)
+    if CONFIG_ONLY.get():
+        return
+    summary = run(config, log=lambda line: err_console.print(line, highlight=False))
     if not options["quiet"]:
         err_console.print(f"captioned {summary['captioned']} samples ({summary['skipped']} skipped, "
                           f"{summary['empty_captions']} empty) from {summary['shards']} shards into "
@@ -491,6 +503,8 @@ def encode(
         caption_key=caption_key, captions=captions, overwrite=overwrite, keep=keep, caption_scores=caption_scores,
         max_sequence_length=max_sequence_length, allow_incomplete=allow_incomplete,
     )
+    if CONFIG_ONLY.get():
+        return
     summary = encode_stage.run(config, log=lambda line: err_console.print(line, highlight=False))
     if not quiet:
         err_console.print(f"encoded {summary['samples_out']} samples ({summary['skipped']} skipped, "
@@ -512,8 +526,10 @@ def stats_command(
 
     laionkit stats out/shards   # pack or plain img2dataset output; plain WebDataset tars too (read-only)
 
-    laionkit stats s3://bucket/shards   # any fsspec URL; credentials from AWS_* / --storage-options
+    laionkit stats out/deduped   # dedup: rows removed by each layer, kept; a train run: steps, loss, checkpoints
     ```
+
+    More: `laionkit stats s3://bucket/shards` reads any fsspec URL (credentials from AWS_* / --storage-options).
     """
     from laionkit import stats as stats_stage
 

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from laionkit.cli.app import app
+from laionkit.cli.app import CONFIG_ONLY, app
 from laionkit.cli.stages import stats_command
 from laionkit.common import LaionkitError
 
@@ -198,7 +198,8 @@ def configs_copy(
 def run_recipe(
     recipe: Annotated[Path, typer.Argument(help="A recipe YAML (see pipelines/).")],
     var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Validate and print the commands; run nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Validate, print the commands and build each stage's config as the "
+                                                "stage would (its option checks); run nothing.")] = False,
 ) -> None:
     """Run the stages of one recipe in order (filter, pack, score, dedup, caption, encode, train; STAGE@NAME for
     another run of one), skipping stages already complete.
@@ -239,8 +240,16 @@ def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = Fa
             raise LaionkitError(f"exited with {code}")
 
     if dry_run:
+        def configure(argv: list[str]) -> None:
+            token = CONFIG_ONLY.set(True)
+            try:
+                invoke(argv)
+            finally:
+                CONFIG_ONLY.reset(token)
+
         for step in steps:
             typer.echo(shlex.join(recipes.command_line(step)))
+            recipes.check_options(step, configure)
         return
     recipes.execute(steps, workdir, invoke, typer.echo)
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from laionkit.cli.app import QuietOption, app
+from laionkit.cli.app import CONFIG_ONLY, QuietOption, app
 from laionkit.common import LaionkitError
 from laionkit.common.options import typer_parameters
 from laionkit.trainer.config import TrainConfig
@@ -73,7 +73,10 @@ def train_command(ctx: typer.Context, **options) -> None:
     for name, flag in (("latents", "LATENTS"), ("output", "--output")):
         if options[name] is None:
             raise LaionkitError(f"give {flag} (or {name}: in the --config file)")
-    result = run(TrainConfig(**options))
+    config = TrainConfig(**options)
+    if CONFIG_ONLY.get():
+        return
+    result = run(config)
     if result.stopped_by:
         typer.echo(f"stopped by signal {result.stopped_by} at step {result.step}; checkpoint {result.checkpoint}; "
                    "rerun with --resume latest")

@@ -79,6 +79,21 @@ class ComponentSource:
                 "local": self.local}
 
 
+def refuse_missing_folder(source: str, role: str = "--model") -> None:
+    """A source written as a path (``./``, ``../``, ``/``, ``~``, or under a folder that exists) that is no folder
+    is a typo, refused at once: tried as a hub id it costs minutes of retries, then a hub error about a repo."""
+    if source in PRESETS:
+        return
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise LaionkitError(f"{role} {source}: not a folder (a model is a folder, a preset or a hub id)")
+    parent = path.parent
+    if source.startswith((".", "/", "~")) or (str(parent) != "." and parent.is_dir()):
+        raise LaionkitError(f"{role} {source}: no such folder (written as a path, so not tried as a hub id)")
+
+
 def resolve_source(source: str, component: str) -> ComponentSource:
     """Turn a user's ``--model``/``--vae``/... string into a from_pretrained location for one component."""
     if component not in COMPONENTS:
@@ -98,8 +113,7 @@ def resolve_source(source: str, component: str) -> ComponentSource:
         raise LaionkitError(
             f"model folder {path} has neither a {component}/ subfolder nor a config file for {component}"
         )
-    if path.exists() or source.startswith((".", "/", "~")):
-        raise LaionkitError(f"model path {source} for {component} is not a folder")
+    refuse_missing_folder(source, "model")
     repo, _, root = source.partition(":")
     if root and root != "root":
         raise LaionkitError(f"model source {source!r}: only ':root' may follow a hub id")

@@ -303,9 +303,12 @@ def detect_family(source: str) -> FamilySpec:
     """
     import json
 
+    from laionkit.common.models import refuse_missing_folder
+
     for spec in _FAMILIES.values():
         if source in spec.presets:
             return spec
+    refuse_missing_folder(source)
     path = Path(source).expanduser()
     index = None
     if path.is_dir():
