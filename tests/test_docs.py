@@ -1,4 +1,4 @@
-"""Every shell command the docs show runs as written, offline: README.md and docs/**/*.md.
+"""Every shell command the docs show runs as written, offline: README.md, train/README.md and docs/**/*.md.
 
 The rule (README's "Conventions" says it to readers): a block fenced ```bash is run; a block fenced ```console
 is shown only, because it needs a GPU, the network, a cluster or credentials. A file's ```bash blocks run in
@@ -35,7 +35,7 @@ COMMAND_LINE = re.compile(r"^\s*(\$ |laionkit |accelerate |torchrun |python3? |p
 
 
 def documents() -> list[str]:
-    found = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = [REPO / "README.md", REPO / "train" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     return [str(p.relative_to(REPO)) for p in found if str(p.relative_to(REPO)) not in NOT_RUN_FILES]
 
 
