@@ -257,7 +257,8 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
-    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
+    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext(), \
+            lora.drawn_in_low_precision(config, accelerator):
         unet = build_unet(config, data, home)  # --base-dtype: quantized as it loads, there
     trainchecks.check_guidance(config, data.family, unet)
     # --cpu-offload: the host until FSDP2 shards it; else the device (--block-swap: some blocks stay on the host)
