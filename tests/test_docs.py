@@ -11,7 +11,8 @@ sizes themselves, and what runs is exactly what a reader copies; the real-model 
 
 A ```console block cannot run here, but its `laionkit` commands are checked against the CLI: each subcommand
 and option must exist, so a renamed or removed flag fails here too. docs/BENCHMARKS.md is not collected: every
-command there is a GPU measurement (its tables quote the results). Every measured number README.md quotes
+command there is a GPU measurement (its tables quote the results), nor docs/CLI.md: it is each command's --help,
+written by scripts/cli_reference.py, whose examples tests/test_help.py parses through the real commands. Every measured number README.md quotes
 (samples/s, GiB, %) is one docs/BENCHMARKS.md holds.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-NOT_RUN_FILES = {"docs/BENCHMARKS.md"}
+NOT_RUN_FILES = {"docs/BENCHMARKS.md", "docs/CLI.md"}
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 CHECKOUT_FOLDERS = ("laionkit", "pipelines", "train", "scripts")
 # A command in a block fenced neither bash nor console would dodge the rule: its lines look like these.
