@@ -97,8 +97,8 @@ def test_a_variable_the_recipe_uses_and_no_var_gives_is_named(tmp_path, realdata
 
     from laionkit.cli import app
 
-    epilog = typer.main.get_command(app).commands["run"].epilog
-    example = next(line.split() for line in epilog.splitlines() if "sd15-finetune" in line)
+    text = typer.main.get_command(app).commands["run"].help.replace("\\\n", " ")  # a continued line is one
+    example = next(line.split() for line in text.splitlines() if "sd15-finetune" in line)
     assert example[-1] == "--dry-run" and "--var" in example
     variables = {"workdir": str(tmp_path), "metadata": str(realdata / "laion-sample" / "test_1000.parquet")}
     result = run_cli("run", REPO / example[2], *(f"--var={key}={value}" for key, value in variables.items()),
