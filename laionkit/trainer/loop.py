@@ -318,7 +318,7 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     placement = [False, True] if config.block_swap else None
     if pipeline is None:  # a pipeline's stages average over their replicas themselves (not DDP)
         unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=placement)
-    if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
+    if config.lora_rank is not None and pipeline is None:  # LoRA hook: checkpoints hold the adapters, not the base
         lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
@@ -367,14 +367,17 @@ def resume(trainer: Trainer) -> Path | None:
         return None
     records = datastate.read_records(folder)
     check_world_size(folder, accelerator.distributed_type, len(records), accelerator.num_processes)
-    lora.check_resume(folder, config, t.data.family)
+    if t.pipeline is None:  # a pipeline's stages check their own part as it loads
+        lora.check_resume(folder, config, t.data.family)
     datastate.check_caption_mix(folder, records[0].get("layout", {}), t.data_key, config.allow_caption_mix_change,
                                 accelerator.print)
     refuse_other_settings(folder, datastate.fixed_key(records[0].get("layout", {}), config.add_shards),
                           datastate.fixed_key(t.data_key, config.add_shards), "written",
                           "resume needs the same latent shards (names, sample counts, sizes; --add-shards "
                           "takes shards appended since), --seed, --shuffle-buffer and --stage schedule")
-    if checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
+    if t.pipeline is not None:  # each stage's part (laionkit/trainer/pipeline_parallel.py)
+        t.pipeline.load(t, folder, len(records))
+    elif checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
         checkpoint_async.load(t, folder)
     else:
         load_checkpoint_state(accelerator, folder, t.extra_states)
@@ -488,7 +491,8 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     step, output = t.step, config.output
     # the writer compares the ranks' weights in the background, on its staged copy
-    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None else None
+    # (a pipeline's ranks hold different stages: nothing to compare)
+    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None and t.pipeline is None else None
     check_ranks_agree(accelerator, fingerprint, step)
     healthy = t.nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
     if not accelerator.reduce(torch.tensor(float(healthy), device=t.device), "min").item():
@@ -504,7 +508,8 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     if writer is not None:
         return writer.save(t, rank_state, wait)
     folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
-                             config, {name: obj.state_dict() for name, obj in t.extra_states.items()})
+                             config, {name: obj.state_dict() for name, obj in t.extra_states.items()},
+                             t.pipeline and {"pipeline": t.pipeline.state(t)})
     if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
         t.remote.checkpoint_saved(accelerator, folder, config.keep_checkpoints)
     return folder

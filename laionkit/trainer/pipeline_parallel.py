@@ -215,6 +215,36 @@ class Pipeline:
         return {name: tensor.detach().cpu() for name, tensor in denoiser.state_dict(keep_vars=True).items()
                 if id(tensor) in held}
 
+    def state(self, trainer) -> dict:
+        """This rank's part of a checkpoint: its stages' trained weights (by the denoiser's names) and its
+        optimizer's state."""
+        trained = {id(p) for p in self.stages.parameters() if p.requires_grad}
+        weights = {name: p.detach().cpu() for name, p in trainer.unet.named_parameters() if id(p) in trained}
+        return {"weights": weights, "optimizer": trainer.optimizer.state_dict(), "stages": self.bounds}
+
+    def load(self, trainer, folder, ranks: int) -> None:
+        """A pipeline checkpoint's part of this rank (``state``), and accelerate's LR schedule and RNG states;
+        one line where it was written by another layout of ranks or stages, or for other weights."""
+        from laionkit.trainer.checkpoint import load_checkpoint_state, load_tensors
+
+        accelerator = trainer.accelerator
+        path = folder / f"pipeline-rank-{accelerator.process_index:05d}.pt"
+        if ranks != accelerator.num_processes or not path.is_file():
+            raise LaionkitError(f"--resume {folder}: written by {ranks} ranks"
+                                f"{'' if path.is_file() else ' without pipeline stages'}; a pipeline run resumes "
+                                f"on the same ranks and --pipeline-stages ({accelerator.num_processes} ranks now)")
+        load_checkpoint_state(accelerator, folder, {})
+        saved = load_tensors(path)
+        trained = {id(p) for p in self.stages.parameters() if p.requires_grad}
+        named = {name: p for name, p in trainer.unet.named_parameters() if id(p) in trained}
+        if [tuple(b) for b in saved["stages"]] != self.bounds or saved["weights"].keys() != named.keys():
+            raise LaionkitError(f"--resume {folder}: its stages hold other blocks or weights than this run's "
+                                "(another model, --lora-rank or --pipeline-schedule?)")
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(saved["weights"][name])
+        trainer.optimizer.load_state_dict(saved["optimizer"])
+
     def gather(self, accelerator, denoiser) -> None:
         """Rank 0's denoiser takes every stage's weights (before the export, which writes rank 0's): the
         stages merge into the ordinary denoiser."""
