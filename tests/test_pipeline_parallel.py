@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from fixtures import free_port, metrics
+from fixtures import accelerate_launch, free_port, metrics
 
 from laionkit.trainer.pipeline_parallel import balance
 
@@ -166,3 +166,14 @@ def test_a_family_without_a_cut_and_too_few_ranks_are_refused(latent_shards, dee
     assert sd.returncode == 2 and "has no pipeline cut" in sd.stderr and "Traceback" not in sd.stderr
     flux = run_cli(*train_args(deep_flux, tmp_path / "flux", "--pipeline-stages", "2"), check=False)
     assert flux.returncode == 2 and "not a multiple of 2" in flux.stderr and "Traceback" not in flux.stderr
+
+
+def test_sharding_inside_a_stage_is_refused_in_one_line(deep_flux, tmp_path):
+    """An FSDP launch (train/fsdp.yaml, CPU ranks) with --pipeline-stages: refused before it trains, not run as a
+    pipeline without the sharding it was launched for."""
+    latents, model = deep_flux
+    command = accelerate_launch("fsdp.yaml", "no", latents, tmp_path / "run", "--transformer", model,
+                                "--max-steps", "1", "--pipeline-stages", "2")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
+    assert result.returncode != 0
+    assert "--pipeline-stages under a FSDP launch: sharding inside a stage is not built" in result.stderr

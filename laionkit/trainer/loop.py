@@ -257,7 +257,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
-    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
+    # (a pipeline's ranks build on the host: each moves only its stages onto its GPU)
+    with torch.device(home) if config.unet is None and home.type == "cuda" and config.pipeline_stages == 1 \
+            else nullcontext():
         unet = build_unet(config, data, home)  # --base-dtype: quantized as it loads, there
     trainchecks.check_guidance(config, data.family, unet)
     pipeline = None

@@ -305,11 +305,14 @@ def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     rank's stages onto its device; the process groups of the pipelines and their replicas. One line for what
     cannot be cut: another objective than flow matching, several buckets (the stages' shapes are fixed at the
     first step), fewer blocks than stages, ranks not a multiple of the stages."""
-    from accelerate.utils import broadcast_object_list
+    from accelerate.utils import DistributedType, broadcast_object_list
 
     stages, world, rank = config.pipeline_stages, accelerator.num_processes, accelerator.process_index
     family = data.family
     cut = family.cut()
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise LaionkitError(f"--pipeline-stages under a {accelerator.distributed_type.value} launch: sharding inside "
+                            "a stage is not built; launch with train/pipeline.yaml or torchrun")
     if world % stages:
         raise LaionkitError(f"--pipeline-stages {stages}: the launch started {world} ranks, not a multiple of "
                             f"{stages} (each pipeline replica takes {stages})")
