@@ -130,11 +130,11 @@ def test_two_stages_killed_and_resumed_and_four_stages_train_as_one_process(deep
 
 
 def test_lora_interleaved_stages_train_as_one_process(deep_flux, single, tmp_path):
-    """LoRA on 2 ranks with two stages each (interleaved 1F1B, 4 stages): the losses and the exported adapters
-    are the single process's."""
+    """LoRA on 2 ranks with two stages each (interleaved 1F1B, 4 stages), activation checkpointing inside the
+    stages: the losses and the exported adapters are the single process's."""
     run = tmp_path / "lora"
     launched(torchrun(2, train_args(deep_flux, run, *LORA, "--pipeline-stages", "2",
-                                    "--pipeline-schedule", "interleaved-1f1b")))
+                                    "--pipeline-schedule", "interleaved-1f1b", "--checkpointing", "blocks")))
     assert_trained_alike(single["lora"], run, "lora", "pytorch_lora_weights.safetensors")
 
 
