@@ -1,5 +1,6 @@
 """Pipeline parallelism (laionkit/trainer/pipeline_parallel.py) for real: torchrun's CPU ranks (gloo) train a tiny
-Flux of 2 double- and 4 single-stream blocks cut into 2 and 4 stages, full and LoRA, under each schedule, and
+Flux of 2 double- and 4 single-stream blocks cut into 2 and 4 stages, full and LoRA, under each schedule, a tiny
+SD3 cut in two, and
 pipelines replicated 2 x 2; the losses and the exported weights are the single-process (or DDP) run's. A run
 killed with -9 resumes exactly; the export loads in FluxPipeline in a fresh interpreter; what does not compose
 is refused in one line."""
@@ -177,3 +178,14 @@ def test_sharding_inside_a_stage_is_refused_in_one_line(deep_flux, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert result.returncode != 0
     assert "--pipeline-stages under a FSDP launch: sharding inside a stage is not built" in result.stderr
+
+
+def test_sd3_two_stages_train_as_one_process(flow_latents, tmp_path):
+    """SD3 (from scratch, its joint blocks cut in two; the last stage's patch tokens against the target laid out
+    alike): the losses and the exported transformer are the single process's."""
+    sd3 = flow_latents("sd3").latents
+    args = ["train", str(sd3), "--transformer-config", "tiny", *FLAGS]
+    reference, run = tmp_path / "single", tmp_path / "two"
+    run_cli(*args, "--output", reference)
+    launched(torchrun(2, [*args, "--output", str(run), "--pipeline-stages", "2"]))
+    assert_trained_alike(reference, run)
