@@ -1,9 +1,8 @@
 """Pipeline parallelism (laionkit/trainer/pipeline_parallel.py) for real: torchrun's CPU ranks (gloo) train a tiny
 Flux of 2 double- and 4 single-stream blocks cut into 2 and 4 stages, full and LoRA, under each schedule, a tiny
-SD3 cut in two, and
-pipelines replicated 2 x 2; the losses and the exported weights are the single-process (or DDP) run's. A run
-killed with -9 resumes exactly; the export loads in FluxPipeline in a fresh interpreter; what does not compose
-is refused in one line."""
+SD3 cut in two, and pipelines replicated 2 x 2; the losses and the exported weights are the single-process (or
+DDP) run's. A run killed with -9 resumes exactly; the export loads in FluxPipeline in a fresh interpreter; what
+does not compose is refused in one line."""
 
 from __future__ import annotations
 
