@@ -151,6 +151,7 @@ def test_pipelines_replicated_train_as_data_parallel_ranks(deep_flux, tmp_path):
     (("--ema",), "--pipeline-stages 2 with --ema: not built"),
     (("--lora-rank", "4", "--lora-dropout", "0.1"), "with --lora-dropout: not built"),
     (("--pipeline-stages", "0"), "--pipeline-stages 0: must be >= 1"),
+    (("--grad-accum", "1"), "--pipeline-schedule 1f1b with --pipeline-stages 2 takes --grad-accum micro-batches >= "),
 ])
 def test_what_does_not_compose_is_refused_in_one_line(deep_flux, tmp_path, more, says):
     result = run_cli(*train_args(deep_flux, tmp_path / "run", "--pipeline-stages", "2", *more), check=False)
@@ -173,7 +174,7 @@ def test_sharding_inside_a_stage_is_refused_in_one_line(deep_flux, tmp_path):
     pipeline without the sharding it was launched for."""
     latents, model = deep_flux
     command = accelerate_launch("fsdp.yaml", "no", latents, tmp_path / "run", "--transformer", model,
-                                "--max-steps", "1", "--pipeline-stages", "2")
+                                "--max-steps", "1", "--grad-accum", "2", "--pipeline-stages", "2")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV, cwd=REPO)
     assert result.returncode != 0
     assert "--pipeline-stages under a FSDP launch: sharding inside a stage is not built" in result.stderr

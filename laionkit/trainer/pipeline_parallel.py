@@ -193,10 +193,14 @@ class Pipeline:
                 dist.all_reduce(param.grad, group=self.replicas)
                 param.grad.div_(size)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.stages.parameters()).device
+
     def _clip(self, max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over the whole model: the stages' squared norms summed over the pipeline."""
         grads = [p.grad for p in self._trained if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros(())
+        squared = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=self.device)
         dist.all_reduce(squared, group=self.group)
         total = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self._trained, max_norm or math.inf, total)
@@ -300,6 +304,19 @@ def _loss(output, target, weighting: str):
     return flow.loss(output, latents, noise, target[:, -1], weighting)
 
 
+def _run_costs(config, measure) -> list[float]:
+    """The block costs of this run: measured once and kept in RUN/pipeline.json, which a resume reads back (a
+    second measurement would differ a little, and so might the stages its checkpoint holds)."""
+    import json
+
+    path = config.output / "pipeline.json"
+    if config.resume is not None and path.is_file():
+        return json.loads(path.read_text())["block_seconds"]
+    costs = measure()
+    path.write_text(json.dumps({"block_seconds": costs}))
+    return costs
+
+
 def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     """Cut ``denoiser`` into stages, balanced by block_costs (measured on rank 0, shared), and move this
     rank's stages onto its device; the process groups of the pipelines and their replicas. One line for what
@@ -329,8 +346,8 @@ def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
                             f"{total} stages, but the denoiser has {len(blocks)} blocks")
     costs = [None]
     if accelerator.is_main_process:
-        costs = [block_costs(denoiser, data, next(denoiser.parameters()).device,
-                             schedule.shapes()[schedule.buckets[0]], objective)]
+        costs = [_run_costs(config, lambda: block_costs(denoiser, data, next(denoiser.parameters()).device,
+                                                        schedule.shapes()[schedule.buckets[0]], objective))]
     costs = broadcast_object_list(costs)[0] if world > 1 else costs[0]
     bounds = balance(costs, total)
     replica, position = divmod(rank, stages)

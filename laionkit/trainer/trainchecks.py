@@ -249,3 +249,10 @@ def check_pipeline(config) -> None:
     if refused:
         raise LaionkitError(f"--pipeline-stages {config.pipeline_stages} with {refused[0]}: not built for a "
                             "pipeline-parallel run (each rank holds only its stages' blocks); drop one of them")
+    stages, micro = config.pipeline_stages, config.grad_accum  # torch's schedules' conditions, said in one line
+    rounds = max(1, micro // stages)
+    if (config.pipeline_schedule == "1f1b" and micro < stages) or \
+            (config.pipeline_schedule == "interleaved-1f1b" and micro % rounds):
+        raise LaionkitError(f"--pipeline-schedule {config.pipeline_schedule} with --pipeline-stages {stages} takes "
+                            f"--grad-accum micro-batches {'>= the stages' if micro < stages else 'a multiple of '}"
+                            f"{'' if micro < stages else rounds} (got {micro}); raise --grad-accum or use gpipe")
