@@ -192,6 +192,7 @@ SPEC = register_family(FamilySpec(
     # RoPE'd q/k) in bare diffusers as in train, with or without checkpointing; flash, memory-efficient
     # and math attention ran (in the git history of docs/BENCHMARKS.md, its fifth session).
     cudnn_attention=False,
+    pipeline_cut="laionkit.families.flux_stages",
     # T5-XXL's 512 states per sample are 4x the 1024 px latent; run online, they cost the 12B step a few
     # percent (docs/BENCHMARKS.md, "Flux stored vs online text"): online by default.
     default_text="online",

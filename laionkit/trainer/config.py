@@ -307,6 +307,16 @@ class TrainConfig:
         "state in host memory, the optimizer step on the CPU; for full fine-tunes larger than the GPUs (Flux-12B "
         "on one 80 GB GPU). Under an FSDP launch only, one GPU included: accelerate launch --config_file "
         "train/fsdp.yaml --num_processes 1 -m laionkit.cli train ... --cpu-offload. Not with --ema.", group="Precision and memory")
+    # --- pipeline parallelism (laionkit/trainer/pipeline_parallel.py) ---
+    pipeline_stages: int = option(
+        1, "Pipeline parallelism: the denoiser's blocks cut into N stages, one per rank (torchrun / accelerate "
+        "--num_processes a multiple of N: the ranks past N run replicas of the pipeline, gradients averaged "
+        "among them), balanced by each block's measured forward + backward time; --grad-accum micro-batches of "
+        "--batch-size samples flow through them. For cards joined by a slow link (docs/CLUSTER.md). 1: off.",
+        group="Distribution")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = option(
+        "1f1b", "--pipeline-stages: torch.distributed.pipelining's schedule: gpipe, 1f1b or interleaved-1f1b "
+        "(two stages per rank).", group="Distribution")
     quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"), group="Logging")
 
     def __post_init__(self) -> None:
@@ -365,6 +375,7 @@ class TrainConfig:
         trainchecks.check_block_swap(self)
         trainchecks.check_offload(self)
         trainchecks.check_validation_prompts(self)
+        trainchecks.check_pipeline(self)
 
     def checkpoint_interval(self) -> int:
         """--checkpointing as a block interval: 0 none, 1 every block (``blocks``), N every N-th block
