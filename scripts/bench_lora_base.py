@@ -16,7 +16,10 @@ same latents with the same seed (so the same noise and timesteps step by step):
 (bare-flux2) its ceiling: the bare diffusers step, PEFT rank 64, the block linears as torchao's NF4Tensor (as
             torchtune's QLoRA and diffusers' QLoRA example keep them), diffusers' gradient checkpointing, eager.
 (qwen, qwen-nf4)  Qwen-Image (20B) LoRA-64 at 1024 px, batch 1, ``--checkpointing blocks``, eager, on a bf16 / nf4
-            base; (bare-qwen, bare-qwen-nf4) their bare ceilings as bare-flux2's (bf16: no quantization).
+            base; (bare-qwen, bare-qwen-nf4) their bare ceilings as bare-flux2's (bf16: no quantization);
+            (bare-qwen-bnb, bare-flux2-bnb) the same on bitsandbytes' Linear4bit nf4 base, as diffusers' QLoRA
+            example loads it; (qwen-nf4-torch, flux2-torch) laionkit's nf4 rows with bitsandbytes hidden, so the
+            base dequantizes by torch ops instead of bitsandbytes' kernel.
 
 Each row reports samples/s (median of the steps after the first ``--warmup``), peak GPU memory, and its loss per
 step; the summary gives each row's rate against bf16 and against the bare ceiling, and its mean |loss - bf16's
@@ -52,8 +55,14 @@ ORDER = "bare,bf16,fp8-tw,fp8-rw,flux2,nf4,fp8-base,int8"
 # rows of the 20-32B families, eager at batch 1 with checkpointed blocks: row -> (family, base dtype, bare or not)
 LARGE = {"flux2": ("flux2-dev", None, False), "bare-flux2": ("flux2-dev", "nf4", True),
          "qwen": ("qwen-image", "bf16", False), "qwen-nf4": ("qwen-image", "nf4", False),
-         "bare-qwen": ("qwen-image", "bf16", True), "bare-qwen-nf4": ("qwen-image", "nf4", True)}
-PAIRS = (("flux2", "bare-flux2"), ("qwen", "bare-qwen"), ("qwen-nf4", "bare-qwen-nf4"))
+         "bare-qwen": ("qwen-image", "bf16", True), "bare-qwen-nf4": ("qwen-image", "nf4", True),
+         "bare-qwen-bnb": ("qwen-image", "bnb-nf4", True), "bare-flux2-bnb": ("flux2-dev", "bnb-nf4", True),
+         "qwen-nf4-torch": ("qwen-image", "nf4", False), "flux2-torch": ("flux2-dev", "nf4", False)}
+PAIRS = (("flux2", "bare-flux2"), ("flux2", "bare-flux2-bnb"), ("flux2-torch", "bare-flux2"), ("qwen", "bare-qwen"),
+         ("qwen-nf4", "bare-qwen-nf4"), ("qwen-nf4", "bare-qwen-bnb"), ("qwen-nf4-torch", "bare-qwen-nf4"))
+# a `laionkit train` that cannot import bitsandbytes (the *-torch rows)
+WITHOUT_BNB = [sys.executable, "-c", "import runpy, sys; sys.modules['bitsandbytes'] = None; "
+               "runpy.run_module('laionkit.cli', run_name='__main__')"]
 
 
 def main() -> None:
@@ -84,7 +93,8 @@ def main() -> None:
 
     def train(name: str, family: str, batch: int, *flags: str) -> None:
         run = args.out / f"run-{name}"
-        measure(name, [sys.executable, "-m", "laionkit.cli", "train", str(latents[family]), "--output", str(run),
+        python = WITHOUT_BNB if name.endswith("-torch") else [sys.executable, "-m", "laionkit.cli"]
+        measure(name, [*python, "train", str(latents[family]), "--output", str(run),
                        "--transformer-config", "tiny" if args.smoke else bench_train_flow.CONFIG[family],
                        "--batch-size", str(batch), "--max-steps", str(args.steps), "--log-every", "1", "--seed", "0",
                        "--checkpoint-every", str(10**9), "--no-checkpoint-at-end", "--export", "none",

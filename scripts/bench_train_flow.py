@@ -520,8 +520,10 @@ def child_bare(args) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     model.train()
-    if args.base_quant:
+    if args.base_quant == "nf4":
         quantize_blocks_nf4(model, spec)
+    elif args.base_quant == "bnb-nf4":
+        quantize_blocks_bnb_nf4(model, spec)
     if args.lora:
         from peft import LoraConfig
 
@@ -572,6 +574,27 @@ def quantize_blocks_nf4(model: torch.nn.Module, spec) -> None:
                 layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), 64, scaler_block), requires_grad=False)
 
 
+def quantize_blocks_bnb_nf4(model: torch.nn.Module, spec) -> None:
+    """The frozen base of a bare QLoRA step as diffusers' QLoRA example loads it (BitsAndBytesConfig nf4, bf16
+    compute, no double quantization): each ``nn.Linear`` inside the family's blocks as bitsandbytes' Linear4bit,
+    which PEFT wraps with its own bnb LoRA layer; layer by layer, so the bf16 weights are freed as they go."""
+    import bitsandbytes as bnb
+
+    for block in spec.blocks(model):
+        for name, layer in list(block.named_modules()):
+            if type(layer) is not torch.nn.Linear or layer.weight.numel() % 64:
+                continue
+            quantized = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                          compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                                          device="meta")
+            quantized.weight = bnb.nn.Params4bit(layer.weight.detach(), requires_grad=False, compress_statistics=False,
+                                                 quant_type="nf4", blocksize=64).to(layer.weight.device)
+            if layer.bias is not None:
+                quantized.bias = torch.nn.Parameter(layer.bias.detach(), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, child, quantized)
+
+
 def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
@@ -608,8 +631,8 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, help="child: a masked family's text length")
     parser.add_argument("--lora", type=int, help="child: LoRA adapters of this rank on the frozen model")
     parser.add_argument("--checkpointing", action="store_true", help="child: gradient checkpointing per block")
-    parser.add_argument("--base-quant", choices=["nf4"], help="child: the frozen base's block linears as torchao "
-                        "NF4 (with --lora), no FLOP count")
+    parser.add_argument("--base-quant", choices=["nf4", "bnb-nf4"], help="child: the frozen base's block linears "
+                        "as torchao NF4 or bitsandbytes' Linear4bit nf4 (with --lora), no FLOP count")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:

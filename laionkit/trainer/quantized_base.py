@@ -21,7 +21,8 @@ float8 compute, casts the input to float8 and runs ``torch._scaled_mm`` against 
 the input's gradient alone (a frozen weight needs none), from the stored weight again and by other ops than the
 forward's (so torch.compile's CSE cannot merge the two and save the dequantized weight), so no dequantized weight is
 kept between forward and backward; the gradient goes to float8 as torchao's recipes cast it (e5m2 tensorwise, e4m3
-rowwise). Float8 needs both sides of the layer and the token count to be multiples of 16
+rowwise). NF4 dequantizes in bitsandbytes' kernel where bitsandbytes is installed and the codes are on a CUDA
+device (the same values, one kernel), else by torch ops. Float8 needs both sides of the layer and the token count to be multiples of 16
 (as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in bf16.
 
 A pretrained base loads block by block (``load``): the model is built on the meta device, the safetensors shards
@@ -83,10 +84,33 @@ def dequantize(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype:
     if fmt in ("fp8", "int8"):
         values = codes.view(E4M3) if fmt == "fp8" else codes
         return (values.float() * scale.view(torch.float32)[:, None]).to(dtype)
-    levels = torch.tensor(NF4, device=codes.device)
-    unpacked = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(codes.shape[0], -1)
-    blocks = levels[unpacked.long()].reshape(-1, NF4_BLOCK) * scale.view(torch.bfloat16).float()[:, None]
-    return blocks.reshape(unpacked.shape).to(dtype)
+    kernel = _nf4_kernel(codes)
+    if kernel is not None:
+        return kernel.default(codes, scale.view(torch.bfloat16).float(), NF4_BLOCK, "nf4",
+                              (codes.shape[0], codes.shape[1] * 2), dtype)
+    pairs = torch.nn.functional.embedding(codes.int(), _nf4_pairs(codes.device))  # (out, in / 2, 2): a byte's two
+    blocks = pairs.view(-1, NF4_BLOCK).mul_(scale.view(torch.bfloat16).float()[:, None])
+    return blocks.view(codes.shape[0], -1).to(dtype)
+
+
+def _nf4_pairs(device: torch.device) -> torch.Tensor:
+    """The two NF4 levels of each of the 256 packed bytes (high nibble first), fp32: one gather a byte, where one a
+    nibble through an int64 index reads and writes 8 bytes a weight more."""
+    levels = torch.tensor(NF4, device=device)
+    return torch.stack(torch.meshgrid(levels, levels, indexing="ij"), dim=-1).reshape(256, 2)
+
+
+def _nf4_kernel(codes: torch.Tensor):
+    """bitsandbytes' NF4 dequantize kernel, where installed, for codes on a CUDA device (else None): one kernel
+    reading the packed bytes and writing the weight, the same values as the torch ops' (fp32 level x absmax, then
+    cast); QLoRA's format is laionkit's (NF4 table, high nibble first, blocks of 64)."""
+    if codes.device.type != "cuda":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+    except ImportError:
+        return None
+    return torch.ops.bitsandbytes.dequantize_4bit
 
 
 def _dequantize_apart(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -98,6 +122,11 @@ def _dequantize_apart(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None,
     if fmt in ("fp8", "int8"):  # both codes are exact in bf16
         values = codes.view(E4M3) if fmt == "fp8" else codes
         return (values.to(torch.bfloat16).float() * scale.view(torch.float32)[:, None]).to(dtype)
+    kernel = _nf4_kernel(codes)
+    if kernel is not None:  # the out= overload: another op than the forward's
+        out = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=dtype, device=codes.device)
+        kernel.out(codes, scale.view(torch.bfloat16).float(), NF4_BLOCK, "nf4", tuple(out.shape), dtype, out=out)
+        return out
     table = torch.tensor(NF4, device=codes.device) * scale.view(torch.bfloat16).float()[:, None]  # a row a block
     shifts = torch.tensor((4, 0), dtype=torch.uint8, device=codes.device).repeat(codes.shape[1])
     unpacked = codes.repeat_interleave(2, dim=1) >> shifts & 15
