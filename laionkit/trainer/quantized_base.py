@@ -175,27 +175,29 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class FrozenMatmul(torch.autograd.Function):
-    """``x @ W^T`` for a frozen stored weight: the backward returns the input's gradient only and keeps no
+    """``x @ W^T + b`` for a frozen stored weight and bias: the backward returns the input's gradient only and keeps no
     dequantized weight from the forward (the stored tensors are saved: they are the layer's own)."""
 
     @staticmethod
-    def forward(ctx, x, fmt: str, compute: str, codes, scale):
+    def forward(ctx, x, fmt: str, compute: str, codes, scale, bias):
         ctx.fmt, ctx.compute, ctx.dtype = fmt, compute, _compute_dtype(x)
         ctx.save_for_backward(codes, scale)
         rows = x.reshape(-1, x.shape[-1]).to(ctx.dtype)
-        if compute == "bf16" or rows.shape[0] % 16:
-            out = rows @ dequantize(fmt, codes, scale, ctx.dtype).t()
-        else:
-            rowwise = compute == "rowwise"
-            x8, x_scale = _float8(rows, rowwise, E4M3)
-            w8, w_scale = _float8_weight(fmt, codes, scale, rowwise)
-            if rowwise:
-                out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale.reshape(1, -1), out_dtype=ctx.dtype)
-            elif w_scale.numel() == 1:
-                out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=ctx.dtype)
-            else:  # tensorwise GEMM on a per-channel float8 weight: its scales multiply the output's columns
-                out = torch._scaled_mm(x8, w8.t(), x_scale, torch.ones((), device=x.device), out_dtype=torch.float32)
-                out = (out * w_scale.reshape(1, -1)).to(ctx.dtype)
+        bias = None if bias is None else bias.to(ctx.dtype)
+        if compute == "bf16" or rows.shape[0] % 16:  # the bias in the GEMM's epilogue, as nn.Linear's addmm
+            out = torch.nn.functional.linear(rows, dequantize(fmt, codes, scale, ctx.dtype), bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        rowwise = compute == "rowwise"
+        x8, x_scale = _float8(rows, rowwise, E4M3)
+        w8, w_scale = _float8_weight(fmt, codes, scale, rowwise)
+        if rowwise:
+            out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale.reshape(1, -1), out_dtype=ctx.dtype)
+        elif w_scale.numel() == 1:
+            out = torch._scaled_mm(x8, w8.t(), x_scale, w_scale, out_dtype=ctx.dtype)
+        else:  # tensorwise GEMM on a per-channel float8 weight: its scales multiply the output's columns
+            out = torch._scaled_mm(x8, w8.t(), x_scale, torch.ones((), device=x.device), out_dtype=torch.float32)
+            out = (out * w_scale.reshape(1, -1)).to(ctx.dtype)
+        out = out if bias is None else out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -214,7 +216,7 @@ class FrozenMatmul(torch.autograd.Function):
             if rowwise:
                 b_scale = b_scale.reshape(1, 1).expand(1, w8.shape[1]).contiguous()
             grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), g_scale, b_scale, out_dtype=ctx.dtype)
-        return grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), None, None, None, None
+        return grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), None, None, None, None, None
 
 
 class FrozenLinear(torch.nn.Linear):
@@ -235,8 +237,7 @@ class FrozenLinear(torch.nn.Linear):
         return cls(*quantize(layer.weight, fmt), layer.bias, layer.in_features, fmt, compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = FrozenMatmul.apply(x, self.fmt, self.compute, self.weight, self.scale)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return FrozenMatmul.apply(x, self.fmt, self.compute, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, stored={self.fmt}, compute={self.compute}"
