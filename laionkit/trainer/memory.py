@@ -182,7 +182,9 @@ def cap_gpu_memory(config, accelerator) -> None:
     if gib * 2**30 > total:
         raise LaionkitError(f"--gpu-memory-gib {gib:g}: this GPU has {total / 2**30:.1f} GiB; give less, or leave "
                             "the flag out to use all of it")
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, accelerator.device)
+    index = accelerator.device.index  # one process on one GPU: Accelerate's device is "cuda", without one
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total,
+                                               torch.cuda.current_device() if index is None else index)
     accelerator.print(f"--gpu-memory-gib {gib:g}: {gib * 2**30 / total:.3f} of this GPU's {total / 2**30:.1f} GiB")
 
 
