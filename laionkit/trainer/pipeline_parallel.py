@@ -28,7 +28,7 @@ from torch import nn
 from laionkit.common import LaionkitError
 from laionkit.families import flow
 from laionkit.trainer.model import count_flops
-from laionkit.trainer.objective import flow_batch
+from laionkit.trainer.objective import ddpm_batch, ddpm_loss, flow_batch
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
@@ -68,8 +68,11 @@ def _keep(captured: dict, index: int, _module, args, kwargs) -> None:
 
 
 def _detached(value):
+    """A captured input cut from the graph it was made in (a UNet's up block takes a tuple of residuals)."""
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, tuple | list):
+        return type(value)(_detached(item) for item in value)
     return value
 
 
@@ -81,11 +84,18 @@ def _forward_backward(block, args, kwargs) -> None:
     sum(o.float().sum() for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
 
 
+def units(family, denoiser) -> list:
+    """What the family's cut splits into stages: its cut's own units where it names them (a UNet's down, mid
+    and up blocks, whose skip connections a cut inside a block would have to rebuild), else FamilySpec.blocks."""
+    cut = family.cut()
+    return cut.blocks(denoiser) if hasattr(cut, "blocks") else family.blocks(denoiser)
+
+
 def block_costs(denoiser, data, device, shape, objective) -> list[float]:
-    """Seconds of one forward + backward of each block (FamilySpec.blocks) on the inputs it takes in a
-    one-sample step of the denoiser (count_flops's, at the first bucket's shape), each timed after a warm-up:
-    measured, because blocks of one model differ (Flux's double- and single-stream blocks)."""
-    blocks = data.family.blocks(denoiser)
+    """Seconds of one forward + backward of each block (``units``) on the inputs it takes in a one-sample
+    step of the denoiser (count_flops's, at the first bucket's shape), each timed after a warm-up: measured,
+    because blocks of one model differ (Flux's double- and single-stream blocks, a UNet's levels)."""
+    blocks = units(data.family, denoiser)
     captured: dict = {}
     hooks = [block.register_forward_pre_hook(partial(_keep, captured, index), with_kwargs=True)
              for index, block in enumerate(blocks)]
@@ -136,14 +146,20 @@ class Pipeline:
         t, cut = trainer, trainer.data.family.cut()
         args, kwargs, targets = [], [], []
         for moments, cond in micro:
-            noisy, timestep, cond, latents, noise, sigmas = flow_batch(
-                moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
+            if t.objective.kind == "flow":
+                noisy, timestep, cond, latents, noise, sigmas = flow_batch(
+                    moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
+                target = _target(cut.layout(latents), cut.layout(noise), sigmas)
+            else:
+                noisy, timestep, cond, target, weights = ddpm_batch(
+                    moments, cond, t.empty, t.noise_scheduler, t.config, t.data, t.generator)
+                target = torch.cat([cut.layout(target).flatten(1), weights[:, None].to(target.dtype)], dim=1)
             first, every = cut.inputs(noisy, timestep, t.data.family.conditioning(cond))
             args.append(first)
             kwargs.append(every)
-            targets.append(_target(cut.layout(latents), cut.layout(noise), sigmas))
+            targets.append(target)
         if self.schedule is None:
-            self.schedule = self._schedule(t.device, len(micro), t.objective.weighting)
+            self.schedule = self._schedule(t.device, len(micro), t.objective)
             self._trained = [p for p in self.stages.parameters() if p.requires_grad]
         losses: list = []
         began = time.perf_counter()
@@ -160,7 +176,7 @@ class Pipeline:
         dist.broadcast(loss, self.last_rank, group=self.group)
         return loss
 
-    def _schedule(self, device, microbatches: int, weighting: str):
+    def _schedule(self, device, microbatches: int, objective):
         from torch.distributed import pipelining
 
         stages = [pipelining.PipelineStage(module, number, len(self.bounds), device, group=self.group)
@@ -169,7 +185,7 @@ class Pipeline:
             for name in ("forward_one_chunk", "backward_one_chunk"):
                 setattr(stage, name, self._timed(getattr(stage, name), device))
         kind = getattr(pipelining, SCHEDULES[self.config.pipeline_schedule])
-        loss = partial(_loss, weighting=weighting)
+        loss = partial(_loss, weighting=objective.weighting) if objective.kind == "flow" else _ddpm_loss
         if self.config.pipeline_schedule == "interleaved-1f1b":
             return kind(stages, n_microbatches=microbatches, loss_fn=loss)
         return kind(stages[0], n_microbatches=microbatches, loss_fn=loss)
@@ -304,6 +320,12 @@ def _loss(output, target, weighting: str):
     return flow.loss(output, latents, noise, target[:, -1], weighting)
 
 
+def _ddpm_loss(output, target):
+    """objective.ddpm_loss of the last stage's output, from a tensor [B, K + 1]: the target flattened, each
+    sample's weight."""
+    return ddpm_loss(output, target[:, :-1].view_as(output), target[:, -1])
+
+
 def _run_costs(config, measure) -> list[float]:
     """The block costs of this run: measured once and kept in RUN/pipeline.json, which a resume reads back (a
     second measurement would differ a little, and so might the stages its checkpoint holds)."""
@@ -320,7 +342,7 @@ def _run_costs(config, measure) -> list[float]:
 def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     """Cut ``denoiser`` into stages, balanced by block_costs (measured on rank 0, shared), and move this
     rank's stages onto its device; the process groups of the pipelines and their replicas. One line for what
-    cannot be cut: another objective than flow matching, several buckets (the stages' shapes are fixed at the
+    cannot be cut: several buckets (the stages' shapes are fixed at the
     first step), fewer blocks than stages, ranks not a multiple of the stages."""
     from accelerate.utils import DistributedType, broadcast_object_list
 
@@ -333,13 +355,10 @@ def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     if world % stages:
         raise LaionkitError(f"--pipeline-stages {stages}: the launch started {world} ranks, not a multiple of "
                             f"{stages} (each pipeline replica takes {stages})")
-    if objective.kind != "flow":
-        raise LaionkitError(f"--pipeline-stages: {family.name} trains with the {objective.kind} objective; "
-                            "pipeline parallelism is built for flow matching")
     if len(schedule.buckets) > 1:
         raise LaionkitError(f"--pipeline-stages: the latents have {len(schedule.buckets)} buckets; a pipeline's "
                             "stages take one latent shape (encode one resolution)")
-    blocks = family.blocks(denoiser)
+    blocks = units(family, denoiser)
     total = stages * (2 if config.pipeline_schedule == "interleaved-1f1b" else 1)
     if len(blocks) < total:
         raise LaionkitError(f"--pipeline-stages {stages} --pipeline-schedule {config.pipeline_schedule}: "
