@@ -230,3 +230,33 @@ def test_sdxl_unet_cut_in_two_and_four_stages_trains_as_one_process(sdxl, tmp_pa
     result = subprocess.run([sys.executable, "-c", loads, str(four / "pipeline")], capture_output=True, text=True,
                             env=ENV, timeout=120)
     assert result.returncode == 0 and result.stdout.split()[-1] == "text_time", result.stderr[-2000:]
+
+
+def test_resumed_onto_more_replicas_trains_as_data_parallel_ranks_resumed_alike(deep_flux, tmp_path):
+    """2 stages x 1 replica stopped after step 1, resumed as 2 stages x 2 replicas: each replica's stages load
+    the first replica's parts, and the step after is an elastic resume's, as 1 process resumed on 2 DDP ranks
+    trains it (same loss, same weights); every sample of the interrupted epoch is trained once."""
+    flags = [*FLAGS[:FLAGS.index("--max-steps")], "--record-keys"]
+    latents, model = deep_flux
+    args = ["train", str(latents), "--transformer", str(model), *flags]
+    ddp, pipelined = tmp_path / "ddp", tmp_path / "pipelined"
+    run_cli(*args, "--output", ddp, "--max-steps", "1")
+    launched(torchrun(2, [*args, "--output", str(ddp), "--max-steps", "2", "--resume", "latest"]))
+    launched(torchrun(2, [*args, "--output", str(pipelined), "--max-steps", "1", "--pipeline-stages", "2"]))
+    launched(torchrun(4, [*args, "--output", str(pipelined), "--max-steps", "2", "--pipeline-stages", "2",
+                          "--resume", "latest"]))
+    want, got = metrics(ddp), metrics(pipelined)
+    assert sorted(got) == [1, 2]
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+    from safetensors.torch import load_file
+
+    before, after = (load_file(run / "transformer" / "diffusion_pytorch_model.safetensors") for run in (ddp, pipelined))
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=1e-5, atol=1e-6, msg=key)
+    seen = []  # the first stage's ranks (0, and 2 once resumed): a replica's ranks read the same batches
+    for path in sorted((pipelined / "seen").glob("rank-*.jsonl")):
+        if int(path.stem.split("-")[1]) % 2 == 0:
+            for record in map(json.loads, filter(None, path.read_text().splitlines())):
+                seen += [key for key, epoch in zip(record["keys"], record["epochs"]) if epoch == 0]
+    assert len(seen) == len(set(seen)) == 8

@@ -243,23 +243,25 @@ class Pipeline:
         return {"weights": weights, "optimizer": trainer.optimizer.state_dict(), "stages": self.bounds}
 
     def load(self, trainer, folder, ranks: int) -> None:
-        """A pipeline checkpoint's part of this rank (``state``), and accelerate's LR schedule and RNG states;
-        one line where it was written by another layout of ranks or stages, or for other weights."""
+        """A pipeline checkpoint's part of this rank's stages (``state``, as the first replica wrote it: the
+        replicas' stages are equal, so any number of replicas resumes from it), and accelerate's LR schedule
+        and RNG states; one line where it was written without pipeline stages, by other stages, or for
+        other weights."""
         from laionkit.trainer.checkpoint import load_checkpoint_state, load_tensors
 
-        accelerator = trainer.accelerator
-        path = folder / f"pipeline-rank-{accelerator.process_index:05d}.pt"
-        if ranks != accelerator.num_processes or not path.is_file():
+        accelerator, stages = trainer.accelerator, self.config.pipeline_stages
+        path = folder / f"pipeline-rank-{accelerator.process_index % stages:05d}.pt"
+        if ranks % stages or not path.is_file():
             raise LaionkitError(f"--resume {folder}: written by {ranks} ranks"
                                 f"{'' if path.is_file() else ' without pipeline stages'}; a pipeline run resumes "
-                                f"on the same ranks and --pipeline-stages ({accelerator.num_processes} ranks now)")
+                                f"with the --pipeline-stages {stages} it was written with (any number of replicas)")
         load_checkpoint_state(accelerator, folder, {})
         saved = load_tensors(path)
         trained = {id(p) for p in self.stages.parameters() if p.requires_grad}
         named = {name: p for name, p in trainer.unet.named_parameters() if id(p) in trained}
         if [tuple(b) for b in saved["stages"]] != self.bounds or saved["weights"].keys() != named.keys():
             raise LaionkitError(f"--resume {folder}: its stages hold other blocks or weights than this run's "
-                                "(another model, --lora-rank or --pipeline-schedule?)")
+                                "(another model, --lora-rank, --pipeline-stages or --pipeline-schedule?)")
         with torch.no_grad():
             for name, param in named.items():
                 param.copy_(saved["weights"][name])
