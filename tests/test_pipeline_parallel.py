@@ -260,3 +260,12 @@ def test_resumed_onto_more_replicas_trains_as_data_parallel_ranks_resumed_alike(
             for record in map(json.loads, filter(None, path.read_text().splitlines())):
                 seen += [key for key, epoch in zip(record["keys"], record["epochs"]) if epoch == 0]
     assert len(seen) == len(set(seen)) == 8
+
+
+def test_lora_on_a_quantized_base_in_two_stages_trains_as_one_process(deep_flux, tmp_path):
+    """LoRA on an nf4 base (--base-dtype, laionkit/trainer/quantized_base.py): each stage holds its blocks'
+    linears quantized; the losses and the exported adapters are the single nf4 process's."""
+    reference, run = tmp_path / "single", tmp_path / "two"
+    run_cli(*train_args(deep_flux, reference, *LORA, "--base-dtype", "nf4"))
+    launched(torchrun(2, train_args(deep_flux, run, *LORA, "--base-dtype", "nf4", "--pipeline-stages", "2")))
+    assert_trained_alike(reference, run, "lora", "pytorch_lora_weights.safetensors")

@@ -94,12 +94,17 @@ def units(family, denoiser) -> list:
 def block_costs(denoiser, data, device, shape, objective) -> list[float]:
     """Seconds of one forward + backward of each block (``units``) on the inputs it takes in a one-sample
     step of the denoiser (count_flops's, at the first bucket's shape), each timed after a warm-up: measured,
-    because blocks of one model differ (Flux's double- and single-stream blocks, a UNet's levels)."""
+    because blocks of one model differ (Flux's double- and single-stream blocks, a UNet's levels). Every float
+    weight takes its gradient, as before lora.attach (which comes after the cut); a base quantized as it loaded
+    (--base-dtype) has only frozen ones, which take it for the measurement."""
     blocks = units(data.family, denoiser)
     captured: dict = {}
     hooks = [block.register_forward_pre_hook(partial(_keep, captured, index), with_kwargs=True)
              for index, block in enumerate(blocks)]
+    frozen = [p for p in denoiser.parameters() if p.is_floating_point() and not p.requires_grad]
     try:
+        for param in frozen:
+            param.requires_grad_(True)
         count_flops(denoiser, data, device, shape, objective)
     finally:
         for hook in hooks:
@@ -116,6 +121,8 @@ def block_costs(denoiser, data, device, shape, objective) -> list[float]:
             torch.cuda.synchronize(device)
         costs.append(time.perf_counter() - began)
     denoiser.zero_grad(set_to_none=True)
+    for param in frozen:
+        param.requires_grad_(False)
     return costs
 
 
