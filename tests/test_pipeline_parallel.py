@@ -98,6 +98,34 @@ def test_stages_balance_measured_costs(costs, parts, bounds):
     assert all(a < b for a, b in found) and all(b == c for (_, b), (c, _) in zip(found, found[1:]))
 
 
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("size", [8, 7])  # 7: the up blocks take the skip residuals' size (upsample_size)
+def test_unet_stages_chained_are_the_unet(family, size):
+    """SD's and SDXL's tiny UNets cut into 1 to 5 stages (laionkit/families/unet_stages.py), each stage's output
+    tuple fed to the next: the last stage's output is UNet2DConditionModel's, whatever the cut."""
+    from diffusers import UNet2DConditionModel
+
+    from laionkit.families import get_family, unet_stages
+
+    spec = get_family(family)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel.from_config({**spec.configs["tiny"], "cross_attention_dim": 32}).eval()
+    sample, timestep = torch.randn(2, 4, size, size), torch.tensor([10, 900])
+    cond = {"encoder_hidden_states": torch.randn(2, 77, 32)}
+    if family == "sdxl":
+        width = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+        cond["added_cond_kwargs"] = {"text_embeds": torch.randn(2, width), "time_ids": torch.rand(2, 6) * 64}
+    with torch.no_grad():
+        want = unet(sample, timestep, **cond, return_dict=False)[0]
+        units = unet_stages.blocks(unet)
+        for count in range(1, len(units) + 1):
+            bounds = balance([1.0] * len(units), count)
+            first, every = unet_stages.inputs(sample, timestep, cond)
+            for n, (a, b) in enumerate(bounds):
+                first = unet_stages.stage(unet, units[a:b], n == 0, n == count - 1)(*first, **every)
+            torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-5, msg=f"{count} stages")
+
+
 def test_two_stages_killed_and_resumed_and_four_stages_train_as_one_process(deep_flux, single, tmp_path):
     """2 stages (1F1B) killed with -9 as their step-2 checkpoint lands, then resumed, and 4 stages (GPipe):
     each step's loss, gradient norm and the exported transformer are the single process's; the export (the
