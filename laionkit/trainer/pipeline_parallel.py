@@ -1,16 +1,18 @@
 """Pipeline parallelism (`train --pipeline-stages N`) on torch.distributed.pipelining, as torchtitan runs it.
 
-The family's blocks (FamilySpec.blocks) are cut into N contiguous stages (2N under interleaved-1f1b, two per
-rank) balanced by each block's measured forward + backward time, the embedders on the first stage and the
-final layers on the last (the family's cut, FamilySpec.pipeline_cut). Rank r runs stage r % N of pipeline
-replica r // N; the replicas split the data as data-parallel ranks do, and average their stages' gradients.
+The family's blocks (FamilySpec.blocks, or its cut's own units: a UNet's down, mid and up blocks) are cut
+into N contiguous stages (2N under interleaved-1f1b, two per rank) balanced by each block's measured forward +
+backward time, the embedders on the first stage and the final layers on the last (the family's cut,
+FamilySpec.pipeline_cut). Rank r runs stage r % N of pipeline replica r // N; the replicas split the data as
+data-parallel ranks do, and average their stages' gradients.
 
 Why a pipelined run's loss is the single-process run's: every rank of a replica reads the same batches (the
 replica is its data rank) and seeds its generator alike, so each rank draws each sample's latent, noise, sigma
-and caption dropout exactly as one process draws them (objective.flow_batch, same order); the first stage
-takes the noisy latents, the last compares its output with the target. The step's --grad-accum batches are its
-micro-batches, and the schedule scales the summed gradients by 1 / micro-batches as accelerate's accumulation
-does. The gradient norm is taken over all stages (an all-reduce of the stages' squared norms) before clipping.
+or timestep and caption dropout exactly as one process draws them (objective.flow_batch or ddpm_batch, same
+order); the first stage takes the noisy latents, the last compares its output with the target. The step's
+--grad-accum batches are its micro-batches, and the schedule scales the summed gradients by 1 / micro-batches
+as accelerate's accumulation does. The gradient norm is taken over all stages (an all-reduce of the stages'
+squared norms) before clipping.
 """
 
 from __future__ import annotations
