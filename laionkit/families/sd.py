@@ -74,4 +74,5 @@ SPEC = register_family(FamilySpec(
     presets=PRESETS,
     configs=UNET_CONFIGS,
     encode_ids=encode_ids,
+    pipeline_cut="laionkit.families.unet_stages",
 ))

@@ -229,4 +229,5 @@ SPEC = register_family(FamilySpec(
     configs={"sdxl": UNET_CONFIG, "tiny": TINY_UNET_CONFIG},
     text_layer="penultimate",
     vae_upcast=True,
+    pipeline_cut="laionkit.families.unet_stages",
 ))

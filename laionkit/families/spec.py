@@ -141,8 +141,10 @@ class FamilySpec:
     # into stages, imported on use. It gives ``stage(denoiser, blocks, first, last)`` (an nn.Module that runs
     # those blocks as the denoiser's forward does, the embedders on the first stage and the final layers on
     # the last), ``inputs(noisy, timestep, conditioning)`` (the first stage's positional inputs and every
-    # stage's keyword inputs) and ``layout(latents)`` (a latent in the last stage's output layout). None: the
-    # family is not cut (train --pipeline-stages refuses it in one line).
+    # stage's keyword inputs) and ``layout(latents)`` (a latent in the last stage's output layout), and may give
+    # ``blocks(denoiser)``, the units it cuts between where they are not ``blocks()`` (a UNet's down, mid and up
+    # blocks: laionkit/families/unet_stages.py). None: the family is not cut (train --pipeline-stages refuses
+    # it in one line).
     pipeline_cut: str | None = None
 
     def __post_init__(self) -> None:

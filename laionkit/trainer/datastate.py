@@ -81,7 +81,8 @@ def _gather(accelerator, rows: np.ndarray) -> list[np.ndarray]:
 
 
 def settings(trainer) -> dict:
-    return {"world_size": trainer.accelerator.num_processes, "workers": trainer.config.workers,
+    """The layout an elastic resume may change; ``world_size``: the data ranks (a pipeline replica is one)."""
+    return {"world_size": data_ranks(trainer.config, trainer.accelerator)[1], "workers": trainer.config.workers,
             "batch_size": trainer.config.batch_size, "grad_accum": trainer.config.grad_accum}
 
 

@@ -388,8 +388,9 @@ def resume(trainer: Trainer) -> Path | None:
     t.step = records[0]["step"]
     t.data_state, elastic = datastate.resume(t, records)
     rank, buckets = accelerator.process_index, t.schedule.buckets
-    if elastic:
-        t.generator.manual_seed(config.seed * 1_000_003 + rank + 7_919 * t.step)
+    if elastic:  # a pipeline's ranks draw alike: seeded by their data rank
+        data_rank = pipeline_parallel.data_ranks(config, accelerator)[0]
+        t.generator.manual_seed(config.seed * 1_000_003 + data_rank + 7_919 * t.step)
         counted = {key: sum(int((record.get("bucket_samples") or {}).get(key, 0)) for record in records)
                    for key in buckets} if rank == 0 else {}
     else:

@@ -156,7 +156,17 @@ def latents_and_noise(moments, config: TrainConfig, data: LatentSet, generator: 
 
 def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainConfig,
                    data: LatentSet, generator: torch.Generator) -> torch.Tensor:
-    """The DDPM training loss for one batch: fresh latent, noise, timestep, prediction, (min-SNR) MSE."""
+    """The DDPM training loss for one batch: ddpm_batch's draws, the prediction, the (min-SNR) MSE."""
+    noisy, timesteps, cond, target, weights = ddpm_batch(moments, cond, empty, noise_scheduler, config, data,
+                                                         generator)
+    return ddpm_loss(data.family.predict(model, noisy, timesteps, cond), target, weights)
+
+
+def ddpm_batch(moments, cond, empty, noise_scheduler, config: TrainConfig, data: LatentSet,
+               generator: torch.Generator) -> tuple:
+    """One batch's DDPM draws, in the one order a run makes them (a pipeline-parallel run's ranks draw them
+    alike): fresh latent and noise, timestep, the noised latent, caption dropout. Returns (x_t, the timesteps,
+    the conditioning, the target: noise or velocity, each sample's loss weight: min-SNR's, else 1)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_snr
 
     latents, noise = latents_and_noise(moments, config, data, generator, config.channels_last)
@@ -171,18 +181,20 @@ def diffusion_loss(model, moments, cond, empty, noise_scheduler, config: TrainCo
     text = cond["states"]
     noisy = noise_scheduler.add_noise(latents, perturbed(config, noise, generator), timesteps).to(text.dtype)
     cond = dropout_captions(config, cond, empty, batch, generator)
-    if noise_scheduler.config.prediction_type == "epsilon":
-        target = noise
-    else:
-        target = noise_scheduler.get_velocity(latents, noise, timesteps)
-    prediction = data.family.predict(model, noisy, timesteps, cond)
-    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    epsilon = noise_scheduler.config.prediction_type == "epsilon"
+    target = noise if epsilon else noise_scheduler.get_velocity(latents, noise, timesteps)
+    weights = torch.ones(batch, device=latents.device)
     if config.snr_gamma:
         snr = compute_snr(noise_scheduler, timesteps)
-        weight = snr.clamp(max=config.snr_gamma)
-        weight = weight / snr if noise_scheduler.config.prediction_type == "epsilon" else weight / (snr + 1)
-        loss = loss * weight
-    return loss.mean()
+        weights = snr.clamp(max=config.snr_gamma)
+        weights = weights / snr if epsilon else weights / (snr + 1)
+    return noisy, timesteps, cond, target, weights
+
+
+def ddpm_loss(prediction, target, weights) -> torch.Tensor:
+    """Each sample's MSE (fp32) times its weight, averaged over the batch."""
+    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    return (loss * weights).mean()
 
 
 FLOW_FLAGS = ("sigma_sampling", "shift", "weighting", "train_guidance")

@@ -1,16 +1,18 @@
 """Pipeline parallelism (`train --pipeline-stages N`) on torch.distributed.pipelining, as torchtitan runs it.
 
-The family's blocks (FamilySpec.blocks) are cut into N contiguous stages (2N under interleaved-1f1b, two per
-rank) balanced by each block's measured forward + backward time, the embedders on the first stage and the
-final layers on the last (the family's cut, FamilySpec.pipeline_cut). Rank r runs stage r % N of pipeline
-replica r // N; the replicas split the data as data-parallel ranks do, and average their stages' gradients.
+The family's blocks (FamilySpec.blocks, or its cut's own units: a UNet's down, mid and up blocks) are cut
+into N contiguous stages (2N under interleaved-1f1b, two per rank) balanced by each block's measured forward +
+backward time, the embedders on the first stage and the final layers on the last (the family's cut,
+FamilySpec.pipeline_cut). Rank r runs stage r % N of pipeline replica r // N; the replicas split the data as
+data-parallel ranks do, and average their stages' gradients.
 
 Why a pipelined run's loss is the single-process run's: every rank of a replica reads the same batches (the
 replica is its data rank) and seeds its generator alike, so each rank draws each sample's latent, noise, sigma
-and caption dropout exactly as one process draws them (objective.flow_batch, same order); the first stage
-takes the noisy latents, the last compares its output with the target. The step's --grad-accum batches are its
-micro-batches, and the schedule scales the summed gradients by 1 / micro-batches as accelerate's accumulation
-does. The gradient norm is taken over all stages (an all-reduce of the stages' squared norms) before clipping.
+or timestep and caption dropout exactly as one process draws them (objective.flow_batch or ddpm_batch, same
+order); the first stage takes the noisy latents, the last compares its output with the target. The step's
+--grad-accum batches are its micro-batches, and the schedule scales the summed gradients by 1 / micro-batches
+as accelerate's accumulation does. The gradient norm is taken over all stages (an all-reduce of the stages'
+squared norms) before clipping.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 from laionkit.common import LaionkitError
 from laionkit.families import flow
 from laionkit.trainer.model import count_flops
-from laionkit.trainer.objective import flow_batch
+from laionkit.trainer.objective import ddpm_batch, ddpm_loss, flow_batch
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
@@ -68,8 +70,11 @@ def _keep(captured: dict, index: int, _module, args, kwargs) -> None:
 
 
 def _detached(value):
+    """A captured input cut from the graph it was made in (a UNet's up block takes a tuple of residuals)."""
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, tuple | list):
+        return type(value)(_detached(item) for item in value)
     return value
 
 
@@ -81,15 +86,27 @@ def _forward_backward(block, args, kwargs) -> None:
     sum(o.float().sum() for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad).backward()
 
 
+def units(family, denoiser) -> list:
+    """What the family's cut splits into stages: its cut's own units where it names them (a UNet's down, mid
+    and up blocks, whose skip connections a cut inside a block would have to rebuild), else FamilySpec.blocks."""
+    cut = family.cut()
+    return cut.blocks(denoiser) if hasattr(cut, "blocks") else family.blocks(denoiser)
+
+
 def block_costs(denoiser, data, device, shape, objective) -> list[float]:
-    """Seconds of one forward + backward of each block (FamilySpec.blocks) on the inputs it takes in a
-    one-sample step of the denoiser (count_flops's, at the first bucket's shape), each timed after a warm-up:
-    measured, because blocks of one model differ (Flux's double- and single-stream blocks)."""
-    blocks = data.family.blocks(denoiser)
+    """Seconds of one forward + backward of each block (``units``) on the inputs it takes in a one-sample
+    step of the denoiser (count_flops's, at the first bucket's shape), each timed after a warm-up: measured,
+    because blocks of one model differ (Flux's double- and single-stream blocks, a UNet's levels). Every float
+    weight takes its gradient, as before lora.attach (which comes after the cut); a base quantized as it loaded
+    (--base-dtype) has only frozen ones, which take it for the measurement."""
+    blocks = units(data.family, denoiser)
     captured: dict = {}
     hooks = [block.register_forward_pre_hook(partial(_keep, captured, index), with_kwargs=True)
              for index, block in enumerate(blocks)]
+    frozen = [p for p in denoiser.parameters() if p.is_floating_point() and not p.requires_grad]
     try:
+        for param in frozen:
+            param.requires_grad_(True)
         count_flops(denoiser, data, device, shape, objective)
     finally:
         for hook in hooks:
@@ -106,6 +123,8 @@ def block_costs(denoiser, data, device, shape, objective) -> list[float]:
             torch.cuda.synchronize(device)
         costs.append(time.perf_counter() - began)
     denoiser.zero_grad(set_to_none=True)
+    for param in frozen:
+        param.requires_grad_(False)
     return costs
 
 
@@ -136,14 +155,20 @@ class Pipeline:
         t, cut = trainer, trainer.data.family.cut()
         args, kwargs, targets = [], [], []
         for moments, cond in micro:
-            noisy, timestep, cond, latents, noise, sigmas = flow_batch(
-                moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
+            if t.objective.kind == "flow":
+                noisy, timestep, cond, latents, noise, sigmas = flow_batch(
+                    moments, cond, t.empty, t.config, t.data, t.generator, t.objective)
+                target = _target(cut.layout(latents), cut.layout(noise), sigmas)
+            else:
+                noisy, timestep, cond, target, weights = ddpm_batch(
+                    moments, cond, t.empty, t.noise_scheduler, t.config, t.data, t.generator)
+                target = torch.cat([cut.layout(target).flatten(1), weights[:, None].to(target.dtype)], dim=1)
             first, every = cut.inputs(noisy, timestep, t.data.family.conditioning(cond))
             args.append(first)
             kwargs.append(every)
-            targets.append(_target(cut.layout(latents), cut.layout(noise), sigmas))
+            targets.append(target)
         if self.schedule is None:
-            self.schedule = self._schedule(t.device, len(micro), t.objective.weighting)
+            self.schedule = self._schedule(t.device, len(micro), t.objective)
             self._trained = [p for p in self.stages.parameters() if p.requires_grad]
         losses: list = []
         began = time.perf_counter()
@@ -160,7 +185,7 @@ class Pipeline:
         dist.broadcast(loss, self.last_rank, group=self.group)
         return loss
 
-    def _schedule(self, device, microbatches: int, weighting: str):
+    def _schedule(self, device, microbatches: int, objective):
         from torch.distributed import pipelining
 
         stages = [pipelining.PipelineStage(module, number, len(self.bounds), device, group=self.group)
@@ -169,7 +194,7 @@ class Pipeline:
             for name in ("forward_one_chunk", "backward_one_chunk"):
                 setattr(stage, name, self._timed(getattr(stage, name), device))
         kind = getattr(pipelining, SCHEDULES[self.config.pipeline_schedule])
-        loss = partial(_loss, weighting=weighting)
+        loss = partial(_loss, weighting=objective.weighting) if objective.kind == "flow" else _ddpm_loss
         if self.config.pipeline_schedule == "interleaved-1f1b":
             return kind(stages, n_microbatches=microbatches, loss_fn=loss)
         return kind(stages[0], n_microbatches=microbatches, loss_fn=loss)
@@ -227,23 +252,25 @@ class Pipeline:
         return {"weights": weights, "optimizer": trainer.optimizer.state_dict(), "stages": self.bounds}
 
     def load(self, trainer, folder, ranks: int) -> None:
-        """A pipeline checkpoint's part of this rank (``state``), and accelerate's LR schedule and RNG states;
-        one line where it was written by another layout of ranks or stages, or for other weights."""
+        """A pipeline checkpoint's part of this rank's stages (``state``, as the first replica wrote it: the
+        replicas' stages are equal, so any number of replicas resumes from it), and accelerate's LR schedule
+        and RNG states; one line where it was written without pipeline stages, by other stages, or for
+        other weights."""
         from laionkit.trainer.checkpoint import load_checkpoint_state, load_tensors
 
-        accelerator = trainer.accelerator
-        path = folder / f"pipeline-rank-{accelerator.process_index:05d}.pt"
-        if ranks != accelerator.num_processes or not path.is_file():
+        accelerator, stages = trainer.accelerator, self.config.pipeline_stages
+        path = folder / f"pipeline-rank-{accelerator.process_index % stages:05d}.pt"
+        if ranks % stages or not path.is_file():
             raise LaionkitError(f"--resume {folder}: written by {ranks} ranks"
                                 f"{'' if path.is_file() else ' without pipeline stages'}; a pipeline run resumes "
-                                f"on the same ranks and --pipeline-stages ({accelerator.num_processes} ranks now)")
+                                f"with the --pipeline-stages {stages} it was written with (any number of replicas)")
         load_checkpoint_state(accelerator, folder, {})
         saved = load_tensors(path)
         trained = {id(p) for p in self.stages.parameters() if p.requires_grad}
         named = {name: p for name, p in trainer.unet.named_parameters() if id(p) in trained}
         if [tuple(b) for b in saved["stages"]] != self.bounds or saved["weights"].keys() != named.keys():
             raise LaionkitError(f"--resume {folder}: its stages hold other blocks or weights than this run's "
-                                "(another model, --lora-rank or --pipeline-schedule?)")
+                                "(another model, --lora-rank, --pipeline-stages or --pipeline-schedule?)")
         with torch.no_grad():
             for name, param in named.items():
                 param.copy_(saved["weights"][name])
@@ -304,6 +331,12 @@ def _loss(output, target, weighting: str):
     return flow.loss(output, latents, noise, target[:, -1], weighting)
 
 
+def _ddpm_loss(output, target):
+    """objective.ddpm_loss of the last stage's output, from a tensor [B, K + 1]: the target flattened, each
+    sample's weight."""
+    return ddpm_loss(output, target[:, :-1].view_as(output), target[:, -1])
+
+
 def _run_costs(config, measure) -> list[float]:
     """The block costs of this run: measured once and kept in RUN/pipeline.json, which a resume reads back (a
     second measurement would differ a little, and so might the stages its checkpoint holds)."""
@@ -320,7 +353,7 @@ def _run_costs(config, measure) -> list[float]:
 def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     """Cut ``denoiser`` into stages, balanced by block_costs (measured on rank 0, shared), and move this
     rank's stages onto its device; the process groups of the pipelines and their replicas. One line for what
-    cannot be cut: another objective than flow matching, several buckets (the stages' shapes are fixed at the
+    cannot be cut: several buckets (the stages' shapes are fixed at the
     first step), fewer blocks than stages, ranks not a multiple of the stages."""
     from accelerate.utils import DistributedType, broadcast_object_list
 
@@ -333,13 +366,10 @@ def place(denoiser, config, data, schedule, objective, accelerator) -> Pipeline:
     if world % stages:
         raise LaionkitError(f"--pipeline-stages {stages}: the launch started {world} ranks, not a multiple of "
                             f"{stages} (each pipeline replica takes {stages})")
-    if objective.kind != "flow":
-        raise LaionkitError(f"--pipeline-stages: {family.name} trains with the {objective.kind} objective; "
-                            "pipeline parallelism is built for flow matching")
     if len(schedule.buckets) > 1:
         raise LaionkitError(f"--pipeline-stages: the latents have {len(schedule.buckets)} buckets; a pipeline's "
                             "stages take one latent shape (encode one resolution)")
-    blocks = family.blocks(denoiser)
+    blocks = units(family, denoiser)
     total = stages * (2 if config.pipeline_schedule == "interleaved-1f1b" else 1)
     if len(blocks) < total:
         raise LaionkitError(f"--pipeline-stages {stages} --pipeline-schedule {config.pipeline_schedule}: "

@@ -249,7 +249,6 @@ def check_pipeline(config) -> None:
     given = {"--ema": config.ema, "--compile": config.compile, "--block-swap": config.block_swap,
              "--cpu-offload": config.cpu_offload, "--fp8": config.fp8, "--full-bf16": config.full_bf16,
              "--bf16-weights": config.bf16_weights, "--mixed-precision fp16": config.mixed_precision == "fp16",
-             f"--base-dtype {config.base_dtype}": config.base_dtype != "bf16",
              "--lora-dropout": config.lora_dropout, "--val-latents": config.val_latents is not None,
              "--validate-every": config.validate_every, "--eval-every": config.eval_every,
              "--checkpointing auto": config.checkpointing.strip().lower() == "auto", "--stage": config.stage,
