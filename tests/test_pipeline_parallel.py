@@ -284,3 +284,24 @@ def test_lora_on_a_quantized_base_in_two_stages_trains_as_one_process(deep_flux,
     run_cli(*train_args(deep_flux, reference, *LORA, "--base-dtype", "nf4"))
     launched(torchrun(2, train_args(deep_flux, run, *LORA, "--base-dtype", "nf4", "--pipeline-stages", "2")))
     assert_trained_alike(reference, run, "lora", "pytorch_lora_weights.safetensors")
+
+
+def test_full_bf16_stages_train_as_one_full_bf16_process(deep_flux, tmp_path):
+    """--full-bf16 (weights, gradients and AdamW's state in bf16) in 2 stages: every loss and the exported bf16
+    weights are the single --full-bf16 process's; the gradient norm within bf16's rounding (one process takes the
+    norm of bf16 gradients in bf16, the stages sum their parts' squares in fp32)."""
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    bf16 = ("--mixed-precision", "bf16", "--full-bf16")
+    run_cli(*train_args(deep_flux, one, *bf16))
+    launched(torchrun(2, train_args(deep_flux, two, *bf16, "--pipeline-stages", "2")))
+    want, got = metrics(one), metrics(two)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-2), step
+    before, after = (load_file(path / "transformer" / "diffusion_pytorch_model.safetensors") for path in (one, two))
+    assert before.keys() == after.keys() and {t.dtype for t in after.values()} == {torch.bfloat16}
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=key)

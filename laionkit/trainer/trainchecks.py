@@ -247,7 +247,7 @@ def check_pipeline(config) -> None:
     if config.pipeline_stages == 1:
         return
     given = {"--ema": config.ema, "--compile": config.compile, "--block-swap": config.block_swap,
-             "--cpu-offload": config.cpu_offload, "--fp8": config.fp8, "--full-bf16": config.full_bf16,
+             "--cpu-offload": config.cpu_offload, "--fp8": config.fp8,
              "--bf16-weights": config.bf16_weights, "--mixed-precision fp16": config.mixed_precision == "fp16",
              "--lora-dropout": config.lora_dropout, "--val-latents": config.val_latents is not None,
              "--validate-every": config.validate_every, "--eval-every": config.eval_every,
