@@ -216,15 +216,17 @@ def validation_samples(family: str, model: Path, latents: Path, run: Path, capti
     return dict(zip(captions, found, strict=True))
 
 
-def regenerates(family: str, sharp, tmp_path: Path) -> Path:
-    """Train ``family`` from scratch on ``sharp``'s encode; its pipeline (criterion and negative) and train's
-    validation sampler regenerate each caption's own image. Returns the run folder."""
+def regenerates(family: str, sharp, tmp_path: Path, run: Path | None = None) -> Path:
+    """Train ``family`` from scratch on ``sharp``'s encode (or take ``run``, a run of it trained so); its
+    pipeline (criterion and negative) and train's validation sampler regenerate each caption's own image.
+    Returns the run folder."""
     own = shard_latents(sharp.latents, sharp.model / "vae")
     captions = list(own)
     assert len(set(captions)) == 8  # 8 distinct captions for 8 distinct images
     assert sharp.vae_stats["pairwise_mse"] > 1.0  # the images' latents differ (unit spread)
-    run = tmp_path / "run"
-    train(family, sharp.latents, run)
+    if run is None:
+        run = tmp_path / "run"
+        train(family, sharp.latents, run)
 
     assert_learned(family, run / "pipeline", own, tmp_path)
 
@@ -236,44 +238,61 @@ def regenerates(family: str, sharp, tmp_path: Path) -> Path:
     return run
 
 
-def test_trained_sd_regenerates_each_captions_image_and_a_lora_on_it_a_new_mapping(sharp_models, tmp_path):
-    """SD's case of test_trained_model_regenerates_each_captions_image (below; this one first, the longest of
-    the suite); then, on the base it trained, a LoRA trained on the same photos with each photo given the next
-    one's caption: with RUN/lora loaded (pipe.load_lora_weights) the base's own pipeline draws the new mapping,
-    with its negative, and those samples do not follow the old one. Without the LoRA the base draws the old
-    mapping, with its negative: the SD case's own check of that same pipeline. One base for both (each trained
-    its own, 600 steps, before)."""
+@pytest.fixture(scope="module")
+def sd_base(sharp_models, tmp_path_factory) -> SimpleNamespace:
+    """SD trained from scratch (the suite's longest run), once for the three tests of it below: its own case
+    of the criterion, and the base of both LoRA tests. Also the photos each given the next photo's caption,
+    encoded (``moved``), which the LoRAs train on."""
     import torch
 
     family = LORA["family"]
     sharp = sharp_models(family)
-    own = shard_latents(sharp.latents, sharp.model / "vae")
-    base = regenerates(family, sharp, tmp_path)
+    folder = tmp_path_factory.mktemp("sd-base")
+    train(family, sharp.latents, folder / "run")
     names = sorted(CAPTIONS)  # each photo (file name) gets the next photo's caption
     moved = {name: CAPTIONS[names[(index + 1) % len(names)]] for index, name in enumerate(names)}
-    write_image_shards(sharp.photos, tmp_path / "packed-moved", moved)
-    run_cli("encode", tmp_path / "packed-moved", "--model", sharp.model, "--output", tmp_path / "moved",
+    write_image_shards(sharp.photos, folder / "packed-moved", moved)
+    run_cli("encode", folder / "packed-moved", "--model", sharp.model, "--output", folder / "moved",
             "--resolution", "64", "--batch-size", "8", "--workers", "0", "--text", "stored", "--quiet")
-    new = shard_latents(tmp_path / "moved", sharp.model / "vae")
+    own = shard_latents(sharp.latents, sharp.model / "vae")
+    new = shard_latents(folder / "moved", sharp.model / "vae")
     assert set(new) == set(own) and not any(torch.equal(new[caption], own[caption]) for caption in own)
-    lora = tmp_path / "lora"
-    train(family, tmp_path / "moved", lora, "--unet", base / "pipeline", "--lora-rank", LORA["rank"],
-          "--lora-targets", LORA["targets"], "--max-steps", LORA["steps"], "--lr", LORA["lr"])
-    assert not (lora / "unet").exists() and not (lora / "pipeline").exists()  # adapters only
+    return SimpleNamespace(sharp=sharp, run=folder / "run", moved=folder / "moved", own=own, new=new)
 
+
+def test_trained_sd_regenerates_each_captions_image(sd_base, tmp_path):
+    """SD's case of test_trained_model_regenerates_each_captions_image (below), on the base the LoRA tests
+    train on: without a LoRA its pipeline draws the old mapping, with its negative. These three SD tests come
+    first: their base is the suite's longest run, split so that each test is shorter than the run of all three."""
+    regenerates(LORA["family"], sd_base.sharp, tmp_path, sd_base.run)
+
+
+def lora_draws_the_new_mapping(sd_base, tmp_path: Path, *flags) -> dict:
+    """A LoRA trained on ``sd_base``'s moved captions (``flags`` added to its train), loaded with
+    pipe.load_lora_weights into the base's own full-precision pipeline: it draws the new mapping (the
+    criterion and its negative). Returns those samples."""
+    lora = tmp_path / "lora"
+    train(LORA["family"], sd_base.moved, lora, "--unet", sd_base.run / "pipeline", "--lora-rank", LORA["rank"],
+          "--lora-targets", LORA["targets"], "--max-steps", LORA["steps"], "--lr", LORA["lr"], *flags)
+    assert not (lora / "unet").exists() and not (lora / "pipeline").exists()  # adapters only
     with_lora = tmp_path / "with-lora"
     with_lora.mkdir()
-    drawn = assert_learned(family, base / "pipeline", new, with_lora, lora / "lora")
-    old = retrieval(drawn, own)  # the same samples judged by the old mapping
-    assert old["nearest_own"] <= 2 and old["own_mse"] > 2 * retrieval(drawn, new)["own_mse"], old
+    return assert_learned(LORA["family"], sd_base.run / "pipeline", sd_base.new, with_lora, lora / "lora")
 
-    # The same LoRA trained on the base held in int8 (--base-dtype, laionkit/trainer/quantized_base.py): its
-    # export, loaded onto the base's own full-precision pipeline, draws the new mapping too.
-    quantized = tmp_path / "lora-int8"
-    train(family, tmp_path / "moved", quantized, "--unet", base / "pipeline", "--lora-rank", LORA["rank"],
-          "--lora-targets", LORA["targets"], "--max-steps", LORA["steps"], "--lr", LORA["lr"], "--base-dtype", "int8")
-    (tmp_path / "with-int8-lora").mkdir()
-    assert_learned(family, base / "pipeline", new, tmp_path / "with-int8-lora", quantized / "lora")
+
+def test_a_lora_on_the_trained_sd_draws_a_new_mapping(sd_base, tmp_path):
+    """On the base SD trained, a LoRA trained on the same photos with each photo given the next one's
+    caption: with RUN/lora loaded the base's own pipeline draws the new mapping, with its negative, and
+    those samples do not follow the old one."""
+    drawn = lora_draws_the_new_mapping(sd_base, tmp_path)
+    old = retrieval(drawn, sd_base.own)  # the same samples judged by the old mapping
+    assert old["nearest_own"] <= 2 and old["own_mse"] > 2 * retrieval(drawn, sd_base.new)["own_mse"], old
+
+
+def test_a_lora_trained_on_the_int8_sd_base_draws_the_new_mapping(sd_base, tmp_path):
+    """The same LoRA trained on the base held in int8 (--base-dtype, laionkit/trainer/quantized_base.py): its
+    export, loaded onto the base's own full-precision pipeline, draws the new mapping too."""
+    lora_draws_the_new_mapping(sd_base, tmp_path, "--base-dtype", "int8")
 
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family != LORA["family"]])
