@@ -269,7 +269,8 @@ def test_cli_checkpointing_flags(flux_run, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["sd", "sd3", "flux", "pixart", "sana"])
-def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, latent_shards, flow_latents):
+def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, latent_shards, flow_latents,
+                                                                          monkeypatch):
     """train's model FLOPs (MFU's numerator) come from a meta-tensor copy of the denoiser, so counting them
     allocates nothing (a real one-sample fp32 step of Flux-12B at 1024 px, before the precision policy,
     ran an H200 out of memory); the count equals the real step's, LoRA adapters included, and leaves the
@@ -306,6 +307,17 @@ def test_flops_are_counted_on_a_weightless_copy_and_equal_the_real_count(name, l
         with math():
             lora_real = count_flops(model, data, torch.device("cpu"), shape, objective)
         assert count_flops(_weightless(model), data, torch.device("meta"), shape, objective) == lora_real < real
+        # the same model counted again in this process is not recounted; once adapters changed it, it is
+        assert flops_per_sample(model, data, torch.device("cpu"), shape, objective) == lora_real
+        from laionkit.trainer import model as model_module
+
+        recounted = []
+        monkeypatch.setattr(model_module, "count_flops", lambda *args: recounted.append(args) or count_flops(*args))
+        assert flops_per_sample(model, data, torch.device("cpu"), shape, objective) == lora_real
+        assert not recounted
+        model.requires_grad_(True)  # the base trains again: its weight gradients count
+        assert flops_per_sample(model, data, torch.device("cpu"), shape, objective) > lora_real
+        assert len(recounted) == 1
 
 
 def test_flops_of_grouped_convolutions_count_each_group_once():

@@ -137,9 +137,15 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
     requires_grad): a real one-sample step at full size runs before the precision policy and activation
     checkpointing apply, and for Flux-12B at 1024 px (fp32 weights, gradients and activations) that needs
     more memory than an H200 has. Where a model cannot run on meta tensors, the count runs on ``device`` as before,
-    and where that runs out of memory the count is 0 (no MFU)."""
+    and where that runs out of memory the count is 0 (no MFU). A meta count is kept for the process (``_COUNTED``,
+    by ``_signature``): the same model counted again (a run again in one process: plan, the tests) is not recounted.
+    """
+    key = _signature(unet, data, shape, objective)
+    if key in _COUNTED:
+        return _COUNTED[key]
     try:
-        return count_flops(_weightless(unet), data, torch.device("meta"), shape, objective)
+        _COUNTED[key] = count_flops(_weightless(unet), data, torch.device("meta"), shape, objective)
+        return _COUNTED[key]
     except Exception:  # noqa: BLE001 - a data-dependent forward (.item() and the like) needs real tensors
         pass
     try:
@@ -151,6 +157,19 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
         if device.type == "cuda":  # the count's peak is not the training's
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+
+
+_COUNTED: dict[tuple, float] = {}
+
+
+def _signature(unet, data: LatentSet, shape: tuple[int, ...], objective: Objective | None) -> tuple:
+    """What a count depends on: every module's class and settings (extra_repr: widths, kernels, groups, a frozen
+    base's format), every parameter's name, shape, dtype and whether it trains (the weight gradients counted),
+    the family, the sample's shape, the conditioning's shapes and the guidance input."""
+    return (data.family.name, data.moments_per_channel, tuple(shape), objective and objective.guidance,
+            tuple((key, tuple(value.shape), value.dtype) for key, value in sorted(data.empty.items())),
+            tuple((name, type(module).__name__, module.extra_repr()) for name, module in unet.named_modules()),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in unet.named_parameters()))
 
 
 def count_flops(model, data: LatentSet, device: torch.device, shape: tuple[int, ...],
