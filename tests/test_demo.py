@@ -69,6 +69,31 @@ def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
     assert str(workdir / "samples.png") in stdout and str(workdir / "training.png") in stdout
 
 
+def test_the_demo_draws_each_photo_it_trained_on_from_its_caption(demo):
+    """samples.png puts each photo trained on beside what the trained pipeline draws from its caption; the drawn
+    images (WORKDIR/generated/KEY.png) are nearer in pixels to their own photo than to any other (7 of 8, as the
+    learning tests ask: two of the tiny CLIP's states are nearly alike), at under half the mean distance to the
+    others: a person looking at the grid sees the photos again."""
+    import numpy as np
+
+    workdir, _ = demo
+    shards = [str(path) for path in sorted((workdir / "shards").glob("*.tar"))]
+    trained = {sample["__key__"]: np.asarray(sample["jpg"].convert("RGB"), dtype=float) / 255
+               for sample in wds.WebDataset(shards, shardshuffle=False).decode("pil")}
+    assert len(trained) == PHOTOS
+    own, others, nearest = [], [], 0
+    for key in trained:
+        with Image.open(workdir / "generated" / f"{key}.png") as image:
+            drawn = np.asarray(image.convert("RGB"), dtype=float) / 255
+        mse = {other: ((drawn - pixels) ** 2).mean() for other, pixels in trained.items()}
+        nearest += min(mse, key=mse.get) == key
+        own.append(mse.pop(key))
+        others.append(np.mean(list(mse.values())))
+    assert nearest >= PHOTOS - 1 and np.mean(own) < 0.5 * np.mean(others), (nearest, own, others)
+    with Image.open(workdir / "samples.png") as grid:
+        assert grid.width >= 2 * 64 * 4 and grid.height >= 64 * 2  # 4 pairs a row, 2 rows
+
+
 def test_run_skips_stages_already_complete(demo):
     workdir, _ = demo
     result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}")

@@ -170,13 +170,16 @@ def sharpen_dc_vae(folder: Path, images: Path, size: int = 64) -> dict:
     return {"std": latents.std().item(), "pairwise_mse": pairwise}
 
 
-def fit_decoder(folder: Path, images: Path, steps: int = 300, lr: float = 3e-3, seed: int = 0) -> float:
+def fit_decoder(folder: Path, images: Path, steps: int = 300, lr: float = 3e-3, noise: float = 0.2,
+                seed: int = 0) -> float:
     """Train the decoder of ``folder`` (an AutoencoderKL that sharpen_vae made sharp) to give back the photos of
     ``images`` from their latents, and save it; returns the last pixel MSE (pixels in [-1, 1]).
 
     A random-init decoder draws colour noise even from a photo's own latent, so a denoiser that learned the
     latents would still show noise. This one is fitted on these photos only, as a trained VAE's decoder is
-    fitted on images: it decodes their latents, and latents near them, back to them, and nothing else well."""
+    fitted on images: it decodes their latents back to them, and nothing else well. Each step adds Gaussian
+    noise of std ``noise`` (in units of the scaled latents, whose std is 1) to the latents, so that a sample
+    near a photo's latent, which is what a denoiser draws, decodes near the photo too."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -184,10 +187,11 @@ def fit_decoder(folder: Path, images: Path, steps: int = 300, lr: float = 3e-3, 
     pixels = photos(images, vae.config.sample_size)
     with torch.no_grad():
         latents = vae.encode(pixels).latent_dist.mean
-    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(vae.decoder.parameters(), lr=lr)
     for _ in range(steps):
-        loss = torch.nn.functional.mse_loss(vae.decode(latents).sample, pixels)
+        nearby = latents + torch.randn(latents.shape, generator=generator) * noise / vae.config.scaling_factor
+        loss = torch.nn.functional.mse_loss(vae.decode(nearby).sample, pixels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
