@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -102,6 +103,10 @@ def load(path: Path, commands: dict[str, Any],
     text = json.dumps(recipe["stages"])
     for name, value in values.items():
         text = text.replace("{" + name + "}", json.dumps(value)[1:-1])
+    unset = sorted(set(re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", text)))
+    if unset:
+        raise LaionkitError(f"{path}: " + ", ".join(f"{{{name}}}" for name in unset) + " not given: add "
+                            + " ".join(f"--var {name}=VALUE" for name in unset))
     stages = json.loads(text)
     steps, produced = [], []
     for name, spec in stages.items():
@@ -204,6 +209,15 @@ def _run_step(step: Step, invoke: Callable[[list[str]], None]) -> None:
     result = subprocess.run(_launch_argv(step))
     if result.returncode != 0:
         raise LaionkitError(f"`accelerate launch` exited with {result.returncode}")
+
+
+def check_options(step: Step, configure: Callable[[list[str]], None]) -> None:
+    """``run --dry-run``: the step's command builds its stage's config (``configure``), so an option the stage
+    refuses fails the dry run, not the real one after the stages before it ran for hours."""
+    try:
+        configure(step.argv)
+    except LaionkitError as error:
+        raise LaionkitError(f"stage `{step.name}` would fail: {error}; nothing run") from None
 
 
 def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], None],

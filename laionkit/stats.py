@@ -192,6 +192,18 @@ def print_score_summary(folder: Location, console: Console) -> None:
     console.print(summarize(folder))
 
 
+def print_dedup_summary(folder: Location, console: Console) -> None:
+    from laionkit.dedup.summary import summarize
+
+    console.print(summarize(folder))
+
+
+def print_run_summary(folder: Location, console: Console) -> None:
+    from laionkit.trainer.runsummary import summarize
+
+    console.print(summarize(folder))
+
+
 # Marker glob -> summary; the first whose marker the folder holds wins.
 SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
     "_stats-*.json": print_filter_summary,  # and a folder with a filter plan (filter.plan_location)
@@ -199,6 +211,9 @@ SUMMARIES: dict[str, Callable[[Location, Console], None]] = {
     "*_stats.json": print_shard_summary,  # pack / img2dataset: one record per shard
     "*.stats.json": print_encode_summary,  # encode: one record per latent shard
     "records": print_score_summary,  # score: records/<stem>.json per shard (laionkit.score.records)
+    "keep.parquet": print_dedup_summary,  # dedup: keep.parquet, removed.parquet, stats.json
+    "metrics.jsonl": print_run_summary,  # a train run: metrics.jsonl, checkpoints/, the exports
+    "checkpoints": print_run_summary,  # one killed before its first logged step
     "*.tar": print_tar_summary,  # plain WebDataset
 }
 

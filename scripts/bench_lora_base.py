@@ -13,6 +13,10 @@ same latents with the same seed (so the same noise and timesteps step by step):
 (fp8-base)  ``--base-dtype fp8 --fp8``: the stored float8 weights straight into float8 matmuls (tensorwise).
 (flux2)     FLUX.2 [dev] (32B, random init drawn block by block straight into ``--flux2-dtype``, nf4 by default:
             its 64 GB of bf16 never exist) LoRA-64 at 1024 px, batch 1, ``--checkpointing blocks``, eager.
+(bare-flux2) its ceiling: the bare diffusers step, PEFT rank 64, the block linears as torchao's NF4Tensor (as
+            torchtune's QLoRA and diffusers' QLoRA example keep them), diffusers' gradient checkpointing, eager.
+(qwen, qwen-nf4)  Qwen-Image (20B) LoRA-64 at 1024 px, batch 1, ``--checkpointing blocks``, eager, on a bf16 / nf4
+            base; (bare-qwen, bare-qwen-nf4) their bare ceilings as bare-flux2's (bf16: no quantization).
 
 Each row reports samples/s (median of the steps after the first ``--warmup``), peak GPU memory, and its loss per
 step; the summary gives each row's rate against bf16 and against the bare ceiling, and its mean |loss - bf16's
@@ -45,11 +49,16 @@ LORA = ("--lora-rank", "64", "--lora-random-base")
 ROWS = {"bf16": (), "fp8-tw": ("--fp8", "--fp8-recipe", "tensorwise"), "fp8-rw": ("--fp8", "--fp8-recipe", "rowwise"),
         "nf4": ("--base-dtype", "nf4"), "fp8-base": ("--base-dtype", "fp8", "--fp8"), "int8": ("--base-dtype", "int8")}
 ORDER = "bare,bf16,fp8-tw,fp8-rw,flux2,nf4,fp8-base,int8"
+# rows of the 20-32B families, eager at batch 1 with checkpointed blocks: row -> (family, base dtype, bare or not)
+LARGE = {"flux2": ("flux2-dev", None, False), "bare-flux2": ("flux2-dev", "nf4", True),
+         "qwen": ("qwen-image", "bf16", False), "qwen-nf4": ("qwen-image", "nf4", False),
+         "bare-qwen": ("qwen-image", "bf16", True), "bare-qwen-nf4": ("qwen-image", "nf4", True)}
+PAIRS = (("flux2", "bare-flux2"), ("qwen", "bare-qwen"), ("qwen-nf4", "bare-qwen-nf4"))
 
 
 def main() -> None:
     parser = family_bench_parser(__doc__)
-    parser.add_argument("--rows", default=ORDER, help=f"comma list of {ORDER}")
+    parser.add_argument("--rows", default=ORDER, help=f"comma list of {ORDER} and {','.join(LARGE)}")
     parser.add_argument("--batch-size", type=int, default=2, help="Flux-12B's batch")
     parser.add_argument("--flux2-dtype", default="nf4", choices=["nf4", "int8", "fp8"])
     parser.set_defaults(resolutions=[1024], images=64, steps=24, budget=470)
@@ -65,8 +74,10 @@ def main() -> None:
     measure = measurer(args.out, args.budget, started, env, results, show=300, report=args.report)
     rows = args.rows.split(",")
     latents = {}
-    for family in ("flux", "flux2-dev") if "flux2" in rows else ("flux",):  # real-width text, 1 layer deep
+    families = {LARGE[row][0] if row in LARGE else "flux" for row in rows}
+    for family in sorted(families):  # real-width text, 1 layer deep
         models = bench_train_flow.write_models(args.out / f"models-{family}", family, args.smoke, text_layers=1)
+        bench_train_flow.free_gpu()  # the text encoders built here: encode's process needs the card
         latents[family] = prepare(args.out / family, resolution, args.images, False, models)
     bench_train_flow.free_gpu()
     print(f"latents ready after {time.perf_counter() - started:.0f} s", flush=True)
@@ -92,8 +103,17 @@ def main() -> None:
                 args.out, "bare", "bare", script=bench_train_flow.__file__, family="flux", resolution=resolution,
                 batch=args.batch_size, steps=args.steps, warmup=args.warmup, compile=not args.smoke, smoke=args.smoke,
                 lora=64))
-        elif row == "flux2":
-            train("flux2", "flux2-dev", 1, "--base-dtype", args.flux2_dtype, "--checkpointing", "blocks")
+        elif row in LARGE:
+            family, dtype, bare = LARGE[row]
+            dtype = dtype or args.flux2_dtype
+            if bare:
+                text_len = bench_train_flow.stored_text_len(latents[family]) if family == "qwen-image" else None
+                measure(row, bench_train_flow.child_argv(
+                    args.out, row, "bare", script=bench_train_flow.__file__, family=family, resolution=resolution,
+                    batch=1, steps=args.steps, warmup=args.warmup, smoke=args.smoke, lora=64, checkpointing=True,
+                    text_len=text_len, base_quant=None if dtype == "bf16" else dtype))
+            else:
+                train(row, family, 1, "--base-dtype", dtype, "--checkpointing", "blocks")
         else:
             train(row, "flux", args.batch_size, *(() if args.smoke else ("--compile",)), *ROWS[row])
 
@@ -125,8 +145,13 @@ def report(results: dict[str, dict]) -> None:
             gap = statistics.mean(abs(a - b) for a, b in zip(losses[:steps], base[:steps]))
             line += f"; mean |loss - bf16's| {gap:.4f} over {steps} steps (bf16's step-to-step std {spread:.4f})"
         print(line)
-    if rate("flux2"):
-        print(f"  flux2-dev 32B: {rate('flux2'):.3f} samples/s, peak {results['flux2'].get('gpu_mem_gib')} GiB")
+    for name, bare in PAIRS:
+        if rate(name):
+            line = f"  {name}: {rate(name):.3f} samples/s, peak {results[name].get('gpu_mem_gib')} GiB"
+            if rate(bare):
+                line += (f"; {bare}: {rate(bare):.3f} samples/s, peak {results[bare].get('gpu_mem_gib')} GiB; "
+                         f"b/a {rate(name) / rate(bare):.3f}")
+            print(line)
 
 
 if __name__ == "__main__":

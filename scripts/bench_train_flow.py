@@ -50,6 +50,9 @@ Per family, at real size and random init (``--transformer-config sd3-medium``: 2
           --config_file train/fsdp.yaml --num_processes 1``; the parameters, gradients and AdamW state on the host),
           batch 1 at the first resolution with ``--checkpointing blocks``, at the ``OFFLOAD`` depth fraction the
           host holds (``--offload-config``): samples/s, GPU peak and the host's peak resident memory.
+(full8bit) The whole model's full fine-tune on one GPU without offload: ``--full-bf16 --optimizer adamw8bit``
+          (bf16 weights and gradients, AdamW's moments in 8 bits: 6 bytes per parameter), batch 1 at the first
+          resolution with ``--checkpointing blocks``.
 (big)     The largest configurations that train on this GPU, samples/s, MFU and peak memory, all with
           ``--checkpointing blocks``. Flux: LoRA rank 64 on the whole 12B with stored and with online text per
           resolution (Flux's stored vs online comparison), full-parameter 12B under ``--full-bf16``, and a
@@ -509,9 +512,16 @@ def child_bare(args) -> dict:
     batch = args.batch
     bare = BARE[args.family](arch, args.resolution, batch, args.smoke, args.text_len, device, dtype)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16: a 20-32B model's fp32 (80-128 GB) fits no card
+    try:
+        with torch.device(device):
+            model = getattr(diffusers, spec.denoiser_class).from_config(arch).to(dtype)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.train()
+    if args.base_quant:
+        quantize_blocks_nf4(model, spec)
     if args.lora:
         from peft import LoraConfig
 
@@ -537,18 +547,36 @@ def child_bare(args) -> dict:
         return loss
 
     def one_sample():
-        bare.forward(model, x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), 1).float().sum().backward()
+        if not args.base_quant:  # a quantized 20-32B base's whole activations fit no card: no FLOP count
+            bare.forward(model, x0[:1], torch.full((1,), 0.5, device=device, dtype=dtype), 1).float().sum().backward()
         if args.checkpointing:  # model FLOPs, not the recomputed ones: checkpointing only for the timed steps
             model.enable_gradient_checkpointing()
 
     return time_bare_step(step, one_sample, model, args.steps, args.warmup, batch, device)
 
 
+def quantize_blocks_nf4(model: torch.nn.Module, spec) -> None:
+    """The frozen base of a bare QLoRA step, as torchtune's FrozenNF4Linear and diffusers' QLoRA example keep it:
+    each ``nn.Linear`` weight inside the family's blocks as torchao's NF4Tensor (blocks of 64, double-quantized
+    scales), which ``F.linear`` dequantizes per call; layer by layer, so the bf16 weights are freed as they go."""
+    try:
+        from torchao.dtypes.nf4tensor import to_nf4
+    except ImportError:  # torchao >= 0.18 moved it
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    for block in spec.blocks(model):
+        for layer in block.modules():
+            blocks = layer.weight.numel() // 64 if isinstance(layer, torch.nn.Linear) else 0
+            if blocks and layer.weight.numel() % 64 == 0:  # every real-size layer; a smoke run's tiny ones may not
+                scaler_block = next(size for size in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks % size == 0)
+                layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), 64, scaler_block), requires_grad=False)
+
+
 def main() -> None:
     parser = family_bench_parser(__doc__)
     parser.add_argument("--family", choices=sorted(BATCH), default="sd3")
     parser.add_argument("--parts", default="peak,a,b,online,fp8",
-                        help="comma list of peak, a, b, online, fp8, lora, big, window, offload")
+                        help="comma list of peak, a, b, online, fp8, lora, big, full8bit, window, offload")
     parser.add_argument("--offload-config", type=json.loads,
                         help="(offload) transformer config overrides as JSON (default: the family's OFFLOAD "
                              "fraction; '{}': the whole model)")
@@ -580,6 +608,8 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, help="child: a masked family's text length")
     parser.add_argument("--lora", type=int, help="child: LoRA adapters of this rank on the frozen model")
     parser.add_argument("--checkpointing", action="store_true", help="child: gradient checkpointing per block")
+    parser.add_argument("--base-quant", choices=["nf4"], help="child: the frozen base's block linears as torchao "
+                        "NF4 (with --lora), no FLOP count")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -704,6 +734,11 @@ def main() -> None:
                 train(f"big-lora64-12b-{text}-{resolution}", latents_at(resolution, text),
                       LORA_BATCH.get(resolution, 2), "--lora-rank", "64", "--lora-random-base",
                       "--checkpointing", "blocks")
+    if "full8bit" in parts:
+        # the whole model's full fine-tune on one GPU without offload: bf16 weights and gradients, AdamW's moments
+        # in 8 bits (bitsandbytes): 6 bytes per parameter, 72 GB for Flux-12B
+        train(f"full8bit-{first}", latents_at(first), 1, "--optimizer", "adamw8bit", "--checkpointing", "blocks",
+              *(() if args.smoke else ("--full-bf16", "--mixed-precision", "bf16")))
     for overrides, flags in FRACTIONS.get(family, ()) if "big" in parts else ():
         arch = {**get_family(family).configs[CONFIG[family]], **overrides}
         tag = "x".join(str(value) for value in overrides.values())

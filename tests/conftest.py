@@ -20,7 +20,20 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-REALDATA = REPO.parent / "shared" / "realdata"
+# The real files the tests read (LAION metadata rows, photos, aesthetic heads): ../shared/realdata beside the
+# clone, or the folder LAIONKIT_REALDATA names.
+REALDATA = Path(os.environ.get("LAIONKIT_REALDATA") or REPO.parent / "shared" / "realdata")
+REALDATA_MISSING = (
+    f"real test data not found at {REALDATA} (set LAIONKIT_REALDATA to use another folder): it holds "
+    "laion-sample/test_1000.parquet (img2dataset's tests/test_files/), images/ (the photos of img2dataset's "
+    "tests/resize_test_image/ and tests/blur_test_files/, github.com/rom1504/img2dataset) and "
+    "aesthetic/sac+logos+ava1-l14-linearMSE.pth, aesthetic/sa_0_4_vit_l_14_linear.pth (LAION's aesthetic "
+    "predictors, github.com/christophschuhmann/improved-aesthetic-predictor, LAION-AI/aesthetic-predictor)")
+
+
+def pytest_report_header(config) -> str:
+    """Said once, at the top, rather than only in every failing test's setup."""
+    return f"realdata: {REALDATA}" if REALDATA.is_dir() else f"realdata: MISSING: {REALDATA_MISSING}"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -33,7 +46,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session")
 def realdata() -> Path:
     if not REALDATA.is_dir():
-        pytest.fail(f"real test data not found at {REALDATA} (see DEVELOPERS.md: ../shared/realdata)")
+        pytest.fail(REALDATA_MISSING, pytrace=False)
     return REALDATA
 
 

@@ -74,3 +74,34 @@ def test_configs_copy_onto_a_file_or_where_it_cannot_write_is_one_line(tmp_path:
     for overwrite in ((), ("--overwrite",)):
         result = run_cli("configs", "copy", tmp_path / "file", *overwrite, check=False)
         assert result.returncode == 2 and "is a file, not a folder" in result.stderr, result.stderr
+
+
+LAUNCH_CONFIGS = ("ddp", "fsdp", "hsdp", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
+
+
+def _launch_args(config: str, *flags: str):
+    """What `accelerate launch --config_file train/CONFIG.yaml FLAGS -m laionkit.cli train` resolves to, by
+    accelerate's own parser and config loader (its _validate_launch_command), without launching anything."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "train" / f"{config}.yaml"), *flags, "-m", "laionkit.cli", "train"])
+    return _validate_launch_command(args)[0]
+
+
+def test_launch_configs_take_the_process_count_from_the_command_line():
+    """No train/ config fixes a process count (ddp.yaml and fsdp.yaml said 8, which fails on a machine of fewer
+    GPUs): a 2-process launch gets 2 processes under the config's strategy, and a launch without
+    --num_processes is refused by accelerate naming the flag, never run at a count the machine may not have."""
+    import pytest
+
+    strategy = {"ddp": "multi_gpu", "fsdp": "use_fsdp", "hsdp": "use_fsdp", "deepspeed-zero2": "use_deepspeed",
+                "deepspeed-zero3": "use_deepspeed", "deepspeed-zero3-offload": "use_deepspeed"}
+    for config in LAUNCH_CONFIGS:
+        # hsdp.yaml is a 2-node recipe: on one machine, its mesh (replicas x shards) is sized on the command line too
+        mesh = ("--num_machines", "1", "--parallelism_config_dp_replicate_size", "1",
+                "--parallelism_config_dp_shard_size", "2") if config == "hsdp" else ()
+        args = _launch_args(config, "--num_processes", "2", *mesh)
+        assert args.num_processes == 2 and args.num_machines == 1 and getattr(args, strategy[config]), config
+        with pytest.raises(ValueError, match="--num_processes"):
+            _launch_args(config)

@@ -219,7 +219,7 @@ def test_manifest_carries_what_training_needs(latent_shards, tiny_models):
     assert manifest["text"] == {"hidden_size": 32, "sequence_length": 77, "layer": "last", "pad_token_id": 49407}
     assert manifest["resolution"] == 64 and manifest["buckets"] is None and manifest["stored_dtype"] == "float16"
     assert manifest["counts"] == {"samples_in": 8, "samples_out": 8, "skipped": 0, "truncated_captions": 1,
-                                  "empty_captions": 1}  # fixtures.CAPTIONS has one empty caption
+                                  "empty_captions": 1, "upscaled": 0}  # fixtures.CAPTIONS has one empty caption
     assert manifest["shards"] == {"done": 2, "expected": 2, "missing": []} and manifest["complete"]
     for component in ("vae", "text_encoder", "tokenizer"):
         entry = manifest["models"][component]

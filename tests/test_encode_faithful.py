@@ -338,3 +338,37 @@ def test_online_text_trains_in_the_recorded_window_and_sd_refuses_one(tmp_path, 
                       "--max-sequence-length", "32", *ENCODE, check=False)
     one_line_error(refused, "family sd's caption window is fixed")
     assert not (tmp_path / "sd").exists() or not list((tmp_path / "sd").glob("*.tar"))
+
+
+# --- found when tried as a new user (issue 60): a caption key no sample has, .txt line ends, upscaled photos ---
+
+def test_a_caption_key_no_sample_has_is_a_one_line_error(tmp_path, img2dataset_formats, tiny_models):
+    """img2dataset keeps LAION's TEXT as ``caption``: before, --caption-key TEXT encoded 8 of 8 captions empty, exit 0."""
+    result = run_cli("encode", img2dataset_formats["parquet"], "--model", tiny_models, "--output", tmp_path / "out",
+                     "--caption-key", "TEXT", *ENCODE, check=False)
+    one_line_error(result, "--caption-key TEXT", "00000.parquet", "json keys url, caption, key")
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_a_txt_captions_line_end_is_not_part_of_the_caption(tmp_path, img2dataset_formats, tiny_models):
+    """A files folder whose .txt captions end with a newline (as editors and echo write them) encodes as the one
+    without: the line end is no token of the caption."""
+    source = Path(shutil.copytree(img2dataset_formats["files"], tmp_path / "in"))
+    for txt in source.glob("*/*.txt"):
+        txt.write_text(txt.read_text() + "\n")
+    run_cli("encode", source, "--model", tiny_models, "--output", tmp_path / "out", *ENCODE)
+    run_cli("encode", img2dataset_formats["files"], "--model", tiny_models, "--output", tmp_path / "plain", *ENCODE)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.tar")} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "plain").glob("*.tar")}
+
+
+def test_upscaled_samples_are_counted_and_said(tmp_path, image_shards, tiny_models):
+    """At 128 px without --buckets, the 123x456 and 456x123 photos are cropped to 123 px squares and enlarged:
+    counted in the records and the manifest, and said in one warning line."""
+    result = run_cli("encode", image_shards, "--model", tiny_models, "--output", tmp_path / "out", "--resolution",
+                     "128", "--batch-size", "4", "--workers", "0")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["counts"]["upscaled"] == 2 and manifest["counts"]["samples_out"] == 8
+    said = " ".join(result.stderr.split())
+    assert said.count("samples upscaled") == 1 and "warning: 2 samples upscaled" in said, result.stderr
+    assert "upscaled" in " ".join(run_cli("stats", tmp_path / "out").stdout.split())

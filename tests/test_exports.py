@@ -200,6 +200,29 @@ def test_export_rebuilds_the_pipeline_of_a_run_trained_with_export_none(runs, tm
     assert [name for name in want if rebuilt[name] != want[name]] == []
 
 
+SINGLE_FILES = {"sd", "sdxl", "sd3", "flux"}  # the families whose single-file layout ComfyUI loads
+
+
+def test_export_without_a_format_writes_what_loads_each_family(runs, tmp_path):
+    """`laionkit export RUN` as a new user types it, on every family's run without RUN/pipeline (--export none,
+    a LoRA run): the pipeline rebuilt, then the single file where the family has one; the others say in one
+    line that their pipeline folder is the export. Run again with the pipeline there: only the single file."""
+    import shutil
+
+    from conftest import run_cli
+
+    for family, found in runs.items():
+        run = tmp_path / family
+        shutil.copytree(found["run"], run, ignore=shutil.ignore_patterns("pipeline", "single_file"))
+        result = run_cli("export", run, check=False)
+        assert result.returncode == 0, (family, result.stderr[-2000:])
+        single = [str(run / "single_file" / f"{family}-{family}.safetensors")] if family in SINGLE_FILES else []
+        assert result.stdout.split() == [str(run / "pipeline"), *single], family
+        assert (run / "pipeline" / "model_index.json").is_file()
+        assert ("has no single-file checkpoint" in result.stderr) == (family not in SINGLE_FILES), result.stderr
+        assert run_cli("export", run).stdout.split() == (single or [str(run / "pipeline")]), family
+
+
 # --- LoRA runs: --export pipeline merges the adapters at the trained strength --------------------------------
 
 RANK, ALPHA = 4, 16.0  # alpha != rank: a merge at scale 1 instead of alpha / rank = 4 is far off

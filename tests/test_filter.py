@@ -143,6 +143,17 @@ def test_rerun_with_other_rules_is_refused_unless_overwrite(sample: Path, tmp_pa
     assert read_parts(out).column("punsafe").to_numpy().max() < 0.1
 
 
+def test_a_run_that_failed_before_any_unit_is_retried_with_other_rules(sample: Path, tmp_path: Path):
+    """Before: a rule that fails on the data (it binds, then cannot cast a caption) left its plan in the folder, and
+    the corrected command was refused as "filtered with other rules". A plan no unit was filtered by is replaced."""
+    out = tmp_path / "out"
+    result = run_cli("filter", sample, "--output", out, "--where", "CAST(TEXT AS INTEGER) > 0", "-q", check=False)
+    assert result.returncode == 2 and "Conversion Error" in result.stderr and not list(out.glob("part-*"))
+    run_cli("filter", sample, "--output", out, "--where", "punsafe < 0.1", "-q")
+    assert read_parts(out).column("punsafe").to_numpy().max() < 0.1
+    assert stats_of(out)[0]["rows_in"] == ROWS
+
+
 def test_missing_column_names_the_available_columns_before_writing(sample: Path, tmp_path: Path):
     out = tmp_path / "out"
     result = run_cli("filter", sample, "--output", out, "--where", "aesthetic_v3 > 5", check=False)

@@ -43,12 +43,26 @@ def test_local_sources_pipeline_folder_and_bare_component(tiny_models):
 
 @pytest.mark.parametrize("source, match", [
     ("sd9", "not a preset"),
-    ("./no/such/folder", "not a folder"),
+    ("./no/such/folder", "no such folder"),
+    ("tests/tiny-sd15x", "no such folder"),  # under a folder that exists: a path, though shaped like owner/name
     ("owner/name:main", "only ':root'"),
 ])
 def test_bad_sources_name_the_problem(source, match):
     with pytest.raises(LaionkitError, match=match):
         resolve_source(source, "vae")
+
+
+@pytest.mark.parametrize("stage", ["encode", "caption"])
+def test_a_mistyped_model_folder_is_refused_at_once(tmp_path, image_shards, stage):
+    """Before: tests/tiny-sd15x (its parent exists) was taken for a hub id, five retries of a download, then a hub
+    error about a repo; now every stage that loads a model says there is no such folder, at once."""
+    import time
+
+    started = time.monotonic()
+    result = run_cli(stage, image_shards, "--model", "tests/tiny-sd15x", "--output", tmp_path / "out", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--model tests/tiny-sd15x: no such folder" in result.stderr.strip().splitlines()[-1]
+    assert time.monotonic() - started < 30
 
 
 def test_folder_without_the_component_is_refused(tmp_path):

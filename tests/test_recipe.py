@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from laionkit.common.storage import Location
 
@@ -64,3 +64,43 @@ stages:
     message = result.stderr.replace("\n", "")
     assert "stage `filter` failed" in message and f"{metadata} changed since" in message, message
     assert "skipped" not in result.stdout
+
+
+def test_dry_run_builds_each_stages_config_so_it_fails_where_the_run_would(tmp_path, realdata):
+    """Before: --dry-run printed the commands and passed a train stage its config refuses, which then failed after
+    every stage before it ran. Now each command builds its stage's config (the checks a run makes first)."""
+    sample = realdata / "laion-sample" / "test_1000.parquet"
+    recipe = _recipe(tmp_path, f"""workdir: {tmp_path}
+stages:
+  filter: {{input: {sample}, output: "{{workdir}}/filtered", where: ["length(TEXT) > 5"]}}
+  train: {{input: "{{workdir}}/filtered", output: "{{workdir}}/run", max_steps: 10}}
+""")
+    result = run_cli("run", recipe, "--dry-run", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    assert "stage `train` would fail: give exactly one of --unet / --transformer" in message, message
+    assert result.stdout.splitlines()[0].startswith(f"laionkit filter {sample}")  # filter's config passed
+    assert not (tmp_path / "filtered").exists() and not (tmp_path / ".laionkit-run").exists()
+    recipe.write_text(recipe.read_text().replace("max_steps: 10", "max_steps: 10, unet-config: tiny"))
+    assert len(run_cli("run", recipe, "--dry-run").stdout.splitlines()) == 2
+    assert not (tmp_path / "filtered").exists()
+
+
+def test_a_variable_the_recipe_uses_and_no_var_gives_is_named(tmp_path, realdata):
+    """`laionkit run --help`'s example left {metadata} unset: the error was "input `{metadata}` does not exist"."""
+    result = run_cli("run", REPO / "pipelines" / "sd15-finetune-512.yaml", "--var", f"workdir={tmp_path}", "--dry-run",
+                     check=False)
+    assert result.returncode == 2
+    assert "{metadata} not given: add --var metadata=VALUE" in " ".join(result.stderr.split())
+    # the help's example as written, with the metadata at hand
+    import typer
+
+    from laionkit.cli import app
+
+    text = typer.main.get_command(app).commands["run"].help.replace("\\\n", " ")  # a continued line is one
+    example = next(line.split() for line in text.splitlines() if "sd15-finetune" in line)
+    assert example[-1] == "--dry-run" and "--var" in example
+    variables = {"workdir": str(tmp_path), "metadata": str(realdata / "laion-sample" / "test_1000.parquet")}
+    result = run_cli("run", REPO / example[2], *(f"--var={key}={value}" for key, value in variables.items()),
+                     "--dry-run")
+    assert f"laionkit filter {variables['metadata']}" in result.stdout

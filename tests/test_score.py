@@ -203,6 +203,13 @@ def test_two_ranks_write_disjoint_shards_whose_union_is_one_ranks(tmp_path, scor
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["complete"]
 
 
+def test_a_caption_key_no_sample_has_is_refused_before_any_model_loads(tmp_path, shards):
+    """As encode: pack keeps LAION's TEXT as ``caption``, so --caption-key TEXT would score no caption at all."""
+    result = run_cli("score", str(shards), "--output", str(tmp_path / "out"), "--caption-key", "TEXT",
+                     "--clip-model", "no-such-model", check=False)
+    one_line_error(result, "--caption-key TEXT", "00000.tar", "json keys url, caption, key")
+
+
 def test_rerun_with_other_settings_is_refused(scored, shards, score_models):
     result = run_cli("score", str(shards), "--output", str(scored), "--clip-model", str(score_models["config"]),
                      "--clip-pretrained", str(score_models["weights"]), "--workers", "0", check=False)
@@ -233,6 +240,35 @@ def test_filter_scores_keeps_rows_by_a_column_the_parquet_never_had(tmp_path, sc
             f"again=aesthetic-v2:{REALDATA_AESTHETIC()}", "--where", "again = aes", "--output",
             str(tmp_path / "rescored"), "--quiet")
     assert pq.read_table(tmp_path / "rescored").num_rows == 8
+
+
+def test_filter_scores_on_pack_output_of_laion_metadata_reads_the_measured_width(tmp_path, scored, shards):
+    """pack of laion2B-en rows carries LAION's claimed WIDTH / HEIGHT beside img2dataset's measured width / height:
+    DuckDB cannot tell the two apart by case, so the claimed ones are read as source_WIDTH / source_HEIGHT (pack's
+    name for an input column img2dataset owns) and rules on width mean the pixels pack saw."""
+    metadata = tmp_path / "metadata"
+    metadata.mkdir()
+    for tar in sorted(shards.glob("*.tar")):
+        rows = [json.loads(sample["json"]) for sample in tar_samples(tar)]
+        rows = [{**row, "WIDTH": 1000 + row["width"], "HEIGHT": 1000} for row in rows]  # what LAION claims
+        pq.write_table(pa_table(rows), metadata / f"{tar.stem}.parquet")
+    result = run_cli("filter", str(metadata), "--scores", str(scored), "--where", "width < 400", "--output",
+                     str(tmp_path / "kept"))
+    kept = pq.read_table(tmp_path / "kept").to_pandas()
+    assert sorted(kept["width"]) == [123, 208, 321, 389, 389] and list(kept["source_WIDTH"]) == list(kept["width"] + 1000)
+    assert "source_HEIGHT" in kept.columns and "aes" in kept.columns
+    assert "WIDTH read as source_WIDTH" in result.stderr
+
+
+def test_filter_prompt_scores_take_the_clip_model_config_file_score_takes(tmp_path, scored, score_models):
+    """Before: filter's --clip-model refused the .json config score and eval take. Now the same model scores a prompt
+    in filter as in score: filter's prompt column equals the score run's, row by row."""
+    run_cli("filter", str(scored / "scores"), "--embeddings", str(scored / "img_emb"), "--score",
+            "again=prompt:an anime drawing|a manga page", "--clip-model", str(score_models["config"]),
+            "--clip-pretrained", str(score_models["weights"]), "--output", str(tmp_path / "out"), "--quiet")
+    rows = pq.read_table(tmp_path / "out").to_pandas()
+    assert len(rows) == 8
+    np.testing.assert_allclose(rows["again"], rows["anime"], atol=1e-5)
 
 
 def test_filter_top_and_dedup_rank_and_match_joined_score_columns(tmp_path, scored, shards):

@@ -143,3 +143,29 @@ def test_pack_folder_summary_writes_nothing(tmp_path: Path):
     before = snapshot(folder)
     result = run_cli("stats", folder)
     assert snapshot(folder) == before and "70.0%" in result.stdout and "http 404" in result.stdout
+
+
+def test_dedup_folders_say_what_each_layer_removed_and_what_was_kept(tmp_path: Path):
+    """Before: "nothing laionkit stats knows how to summarise" for dedup's output folder."""
+    from test_dedup_layers import FAST, planted
+
+    scores = planted().write(tmp_path / "scored")
+    run_cli("dedup", scores, "--output", tmp_path / "dedup", *FAST)
+    said = " ".join(run_cli("stats", tmp_path / "dedup").stdout.split())
+    for line in ("rows in │ 64", "removed by exact │ 2", "removed by phash │ 4", "removed by semantic │ 3",
+                 "kept │ 55 of 64 (85.9%)", "semantic clusters │ 2"):
+        assert line in said, said
+
+
+def test_run_folders_say_their_steps_loss_checkpoints_and_exports(tmp_path: Path):
+    """Before: refused. A finished run (tests/data/resume-run), then one killed before it exported anything."""
+    run = Path(__file__).parent / "data" / "resume-run"
+    said = " ".join(run_cli("stats", run).stdout.split())
+    assert "steps │ 2 of 2" in said and "loss │ 1.0842 at step 2 (first 1.1898" in said, said
+    assert "checkpoints │ step-00000002" in said and "exported │ lora/" in said
+    killed = Path(shutil.copytree(run, tmp_path / "killed"))
+    shutil.rmtree(killed / "lora")
+    with open(killed / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "lo')  # a line cut by the kill
+    said = " ".join(run_cli("stats", killed).stdout.split())
+    assert "steps │ 2 of 2" in said and "exported │ nothing yet" in said, said

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 from conftest import run_cli
@@ -12,7 +13,18 @@ from conftest import run_cli
 wandb = pytest.importorskip("wandb")
 
 
-def _records(path):
+def _records(path, wait: float = 60.0):
+    """The protobuf records of an offline run's .wandb file, once W&B's service has written its exit record (it
+    writes in a process of its own, which may still be flushing when wandb.finish returns on a loaded host)."""
+    deadline = time.monotonic() + wait
+    while True:
+        records = list(_read_records(path))
+        if any(record.WhichOneof("record_type") == "exit" for record in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def _read_records(path):
     """The protobuf records of an offline run's .wandb file: W&B's header, then a LevelDB-format log
     (32 KiB blocks; each chunk a 7-byte header: crc, length, type 1 full / 2 first / 3 middle / 4 last)."""
     from wandb.proto import wandb_internal_pb2

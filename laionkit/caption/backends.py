@@ -19,7 +19,7 @@ import torch
 
 from laionkit.caption.config import CaptionConfig
 from laionkit.common import LaionkitError
-from laionkit.common.models import sha256_file, weights_error
+from laionkit.common.models import refuse_missing_folder, sha256_file, weights_error
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The files that make a model folder what it is (weights, configs, tokenizer, chat template).
@@ -88,6 +88,7 @@ class TransformersCaptioner:
                                 f"later): {error}") from None
         self.device = device
         self.dtype = pick_dtype(config, device)
+        refuse_missing_folder(config.model)
         try:
             self.processor = AutoProcessor.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
             model = AutoModelForImageTextToText.from_pretrained(

@@ -30,35 +30,35 @@ class CaptionConfig:
         help="pack's shard folder(s), tar files, globs or {a..b} patterns; img2dataset's parquet and files output "
         "formats too (paths or URLs).", type=list[str], argument=True)
     output: str = option(help="Output folder (a path or URL): one captioned tar per input shard, same name.",
-                         flags=("--output", "-o"))
+                         flags=("--output", "-o"), group="Input and output")
     model: str = option(
         help="A vision-language model folder or hub id that transformers' AutoProcessor + "
-        "AutoModelForImageTextToText load (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Florence-2, BLIP-2, LLaVA, ...).")
-    name: str = option("vlm", "The caption's name: written to each sample's json as captions[NAME].")
+        "AutoModelForImageTextToText load (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Florence-2, BLIP-2, LLaVA, ...).", group="Model")
+    name: str = option("vlm", "The caption's name: written to each sample's json as captions[NAME].", group="Captions")
     prompt: str = option(
         DEFAULT_PROMPT, "The instruction, given with the image through the processor's chat template; a "
         "model without one gets this text verbatim (include its image token or task tag, e.g. "
-        "<MORE_DETAILED_CAPTION> for Florence-2).")
-    max_new_tokens: int = option(128, "Longest caption, in generated tokens.")
+        "<MORE_DETAILED_CAPTION> for Florence-2).", group="Captions")
+    max_new_tokens: int = option(128, "Longest caption, in generated tokens.", group="Captions")
     batch_size: int = option(16, "Images per generate() call (--backend vllm: per LLM.generate call, which "
-                                 "schedules its own batches: give it hundreds).")
+                                 "schedules its own batches: give it hundreds).", group="Performance")
     workers: int = option(4, "DataLoader worker processes reading, decoding and preprocessing (each reads whole "
-                             "shards).")
+                             "shards).", group="Performance")
     backend: Literal["transformers", "vllm"] = option(
-        "transformers", "transformers (AutoModelForImageTextToText.generate) or vllm (where vllm is installed).")
+        "transformers", "transformers (AutoModelForImageTextToText.generate) or vllm (where vllm is installed).", group="Performance")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = option(
-        "auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.")
-    device: str | None = option(None, "torch device (default: cuda:LOCAL_RANK, else cpu).")
+        "auto", "Model dtype: auto (bf16 on GPU, fp32 on CPU), fp32, fp16, bf16.", group="Performance")
+    device: str | None = option(None, "torch device (default: cuda:LOCAL_RANK, else cpu).", group="Performance")
     trust_remote_code: bool = option(False, "Let transformers run the model repo's own code (models transformers "
-                                            "does not ship).", flags=("--trust-remote-code",))
+                                            "does not ship).", flags=("--trust-remote-code",), group="Model")
     overwrite: bool = option(
         False, "Write into --output even if it holds another stage's outputs; same names are replaced.",
-        flags=("--overwrite",))
-    storage_options: str | None = option(None, STORAGE_HELP)
-    rank: int | None = option(None, RANK_HELP)
-    world_size: int | None = option(None, WORLD_SIZE_HELP)
-    quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"))
-    allow_incomplete: bool = option(False, ALLOW_INCOMPLETE_HELP, flags=("--allow-incomplete",))
+        flags=("--overwrite",), group="Input and output")
+    storage_options: str | None = option(None, STORAGE_HELP, group="Input and output")
+    rank: int | None = option(None, RANK_HELP, group="Distribution")
+    world_size: int | None = option(None, WORLD_SIZE_HELP, group="Distribution")
+    quiet: bool = option(False, QUIET_HELP, flags=("--quiet", "-q"), group="Logging")
+    allow_incomplete: bool = option(False, ALLOW_INCOMPLETE_HELP, flags=("--allow-incomplete",), group="Input and output")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -22,6 +22,7 @@ from laionkit.cli.errors import (
     out_of_memory,
     timeout_advice,
 )
+from laionkit.cli.quiet import drop_library_noise
 from laionkit.common import LaionkitError
 from laionkit.common.errors import write_refused, write_refused_line
 
@@ -34,7 +35,9 @@ def main() -> None:
     waiting for another rank (exit code 1); a file system that refuses a write (full, read-only: exit code 2). A
     failed device prints its
     traceback and exits 1 at once, skipping the teardown that can hang on a failed CUDA context (a launcher
-    or a Slurm step then sees the failure instead of a silent hang)."""
+    or a Slurm step then sees the failure instead of a silent hang). Libraries' noise is dropped
+    first (laionkit/cli/quiet.py)."""
+    drop_library_noise()
     try:
         app()
     except LaionkitError as error:

@@ -10,18 +10,12 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from laionkit.cli.app import app
+from laionkit.cli.app import CONFIG_ONLY, app
 from laionkit.cli.stages import stats_command
 from laionkit.common import LaionkitError
 
 
-@app.command(epilog="""Examples:
-
-    laionkit doctor
-
-    laionkit doctor --allreduce                 # NCCL bus bandwidth across all visible GPUs
-
-    laionkit doctor --shards data/latents --json
+@app.command(epilog="""More examples:
 
     # between nodes: on each node, through torchrun's rendezvous (rank 0 prints)
     torchrun --nnodes 2 --node-rank $NODE --nproc-per-node 8 --rdzv-backend c10d \\
@@ -38,7 +32,18 @@ def doctor(
     min_read: Annotated[float, typer.Option(help="MB/s under which the shard-read verdict is 'slow'.")] = 200.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Versions, GPUs, and optional NCCL all-reduce and shard-read checks, each with a plain verdict."""
+    """Versions, GPUs, and optional NCCL all-reduce and shard-read checks, each with a plain verdict.
+
+    Examples:
+
+    ```
+    laionkit doctor
+
+    laionkit doctor --allreduce   # NCCL bus bandwidth across all visible GPUs
+
+    laionkit doctor --shards data/latents --json
+    ```
+    """
     from dataclasses import asdict
 
     from rich.table import Table
@@ -58,18 +63,21 @@ def doctor(
     Console().print(table)
 
 
-models_app = typer.Typer(help="Model folders: tiny random-init models for offline tests and demos.",
-                         no_args_is_help=True)
+models_app = typer.Typer(help="""Model folders: tiny random-init models for offline tests and demos.
+
+Examples:
+
+```
+laionkit models tiny --output models/tiny
+
+laionkit models tiny-vlm --output models/vlm
+```""", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 
-@models_app.command("tiny", epilog="""Examples:
-
-    laionkit models tiny --output models/tiny
+@models_app.command("tiny", epilog="""More examples:
 
     laionkit encode shards/ --model models/tiny --output latents/ --resolution 64
-
-    laionkit models tiny --family sdxl --output models/tiny-sdxl
 """)
 def models_tiny(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a diffusers pipeline layout).")],
@@ -80,7 +88,16 @@ def models_tiny(
 ) -> None:
     """Write a tiny random-init pipeline of a model family (SD: vae/, unet/, text_encoder/, tokenizer/,
     scheduler/; SDXL adds text_encoder_2/ and tokenizer_2/) in the real diffusers / transformers formats,
-    with the real CLIP BPE vocabulary, so everything runs offline."""
+    with the real CLIP BPE vocabulary, so everything runs offline.
+
+    Examples:
+
+    ```
+    laionkit models tiny --output models/tiny
+
+    laionkit models tiny --family sdxl --output models/tiny-sdxl
+    ```
+    """
     from laionkit.common import atomic_output, storage
     from laionkit.families import get_family
 
@@ -92,12 +109,7 @@ def models_tiny(
     typer.echo(f"wrote tiny {spec.name} models to {output}")
 
 
-@models_app.command("tiny-vlm", epilog="""Examples:
-
-    laionkit models tiny-vlm --output models/vlm
-
-    laionkit caption shards/ --model models/vlm --output captioned/ --max-new-tokens 8
-""")
+@models_app.command("tiny-vlm")
 def models_tiny_vlm(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write (a transformers model + processor).")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
@@ -106,7 +118,16 @@ def models_tiny_vlm(
 ) -> None:
     """Write a tiny random-init Qwen2-VL in the real layout (config.json, model.safetensors, a Qwen2VLProcessor
     with a chat template and a BPE tokenizer trained on laionkit's shipped LAION captions), which AutoProcessor +
-    AutoModelForImageTextToText load offline, for `laionkit caption`. It generates gibberish: for tests."""
+    AutoModelForImageTextToText load offline, for `laionkit caption`. It generates gibberish: for tests.
+
+    Examples:
+
+    ```
+    laionkit models tiny-vlm --output models/vlm
+
+    laionkit caption shards/ --model models/vlm --output captioned/ --max-new-tokens 8
+    ```
+    """
     from laionkit.caption.tiny import write_tiny_vlm
     from laionkit.common import atomic_output, storage
 
@@ -117,17 +138,21 @@ def models_tiny_vlm(
     typer.echo(f"wrote a tiny Qwen2-VL to {output}")
 
 
-@models_app.command("tiny-eval", epilog="""Examples:
-
-    laionkit models tiny-eval --output models/eval   # inception.pth, tiny-clip.json, tiny-clip.safetensors
-""")
+@models_app.command("tiny-eval")
 def models_tiny_eval(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the two models into.")],
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
 ) -> None:
     """Random-init scorers for `laionkit eval` offline: the FID Inception-v3 in the real weights file's layout
     (inception.pth, the same keys and shapes) and a tiny open_clip model in open_clip's config + weights
-    layout. Their scores mean nothing; the code path is the one real weights take."""
+    layout. Their scores mean nothing; the code path is the one real weights take.
+
+    Examples:
+
+    ```
+    laionkit models tiny-eval --output models/eval   # inception.pth, tiny-clip.json, tiny-clip.safetensors
+    ```
+    """
     from laionkit.evaluate.clipscore import write_tiny_clip
     from laionkit.evaluate.inception import write_random_inception
 
@@ -136,42 +161,58 @@ def models_tiny_eval(
     typer.echo(f"wrote inception.pth, tiny-clip.json and tiny-clip.safetensors to {output}")
 
 
-configs_app = typer.Typer(help="The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.",
-                          no_args_is_help=True)
+configs_app = typer.Typer(help="""The launcher configs (train/*.yaml, *.json) and pipeline files shipped with laionkit.
+
+Examples:
+
+```
+laionkit configs copy my-configs
+```""", no_args_is_help=True)
 app.add_typer(configs_app, name="configs")
 
 
-@configs_app.command("copy", epilog="""Examples:
-
-    laionkit configs copy my-configs      # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
-
-    accelerate launch --config_file my-configs/train/ddp.yaml -m laionkit.cli train latents/ --output runs/a
-""")
+@configs_app.command("copy")
 def configs_copy(
     output: Annotated[Path, typer.Argument(help="Folder to copy train/ and pipelines/ into.")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace files that already exist there.")] = False,
 ) -> None:
     """Copy the accelerate / DeepSpeed configs (train/) and the Slurm, Kubernetes, torchrun and Docker files
-    (pipelines/) out of the installed package, to edit for a cluster."""
+    (pipelines/) out of the installed package, to edit for a cluster.
+
+    Examples:
+
+    ```
+    laionkit configs copy my-configs   # my-configs/train/ddp.yaml, my-configs/pipelines/slurm/...
+
+    accelerate launch --config_file my-configs/train/ddp.yaml --num_processes 8 -m laionkit.cli train latents/ \\
+        --output runs/a
+    ```
+    """
     from laionkit import configs
 
     names = configs.copy(output, overwrite)
     typer.echo(f"copied {len(names)} files to {output} (train/, pipelines/)")
 
 
-@app.command("run", epilog="""Examples:
-
-    laionkit run pipelines/demo.yaml
-
-    laionkit run pipelines/sd15-finetune-512.yaml --var workdir=/data/sd15 --dry-run
-""")
+@app.command("run")
 def run_recipe(
     recipe: Annotated[Path, typer.Argument(help="A recipe YAML (see pipelines/).")],
     var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Validate and print the commands; run nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Validate, print the commands and build each stage's config as the "
+                                                "stage would (its option checks); run nothing.")] = False,
 ) -> None:
     """Run the stages of one recipe in order (filter, pack, score, dedup, caption, encode, train; STAGE@NAME for
-    another run of one), skipping stages already complete."""
+    another run of one), skipping stages already complete.
+
+    Examples:
+
+    ```
+    laionkit run pipelines/demo.yaml
+
+    laionkit run pipelines/sd15-finetune-512.yaml --var workdir=/data/sd15 \\
+        --var metadata=/data/laion2B-en-aesthetic --dry-run
+    ```
+    """
     variables = {}
     for item in var or []:
         key, sep, value = item.partition("=")
@@ -199,26 +240,37 @@ def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = Fa
             raise LaionkitError(f"exited with {code}")
 
     if dry_run:
+        def configure(argv: list[str]) -> None:
+            token = CONFIG_ONLY.set(True)
+            try:
+                invoke(argv)
+            finally:
+                CONFIG_ONLY.reset(token)
+
         for step in steps:
             typer.echo(shlex.join(recipes.command_line(step)))
+            recipes.check_options(step, configure)
         return
     recipes.execute(steps, workdir, invoke, typer.echo)
 
 
-@app.command(epilog="""Examples:
-
-    laionkit demo
-
-    laionkit demo --workdir /tmp/laionkit-demo
-
+@app.command(epilog="""
 Offline and on 2 CPU cores in a few minutes: real photos from a loopback web server, tiny models.
 """)
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where every stage's output goes.")] = Path("laionkit-demo"),
 ) -> None:
     """The whole chain on embedded real photos: filter -> pack -> encode -> train, then each photo beside what
-    the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through
-    `laionkit run`."""
+    the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`.
+
+    Examples:
+
+    ```
+    laionkit demo
+
+    laionkit demo --workdir /tmp/laionkit-demo
+    ```
+    """
     from laionkit import demo as demo_stage
 
     result = demo_stage.run(workdir, _run_recipe_file, typer.echo)

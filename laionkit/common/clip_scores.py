@@ -157,19 +157,37 @@ def linear_head(spec: ScoreSpec, clip: ClipChoice) -> Scorer:
     return folded_head(spec, None)
 
 
+def open_clip_name(model: str) -> str:
+    """open_clip's name for ``--clip-model`` in any form filter, score and eval take: a name open_clip knows,
+    hf-hub:ORG/REPO, or a model config .json file (registered with open_clip under its file stem)."""
+    import open_clip
+
+    if model.endswith(".json"):
+        config = Path(model).expanduser()
+        if not config.is_file():
+            raise LaionkitError(f"--clip-model {model}: no such model config file")
+        open_clip.add_model_config(config)
+        return config.stem
+    if not model.startswith(("hf-hub:", "local-dir:")) and model not in open_clip.list_models():
+        raise LaionkitError(f"--clip-model {model}: not an open_clip model name (open_clip.list_models()), "
+                            "hf-hub:ORG/REPO or a model config .json file")
+    return model
+
+
 @functools.lru_cache(maxsize=4)
 def clip_text_model(model: str, pretrained: str | None):
     """Load once per process; a random init (``pretrained=None``) is seeded so scores are reproducible."""
     import open_clip
     import torch
 
+    name = open_clip_name(model)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            clip = open_clip.create_model(model, pretrained=pretrained)
+            clip = open_clip.create_model(name, pretrained=pretrained)
     except (RuntimeError, pickle.UnpicklingError) as error:
         raise LaionkitError(f"--clip-model {model} --clip-pretrained {pretrained}: {weights_error(error)}") from None
-    return clip.eval(), open_clip.get_tokenizer(model)
+    return clip.eval(), open_clip.get_tokenizer(name)
 
 
 def prompt_embeddings(prompts: list[str], clip: ClipChoice) -> np.ndarray:

@@ -79,6 +79,21 @@ class ComponentSource:
                 "local": self.local}
 
 
+def refuse_missing_folder(source: str, role: str = "--model") -> None:
+    """A source written as a path (``./``, ``../``, ``/``, ``~``, or under a folder that exists) that is no folder
+    is a typo, refused at once: tried as a hub id it costs minutes of retries, then a hub error about a repo."""
+    if source in PRESETS:
+        return
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise LaionkitError(f"{role} {source}: not a folder (a model is a folder, a preset or a hub id)")
+    parent = path.parent
+    if source.startswith((".", "/", "~")) or (str(parent) != "." and parent.is_dir()):
+        raise LaionkitError(f"{role} {source}: no such folder (written as a path, so not tried as a hub id)")
+
+
 def resolve_source(source: str, component: str) -> ComponentSource:
     """Turn a user's ``--model``/``--vae``/... string into a from_pretrained location for one component."""
     if component not in COMPONENTS:
@@ -98,8 +113,7 @@ def resolve_source(source: str, component: str) -> ComponentSource:
         raise LaionkitError(
             f"model folder {path} has neither a {component}/ subfolder nor a config file for {component}"
         )
-    if path.exists() or source.startswith((".", "/", "~")):
-        raise LaionkitError(f"model path {source} for {component} is not a folder")
+    refuse_missing_folder(source, "model")
     repo, _, root = source.partition(":")
     if root and root != "root":
         raise LaionkitError(f"model source {source!r}: only ':root' may follow a hub id")
@@ -252,6 +266,16 @@ def load_tokenizer(source: str, component: str = "tokenizer"):
     cls = (T5TokenizerFast if named.startswith("T5") else Qwen2Tokenizer if named.startswith("Qwen2")
            else GemmaTokenizerFast if named.startswith("Gemma") else CLIPTokenizer)
     return _from_pretrained(cls, source, component)
+
+
+def load_family_tokenizers(family, source_of) -> list:
+    """A family's tokenizers (``source_of(component)``: where each loads from), each counting tokens in the
+    family's caption window where it has one (``text_window``: the pipeline's, not the tokenizer folder's), as
+    encode tokenizes captions and train its --validation-prompts."""
+    tokenizers = [load_tokenizer(source_of(tok), tok) for tok, _ in family.text_encoders]
+    for tokenizer in tokenizers if family.text_window else ():
+        text_tokenizer(tokenizer).model_max_length = family.text_window
+    return tokenizers
 
 
 def text_tokenizer(tokenizer):

@@ -25,13 +25,16 @@ STORAGE_HELP = ('JSON options for URL paths, e.g. \'{"endpoint_url": "http://min
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (), type: Any = None,
-           argument: bool = False) -> Any:
+           argument: bool = False, group: str | None = None) -> Any:
     """A dataclass field that is also a command-line option: its ``help``, its ``flags`` (default: typer's,
     ``--field-name``, and ``--x/--no-x`` for a switch), and ``type`` where the command line parses another
     type than the field holds. ``argument``: the command's positional argument. A field without a default
-    is optional on the command line (a --config file may give it); the command checks that it is given."""
+    is optional on the command line (a --config file may give it); the command checks that it is given.
+    ``group``: the --help panel an option is listed in (a concern: Model, Data, ...), so a command of many
+    options reads by concern and the grouping lives with the option, not in a list beside it; arguments stay
+    in typer's Arguments panel."""
     return dataclasses.field(default=default, metadata={"help": help, "flags": flags, "type": type,
-                                                         "argument": argument})
+                                                         "argument": argument, "group": group})
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -95,7 +98,7 @@ def typer_parameters(cls: type) -> list[inspect.Parameter]:
         if default is dataclasses.MISSING:
             kind, default = Optional[kind], None  # noqa: UP007 - typer's form
         info = (typer.Argument(help=meta["help"]) if meta.get("argument")
-                else typer.Option(*meta.get("flags", ()), help=meta["help"]))
+                else typer.Option(*meta.get("flags", ()), help=meta["help"], rich_help_panel=meta.get("group")))
         parameters.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                             annotation=Annotated[kind, info]))
     return parameters

@@ -134,3 +134,19 @@ def stage_device(device: str | None, rank: Rank):
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank.rank % torch.cuda.device_count())))
     return torch.device("cpu")
+
+
+def check_local_gpus(env: Mapping[str, str] = os.environ) -> None:
+    """A launch of more processes on this machine than it has GPUs (a process count written for another
+    machine) stops in one line naming the flag, before every extra rank fails on a GPU that is not there
+    (CUDA's 'invalid device ordinal'). CPU ranks (no GPU visible) are not counted: gloo runs any number."""
+    import torch
+
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local is None or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if _parse_int(local, "LOCAL_WORLD_SIZE") > gpus:
+        raise LaionkitError(f"the launcher started {local} processes on this machine, which has {gpus} GPU(s): "
+                            f"start one per GPU (accelerate launch --num_processes {gpus} on one machine, the GPUs "
+                            f"of all machines on several; torchrun --nproc-per-node {gpus})")

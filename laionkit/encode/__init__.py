@@ -63,6 +63,7 @@ from laionkit.encode.reader import (
     bucket_sizes,
     caption_of,
     center_crop_box,
+    check_caption_key,
     check_count,
     checked_reads,
     crop_top_left,
@@ -122,6 +123,8 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
     output = Location.parse(str(config.output), options)
     inputs = find_shards(config.shards, log if rank.rank == 0 else (lambda _: None), options)
     shards = list(inputs)
+    if config.caption_key and shards:  # before any model loads
+        check_caption_key(shards[0], config.caption_key)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "encode")
     refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
     for role, spec in (("--keep", config.keep), ("--caption-scores", config.caption_scores)):
@@ -159,7 +162,7 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
             f"device {encoders.device}, decode {'gpu' if gpu_decode else 'cpu'}, dtype {settings['compute_dtype']}, "
             f"config {json.dumps(asdict(config), default=str)}")
     summary = {"rank": rank.rank, "shards": len(todo), "samples_out": 0, "skipped": 0, "empty_captions": 0,
-               "seconds": 0.0,
+               "upscaled": 0, "seconds": 0.0,
                "decoded": {}, "decode": "gpu" if gpu_decode else "cpu", "workers": min(config.workers, len(todo))}
     if todo:
         progress = tqdm(total=sum(counts[shard] for shard in todo), desc=f"encode rank {rank.rank}", unit="img",
@@ -179,6 +182,10 @@ def run(config: EncodeConfig, log: Callable[[str], None] = print, encoders: Enco
             f"{name} {counts['stored']:,} stored" + (f", {counts['missing']:,} missing" if counts["missing"] else "")
             + (f", {counts['scored']:,} scored" if counts["scored"] else "")
             for name, counts in manifest["caption_counts"].items()))
+    if summary["upscaled"] and not config.quiet:
+        log(f"laionkit encode: warning: {summary['upscaled']:,} samples upscaled: their crop is smaller than the "
+            f"{'bucket' if buckets else f'{config.resolution} px square'} encoded, so they train softer "
+            f"(counted as upscaled in the records; pack --min-image-size {config.resolution} leaves them out)")
     cost = manifest.get("bytes")
     if cost and cost["per_sample"] is not None and not config.quiet and rank.rank == 0:
         log(f"laionkit encode: {manifest['counts']['samples_out']:,} samples in {manifest['shards']['done']} shards, "
@@ -223,5 +230,5 @@ def _encode_shards(config, encoders, todo, buckets, gpu_decode, settings, models
         writer.abort(error)
         raise
     return {"samples_out": writer.samples_out, "skipped": writer.skipped, "empty_captions": writer.empty_captions,
-            "decoded": dict(writer.decoded),
+            "upscaled": writer.upscaled, "decoded": dict(writer.decoded),
             "seconds": time.perf_counter() - started if started else 0.0}

@@ -13,8 +13,8 @@ from laionkit.common import LaionkitError
 from laionkit.common.background import device_tensor
 from laionkit.common.jpeg import decode_jpegs, unjoin
 from laionkit.common.models import (
+    load_family_tokenizers,
     load_text_encoder,
-    load_tokenizer,
     load_vae,
     load_vae_config,
     text_tokenizer,
@@ -157,9 +157,7 @@ class Encoders:
         self.vae = load_vae(vae_source, dtype=self.vae_dtype).to(device, memory_format=self.layout)
         # AutoencoderDC has no posterior: moments.npy then holds the latent itself (C channels, not 2C)
         self.deterministic = vae_is_deterministic(self.vae)
-        self.tokenizers = [load_tokenizer(config.source(tok), tok) for tok, _ in self.family.text_encoders]
-        for tokenizer in self.tokenizers if self.family.text_window else ():
-            text_tokenizer(tokenizer).model_max_length = self.family.text_window  # the pipeline's, not the tokenizer's
+        self.tokenizers = load_family_tokenizers(self.family, config.source)
         self.text_encoders = [load_text_encoder(config.source(enc), dtype=self.dtype, component=enc).to(device)
                               for _, enc in self.family.text_encoders]
         self.tokenizer = text_tokenizer(self.tokenizers[0])  # the DataLoader workers' (num_tokens, truncated)

@@ -365,17 +365,45 @@ def _as_text(value) -> str:
     return str(value)
 
 
+def _member_text(value) -> str:
+    """A caption file's text without its line end: editors and ``echo`` end a .txt with one, which the LLM
+    text encoders' tokenizers would encode as a token of the caption."""
+    return _as_text(value).rstrip("\r\n")
+
+
 def caption_of(sample: dict, meta: dict | None, key: str | None = None) -> str:
     """A sample's caption: ``key`` (a member, else a json key) when given, else the first non-empty of
     the .txt and .caption members and json caption / text / TEXT; "" when there is none (counted as an
     empty caption in the shard's record)."""
     meta = meta if isinstance(meta, dict) else {}
     if key is not None:
-        return _as_text(sample[key] if key in sample else meta.get(key))
-    for text in (*(sample.get(member) for member in CAPTION_MEMBERS), *(meta.get(name) for name in CAPTION_JSON_KEYS)):
-        if _as_text(text).strip():
-            return _as_text(text)
+        return _member_text(sample[key]) if key in sample else _as_text(meta.get(key))
+    for text in (*(_member_text(sample.get(member)) for member in CAPTION_MEMBERS),
+                 *(_as_text(meta.get(name)) for name in CAPTION_JSON_KEYS)):
+        if text.strip():
+            return text
     return ""
+
+
+def check_caption_key(shard: Location, key: str) -> None:
+    """``--caption-key`` names a member or json key some sample of ``shard`` has (read until one does): a key
+    no sample has (img2dataset stores LAION's TEXT as ``caption``) would encode every caption empty."""
+    first = None
+    with ExitStack() as stream:
+        for sample in unit_samples(shard, stream):
+            try:
+                meta = json.loads(sample["json"]) if "json" in sample else {}
+            except ValueError:
+                meta = {}
+            meta = meta if isinstance(meta, dict) else {}
+            if key in sample or key in meta:
+                return
+            first = first or (sample, meta)
+    if first is not None:
+        sample, meta = first
+        members = ", ".join(name for name in sample if not name.startswith("__"))
+        raise LaionkitError(f"--caption-key {key}: no sample of {shard} has a member or json key {key!r} "
+                            f"(sample {sample['__key__']}: members {members}; json keys {', '.join(meta) or 'none'})")
 
 
 def drafted_box(box: tuple[int, int, int, int], scale: tuple[float, float]) -> tuple[float, float, float, float]:

@@ -87,6 +87,7 @@ def shard_record(done: ShardDone, written: ShardOutput, skips: list[dict], secon
     return {
         "shard": done.shard, "rank": rank, "samples_in": done.samples_in,
         "samples_out": written.samples, "truncated": written.truncated, "empty_captions": written.empty_captions,
+        "upscaled": written.upscaled,
         **({"not_kept": done.not_kept} if done.not_kept else {}),
         "skipped": dict(Counter(skip["reason"] for skip in skips)), "skips": skips,
         "sizes": dict(written.sizes), "bytes": written.bytes, "seconds": round(seconds, 3), "settings": settings,
@@ -193,7 +194,10 @@ def merge_records(output: Path | Location, expected: Sequence[str] | None = None
                    **({"not_kept": sum(r.get("not_kept", 0) for r in records)} if "keep" in settings else {}),
                    # samples encoded with an empty caption (none found, or blank); None: a record predates the count
                    "empty_captions": None if any("empty_captions" not in r for r in records)
-                   else sum(r["empty_captions"] for r in records)},
+                   else sum(r["empty_captions"] for r in records),
+                   # samples whose crop was enlarged to their size; None: a record predates the count
+                   "upscaled": None if any("upscaled" not in r for r in records)
+                   else sum(r["upscaled"] for r in records)},
         "skips": dict(sorted(skips.items())),
         **({"caption_counts": _caption_counts(settings["captions"], records)} if settings.get("captions") else {}),
         "sizes": dict(sorted(sizes.items())),
@@ -241,6 +245,8 @@ def summarize(folder: Path | Location):
     overview.add_row("truncated captions", f"{counts['truncated_captions']:,}")
     if counts.get("empty_captions") is not None:
         overview.add_row("empty captions", f"{counts['empty_captions']:,}")
+    if counts.get("upscaled"):
+        overview.add_row("upscaled", f"{counts['upscaled']:,} (crop smaller than the size encoded)")
     overview.add_row("resolution", str(manifest["resolution"]) + (" (buckets)" if manifest["buckets"] else ""))
     overview.add_row("latent", f"{manifest['vae']['latent_channels']} channels, /{manifest['vae']['downsample_factor']}, "
                                f"scaling {manifest['vae']['scaling_factor']}")

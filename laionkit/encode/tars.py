@@ -93,6 +93,7 @@ class ShardOutput:
         self.samples = 0
         self.truncated = 0
         self.empty_captions = 0
+        self.upscaled = 0  # samples whose crop is smaller than their size: enlarged, so softer than the others
         self.sizes: Counter = Counter()
         self.skips: list[dict] = []
         self.captions: dict[str, Counter] = {}  # --captions: per name, samples stored / truncated / scored
@@ -116,6 +117,7 @@ class ShardOutput:
             self.samples += 1
             self.truncated += record["truncated"]
             self.empty_captions += not record["caption"].strip()
+            self.upscaled += record["crop"][2] < record["size"][0] or record["crop"][3] < record["size"][1]
             self.sizes["x".join(map(str, record["size"]))] += 1
             for name, caption in record.get("captions", {}).items():  # --captions: what each name stored
                 counts = self.captions.setdefault(name, Counter())

@@ -39,6 +39,7 @@ class _Writer:
         self.samples_out = 0
         self.skipped = 0
         self.empty_captions = 0
+        self.upscaled = 0
         self.decoded: Counter = Counter()
         self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
         self.error: BaseException | None = None
@@ -115,6 +116,7 @@ class _Writer:
         self.samples_out += shard.samples
         self.skipped += len(skips)
         self.empty_captions += shard.empty_captions
+        self.upscaled += shard.upscaled
 
 
 def _host(stored: dict, trim: tuple | None) -> dict:

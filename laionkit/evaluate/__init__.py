@@ -139,7 +139,7 @@ def load_pipeline(folder: Path, device, dtype: str = "auto"):
         raise LaionkitError(f"--dtype {dtype}: expected auto, fp32, fp16 or bf16")
     torch_dtype = dtypes.get(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
-        pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch_dtype)
+        pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch_dtype)  # torch_dtype: deprecated, warns
     except pickle.UnpicklingError as error:  # a .bin weights file that torch's weights-only loader refused
         raise LaionkitError(f"PIPELINE {folder}: a weights file there is {weights_error(error)}") from None
     except (OSError, ValueError) as error:

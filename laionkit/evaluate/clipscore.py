@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from laionkit.common import LaionkitError
+from laionkit.common.clip_scores import open_clip_name
 from laionkit.common.models import weights_error
 
 # A small ViT CLIP in open_clip's config format (a model_configs/*.json file); the real BPE vocabulary.
@@ -35,16 +36,7 @@ def load_clip(model: str, pretrained: str | None, device: torch.device | str = "
     """(model, image preprocess, tokenizer) from open_clip's create_model_and_transforms."""
     import open_clip
 
-    name = model
-    config = Path(model).expanduser()
-    if model.endswith(".json"):
-        if not config.is_file():
-            raise LaionkitError(f"--clip-model {model}: no such model config file")
-        open_clip.add_model_config(config)
-        name = config.stem
-    elif not model.startswith(("hf-hub:", "local-dir:")) and model not in open_clip.list_models():
-        raise LaionkitError(f"--clip-model {model}: not an open_clip model name (open_clip.list_models()), "
-                            "hf-hub:ORG/REPO or a model config .json file")
+    name = open_clip_name(model)
     if pretrained and not model.startswith(("hf-hub:", "local-dir:")):
         weights = Path(pretrained).expanduser()
         known = pretrained in open_clip.list_pretrained_tags_by_model(name)

@@ -190,8 +190,9 @@ SPEC = register_family(FamilySpec(
     max_sequence_limit=512,  # FluxPipeline refuses more
     # On an H200 (torch 2.11, cuDNN 9.19) cuDNN's SDPA backward failed on Flux's attention (head dim 128,
     # RoPE'd q/k) in bare diffusers as in train, with or without checkpointing; flash, memory-efficient
-    # and math attention ran (docs/BENCHMARKS.md, train, fifth session).
+    # and math attention ran (in the git history of docs/BENCHMARKS.md, its fifth session).
     cudnn_attention=False,
+    pipeline_cut="laionkit.families.flux_stages",
     # T5-XXL's 512 states per sample are 4x the 1024 px latent; run online, they cost the 12B step a few
     # percent (docs/BENCHMARKS.md, "Flux stored vs online text"): online by default.
     default_text="online",

@@ -186,4 +186,5 @@ SPEC = register_family(FamilySpec(
     patch_size=2,  # SD3Transformer2DModel embeds 2x2 latent patches: an odd latent side fails in train's first step
     max_sequence_length=T5_MAX_LENGTH,  # T5's window; the CLIP pair's stays 77
     max_sequence_limit=512,  # StableDiffusion3Pipeline refuses more
+    pipeline_cut="laionkit.families.sd3_stages",
 ))

@@ -137,6 +137,13 @@ class FamilySpec:
     # pipelines or the denoiser take (Flux and SD3 refuse more than 512, Qwen-Image more than 1,024).
     max_sequence_length: int | None = None
     max_sequence_limit: int | None = None
+    # Pipeline parallelism (laionkit/trainer/pipeline_parallel.py): the module that cuts this family's denoiser
+    # into stages, imported on use. It gives ``stage(denoiser, blocks, first, last)`` (an nn.Module that runs
+    # those blocks as the denoiser's forward does, the embedders on the first stage and the final layers on
+    # the last), ``inputs(noisy, timestep, conditioning)`` (the first stage's positional inputs and every
+    # stage's keyword inputs) and ``layout(latents)`` (a latent in the last stage's output layout). None: the
+    # family is not cut (train --pipeline-stages refuses it in one line).
+    pipeline_cut: str | None = None
 
     def __post_init__(self) -> None:
         if self.encode_text is None:
@@ -204,6 +211,16 @@ class FamilySpec:
         if self.denoise is not None:
             return self.denoise(model, noisy, timestep, self.conditioning(cond))
         return model(noisy, timestep=timestep, **self.conditioning(cond), return_dict=False)[0]
+
+    def cut(self):
+        """The module of ``pipeline_cut``: how pipeline parallelism cuts this family's denoiser into stages."""
+        import importlib
+
+        if self.pipeline_cut is None:
+            raise LaionkitError(f"--pipeline-stages: family {self.name}'s denoiser has no pipeline cut (built for "
+                                f"{', '.join(n for n, s in _FAMILIES.items() if s.pipeline_cut) or 'none'}); "
+                                "train it with one pipeline stage (FSDP or DDP)")
+        return importlib.import_module(self.pipeline_cut)
 
     def member(self, key: str) -> str:
         """The per-sample tar member of a stored key (``states`` keeps SD's ``text.npy``)."""
@@ -303,9 +320,12 @@ def detect_family(source: str) -> FamilySpec:
     """
     import json
 
+    from laionkit.common.models import refuse_missing_folder
+
     for spec in _FAMILIES.values():
         if source in spec.presets:
             return spec
+    refuse_missing_folder(source)
     path = Path(source).expanduser()
     index = None
     if path.is_dir():

@@ -27,6 +27,7 @@ before the split is still importable from here.
 from __future__ import annotations
 
 import queue
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +148,11 @@ def run_in(config: FilterConfig, rank: Rank, output: Location, staging: str | No
     done = existing_parts(output)
     todo = [unit for unit in mine if unit.index not in done]
     if not config.quiet:
+        given = parse_renames(config.rename)
+        for old, new in plan.renames.items():
+            if old not in given:  # plan.source_renames: said once, as the rules read the name differently
+                print(f"laionkit filter: {old} read as {new} ({old.lower()} is the image's, as img2dataset "
+                      "measured it)", file=sys.stderr)
         tqdm.write(
             f"laionkit filter: rank {rank.rank}/{rank.world_size}, {len(mine)} of {len(plan.units)} units "
             f"({len(mine) - len(todo)} already done), "

@@ -64,7 +64,7 @@ def write_sidecar(path: Location, record: dict, plan: Plan, connection: duckdb.D
     """``record`` in the footer of a parquet file with the columns of a part of the plan's first input and
     no row group (DuckDB writes none for no rows): readers of the folder get the same schema, no row."""
     file = plan.files[0]
-    columns = [f"{quote(name)} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
+    columns = [f"{quote(file.scanned[name])} AS {quote(plan.renames.get(name, name))}" for name in file.schema.names]
     columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in plan.scores]
     output = [plan.renames.get(name, name) for name in file.schema.names] + [spec.name for spec in plan.scores]
     source = (f"SELECT {', '.join(columns)}, 0::BIGINT AS __laionkit_row "
@@ -94,7 +94,8 @@ def prepare_output(output: Location, plan: Plan, rank: Rank, overwrite: bool,
     if (output / LEGACY_PLAN_NAME).is_complete() and not overwrite:
         raise LaionkitError(f"{output} was filtered by an older laionkit ({LEGACY_PLAN_NAME}); "
                             "use --overwrite to redo it, or another --output")
-    if plan_path is not None and not overwrite:
+    if plan_path is not None and not overwrite and (existing_parts(output) or stats_paths(output)):
+        # only a plan some unit was filtered by: a run that failed before any unit is retried with other arguments
         found = read_record(plan_path)
         refuse_changed_inputs(plan_path, found, plan.record)
         refuse_other_settings(plan_path, found, plan.record, "filtered",

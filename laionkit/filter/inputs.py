@@ -7,6 +7,7 @@ spans two files.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -35,6 +36,22 @@ class InputFile:
 
     def open(self) -> pq.ParquetFile:
         return pq.ParquetFile(self.location.open_read() if self.location else self.path)
+
+    @functools.cached_property
+    def scanned(self) -> dict[str, str]:
+        """Each column's name as DuckDB reads the file: names equal but for case would be one to SQL, so DuckDB
+        gives every later one a ``_N`` suffix (``width``, ``WIDTH`` -> ``width``, ``WIDTH_1``)."""
+        counts: dict[str, int] = {}
+        taken: set[str] = set()
+        names = {}
+        for name in self.schema.names:
+            scanned = name
+            while scanned.lower() in taken:
+                counts[name.lower()] = counts.get(name.lower(), 0) + 1
+                scanned = f"{name}_{counts[name.lower()]}"
+            taken.add(scanned.lower())
+            names[name] = scanned
+        return names
 
 
 @dataclass(frozen=True)

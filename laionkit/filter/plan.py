@@ -35,6 +35,7 @@ from laionkit.filter.joins import Join, find_score_tables, plan_join
 from laionkit.filter.rules import Rule, alias_names, parse_renames, parse_rule, preset_rules
 from laionkit.filter.sql import INTERNAL_PREFIX, glob_literal, literal, lock_down, quote
 from laionkit.filter.top import top_rule, top_specs
+from laionkit.pack.plan import RESERVED_COLUMNS
 
 
 @dataclass
@@ -111,6 +112,7 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
         versions_of[str(location)] = version
     if not files:
         raise LaionkitError(f"every input is unreadable: {'; '.join(b['error'] for b in bad)}")
+    renames = {**source_renames(files, renames), **renames}
     for location in {file.location.protocol: file.location for file in files if file.location}.values():
         storage.register_with_duckdb(connection, location)  # one fsspec filesystem per protocol
     join = None
@@ -153,6 +155,20 @@ def make_plan(config: FilterConfig, connection: duckdb.DuckDBPyConnection, writa
                                    **({"by_shard": True} if join.by_shard else {})}  # a key join's plan stays
     return Plan(files, bad, units, rules, scores, renames, record,
                 labels={rule.expr: found["rule"] for rule, found in tops}, join=join)
+
+
+def source_renames(files: Sequence[InputFile], renames: dict[str, str]) -> dict[str, str]:
+    """Input columns named like one img2dataset measures but for case (pack of laion2B-en rows carries LAION's
+    claimed ``WIDTH`` beside the ``width`` of the pixels it saved): DuckDB cannot tell them apart, so the
+    input's own one is read as ``source_<name>``, the name pack gives such a column, and rules on ``width``
+    mean the image's. Not where the user renames either one."""
+    found = {}
+    for file in files:
+        names = set(file.schema.names)
+        for name in sorted(names - RESERVED_COLUMNS):
+            if name.lower() in RESERVED_COLUMNS & names and not {name, name.lower()} & set(renames):
+                found[name] = f"source_{name}"
+    return found
 
 
 def renamed_schema(schema: pa.Schema, renames: dict[str, str], scores: Sequence[ScoreSpec],
@@ -246,7 +262,7 @@ def empty_relation(file: InputFile, renames: dict[str, str], scores: Sequence[Sc
     DuckDB reads only the file's footer for it, and no pandas import (an arrow table would cost one)."""
     joined = [field.name for field in join.columns] if join else []
     output = [renames.get(name, name) for name in file.schema.names] + [spec.name for spec in scores] + joined
-    columns = [f"{quote(name)} AS {quote(renames.get(name, name))}" for name in file.schema.names]
+    columns = [f"{quote(file.scanned[name])} AS {quote(renames.get(name, name))}" for name in file.schema.names]
     columns += [f"NULL::FLOAT AS {quote(spec.name)}" for spec in scores] + [quote(name) for name in joined]
     aliases = "".join(f", {quote(name)} AS {quote(alias)}" for alias, name in alias_names(output).items())
     source = f"read_parquet({literal(glob_literal(file.path))})"

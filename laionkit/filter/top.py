@@ -95,7 +95,7 @@ def top_rule(spec: TopSpec, files: Sequence[InputFile], renames: dict[str, str],
         source = f"read_parquet({literal(glob_literal(file.path))}, file_row_number = true)"
         if score_field is not None:  # the units' join, by key (a key without a score row: null, not ranked)
             source = f"({join.joined(f'SELECT * FROM {source}', file.path)})"
-        column_sql = quote(score_field.name if score_field is not None else target)
+        column_sql = quote(score_field.name if score_field is not None else file.scanned[target])
         selects.append(f"SELECT {column_sql}::DOUBLE AS v, file_row_number + {base} AS pos FROM {source}")
         base += file.rows
     valid = "v IS NOT NULL" + (" AND NOT isnan(v)" if floats else "")

@@ -94,7 +94,7 @@ class UnitFilter:
             s.spec.name for s in self.scorers
         ] + joined
         columns = [
-            f"{quote(name)} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names
+            f"{quote(file.scanned[name])} AS {quote(self.plan.renames.get(name, name))}" for name in file.schema.names
         ]
         columns += [quote(s.spec.name) for s in self.scorers] + [quote(name) for name in joined] + ["__laionkit_row"]
         columns.append(f"__laionkit_row + {self.plan.bases[unit.file]} AS __laionkit_gpos")  # --top's input order

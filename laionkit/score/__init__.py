@@ -35,7 +35,14 @@ from laionkit.common.clip_scores import ClipChoice, ScoreSpec, build_scorer, sco
 from laionkit.common.cudagraphs import Graphed
 from laionkit.common.storage import Location
 from laionkit.common.upstream import refuse_incomplete_folders
-from laionkit.encode.reader import ShardDone, checked_reads, find_shards, rank_todo, shard_stem
+from laionkit.encode.reader import (
+    ShardDone,
+    check_caption_key,
+    checked_reads,
+    find_shards,
+    rank_todo,
+    shard_stem,
+)
 from laionkit.score.config import DEVICE_PIXEL_MODES, ScoreConfig
 from laionkit.score.models import (
     IMAGENET_MEAN,
@@ -250,6 +257,8 @@ def run(config: ScoreConfig, log: Callable[[str], None] = print, scorers: Scorer
     shards = list(inputs)
     storage.refuse_overlap([*(Location.parse(spec, options) for spec in config.shards), *shards], output, "score")
     refuse_incomplete_folders(config.shards, "input", config.allow_incomplete, log, options)
+    if config.caption_key and shards:  # as encode: before any model loads
+        check_caption_key(shards[0], config.caption_key)
     storage.claim_output(output, "score", config.overwrite)
     if output.local:
         os.makedirs(output.path, exist_ok=True)

@@ -165,14 +165,15 @@ def ranks_differ(found: list[str], step: int) -> str | None:
 
 
 def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep: int,
-                    config: TrainConfig, extra_states: dict) -> Path:
+                    config: TrainConfig, extra_states: dict, rank_tensors: dict | None = None) -> Path:
     """All ranks write into a hidden temporary folder; rank 0 renames it once every rank is done.
 
     Everything a resume reads is data, never code: accelerate's weights (safetensors) and optimizer /
     scheduler files (loaded with weights_only=True), the rank records as JSON, and the master / EMA
     weights (``extra_states``, written by rank 0: equal on every rank) as plain tensors. trainer.json,
     written last, records the size and sha256 of every file, so a damaged checkpoint is found before
-    anything is loaded from it."""
+    anything is loaded from it. ``rank_tensors`` (a pipeline stage's weights and optimizer state, differing by
+    rank) are written by every rank as NAME-rank-RRRRR.pt."""
     final = checkpoint_dir(output, step)
     main = accelerator.is_main_process
     space = disk_full_is_one_line(partial_path(final), step, output)
@@ -181,6 +182,8 @@ def save_checkpoint(accelerator, output: Path, step: int, rank_state: dict, keep
         folder = tmp if main else partial_path(final)
         accelerator.save_state(str(folder))
         (folder / f"rank-{accelerator.process_index:05d}.json").write_text(json.dumps(rank_state))
+        for name, state in (rank_tensors or {}).items():
+            torch.save(state, folder / f"{name}-rank-{accelerator.process_index:05d}.pt")
         if main:
             for name, state in extra_states.items():
                 torch.save(state, folder / f"{name}.pt")

@@ -290,7 +290,7 @@ def plan_stages(config: TrainConfig, data: LatentSet, world: int) -> Schedule:
     """--stage: a schedule of latent folders (e.g. low resolution first), each for its number of steps;
     LATENTS (``data``) first, for --max-steps or --epochs of its samples."""
     global_batch = config.batch_size * config.grad_accum * world
-    max_steps = config.max_steps or math.ceil(config.epochs * data.samples / global_batch)
+    max_steps = config.max_steps or math.ceil((config.epochs or 1) * data.samples / global_batch)  # one epoch by default
     stages = [(config.latents, data, max_steps)]
     for folder, steps in config.later_stages():
         stages.append((folder, same_model_latents(stages[0], folder, open_latents(folder)), steps))

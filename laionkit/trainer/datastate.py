@@ -24,6 +24,7 @@ from laionkit.common.storage import Location
 from laionkit.trainer.data import layout_key
 from laionkit.trainer.latent_order import DataProgress
 from laionkit.trainer.latent_stream import StreamLayout, latent_loader
+from laionkit.trainer.pipeline_parallel import data_ranks
 
 # What an elastic resume may change; everything else of the layout key (seed, shuffle buffer, shards,
 # stages) must stay, shards but for those --add-shards appends.
@@ -194,8 +195,8 @@ def stream_layout(trainer, state: DataState) -> StreamLayout:
     """This rank's stream for ``state``: the stage's shards in id order (added shards last)."""
     config, latents = trainer.config, trainer.schedule.stages[state.stage][1]
     paths = {Location.parse(path).name: path for path in latents.shards}
-    return StreamLayout(tuple(paths[name] for name, _, _ in state.shards), trainer.accelerator.process_index,
-                        trainer.accelerator.num_processes, config.workers, config.batch_size, config.seed,
+    return StreamLayout(tuple(paths[name] for name, _, _ in state.shards),
+                        *data_ranks(config, trainer.accelerator), config.workers, config.batch_size, config.seed,
                         config.shuffle_buffer, bucketed=latents.bucketed, samples=tuple(state.progress.counts),
                         caption_mix=trainer.layouts[state.stage].caption_mix,
                         caption_names=trainer.layouts[state.stage].caption_names)

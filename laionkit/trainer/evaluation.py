@@ -15,6 +15,7 @@ from laionkit.trainer.data import LatentSet
 from laionkit.trainer.latent_stream import (
     collate,
 )
+from laionkit.trainer.metrics import log_images
 from laionkit.trainer.objective import OnlineText, drop_captions
 
 
@@ -39,6 +40,54 @@ def validation_conditioning(data: LatentSet, count: int, online: OnlineText | No
     if online is not None:  # token ids, encoded by the run's own text encoders
         return captions, {key: value.cpu() for key, value in online(batch, online.device, online.dtype).items()}
     return captions, {key: batch["text" if key == "states" else key] for key in data.family.stored}
+
+
+def read_prompts(values: tuple[str, ...]) -> list[str]:
+    """--validation-prompts: each value a prompt, or a .txt file of prompts (one per line, blank lines
+    skipped)."""
+    prompts = []
+    for value in values:
+        if not value.endswith(".txt"):
+            prompts.append(value)
+            continue
+        try:
+            lines = Location.parse(value).read_bytes().decode().splitlines()
+        except (OSError, UnicodeDecodeError, LaionkitError) as error:
+            raise LaionkitError(f"--validation-prompts {value}: cannot read it as a text file of prompts ({error})") \
+                from None
+        found = [line.strip() for line in lines if line.strip()]
+        if not found:
+            raise LaionkitError(f"--validation-prompts {value}: no prompt in it (one per line)")
+        prompts += found
+    return prompts
+
+
+def prompt_texts(data: LatentSet, prompts: list[str], device) -> dict[str, torch.Tensor]:
+    """The stored text tensors (by stored key, on the host) of ``prompts``, encoded as encode encoded the
+    latents' captions: the manifest's tokenizers and text encoders, its --text-layer, the family's caption
+    window, trimmed and zero-padded to the longest as a batch of stored text collates. The encoders are loaded
+    for this alone and dropped after."""
+    from laionkit.common.models import load_family_tokenizers, load_text_encoder
+
+    family = data.family
+    components = [name for pair in family.text_encoders for name in pair]
+    missing = [name for name in components if not (data.models.get(name) or {}).get("source")]
+    if missing:
+        raise LaionkitError(f"--validation-prompts: {data.manifest} names no {missing[0]} model to encode them with")
+    tokenizers = load_family_tokenizers(family, lambda name: data.models[name]["source"])
+    encoders = [load_text_encoder(data.models[enc]["source"], component=enc).to(device)
+                for _, enc in family.text_encoders]
+    layer = (Location.parse(data.manifest).read_json().get("text") or {}).get("layer") or "last"  # SD's --text-layer
+    with torch.no_grad():
+        found = family.encode_text(tokenizers, encoders, prompts, **({"layer": layer} if family.encode_ids else {}))
+    found = {key: found[key].float().cpu() for key in family.stored}
+    lengths = family.text_lengths(found)
+    if lengths is not None:
+        longest = int(lengths.max())
+        for key in family.trimmed:
+            kept = torch.arange(longest) < lengths[:, None]
+            found[key] = found[key][:, :longest] * kept.view(*kept.shape, *[1] * (found[key].dim() - 2))
+    return found
 
 
 # Pipeline keyword of each stored key (the negative_ version takes the empty caption's).
@@ -154,7 +203,8 @@ def sample_latents(unet, vae, noise_scheduler, texts: dict, empty: dict, data: L
 
 def validation_prompts(trainer) -> tuple | None:
     """--validate-every: the VAE and the fixed prompts' text tensors (on every rank: under FSDP the
-    forward pass needs them all); rank 0 writes the prompts to RUN/samples/prompts.txt."""
+    forward pass needs them all), --validation-prompts' or the first captions'; rank 0 writes the prompts to
+    RUN/samples/prompts.txt."""
     config, data = trainer.config, trainer.data
     if not config.validate_every:
         return None
@@ -162,7 +212,11 @@ def validation_prompts(trainer) -> tuple | None:
 
     if data.vae_source is None:
         raise LaionkitError(f"{config.latents}/manifest.json names no VAE, needed for --validate-every")
-    captions, texts = validation_conditioning(data, config.validation_count, trainer.online)
+    if config.validation_prompts:
+        captions = read_prompts(config.validation_prompts)
+        texts = prompt_texts(data, captions, trainer.device)
+    else:
+        captions, texts = validation_conditioning(data, config.validation_count, trainer.online)
     if trainer.accelerator.is_main_process:
         (config.output / "samples").mkdir(exist_ok=True)
         (config.output / "samples" / "prompts.txt").write_text("\n".join(captions) + "\n")
@@ -179,3 +233,4 @@ def validation_grid(trainer, validation: tuple, latents: LatentSet) -> None:
     t.unet.train()
     if t.accelerator.is_main_process:
         save_image_grid(images, t.config.output / "samples" / f"step-{t.step:06d}.png")
+        log_images(t.accelerator, "validation", images, t.step)

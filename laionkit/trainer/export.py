@@ -15,9 +15,9 @@ from laionkit.common import (
     atomic_output,
 )
 from laionkit.trainer.exportrecord import record_export, stale_export
-from laionkit.trainer.pipeline_folder import _base, merge_lora, write_pipeline
+from laionkit.trainer.pipeline_folder import PIPELINE, _base, merge_lora, write_pipeline
 from laionkit.trainer.precision import MasterWeights
-from laionkit.trainer.singlefile import write_single_files
+from laionkit.trainer.singlefile import SINGLE_FILE_FAMILIES, single_file_family, write_single_files
 from laionkit.trainer.trainchecks import FILE_MODES, FORMATS, parse_formats
 
 
@@ -73,15 +73,18 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
 
 # --- the exports besides the denoiser: RUN/pipeline, single files (laionkit/trainer/pipeline_folder.py, singlefile.py) ---
 
-def after_training(accelerator, config, data, noise_scheduler) -> None:
-    """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for."""
+def after_training(accelerator, config, data, noise_scheduler) -> list[str]:
+    """train's finish hook (rank 0 writes, every rank waits): RUN/pipeline and the single files asked for;
+    returns what rank 0 wrote, relative to the run folder."""
     formats = parse_formats(config.export, config.lora_rank is not None)
+    written = []
     if formats and accelerator.is_main_process:
         run, base = Path(config.output), _base(config, data.family)
         merged = merge_lora(run, data.family, base, config.ema) if config.lora_rank is not None else None
         folder = write_pipeline(run, data.family, data.models, base=base, noise_scheduler=noise_scheduler,
                                 use_ema=config.ema, files=config.export_files, denoiser=merged)
         accelerator.print(f"pipeline: {folder} (DiffusionPipeline.from_pretrained loads it)")
+        written.append(folder.name)
         window = data.family.given_max_sequence_length
         if window is not None:
             accelerator.print(f"pipeline: trained on a caption window of {window} tokens (encode "
@@ -89,28 +92,55 @@ def after_training(accelerator, config, data, noise_scheduler) -> None:
         if "single-file" in formats:
             for path in write_single_files(Path(config.output)):
                 accelerator.print(f"single file: {path}")
+                written.append(path.relative_to(config.output).as_posix())
     accelerator.wait_for_everyone()
+    return written
+
+
+def written_files(run: Path, names: list[str]) -> tuple[str, ...]:
+    """What a finished run wrote, relative to its folder, for the run's last line: a LoRA folder as the weights
+    files in it (what load_lora_weights and ComfyUI are given), other folders and files as named."""
+    found = []
+    for name in names:
+        files = sorted(path.name for path in (run / name).glob("*.safetensors")) if name.startswith("lora") else []
+        found += [f"{name}/{file}" for file in files] or [name]
+    return tuple(found)
 
 
 # --- `laionkit export RUN`: the same exports of a finished run folder --------------------------------------
 
-def export_run(run: Path, formats: str, files: str = "copy") -> list[Path]:
+def export_run(run: Path, formats: str, files: str = "copy", log=print) -> list[Path]:
     """The exports ``formats`` asks for, of a finished run folder: the pipeline rebuilt from the run's own
     record (its newest checkpoint's trainer.json: latents, base, schedule; a LoRA run's adapters merged into that
-    base), single files from RUN/pipeline."""
+    base), single files from RUN/pipeline; ``auto``: export_auto."""
     names = [part.strip() for part in formats.split(",") if part.strip()]
     bad = [name for name in names if name not in FORMATS]
-    if bad or not names:
-        raise LaionkitError(f"--format {formats!r}: a comma-separated list of {', '.join(FORMATS)}")
+    if names != ["auto"] and (bad or not names):
+        raise LaionkitError(f"--format {formats!r}: auto or a comma-separated list of {', '.join(FORMATS)}")
     if files not in FILE_MODES:
         raise LaionkitError(f"--export-files {files!r}: choose from {', '.join(FILE_MODES)}")
     _refuse_stale(run)
+    if names == ["auto"]:
+        return export_auto(run, files, log)
     written = []
     if "pipeline" in names:
         written.append(_rebuild_pipeline(run, files))
     if "single-file" in names:
         written += write_single_files(run)
     return written
+
+
+def export_auto(run: Path, files: str, log=print) -> list[Path]:
+    """`laionkit export RUN` as given: the single file ComfyUI loads where the family has one (sd, sdxl, sd3,
+    flux), else the pipeline folder, which is what loads the others; RUN/pipeline is rebuilt first where the run
+    has none (a LoRA run, --export none), since single files are converted from it."""
+    pipeline = run / PIPELINE
+    written = [] if (pipeline / "model_index.json").is_file() else [_rebuild_pipeline(run, files)]
+    if single_file_family(pipeline) is not None:
+        return [*written, *write_single_files(run)]
+    log(f"{run}: this family has no single-file checkpoint (those exist for {', '.join(SINGLE_FILE_FAMILIES)}); "
+        f"its export is the pipeline folder, {pipeline}")
+    return written or [pipeline]
 
 
 def _stopped(run: Path, checkpoint: Path) -> str:

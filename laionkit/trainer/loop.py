@@ -31,6 +31,7 @@ from laionkit.common import (
     storage,
 )
 from laionkit.common.caption_mix import parse_mix
+from laionkit.common.ranks import check_local_gpus
 from laionkit.common.storage import ReadCache
 from laionkit.families import Objective
 from laionkit.trainer import (
@@ -43,6 +44,7 @@ from laionkit.trainer import (
     lora,
     memory,
     offload,
+    pipeline_parallel,
     runfolder,
     trainchecks,
     valloss,
@@ -62,7 +64,7 @@ from laionkit.trainer.checkpoint import (
 from laionkit.trainer.config import TrainConfig, TrainResult
 from laionkit.trainer.data import LatentSet, Schedule, layout_key, open_latents, plan_stages
 from laionkit.trainer.evaluation import validation_grid, validation_prompts
-from laionkit.trainer.export import after_training, export
+from laionkit.trainer.export import after_training, export, written_files
 from laionkit.trainer.latent_stream import (
     StreamLayout,
     end_workers,
@@ -141,6 +143,7 @@ class Trainer:
     data_key: dict = field(default_factory=dict)
     data_state: datastate.DataState | None = None  # what the run trained, marked batch by batch
     remote: runfolder.RunFolder | None = None
+    pipeline: pipeline_parallel.Pipeline | None = None  # --pipeline-stages: this rank's stages, their schedule
 
     @property
     def device(self) -> torch.device:
@@ -159,6 +162,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
+    check_local_gpus()  # a launch config's process count written for another machine
     timeout = config.pg_timeout_minutes
     group = {**({"timeout": timedelta(minutes=timeout)} if timeout else {}), **zero.process_group()}
     fsdp.hold_parallelism_on_cpu()  # HSDP on CPU ranks: honor_fsdp_on_cpu sets it (laionkit/trainer/fsdp.py)
@@ -193,7 +197,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
             f"--rank/--world-size say {launcher.rank}/{launcher.world_size} but the launcher started "
             f"{accelerator.process_index}/{accelerator.num_processes}: train takes ranks from accelerate/torchrun"
         )
-    world = accelerator.num_processes
+    data_rank, world = pipeline_parallel.data_ranks(config, accelerator)  # a pipeline's ranks share its data
     if config.ema and accelerator.distributed_type == DistributedType.FSDP:
         raise LaionkitError("--ema needs whole parameters on every rank: use DDP or DeepSpeed ZeRO-2, not FSDP")
     zero.check(config, accelerator)  # ZeRO-3's refusals (laionkit/trainer/zero.py)
@@ -229,7 +233,7 @@ def setup(config: TrainConfig, remote: runfolder.RunFolder | None = None,
     trainer = build(config, accelerator, data, schedule, objective, optimizer_factory)
     if config.checkpointing.strip().lower() == "auto":  # measured on the built model, before the first step
         memory.auto_checkpointing(trainer)
-    trainer.layouts = [StreamLayout(latents.shards, accelerator.process_index, world, config.workers,
+    trainer.layouts = [StreamLayout(latents.shards, data_rank, world, config.workers,
                                     config.batch_size, config.seed, config.shuffle_buffer, bucketed=latents.bucketed,
                                     caption_mix=mix, caption_names=latents.captions)
                        for _, latents, _ in schedule.stages]
@@ -255,18 +259,24 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     # From scratch on a GPU, the weights are drawn there: seconds for Flux-12B instead of minutes on the CPU
     # (and no 48 GB fp32 copy in host memory). Seeded alike on every rank; DDP broadcasts rank 0's anyway.
     home = offload.build_device(accelerator)  # the host under --cpu-offload, until FSDP2 shards the model
-    with torch.device(home) if config.unet is None and home.type == "cuda" else nullcontext():
+    # (a pipeline's ranks build on the host: each moves only its stages onto its GPU)
+    with torch.device(home) if config.unet is None and home.type == "cuda" and config.pipeline_stages == 1 \
+            else nullcontext(), lora.drawn_in_low_precision(config, accelerator):
         unet = build_unet(config, data, home)  # --base-dtype: quantized as it loads, there
     trainchecks.check_guidance(config, data.family, unet)
-    # --cpu-offload: the host until FSDP2 shards it; else the device (--block-swap: some blocks stay on the host)
-    unet = unet.to(home) if config.cpu_offload else blockswap.place(unet, config, data.family, accelerator)
+    pipeline = None
+    if config.pipeline_stages > 1:  # this rank's stages on the device (laionkit/trainer/pipeline_parallel.py)
+        pipeline = pipeline_parallel.place(unet, config, data, schedule, objective, accelerator)
+    else:  # --cpu-offload: the host until FSDP2 shards it; else the device (--block-swap: some on the host)
+        unet = unet.to(home) if config.cpu_offload else blockswap.place(unet, config, data.family, accelerator)
     if config.lora_rank is not None:  # LoRA hook: freeze the base, add adapters (laionkit/trainer/lora.py)
         lora.attach(unet, config, accelerator, data.family)
     if objective.guidance is not None and not getattr(unet.config, "guidance_embeds", False):
         objective = replace(objective, guidance=None)  # no guidance embedding to feed
     noise_scheduler = load_noise_scheduler(config, data.family) if objective.kind == "ddpm" else None
     shapes = schedule.shapes()
-    model_flops = [flops_per_sample(unet, data, home, shapes[key], objective) for key in schedule.buckets]
+    model_flops = [flops_per_sample(unet, data, home, shapes[key], objective) / config.pipeline_stages
+                   for key in schedule.buckets]  # a pipeline's ranks count a share each: the model's in all
     if config.gradient_checkpointing:
         accelerator.print("warning: --gradient-checkpointing is deprecated; it is --checkpointing blocks now")
     interval = config.checkpoint_interval()
@@ -291,8 +301,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
     blockswap.attach(unet, config, data.family, accelerator)  # --block-swap N (laionkit/trainer/blockswap.py)
     unet.train()
     full_bf16 = full_bf16_policy(config, accelerator, unet)
-    master = MasterWeights(accelerator, unet) if MasterWeights.wanted(config, accelerator) else None
-    trained = master.master if master is not None else [p for p in unet.parameters() if p.requires_grad]
+    master = MasterWeights(accelerator, unet) if pipeline is None and MasterWeights.wanted(config, accelerator) else None
+    held = unet if pipeline is None else pipeline.stages  # a pipeline's rank trains its stages' weights
+    trained = master.master if master is not None else [p for p in held.parameters() if p.requires_grad]
     lr = scaled_lr(config, schedule.global_batch)
     optimizer = optimizer_factory(config, trained, lr, device)
     ema = None
@@ -309,8 +320,9 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         fsdp_wrap_units(accelerator.state.fsdp_plugin, unet, data.family, accelerator.print)
     # --block-swap: placed above; accelerate's .to(device) would bring the host's blocks back
     placement = [False, True] if config.block_swap else None
-    unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=placement)
-    if config.lora_rank is not None:  # LoRA hook: checkpoints hold the adapters, not the frozen base
+    if pipeline is None:  # a pipeline's stages average over their replicas themselves (not DDP)
+        unet, optimizer = accelerator.prepare(unet, optimizer, device_placement=placement)
+    if config.lora_rank is not None and pipeline is None:  # LoRA hook: checkpoints hold the adapters, not the base
         lora.register_checkpoint_hooks(accelerator, unet, config, data.family)
     # DeepSpeed and MasterWeights hold the weights in bf16/fp16 (no autocast): inputs must follow them.
     input_dtype = next(unet.parameters()).dtype
@@ -339,9 +351,10 @@ def build(config: TrainConfig, accelerator, data: LatentSet, schedule: Schedule,
         noise_scheduler=noise_scheduler, online=online, input_dtype=input_dtype,
         empty={key: value.to(device, input_dtype) for key, value in (online.empty() if online else data.empty).items()},
         model_flops=model_flops,
-        generator=torch.Generator(device).manual_seed(config.seed * 1_000_003 + accelerator.process_index),
+        generator=torch.Generator(device).manual_seed(
+            config.seed * 1_000_003 + pipeline_parallel.data_ranks(config, accelerator)[0]),
         bucket_samples=[0] * len(schedule.buckets), nonfinite=torch.zeros((), device=device),
-        grad_norm=torch.zeros((), device=device),
+        grad_norm=torch.zeros((), device=device), pipeline=pipeline,
     )
 
 
@@ -358,14 +371,17 @@ def resume(trainer: Trainer) -> Path | None:
         return None
     records = datastate.read_records(folder)
     check_world_size(folder, accelerator.distributed_type, len(records), accelerator.num_processes)
-    lora.check_resume(folder, config, t.data.family)
+    if t.pipeline is None:  # a pipeline's stages check their own part as it loads
+        lora.check_resume(folder, config, t.data.family)
     datastate.check_caption_mix(folder, records[0].get("layout", {}), t.data_key, config.allow_caption_mix_change,
                                 accelerator.print)
     refuse_other_settings(folder, datastate.fixed_key(records[0].get("layout", {}), config.add_shards),
                           datastate.fixed_key(t.data_key, config.add_shards), "written",
                           "resume needs the same latent shards (names, sample counts, sizes; --add-shards "
                           "takes shards appended since), --seed, --shuffle-buffer and --stage schedule")
-    if checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
+    if t.pipeline is not None:  # each stage's part (laionkit/trainer/pipeline_parallel.py)
+        t.pipeline.load(t, folder, len(records))
+    elif checkpoint_async.is_dcp(folder):  # either layout, whichever --checkpoint-writer this run has
         checkpoint_async.load(t, folder)
     else:
         load_checkpoint_state(accelerator, folder, t.extra_states)
@@ -418,6 +434,7 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
     trained on."""
     t, config = trainer, trainer.config
     step_keys, step_epochs, step_captions, step_loss = [], [], [], torch.zeros((), device=t.device)
+    micro = []  # --pipeline-stages: the step's micro-batches, which the pipeline runs together
     for _ in range(config.grad_accum):
         waited = time.perf_counter()
         batch = next(batches)
@@ -428,12 +445,18 @@ def train_step(trainer: Trainer, batches, stage: int, window: MetricsWindow) -> 
         step_epochs += batch["epoch"].tolist() if "epoch" in batch else []
         step_captions += batch.get("caption", [])
         bucket = t.schedule.bucket(stage, batch["moments"].shape[1:])
-        t.bucket_samples[bucket] += len(batch["key"])
+        if t.pipeline is None or t.pipeline.first:  # one rank counts a pipeline's samples
+            t.bucket_samples[bucket] += len(batch["key"])
         window.flops += t.model_flops[bucket] * len(batch["key"])
         moments = batch["moments"].to(t.device, non_blocking=True)
         cond = batch_conditioning(batch, t.data, t.device, t.input_dtype, t.online)
+        if t.pipeline is not None:
+            micro.append((moments, cond))
+            continue
         loss = micro_step(t, moments, cond, window.times)
         step_loss += loss.detach().float() / config.grad_accum
+    if t.pipeline is not None:
+        step_loss = t.pipeline.step(t, micro)
     t.nonfinite = torch.where(torch.isfinite(step_loss), torch.zeros_like(t.nonfinite), t.nonfinite + 1)
     window.add(step_loss, t.nonfinite)
     t.lr_scheduler.step()
@@ -472,7 +495,8 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     t, config, accelerator = trainer, trainer.config, trainer.accelerator
     step, output = t.step, config.output
     # the writer compares the ranks' weights in the background, on its staged copy
-    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None else None
+    # (a pipeline's ranks hold different stages: nothing to compare)
+    fingerprint = weights_fingerprint(accelerator, t.unet, t.master) if writer is None and t.pipeline is None else None
     check_ranks_agree(accelerator, fingerprint, step)
     healthy = t.nonfinite.item() == 0 and (fingerprint is None or fingerprint[1])
     if not accelerator.reduce(torch.tensor(float(healthy), device=t.device), "min").item():
@@ -488,7 +512,8 @@ def checkpoint(trainer: Trainer, writer: checkpoint_async.CheckpointWriter | Non
     if writer is not None:
         return writer.save(t, rank_state, wait)
     folder = save_checkpoint(accelerator, output, step, rank_state, config.keep_checkpoints,
-                             config, {name: obj.state_dict() for name, obj in t.extra_states.items()})
+                             config, {name: obj.state_dict() for name, obj in t.extra_states.items()},
+                             t.pipeline and {"pipeline": t.pipeline.state(t)})
     if t.remote is not None:  # uploaded, done record last, older ones pruned in the bucket
         t.remote.checkpoint_saved(accelerator, folder, config.keep_checkpoints)
     return folder
@@ -509,23 +534,31 @@ def validation_loss(trainer: Trainer, valset) -> dict:
     return {**losses, "val_samples": len(valset.keys)}
 
 
-def finish(trainer: Trainer) -> None:
+def finish(trainer: Trainer) -> tuple[str, ...]:
     """After the last step: the samples seen per bucket, the export (the denoiser, or the LoRA adapters)
-    and, for a remote run folder, its upload and done record."""
+    and, for a remote run folder, its upload and done record. Returns what rank 0 wrote, relative to the run
+    folder (other ranks: nothing), for the run's last line."""
     t, accelerator = trainer, trainer.accelerator
     buckets = t.schedule.buckets
     if len(buckets) > 1:
         seen = accelerator.reduce(torch.tensor(t.bucket_samples, dtype=torch.float64, device=t.device), "sum")
         accelerator.print("samples per bucket (all ranks): " + ", ".join(
             f"{key} {int(n)}" for key, n in zip(buckets, seen.tolist())))
+    if t.pipeline is not None:  # rank 0's denoiser takes every stage's weights
+        t.pipeline.gather(accelerator, t.unet)
     if t.config.lora_rank is not None:  # LoRA hook: RUN/lora in diffusers' load_lora_weights format
         lora.export(accelerator, t.unet, t.ema, t.master, t.config.output)
+        denoiser = "lora"
     else:
         export(accelerator, t.unet, t.ema, t.master, t.config.output, t.data.family.denoiser_subfolder,
                torch.bfloat16 if t.config.full_bf16 else torch.float32)
-    after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
+        denoiser = t.data.family.denoiser_subfolder
+    exported = after_training(accelerator, t.config, t.data, t.noise_scheduler)  # RUN/pipeline, single files
     if t.remote is not None:
         t.remote.finished(accelerator)
+    if not accelerator.is_main_process:
+        return ()
+    return written_files(Path(t.config.output), [denoiser, *([f"{denoiser}_ema"] if t.ema is not None else []), *exported])
 
 
 def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | None = None) -> TrainResult:
@@ -580,6 +613,8 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
             eval_due = evalhook.due(config, t.step, max_steps)
             if t.step % config.log_every == 0 or t.step == max_steps or val_due or eval_due:
                 record = window.record(t)
+                if t.pipeline is not None:  # the bubble share beside samples/s
+                    record.update(t.pipeline.record(accelerator))
                 if val_due:  # validation-loss hook
                     record.update(validation_loss(t, valset))
                 if eval_due:  # --eval-every hook (laionkit/trainer/evalhook.py): every rank exports, rank 0 scores
@@ -606,8 +641,7 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
                 break
         progress.close()
         window.close()
-        if not stopped_by:
-            finish(t)
+        written = () if stopped_by else finish(t)
         if writer is not None:
             writer.close()
         accelerator.end_training()
@@ -615,4 +649,4 @@ def _train(config: TrainConfig, stop: StopFlag, remote: runfolder.RunFolder | No
         end_workers(batches)
         if writer is not None:  # an error's exit: the save in flight, if the ranks can still finish it
             writer.close(timeout=config.pg_timeout_minutes * 60 if config.pg_timeout_minutes else 600, quiet=True)
-    return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint)
+    return TrainResult(step=t.step, stopped_by=stopped_by, checkpoint=last_checkpoint, written=written)

@@ -35,6 +35,7 @@ export). The invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -61,6 +62,22 @@ def settings(config) -> dict:
 def alpha(config) -> float:
     return float(config.lora_alpha if config.lora_alpha is not None else config.lora_rank)
 
+
+
+@contextlib.contextmanager
+def drawn_in_low_precision(config, accelerator):
+    """While a --lora-random-base run's bf16 base is drawn (under bf16 mixed precision, no --base-dtype
+    quantization): floats default to bf16, so the frozen base is drawn as it will train and never exists in
+    fp32 (a 20B model's fp32 is 76 GiB, nearly a whole 80 GB card, for the moment before the cast)."""
+    low = accelerator.mixed_precision == "bf16" and config.lora_rank is not None and config.lora_random_base \
+        and config.unet is None and config.base_dtype == "bf16"
+    previous = torch.get_default_dtype()
+    if low:
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def attach(unet, config, accelerator, family) -> None:

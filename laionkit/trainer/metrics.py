@@ -134,3 +134,14 @@ def start_trackers(accelerator, config) -> None:
     accelerator.init_trackers(run["project"], config=values, init_kwargs={"wandb": {
         "id": run["id"], "resume": "allow", "entity": run["entity"], "name": config.wandb_run_name,
         "tags": tags or None, "dir": str(config.output / "logs")}})
+
+
+def log_images(accelerator, name: str, images: torch.Tensor, step: int) -> None:
+    """Rank 0: ``images`` ([N, 3, H, W] in [0, 1]) to the --log-with tracker too, beside the file written: the
+    images tab of TensorBoard, the media panel of W&B."""
+    pixels = (images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({name: pixels}, step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            tracker.log_images({name: list(pixels)}, step)

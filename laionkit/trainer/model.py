@@ -136,13 +136,21 @@ def flops_per_sample(unet, data: LatentSet, device: torch.device, shape: tuple[i
     Counted on a weightless copy of the denoiser (meta tensors, the same modules, LoRA layers and
     requires_grad): a real one-sample step at full size runs before the precision policy and activation
     checkpointing apply, and for Flux-12B at 1024 px (fp32 weights, gradients and activations) that needs
-    more memory than an H200 has. Where a model cannot run on meta tensors, the count runs on ``device`` as before."""
+    more memory than an H200 has. Where a model cannot run on meta tensors, the count runs on ``device`` as before,
+    and where that runs out of memory the count is 0 (no MFU)."""
     try:
         return count_flops(_weightless(unet), data, torch.device("meta"), shape, objective)
     except Exception:  # noqa: BLE001 - a data-dependent forward (.item() and the like) needs real tensors
-        flops = count_flops(unet, data, device, shape, objective)
+        pass
+    try:
+        return count_flops(unet, data, device, shape, objective)
+    except torch.OutOfMemoryError:  # one sample unchecked at full size: a 20B+ model's fills an 80 GB card
+        return 0.0  # no MFU rather than no run
+    finally:
         unet.zero_grad(set_to_none=True)
-        return flops
+        if device.type == "cuda":  # the count's peak is not the training's
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def count_flops(model, data: LatentSet, device: torch.device, shape: tuple[int, ...],

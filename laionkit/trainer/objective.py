@@ -230,9 +230,21 @@ def guidance_input(objective: Objective, cond: dict, batch: int, device) -> dict
 
 def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet, generator: torch.Generator,
               objective: Objective) -> torch.Tensor:
-    """The flow-matching loss for one batch (laionkit.families.flow): fresh latent and noise, sigma drawn
-    and shifted directly (per bucket under a dynamic shift), x_t = (1 - sigma) x0 + sigma noise, the
-    weighted MSE of the prediction to noise - x0. The timestep input is sigma x the family's scale."""
+    """The flow-matching loss for one batch (laionkit.families.flow): flow_batch's draws, the weighted MSE
+    of the prediction to noise - x0."""
+    from laionkit.families import flow
+
+    noisy, timestep, cond, latents, noise, sigmas = flow_batch(moments, cond, empty, config, data, generator, objective)
+    prediction = data.family.predict(model, noisy, timestep, cond)
+    return flow.loss(prediction, latents, noise, sigmas, objective.weighting)
+
+
+def flow_batch(moments, cond, empty, config: TrainConfig, data: LatentSet, generator: torch.Generator,
+               objective: Objective) -> tuple:
+    """One batch's flow-matching draws, in the one order a run makes them (a pipeline-parallel run's ranks
+    draw them alike): fresh latent and noise, sigma drawn and shifted directly (per bucket under a dynamic
+    shift), x_t = (1 - sigma) x0 + sigma noise, caption dropout, the guidance input. Returns (x_t, the
+    timestep input: sigma x the family's scale, the conditioning, x0, noise, sigma)."""
     from laionkit.families import flow
 
     latents, noise = latents_and_noise(moments, config, data, generator)
@@ -247,5 +259,4 @@ def flow_loss(model, moments, cond, empty, config: TrainConfig, data: LatentSet,
     noisy = flow.interpolate(latents, perturbed(config, noise, generator), sigmas).to(text.dtype)
     cond = dropout_captions(config, cond, empty, batch, generator)
     cond = guidance_input(objective, cond, batch, latents.device)
-    prediction = data.family.predict(model, noisy, sigmas * objective.timestep_scale, cond)
-    return flow.loss(prediction, latents, noise, sigmas, objective.weighting)
+    return noisy, sigmas * objective.timestep_scale, cond, latents, noise, sigmas

@@ -29,8 +29,8 @@ class MasterWeights:
     autocast over fp32 weights it drops the per-step weight casts and the fp32 GroupNorms autocast
     inserts, which makes the eager step faster and smaller. Compiled, the step measured slower this way
     (inductor fuses bf16 GroupNorms, and the master round trip costs GPU time each step), so ``--compile``
-    keeps autocast unless --bf16-weights is given. The numbers: docs/BENCHMARKS.md, "Third session" and
-    "Fourth session" under train.
+    keeps autocast unless --bf16-weights is given. The numbers: docs/BENCHMARKS.md, train, "SD 1.x / 2.x"
+    (and `git log -p docs/BENCHMARKS.md` for the sessions that measured it).
 
     With --grad-accum on one process, gradients leave the bf16 weights after every micro-batch and add
     up in fp32. Under DDP the micro-batches before the last run in ``no_sync``: their gradients exist on

@@ -140,8 +140,9 @@ def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool,
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    kind = x.device.type  # meta included (train's FLOP count), where autocast does not exist
+    return torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) \
+        else x.dtype
 
 
 class FrozenMatmul(torch.autograd.Function):

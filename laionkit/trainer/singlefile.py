@@ -30,11 +30,9 @@ def write_single_files(run: Path) -> list[Path]:
     if not (pipeline / "model_index.json").is_file():
         raise LaionkitError(f"{pipeline}/model_index.json not found: export the pipeline first "
                             f"(laionkit export {run} --format pipeline)")
-    from laionkit.families import families, get_family
-
-    name = json.loads((pipeline / "model_index.json").read_text())["_class_name"]
-    spec = next((get_family(f) for f in families() if get_family(f).pipeline_class == name), None)
-    if spec is None or spec.name not in SINGLE_FILE_FAMILIES:
+    spec = single_file_family(pipeline)
+    if spec is None:
+        name = json.loads((pipeline / "model_index.json").read_text())["_class_name"]
         raise LaionkitError(f"{pipeline}: single-file checkpoints exist for {', '.join(SINGLE_FILE_FAMILIES)}; "
                             f"this is {name}: load the pipeline folder instead")
     from safetensors.torch import save_file
@@ -45,6 +43,16 @@ def write_single_files(run: Path) -> list[Path]:
         save_file({key: value.contiguous() for key, value in tensors.items()}, str(tmp),
                   metadata={"format": "pt", "laionkit_family": spec.name})
     return [path]
+
+
+def single_file_family(pipeline: Path):
+    """The FamilySpec of a pipeline folder whose family has a single-file layout (SINGLE_FILE_FAMILIES), else
+    None: the others' pipelines are what ComfyUI and diffusers load."""
+    from laionkit.families import families, get_family
+
+    name = json.loads((pipeline / "model_index.json").read_text())["_class_name"]
+    spec = next((get_family(f) for f in families() if get_family(f).pipeline_class == name), None)
+    return spec if spec is not None and spec.name in SINGLE_FILE_FAMILIES else None
 
 
 def _load(folder: Path) -> dict:

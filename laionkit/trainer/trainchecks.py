@@ -213,6 +213,15 @@ def check_export(config) -> None:
         raise LaionkitError(f"--export-files {config.export_files!r}: choose from {', '.join(FILE_MODES)}")
 
 
+def check_validation_prompts(config) -> None:
+    """--validation-prompts are --validate-every's (its files are read at setup, laionkit/trainer/evaluation.py)."""
+    if config.validation_prompts and not config.validate_every:
+        raise LaionkitError("--validation-prompts are the prompts of the images --validate-every N samples: give "
+                            "--validate-every too")
+    if config.validation_prompts and not all(value.strip() for value in config.validation_prompts):
+        raise LaionkitError("--validation-prompts: an empty prompt; give the text, or a .txt file of prompts")
+
+
 def check_block_swap(config) -> None:
     """--block-swap N (laionkit/trainer/blockswap.py); the ranks and the block count are checked at build."""
     if config.block_swap < 0:
@@ -228,3 +237,31 @@ def check_offload(config) -> None:
     if config.cpu_offload and config.ema:
         raise LaionkitError("--cpu-offload with --ema: FSDP2 keeps a shard of each weight per rank and EMA needs "
                             "whole ones on every rank (DDP or DeepSpeed ZeRO-2); drop --ema")
+
+
+def check_pipeline(config) -> None:
+    """--pipeline-stages N (laionkit/trainer/pipeline_parallel.py): what a pipeline-parallel run does not compose
+    with yet, refused in one line; the ranks, the family and the buckets are checked at build."""
+    if config.pipeline_stages < 1:
+        raise LaionkitError(f"--pipeline-stages {config.pipeline_stages}: must be >= 1 (1: off)")
+    if config.pipeline_stages == 1:
+        return
+    given = {"--ema": config.ema, "--compile": config.compile, "--block-swap": config.block_swap,
+             "--cpu-offload": config.cpu_offload, "--fp8": config.fp8, "--full-bf16": config.full_bf16,
+             "--bf16-weights": config.bf16_weights, "--mixed-precision fp16": config.mixed_precision == "fp16",
+             f"--base-dtype {config.base_dtype}": config.base_dtype != "bf16",
+             "--lora-dropout": config.lora_dropout, "--val-latents": config.val_latents is not None,
+             "--validate-every": config.validate_every, "--eval-every": config.eval_every,
+             "--checkpointing auto": config.checkpointing.strip().lower() == "auto", "--stage": config.stage,
+             f"--checkpoint-writer {config.checkpoint_writer}": config.checkpoint_writer != "accelerate"}
+    refused = [flag for flag, value in given.items() if value]
+    if refused:
+        raise LaionkitError(f"--pipeline-stages {config.pipeline_stages} with {refused[0]}: not built for a "
+                            "pipeline-parallel run (each rank holds only its stages' blocks); drop one of them")
+    stages, micro = config.pipeline_stages, config.grad_accum  # torch's schedules' conditions, said in one line
+    rounds = max(1, micro // stages)
+    if (config.pipeline_schedule == "1f1b" and micro < stages) or \
+            (config.pipeline_schedule == "interleaved-1f1b" and micro % rounds):
+        raise LaionkitError(f"--pipeline-schedule {config.pipeline_schedule} with --pipeline-stages {stages} takes "
+                            f"--grad-accum micro-batches {'>= the stages' if micro < stages else 'a multiple of '}"
+                            f"{'' if micro < stages else rounds} (got {micro}); raise --grad-accum or use gpipe")
