@@ -8,8 +8,9 @@ loss / throughput plot.
 
 Random-init tiny models could not show that anything was learned (their VAE draws colour noise from any
 latent), so the models are the learnable ones of the proof-of-learning tests (laionkit/common/learnable_models.py):
-the tiny VAE made sharp and its decoder fitted to the photos, as a trained VAE's is to images, and a UNet wide
-enough to hold 8 photos, trained from scratch by the recipe.
+the tiny VAE made sharp and its decoder fitted to the photos, as a trained VAE's is to images, the tiny CLIP made
+a bag of words whose states tell the captions apart (so a few hundred steps learn which is which), and a UNet
+wide enough to hold 8 photos, trained from scratch by the recipe.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def plot_metrics(metrics: Path, output: Path) -> None:
 
 
 def write_models(output: Path, photos: Path, echo: Callable[[str], None]) -> None:
-    """`laionkit models tiny`, its VAE made sharp and its decoder fitted to ``photos``, and the wide UNet's config
-    (denoiser.json, what the recipe trains from scratch)."""
-    from laionkit.common.learnable_models import WIDE_SD_UNET, fit_decoder, sharpen_vae
+    """`laionkit models tiny`, its VAE made sharp and its decoder fitted to ``photos``, its CLIP made to tell
+    captions apart, and the wide UNet's config (denoiser.json, what the recipe trains from scratch)."""
+    from laionkit.common.learnable_models import WIDE_SD_UNET, fit_decoder, sharpen_text_encoder, sharpen_vae
     from laionkit.common.models import write_tiny_models
 
     echo(f"[models] laionkit models tiny --output {output}")
@@ -114,6 +115,8 @@ def write_models(output: Path, photos: Path, echo: Callable[[str], None]) -> Non
          "as a trained VAE's is to images")
     sharpen_vae(output / "vae", photos)
     fit_decoder(output / "vae", photos)
+    echo("[models] its CLIP made a bag of words, so that each caption's states differ from the others'")
+    sharpen_text_encoder(output / "text_encoder")
     (output / "denoiser.json").write_text(json.dumps(WIDE_SD_UNET, indent=1))
 
 

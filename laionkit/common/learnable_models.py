@@ -1,6 +1,6 @@
 """Tiny models that can learn a handful of photos (distinct_photos): a VAE whose latents carry the images
-(sharpen_vae, sharpen_dc_vae) and decode back to them (fit_decoder), and an SD UNet with room to hold them
-(WIDE_SD_UNET).
+(sharpen_vae, sharpen_dc_vae) and decode back to them (fit_decoder), a CLIP whose states tell their captions
+apart (sharpen_text_encoder), and an SD UNet with room to hold them (WIDE_SD_UNET).
 
 `laionkit models tiny` writes random-init models: their VAE's latents are noise around nearly equal means and
 its decoder draws colour noise, so nothing trained on them can show that it learned. `laionkit demo` and the
@@ -168,6 +168,38 @@ def sharpen_dc_vae(folder: Path, images: Path, size: int = 64) -> dict:
     n = len(latents)
     pairwise = ((latents[:, None] - latents[None]) ** 2).mean((2, 3, 4)).sum().item() / (n * (n - 1))
     return {"std": latents.std().item(), "pairwise_mse": pairwise}
+
+
+def sharpen_text_encoder(folder: Path) -> None:
+    """Rewrite ``folder`` (a CLIPTextModel saved by save_pretrained, as `laionkit models tiny` writes it) into one
+    whose states tell captions apart, as a trained one's do.
+
+    A random-init CLIP's states are mostly what every caption shares: the position embeddings, the end-of-text
+    tokens that pad 60-odd of the 77 positions, and random layers that mix them. The 8 demo captions' states
+    differ by an MSE of about a tenth of their variance, so a denoiser needs hundreds of steps to learn which
+    caption is which. Here the encoder becomes a bag of words: position embeddings and the start / end-of-text
+    rows of the token embedding are zero; each layer's attention is uniform over the tokens before it (query and
+    key weights zero) and passes them on (value and output projections the identity); its MLP adds nothing
+    (fc2 zero). A position's state is then the normalised mean of the caption's words up to it, so every padding
+    position carries the whole caption. The weights keep their shapes: from_pretrained loads it as any CLIP."""
+    import torch
+    from transformers import CLIPTextModel
+
+    encoder = CLIPTextModel.from_pretrained(folder)
+    config = encoder.config
+    with torch.no_grad():
+        encoder.embeddings.position_embedding.weight.zero_()
+        for token in {config.bos_token_id, config.eos_token_id, config.pad_token_id}:
+            encoder.embeddings.token_embedding.weight[token] = 0.0
+        for layer in encoder.encoder.layers:
+            attention = layer.self_attn
+            for projection in (attention.q_proj, attention.k_proj, layer.mlp.fc2):
+                projection.weight.zero_()
+                projection.bias.zero_()
+            for projection in (attention.v_proj, attention.out_proj):
+                projection.weight.copy_(torch.eye(config.hidden_size))
+                projection.bias.zero_()
+    encoder.save_pretrained(folder, safe_serialization=True)
 
 
 def fit_decoder(folder: Path, images: Path, steps: int = 300, lr: float = 3e-3, noise: float = 0.2,
