@@ -17,7 +17,8 @@ LOGVAR = -30.0  # DiagonalGaussianDistribution's lower clamp: a posterior std of
 
 # SD's UNet a few times wider than `tiny`'s (room to hold 8 images at 64 px): cross-attention at the 4x4 level,
 # two transformer layers there; SDXL's is the same with the text_time embedding. The CLIP that `laionkit models
-# tiny` writes, unchanged, tells 8 captions apart enough for it (tests/test_learning.py).
+# tiny` writes, unchanged, tells 8 captions apart enough for it (tests/test_learning.py); `laionkit demo` makes it
+# a bag of words (sharpen_text_encoder), so that 300 steps draw each photo from its caption.
 WIDE_SD_UNET = {
     "sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [64, 128],
     "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
