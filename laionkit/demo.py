@@ -3,15 +3,25 @@
 It does only what a user would do by hand: serve the shipped photos (laionkit/data/demo), write a
 LAION-style metadata parquet pointing at them, write tiny models with `laionkit models tiny`, then run
 the demo recipe (pipelines/demo.yaml) through `laionkit run`, so every stage is the real command. It
-ends with the validation grid and a loss / throughput plot.
+ends with a grid of each photo trained on beside what the trained pipeline draws from its caption, and a
+loss / throughput plot.
+
+Random-init tiny models could not show that anything was learned (their VAE draws colour noise from any
+latent), so the models are the learnable ones of the proof-of-learning tests (laionkit/common/learnable_models.py):
+the tiny VAE made sharp and its decoder fitted to the photos, as a trained VAE's is to images, the tiny CLIP made
+a bag of words whose states tell the captions apart (so a few hundred steps learn which is which), and a UNet
+wide enough to hold 8 photos, trained from scratch by the recipe.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import shutil
+import tarfile
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +29,9 @@ import pyarrow.parquet as pq
 
 from laionkit.common import atomic_output
 from laionkit.common.imageserver import folder_routes, serve
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 DEMO_DATA = Path(__file__).parent / "data" / "demo"
 RECIPE = DEMO_DATA / "recipe.yaml"
@@ -28,6 +41,8 @@ RECIPE = DEMO_DATA / "recipe.yaml"
 UNSAFE_ROWS = 2
 WATERMARKED_ROWS = 2
 MISSING_PATH = "gone.jpg"
+SAMPLER_STEPS = 20
+TILE = 128  # px a 64 px image is shown at in the grid
 
 
 def write_metadata(path: Path, base_url: str, seed: int = 0) -> int:
@@ -88,17 +103,86 @@ def plot_metrics(metrics: Path, output: Path) -> None:
     plt.close(figure)
 
 
-def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo: Callable[[str], None]) -> dict:
-    """Serve, prepare, and run the recipe; `run_recipe(path, variables)` is `laionkit run`."""
+def write_models(output: Path, photos: Path, echo: Callable[[str], None]) -> None:
+    """`laionkit models tiny`, its VAE made sharp and its decoder fitted to ``photos``, its CLIP made to tell
+    captions apart, and the wide UNet's config (denoiser.json, what the recipe trains from scratch)."""
+    from laionkit.common.learnable_models import WIDE_SD_UNET, fit_decoder, sharpen_text_encoder, sharpen_vae
     from laionkit.common.models import write_tiny_models
 
+    echo(f"[models] laionkit models tiny --output {output}")
+    write_tiny_models(output)
+    echo(f"[models] its VAE made sharp and its decoder fitted to the {len(list(photos.iterdir()))} photos, "
+         "as a trained VAE's is to images")
+    sharpen_vae(output / "vae", photos)
+    fit_decoder(output / "vae", photos)
+    echo("[models] its CLIP made a bag of words, so that each caption's states differ from the others'")
+    sharpen_text_encoder(output / "text_encoder")
+    (output / "denoiser.json").write_text(json.dumps(WIDE_SD_UNET, indent=1))
+
+
+def shard_photos(shards: Path) -> list[tuple[str, str, Image.Image]]:
+    """(key, caption, image) of each sample packed in ``shards``, in key order: the photos trained on."""
+    from PIL import Image
+
+    found = {}
+    for shard in sorted(shards.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar:
+                key, _, kind = member.name.partition(".")
+                found.setdefault(key, {})[kind] = tar.extractfile(member).read()
+    return [(key, sample["txt"].decode(), Image.open(io.BytesIO(sample["jpg"])).convert("RGB"))
+            for key, sample in sorted(found.items())]
+
+
+def draw(pipeline: Path, captions: list[str], seed: int = 0) -> list[Image.Image]:
+    """Each caption's image from the run's exported pipeline (the diffusers folder a user loads), caption i
+    from seed + i, guidance 1 (the caption alone decides: the run trained without caption dropout)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(pipeline)
+    pipe.set_progress_bar_config(disable=True)
+    generators = [torch.Generator().manual_seed(seed + index) for index in range(len(captions))]
+    return pipe(prompt=captions, num_inference_steps=SAMPLER_STEPS, guidance_scale=1.0, height=64, width=64,
+                generator=generators).images
+
+
+def save_pairs(pairs: list[tuple[str, Image.Image, Image.Image]], output: Path, columns: int = 4) -> None:
+    """A PNG of (caption, photo trained on, generated) pairs, the two images side by side over their caption."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=13)
+    lines, line_height = 3, 16
+    cell_w, cell_h = 2 * TILE + 12, TILE + lines * line_height + 14
+    header = 24
+    rows = -(-len(pairs) // columns)
+    grid = Image.new("RGB", (columns * cell_w, header + rows * cell_h), "white")
+    pen = ImageDraw.Draw(grid)
+    for column in range(columns):
+        pen.text((column * cell_w + 6, 5), "trained on", fill="gray", font=font)
+        pen.text((column * cell_w + 6 + TILE, 5), "generated", fill="gray", font=font)
+    for index, (caption, photo, generated) in enumerate(pairs):
+        x, y = (index % columns) * cell_w + 6, header + (index // columns) * cell_h
+        grid.paste(photo.resize((TILE, TILE), Image.Resampling.LANCZOS), (x, y))
+        grid.paste(generated.resize((TILE, TILE), Image.Resampling.LANCZOS), (x + TILE, y))
+        text = textwrap.wrap(caption, width=38, max_lines=lines, placeholder=" ...")
+        pen.multiline_text((x, y + TILE + 4), "\n".join(text), fill="black", font=font, spacing=3)
+    with atomic_output(output) as tmp:
+        grid.save(tmp, format="png")
+
+
+def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo: Callable[[str], None]) -> dict:
+    """Serve, prepare, and run the recipe; `run_recipe(path, variables)` is `laionkit run`. Then draw each
+    trained caption (the images also as WORKDIR/generated/KEY.png) beside its photo."""
+    from laionkit.common.learnable_models import distinct_photos
+
     workdir.mkdir(parents=True, exist_ok=True)
+    photos = distinct_photos(DEMO_DATA, workdir / "photos")  # two of the shipped photos are one, mirrored here
     models = workdir / "models"
     if not models.exists():
-        echo(f"[models] laionkit models tiny --output {models}")
         with atomic_output(models) as tmp:
-            write_tiny_models(tmp)
-    routes = folder_routes(DEMO_DATA)
+            write_models(tmp, photos, echo)
+    routes = folder_routes(photos)
     with serve(routes) as server:
         echo(f"[server] serving {len(routes)} real photos at {server.base_url}")
         rows = write_metadata(workdir / "metadata.parquet", server.base_url)
@@ -107,9 +191,13 @@ def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo:
     run_dir = workdir / "run"
     plot = workdir / "training.png"
     plot_metrics(run_dir / "metrics.jsonl", plot)
-    samples = sorted((run_dir / "samples").glob("step-*.png"))
+    trained = shard_photos(workdir / "shards")
+    echo(f"[samples] {len(trained)} captions drawn by {run_dir / 'pipeline'}")
+    generated = draw(run_dir / "pipeline", [caption for _, caption, _ in trained])
+    (workdir / "generated").mkdir(exist_ok=True)
+    for (key, _, _), image in zip(trained, generated, strict=True):
+        image.save(workdir / "generated" / f"{key}.png")
     grid = workdir / "samples.png"
-    if samples:
-        shutil.copyfile(samples[-1], grid)
-    return {"workdir": workdir, "plot": plot, "grid": grid if samples else None, "unet": run_dir / "unet"}
-
+    save_pairs([(caption, photo, image) for (_, caption, photo), image in zip(trained, generated, strict=True)],
+               grid)
+    return {"workdir": workdir, "plot": plot, "grid": grid, "unet": run_dir / "unet"}

@@ -19,8 +19,8 @@ the same proof with a real-size denoiser (``--family sd``: SD 1.5's UNet, ``--un
   steps; ``train --eval-every`` does the same work in the run.
 
 The data. Each image is one of the 8 real photos shipped in laionkit/data/demo (the PNG mirrored: it and
-389_535.jpg are one photo, tests/learning.py's distinct_photos) with one coloured shape drawn on it, and its
-caption names all of it: "a red circle at the top left of photo 3" (8 photos x 3 shapes x 6 colours x 9
+389_535.jpg are one photo, laionkit/common/learnable_models.py's distinct_photos) with one coloured shape drawn
+on it, and its caption names all of it: "a red circle at the top left of photo 3" (8 photos x 3 shapes x 6 colours x 9
 positions = 1,296 scenes; 1,152 train, 144 held out for the validation loss). The caption determines the
 image, so "is the generated latent nearest its own image's" has one right answer, and the proxy is fair in
 what matters here: the model must learn an identity per photo (a concept, as a class name or a style) and
@@ -29,8 +29,8 @@ family's real conditioning path (text states, pooled vector, their order and wid
 that tests/test_learning.py would catch at 64 px shows here too, and a model that learned only the photos
 scores about 1 in 8 among the K; it is also learnable in minutes at these widths, which real captions of
 real photos are not. The images are written as pack's webdataset tars (jpg, txt, json), encoded by `laionkit
-encode --text stored` at 256 px with the family's tiny VAE made sharp (tests/learning.py's sharpen_vae: a
-posterior log-variance of -30 and latents of unit spread, what a trained VAE has; a random-init one's latents
+encode --text stored` at 256 px with the family's tiny VAE made sharp (laionkit/common/learnable_models.py's
+sharpen_vae: a posterior log-variance of -30 and latents of unit spread, what a trained VAE has; a random-init one's latents
 are noise around nearly equal means) and text encoders of the real widths with one layer each, random init
 (SD: CLIP-L 768; SD3: CLIP-L 768, CLIP-G 1280, T5-XXL 4096), so the stored text has the real shapes.
 
@@ -67,8 +67,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent), str(REPO / "tests")]  # tests/learning.py: the learning test's own VAE and criterion
-from learning import GENERATE, distinct_photos, retrieval, shard_latents, sharpen_vae, spread  # noqa: E402
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent), str(REPO / "tests")]  # tests/learning.py: the learning test's criterion
+from learning import GENERATE, retrieval, shard_latents, spread  # noqa: E402
+
+from laionkit.common.learnable_models import distinct_photos, sharpen_vae  # noqa: E402
 
 PHOTOS = REPO / "laionkit" / "data" / "demo"  # the 8 real photos, shipped (../shared does not travel)
 SHAPES = ("circle", "square", "triangle")

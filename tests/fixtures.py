@@ -252,7 +252,8 @@ def sharp_models(tmp_path_factory, realdata):
     no denoiser can learn to tell apart (see sharpen_vae): the proof-of-learning tests need these.
     ``sharp_models(family, window)``: encoded with ``--max-sequence-length window``."""
     from conftest import run_cli
-    from learning import distinct_photos, sharpen_dc_vae, sharpen_vae
+
+    from laionkit.common.learnable_models import distinct_photos, sharpen_dc_vae, sharpen_vae
 
     built: dict[str, SharpModels] = {}
 

@@ -69,6 +69,65 @@ def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
     assert str(workdir / "samples.png") in stdout and str(workdir / "training.png") in stdout
 
 
+def test_the_demo_draws_each_photo_it_trained_on_from_its_caption(demo):
+    """samples.png puts each photo trained on beside what the trained pipeline draws from its caption; the drawn
+    images (WORKDIR/generated/KEY.png) are nearer in pixels to their own photo than to any other (each of the 8:
+    the demo's CLIP tells their captions apart), at under half the mean distance to the others: a person
+    looking at the grid sees the photos again."""
+    import numpy as np
+
+    workdir, _ = demo
+    shards = [str(path) for path in sorted((workdir / "shards").glob("*.tar"))]
+    trained = {sample["__key__"]: np.asarray(sample["jpg"].convert("RGB"), dtype=float) / 255
+               for sample in wds.WebDataset(shards, shardshuffle=False).decode("pil")}
+    assert len(trained) == PHOTOS
+    own, others, nearest = [], [], 0
+    for key in trained:
+        with Image.open(workdir / "generated" / f"{key}.png") as image:
+            drawn = np.asarray(image.convert("RGB"), dtype=float) / 255
+        mse = {other: ((drawn - pixels) ** 2).mean() for other, pixels in trained.items()}
+        nearest += min(mse, key=mse.get) == key
+        own.append(mse.pop(key))
+        others.append(np.mean(list(mse.values())))
+    assert nearest == PHOTOS and np.mean(own) < 0.5 * np.mean(others), (nearest, own, others)
+    with Image.open(workdir / "samples.png") as grid:
+        assert grid.width >= 2 * 64 * 4 and grid.height >= 64 * 2  # 4 pairs a row, 2 rows
+
+
+def test_the_sharpened_clip_tells_the_demo_captions_apart(tiny_models, tmp_path):
+    """The tiny random-init CLIP gives the 8 captions states that differ by a tenth of their variance, which is
+    why a denoiser needed 800 steps to tell them apart; made a bag of words (sharpen_text_encoder) it gives
+    each caption states that differ from every other caption's by more than the random one's most distinct
+    pair, down to its last padding position (which carries the whole caption), loaded by from_pretrained."""
+    import shutil
+
+    import torch
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from laionkit.common.learnable_models import sharpen_text_encoder
+
+    captions = list(json.loads((DEMO_DATA / "captions.json").read_text()).values())
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_models / "tokenizer")
+    tokens = tokenizer(captions, padding="max_length", max_length=77, return_tensors="pt").input_ids
+
+    def states(folder: Path) -> torch.Tensor:
+        with torch.no_grad():
+            return CLIPTextModel.from_pretrained(folder)(tokens).last_hidden_state
+
+    def distances(found: torch.Tensor) -> torch.Tensor:
+        apart = ((found[:, None] - found[None]) ** 2).mean((2, 3))
+        return apart[~torch.eye(len(found), dtype=torch.bool)]
+
+    random = states(tiny_models / "text_encoder")
+    sharp = tmp_path / "text_encoder"
+    shutil.copytree(tiny_models / "text_encoder", sharp)
+    sharpen_text_encoder(sharp)
+    found = states(sharp)
+    assert distances(found).min() > 2 * distances(random).max(), (distances(found), distances(random))
+    last = found[:, -1:]  # the 77th position: padding in every caption
+    assert distances(last).min() > 2 * distances(random).max(), distances(last)
+
+
 def test_run_skips_stages_already_complete(demo):
     workdir, _ = demo
     result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}")

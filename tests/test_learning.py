@@ -50,6 +50,8 @@ from conftest import run_cli
 from fixtures import CAPTIONS, write_image_shards
 from learning import GENERATE, deterministic, retrieval, shard_latents, spread, stored_texts
 
+from laionkit.common.learnable_models import WIDE_SD_UNET
+
 try:  # train's validation sampling, before and after laionkit/train.py became the laionkit/trainer package
     from laionkit.trainer.evaluation import sample_latents
 except ImportError:
@@ -73,17 +75,9 @@ STEPS = 20  # sampler steps, in the pipeline and in validation
 # 0.10, 0.09, 0.08; spread 0.94, 0.92, 0.94 of the data's; the shuffled order followed its own image 8 of 8),
 # in 75 s against SD3's 212 s on the same loaded 2 cores.
 FAMILIES = {
-    "sd": dict(flag="--unet-config", steps=500, lr=2e-3, schedule="cosine", config={
-        "sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [64, 128],
-        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-        "layers_per_block": 1, "attention_head_dim": [4, 8], "transformer_layers_per_block": [1, 2],
-        "use_linear_projection": True, "norm_num_groups": 32}),
+    "sd": dict(flag="--unet-config", steps=500, lr=2e-3, schedule="cosine", config=WIDE_SD_UNET),
     "sdxl": dict(flag="--unet-config", steps=450, lr=2e-3, schedule="cosine", config={
-        "sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [64, 128],
-        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-        "layers_per_block": 1, "attention_head_dim": [4, 8], "transformer_layers_per_block": [1, 2],
-        "use_linear_projection": True, "norm_num_groups": 32, "addition_embed_type": "text_time",
-        "addition_time_embed_dim": 8}),
+        **WIDE_SD_UNET, "addition_embed_type": "text_time", "addition_time_embed_dim": 8}),
     "sd3": dict(flag="--transformer-config", steps=600, lr=2e-3, schedule="cosine", config={
         "sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 16,
         "num_attention_heads": 4, "joint_attention_dim": 128, "caption_projection_dim": 64,

@@ -260,8 +260,8 @@ Offline and on 2 CPU cores in a few minutes: real photos from a loopback web ser
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where every stage's output goes.")] = Path("laionkit-demo"),
 ) -> None:
-    """The whole chain on embedded real photos: filter -> pack -> encode -> train, then a validation grid
-    and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`.
+    """The whole chain on embedded real photos: filter -> pack -> encode -> train, then each photo beside what
+    the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`.
 
     Examples:
 
@@ -279,4 +279,4 @@ def demo(
         stats_command(workdir / stage)
     typer.echo(f"\ntrained UNet (diffusers folder): {result['unet']}")
     typer.echo(f"loss / throughput plot:        {result['plot']}")
-    typer.echo(f"validation grid:               {result['grid']}")
+    typer.echo(f"photos and what it draws:      {result['grid']}")
