@@ -171,15 +171,17 @@ def save_pairs(pairs: list[tuple[str, Image.Image, Image.Image]], output: Path, 
         grid.save(tmp, format="png")
 
 
-def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo: Callable[[str], None]) -> dict:
-    """Serve, prepare, and run the recipe; `run_recipe(path, variables)` is `laionkit run`. Then draw each
-    trained caption (the images also as WORKDIR/generated/KEY.png) beside its photo."""
+def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo: Callable[[str], None],
+        until: str = "train") -> dict:
+    """Serve, prepare, and run the recipe; `run_recipe(path, variables)` is `laionkit run` (up to ``until``:
+    before encode, no models are written). Then draw each trained caption (the images also as
+    WORKDIR/generated/KEY.png) beside its photo."""
     from laionkit.common.learnable_models import distinct_photos
 
     workdir.mkdir(parents=True, exist_ok=True)
     photos = distinct_photos(DEMO_DATA, workdir / "photos")  # two of the shipped photos are one, mirrored here
     models = workdir / "models"
-    if not models.exists():
+    if not models.exists() and until in ("encode", "train"):
         with atomic_output(models) as tmp:
             write_models(tmp, photos, echo)
     routes = folder_routes(photos)
@@ -188,6 +190,8 @@ def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo:
         rows = write_metadata(workdir / "metadata.parquet", server.base_url)
         echo(f"[metadata] {rows} rows -> {workdir / 'metadata.parquet'}")
         run_recipe(RECIPE, {"workdir": str(workdir)})
+    if until != "train":
+        return {"workdir": workdir}
     run_dir = workdir / "run"
     plot = workdir / "training.png"
     plot_metrics(run_dir / "metrics.jsonl", plot)

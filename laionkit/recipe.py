@@ -220,6 +220,16 @@ def check_options(step: Step, configure: Callable[[list[str]], None]) -> None:
         raise LaionkitError(f"stage `{step.name}` would fail: {error}; nothing run") from None
 
 
+def until(steps: list[Step], name: str | None) -> list[Step]:
+    """The steps up to and including the one named ``name`` (its recipe key: a stage, or STAGE@NAME); None: all."""
+    if name is None:
+        return steps
+    names = [step.name for step in steps]
+    if name not in names:
+        raise LaionkitError(f"--until {name}: the recipe's stages are {', '.join(names)}")
+    return steps[:names.index(name) + 1]
+
+
 def execute(steps: list[Step], workdir: Location, invoke: Callable[[list[str]], None],
             echo: Callable[[str], None]) -> None:
     """Run the steps in order; `invoke` runs one laionkit command in-process and raises LaionkitError."""

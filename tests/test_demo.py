@@ -134,6 +134,22 @@ def test_run_skips_stages_already_complete(demo):
     assert result.stdout.count("complete with these options; skipped") == 4
 
 
+def test_demo_until_pack_leaves_the_shards_alone_and_run_until_stops_there(tmp_path):
+    """`demo --until pack` (docs/guides/curate.md's start): the shards, no models, latents or run; `run --until`
+    stops after the named stage, and a stage the recipe lacks is one line."""
+    workdir = tmp_path / "demo"
+    result = run_cli("demo", "--workdir", workdir, "--until", "pack")
+    assert "[pack] laionkit pack" in result.stdout and "[encode]" not in result.stdout
+    manifest = json.loads((workdir / "shards" / "manifest.json").read_text())
+    assert manifest["samples"] == PHOTOS
+    assert not any((workdir / name).exists() for name in ("models", "latents", "run", "samples.png"))
+    result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}", "--until", "filter")
+    assert result.stdout.count("complete with these options; skipped") == 1 and "[pack]" not in result.stdout
+    for command in (("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}"), ("demo",)):
+        result = run_cli(*command, "--until", "score", check=False)
+        assert result.returncode == 2 and "--until score: the" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_run_launches_a_stage_under_accelerate(demo, tmp_path):
     workdir, _ = demo
     recipe = _recipe(tmp_path, f"""

@@ -200,6 +200,8 @@ def run_recipe(
     var: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE substituted for {KEY} in the recipe.")] = None,
     dry_run: Annotated[bool, typer.Option(help="Validate, print the commands and build each stage's config as the "
                                                 "stage would (its option checks); run nothing.")] = False,
+    until: Annotated[Optional[str], typer.Option(help="Stop after this stage (its recipe key: pack, "
+                                                      "filter@scores, ...).")] = None,
 ) -> None:
     """Run the stages of one recipe in order (filter, pack, score, dedup, caption, encode, train; STAGE@NAME for
     another run of one), skipping stages already complete.
@@ -211,6 +213,8 @@ def run_recipe(
 
     laionkit run pipelines/sd15-finetune-512.yaml --var workdir=/data/sd15 \\
         --var metadata=/data/laion2B-en-aesthetic --dry-run
+
+    laionkit run pipelines/curate.yaml --var metadata=laion-part-00000.parquet --until dedup
     ```
     """
     variables = {}
@@ -219,17 +223,20 @@ def run_recipe(
         if not sep:
             raise LaionkitError(f"--var {item!r}: expected KEY=VALUE")
         variables[key] = value
-    _run_recipe_file(recipe, variables, dry_run)
+    _run_recipe_file(recipe, variables, dry_run, until)
 
 
-def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = False) -> None:
-    """Validate then run a recipe, each stage through this CLI in-process (or `accelerate launch`)."""
+def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = False,
+                     last: str | None = None) -> None:
+    """Validate then run a recipe (up to its stage ``last``), each stage through this CLI in-process (or
+    `accelerate launch`)."""
     import shlex
 
     from laionkit import recipe as recipes
 
     cli_group = typer.main.get_command(app)
     workdir, steps = recipes.load(recipe, cli_group.commands, variables)
+    steps = recipes.until(steps, last)
 
     def invoke(argv: list[str]) -> None:
         try:
@@ -254,11 +261,16 @@ def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = Fa
     recipes.execute(steps, workdir, invoke, typer.echo)
 
 
+DEMO_STAGES = ("filter", "pack", "encode", "train")
+
+
 @app.command(epilog="""
 Offline and on 2 CPU cores in a few minutes: real photos from a loopback web server, tiny models.
 """)
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where every stage's output goes.")] = Path("laionkit-demo"),
+    until: Annotated[str, typer.Option(help="Stop after this stage: filter, pack, encode or train (pack: the image "
+                                            "shards alone, without the models or the training).")] = "train",
 ) -> None:
     """The whole chain on embedded real photos: filter -> pack -> encode -> train, then each photo beside what
     the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`.
@@ -269,14 +281,21 @@ def demo(
     laionkit demo
 
     laionkit demo --workdir /tmp/laionkit-demo
+
+    laionkit demo --workdir demo --until pack     # only the image shards, for docs/guides/curate.md
     ```
     """
     from laionkit import demo as demo_stage
 
-    result = demo_stage.run(workdir, _run_recipe_file, typer.echo)
-    for stage in ("filtered", "shards", "latents"):
+    if until not in DEMO_STAGES:
+        raise LaionkitError(f"--until {until}: the demo's stages are {', '.join(DEMO_STAGES)}")
+    result = demo_stage.run(workdir, lambda recipe, variables: _run_recipe_file(recipe, variables, last=until),
+                            typer.echo, until)
+    for stage in ("filtered", "shards", "latents")[:DEMO_STAGES.index(until) + 1]:
         typer.echo(f"\n== laionkit stats {workdir / stage}")
         stats_command(workdir / stage)
+    if until != "train":
+        return
     typer.echo(f"\ntrained UNet (diffusers folder): {result['unet']}")
     typer.echo(f"loss / throughput plot:        {result['plot']}")
     typer.echo(f"photos and what it draws:      {result['grid']}")
