@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from laionkit.common import atomic_output
+from laionkit.common import LaionkitError, atomic_output
 from laionkit.common.imageserver import folder_routes, serve
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ RECIPE = DEMO_DATA / "recipe.yaml"
 UNSAFE_ROWS = 2
 WATERMARKED_ROWS = 2
 MISSING_PATH = "gone.jpg"
+STAGES = ("filter", "pack", "encode", "train")  # the recipe's, in order: `laionkit demo --until` stops after one
 SAMPLER_STEPS = 20
 TILE = 128  # px a 64 px image is shown at in the grid
 
@@ -178,10 +179,12 @@ def run(workdir: Path, run_recipe: Callable[[Path, dict[str, str]], None], echo:
     WORKDIR/generated/KEY.png) beside its photo."""
     from laionkit.common.learnable_models import distinct_photos
 
+    if until not in STAGES:
+        raise LaionkitError(f"--until {until}: the demo's stages are {', '.join(STAGES)}")
     workdir.mkdir(parents=True, exist_ok=True)
     photos = distinct_photos(DEMO_DATA, workdir / "photos")  # two of the shipped photos are one, mirrored here
     models = workdir / "models"
-    if not models.exists() and until in ("encode", "train"):
+    if not models.exists() and STAGES.index(until) >= STAGES.index("encode"):
         with atomic_output(models) as tmp:
             write_models(tmp, photos, echo)
     routes = folder_routes(photos)

@@ -261,9 +261,6 @@ def _run_recipe_file(recipe: Path, variables: dict[str, str], dry_run: bool = Fa
     recipes.execute(steps, workdir, invoke, typer.echo)
 
 
-DEMO_STAGES = ("filter", "pack", "encode", "train")
-
-
 @app.command(epilog="""
 Offline and on 2 CPU cores in a few minutes: real photos from a loopback web server, tiny models.
 """)
@@ -273,7 +270,8 @@ def demo(
                                             "shards alone, without the models or the training).")] = "train",
 ) -> None:
     """The whole chain on embedded real photos: filter -> pack -> encode -> train, then each photo beside what
-    the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through `laionkit run`.
+    the trained pipeline draws from its caption, and a loss / throughput plot. Runs pipelines/demo.yaml through
+    `laionkit run`.
 
     Examples:
 
@@ -287,11 +285,9 @@ def demo(
     """
     from laionkit import demo as demo_stage
 
-    if until not in DEMO_STAGES:
-        raise LaionkitError(f"--until {until}: the demo's stages are {', '.join(DEMO_STAGES)}")
     result = demo_stage.run(workdir, lambda recipe, variables: _run_recipe_file(recipe, variables, last=until),
                             typer.echo, until)
-    for stage in ("filtered", "shards", "latents")[:DEMO_STAGES.index(until) + 1]:
+    for stage in ("filtered", "shards", "latents")[:demo_stage.STAGES.index(until) + 1]:
         typer.echo(f"\n== laionkit stats {workdir / stage}")
         stats_command(workdir / stage)
     if until != "train":

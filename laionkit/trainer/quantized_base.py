@@ -22,8 +22,9 @@ the input's gradient alone (a frozen weight needs none), from the stored weight 
 forward's (so torch.compile's CSE cannot merge the two and save the dequantized weight), so no dequantized weight is
 kept between forward and backward; the gradient goes to float8 as torchao's recipes cast it (e5m2 tensorwise, e4m3
 rowwise). NF4 dequantizes in bitsandbytes' kernel where bitsandbytes is installed and the codes are on a CUDA
-device (the same values, one kernel), else by torch ops. Float8 needs both sides of the layer and the token count to be multiples of 16
-(as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in bf16.
+device (the same values, one kernel), else by torch ops. Float8 needs both sides of the layer and the token count
+to be multiples of 16 (as laionkit/trainer/fp8.py explains); a call whose token count is not runs that matmul in
+bf16.
 
 A pretrained base loads block by block (``load``): the model is built on the meta device, the safetensors shards
 are read one tensor at a time (common/models.py ``read_safetensors``), and each block linear's weight is quantized
@@ -175,8 +176,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class FrozenMatmul(torch.autograd.Function):
-    """``x @ W^T + b`` for a frozen stored weight and bias: the backward returns the input's gradient only and keeps no
-    dequantized weight from the forward (the stored tensors are saved: they are the layer's own)."""
+    """``x @ W^T + b`` for a frozen stored weight and bias: the backward returns the input's gradient only and
+    keeps no dequantized weight from the forward (the stored tensors are saved: they are the layer's own)."""
 
     @staticmethod
     def forward(ctx, x, fmt: str, compute: str, codes, scale, bias):
