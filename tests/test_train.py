@@ -253,6 +253,31 @@ def test_a_rank_whose_weights_drift_stops_the_run_naming_it(latent_shards, tmp_p
     assert not (run / "checkpoints" / "step-00000002").exists()
 
 
+MODULES_AFTER = """
+import sys
+from laionkit.cli import main
+sys.argv = ["laionkit", *sys.argv[1:]]
+try:
+    main()
+finally:
+    print("imported:", *sorted(name for name in ("deepspeed", "deepspeed.runtime") if name in sys.modules))
+"""
+
+
+def test_a_run_without_deepspeed_does_not_import_it(latent_shards, tmp_path):
+    """accelerate's unwrap_model and get_state_dict import DeepSpeed (installed here, as the ops extra installs it)
+    to test for its wrapper: half a second of every training process's start, hundreds of times in this suite.
+    A run launched without DeepSpeed exports its pipeline without importing it (laionkit/trainer/wrappers.py)."""
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", MODULES_AFTER, "train", latent_shards, "--output", run, *TINY,
+                             "--max-steps", "2", "--checkpoint-every", "2", "--workers", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "imported:", result.stdout[-500:]
+    assert (run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (run / "checkpoints" / "step-00000002").is_dir()
+
+
 def test_two_ranks_uneven_shards_finish_and_see_disjoint_samples(latent_shards, tmp_path):
     uneven = reshard(latent_shards, [5, 2, 1], tmp_path / "uneven")
     run = tmp_path / "run"

@@ -34,6 +34,7 @@ from laionkit.trainer import runfolder
 from laionkit.trainer.config import TrainConfig
 from laionkit.trainer.precision import MasterWeights
 from laionkit.trainer.runfolder import RUN_OUTPUTS
+from laionkit.trainer.wrappers import unwrap
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -131,7 +132,7 @@ def weights_fingerprint(accelerator, unet, master: MasterWeights | None) -> tupl
     if master is not None:
         named = zip(master.names, master.master)
     else:  # what trains: all weights, or the adapters of a LoRA run (the frozen base cannot drift)
-        named = ((n, p) for n, p in accelerator.unwrap_model(unet).named_parameters() if p.requires_grad)
+        named = ((n, p) for n, p in unwrap(accelerator, unet).named_parameters() if p.requires_grad)
     digest, finite = hashlib.sha256(), True
     with torch.no_grad():
         for name, weight in named:

@@ -45,6 +45,7 @@ from laionkit.common.outputs import partial_path
 from laionkit.trainer import lora
 from laionkit.trainer.checkpoint import checkpoint_dir, complete_checkpoints, last_good, ranks_differ
 from laionkit.trainer.dcpmetadata import one_line, read_metadata
+from laionkit.trainer.wrappers import unwrap
 
 FORMAT = "dcp"
 STATE = "state"
@@ -89,7 +90,7 @@ def parts(trainer) -> Parts:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     t = trainer
-    unwrapped = t.accelerator.unwrap_model(t.unet)
+    unwrapped = unwrap(t.accelerator, t.unet)
     if t.master is not None:  # the fp32 master weights are the model; the bf16 ones are their rounding
         owner = _named_module(t.master.names, t.master.master)
         model = dict(zip(t.master.names, (p.detach() for p in t.master.master)))
@@ -250,7 +251,7 @@ class CheckpointWriter:
         state = parts(t)
         adapters = None
         if t.config.lora_rank is not None:  # gathered on every rank (FSDP shards); written by rank 0
-            adapters = {n: p.contiguous().cpu() for n, p in lora.adapters(self.accelerator.unwrap_model(t.unet)).items()}
+            adapters = {n: p.contiguous().cpu() for n, p in lora.adapters(unwrap(self.accelerator, t.unet)).items()}
         staged = self._stage(state.tensors)
         job = Job(t.step, checkpoint_dir(t.config.output, t.step), staged, state.host, state.trained, rank_state,
                   random_states(), bool(t.nonfinite.item() == 0), adapters, self._records())

@@ -17,6 +17,7 @@ from laionkit.trainer.latent_stream import (
 )
 from laionkit.trainer.metrics import log_images
 from laionkit.trainer.objective import OnlineText, drop_captions
+from laionkit.trainer.wrappers import unwrap
 
 
 def validation_conditioning(data: LatentSet, count: int, online: OnlineText | None = None
@@ -228,7 +229,7 @@ def validation_grid(trainer, validation: tuple, latents: LatentSet) -> None:
     t = trainer
     vae, texts = validation
     t.unet.eval()
-    images = validate(t.accelerator.unwrap_model(t.unet), vae, t.noise_scheduler, texts, t.empty, latents,
+    images = validate(unwrap(t.accelerator, t.unet), vae, t.noise_scheduler, texts, t.empty, latents,
                       t.config, t.device)
     t.unet.train()
     if t.accelerator.is_main_process:

@@ -19,6 +19,7 @@ from laionkit.trainer.pipeline_folder import PIPELINE, _base, merge_lora, write_
 from laionkit.trainer.precision import MasterWeights
 from laionkit.trainer.singlefile import SINGLE_FILE_FAMILIES, single_file_family, write_single_files
 from laionkit.trainer.trainchecks import FILE_MODES, FORMATS, parse_formats
+from laionkit.trainer.wrappers import state_dict_of, unwrap
 
 
 def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, subfolder: str = "unet",
@@ -34,13 +35,13 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
     nothing; the EMA, kept in fp32, is written in fp32."""
     from accelerate.utils import DistributedType
 
-    state_dict = accelerator.get_state_dict(unet)  # gathers FSDP / ZeRO shards; every rank must call it
+    state_dict = state_dict_of(accelerator, unet)  # gathers FSDP / ZeRO shards; every rank must call it
     fp32 = {}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # ZeRO's module weights are its bf16/fp16 copies; the fp32 master lives in the optimizer's partitions.
         from deepspeed.utils import safe_get_full_fp32_param
 
-        for name, param in accelerator.unwrap_model(unet).named_parameters():  # collective: every rank, in order
+        for name, param in unwrap(accelerator, unet).named_parameters():  # collective: every rank, in order
             full = safe_get_full_fp32_param(param)
             if full is not None and accelerator.is_main_process:
                 fp32[name] = full.detach().cpu()
@@ -49,7 +50,7 @@ def export(accelerator, unet, ema, master: MasterWeights | None, output: Path, s
     if accelerator.is_main_process:
         from accelerate import init_empty_weights
 
-        model = accelerator.unwrap_model(unet)
+        model = unwrap(accelerator, unet)
         # No random init of a model whose every weight is overwritten next (minutes for Flux-12B on a CPU):
         # parameters are created empty and take the fp32 tensors (master weights where there are) as theirs.
         with init_empty_weights(include_buffers=False):

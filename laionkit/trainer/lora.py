@@ -44,6 +44,7 @@ import torch
 from laionkit.common import LaionkitError, atomic_output, refuse_other_settings
 from laionkit.trainer import quantized_base
 from laionkit.trainer.trainchecks import targets
+from laionkit.trainer.wrappers import unwrap
 
 ADAPTER_FILE = "adapter.safetensors"
 EXPORT_FILE = "pytorch_lora_weights.safetensors"
@@ -158,11 +159,11 @@ def register_checkpoint_hooks(accelerator, unet, config, family) -> None:
     from safetensors.torch import load_file, save_file
 
     if accelerator.distributed_type == DistributedType.FSDP:
-        expose_adapters_only(accelerator.unwrap_model(unet))
+        expose_adapters_only(unwrap(accelerator, unet))
 
     def save(models, weights, output_dir) -> None:
         weights.clear()  # no model.safetensors: the frozen base is not part of the checkpoint
-        named = adapters(accelerator.unwrap_model(models[0]))  # every rank: gathers FSDP shards
+        named = adapters(unwrap(accelerator, models[0]))  # every rank: gathers FSDP shards
         if accelerator.is_main_process:
             recorded = {"laionkit_lora": json.dumps(settings(config)),
                         BASE_KEY: json.dumps(base_identity(config, family))}
@@ -172,7 +173,7 @@ def register_checkpoint_hooks(accelerator, unet, config, family) -> None:
     def load(models, input_dir) -> None:
         if accelerator.distributed_type == DistributedType.FSDP:  # accelerate loaded the adapters' shards
             return
-        model = accelerator.unwrap_model(models.pop(0))
+        model = unwrap(accelerator, models.pop(0))
         path = Path(input_dir) / ADAPTER_FILE
         stored = load_file(str(path))
         named = dict(trainable(model))
@@ -265,7 +266,7 @@ def check_resume(folder: Path, config, family) -> None:
 def export(accelerator, unet, ema, master, output: Path) -> None:
     """RUN/lora (and RUN/lora_ema with --ema) in diffusers' LoRA format, the fp32 adapter weights (the
     master copies with MasterWeights, not their bf16 rounding; under FSDP gathered from the ranks' shards)."""
-    model = accelerator.unwrap_model(unet)
+    model = unwrap(accelerator, unet)
     named = adapters(model) if master is None else dict(zip(master.names, master.master))  # every rank
     if accelerator.is_main_process:
         names = list(named)

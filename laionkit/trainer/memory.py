@@ -33,6 +33,7 @@ import torch
 
 from laionkit.common import LaionkitError
 from laionkit.trainer.latent_stream import SIZE_FIELDS
+from laionkit.trainer.wrappers import unwrap
 
 MEMORY_SHARE = 0.92  # of the device's memory: headroom for the allocator's fragmentation and NCCL buffers
 INTERVALS = (0, 8, 4, 3, 2, 1)  # candidate --checkpointing every-N intervals; 0 none, 1 every block
@@ -134,7 +135,7 @@ def measure_peak(trainer, shape: tuple[int, ...], interval: int) -> float | None
     from laionkit.trainer.objective import diffusion_loss, flow_loss, guidance_input
 
     t = trainer
-    t.data.family.checkpoint_blocks(t.accelerator.unwrap_model(t.unet), interval)
+    t.data.family.checkpoint_blocks(unwrap(t.accelerator, t.unet), interval)
     moments, cond = dummy_batch(t, shape)
     cond = guidance_input(t.objective, cond, moments.shape[0], t.device)
     generator = torch.Generator(t.device).manual_seed(0)  # the run's own generator is left untouched
@@ -197,7 +198,7 @@ def auto_checkpointing(trainer) -> dict:
     if t.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise LaionkitError("--checkpointing auto measures one GPU or DDP; under FSDP / DeepSpeed give "
                             "--checkpointing blocks, every-N or none")
-    blocks = len(t.data.family.blocks(t.accelerator.unwrap_model(t.unet)))
+    blocks = len(t.data.family.blocks(unwrap(t.accelerator, t.unet)))
     shapes = t.schedule.shapes()
     shape = max(shapes.values(), key=lambda s: math.prod(s))  # the largest bucket: the step's worst memory
     if t.device.type != "cuda":
@@ -210,7 +211,7 @@ def auto_checkpointing(trainer) -> dict:
         total = device_memory(t.config, t.device)
         budget, extra = MEMORY_SHARE * total, optimizer_state_bytes(t)
         interval, trials = choose_interval(lambda i: measure_peak(t, shape, i), blocks, extra, budget)
-        t.data.family.checkpoint_blocks(t.accelerator.unwrap_model(t.unet), interval)
+        t.data.family.checkpoint_blocks(unwrap(t.accelerator, t.unet), interval)
         torch.cuda.reset_peak_memory_stats(t.device)
         record = {"chosen": interval_name(interval), "blocks": blocks,
                   "checkpointed": checked_count(blocks, interval), "batch_size": t.config.batch_size,
