@@ -18,8 +18,16 @@ PHOTOS = len(json.loads((DEMO_DATA / "captions.json").read_text()))
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> tuple[Path, str]:
-    workdir = tmp_path_factory.mktemp("demo")
-    result = run_cli("demo", "--workdir", workdir)
+    """README.md's own commands (its ```bash blocks: `laionkit demo`), run as tests/test_docs.py runs every
+    document's, in a fresh folder: the demo these tests check is the one a reader of the README gets (and
+    test_docs leaves README.md to this fixture rather than run the demo twice)."""
+    from test_docs import run_script, script_of
+
+    folder = tmp_path_factory.mktemp("readme")
+    result = run_script(script_of((REPO / "README.md").read_text()), folder, timeout=900)
+    assert result.returncode == 0, f"README.md: a documented command failed\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    workdir = folder / "laionkit-demo"  # `laionkit demo`'s default --workdir
+    assert (workdir / "run").is_dir(), result.stdout[-3000:]
     return workdir, result.stdout
 
 
@@ -66,7 +74,8 @@ def test_demo_trains_and_exports_a_loadable_unet_with_plots(demo):
     for picture in ("samples.png", "training.png"):
         with Image.open(workdir / picture) as image:
             assert image.format == "PNG" and min(image.size) >= 64
-    assert str(workdir / "samples.png") in stdout and str(workdir / "training.png") in stdout
+    named = Path(workdir.name)  # the README's command names the default workdir, relative to where it runs
+    assert f"{named / 'samples.png'}" in stdout and f"{named / 'training.png'}" in stdout
 
 
 def test_the_demo_draws_each_photo_it_trained_on_from_its_caption(demo):
@@ -128,9 +137,10 @@ def test_the_sharpened_clip_tells_the_demo_captions_apart(tiny_models, tmp_path)
     assert distances(last).min() > 2 * distances(random).max(), distances(last)
 
 
-def test_run_skips_stages_already_complete(demo):
+def test_run_skips_stages_already_complete(demo, monkeypatch):
     workdir, _ = demo
-    result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir}")
+    monkeypatch.chdir(workdir.parent)  # where the README's `laionkit demo` ran: its stages record relative paths
+    result = run_cli("run", REPO / "pipelines" / "demo.yaml", "--var", f"workdir={workdir.name}")
     assert result.stdout.count("complete with these options; skipped") == 4
 
 

@@ -5,9 +5,10 @@ is shown only, because it needs a GPU, the network, a cluster or credentials. A 
 order as one bash script (`set -euo pipefail`: any failing command fails the test) in a fresh folder, which
 holds links to the checkout's laionkit/, pipelines/, train/ and scripts/ because the docs' commands run from a
 checkout's root, with this interpreter's bin/ first on PATH (laionkit, python, accelerate, torchrun) and the
-Hugging Face hubs offline. So the offline walk-throughs name the tiny models (`laionkit models tiny`) and tiny
-sizes themselves, and what runs is exactly what a reader copies; the real-model form of each walk-through is a
-```console block beside it.
+Hugging Face hubs offline (README.md's blocks run so in tests/test_demo.py's fixture, which checks the demo they
+make). So the offline walk-throughs name the tiny models (`laionkit models tiny`) and tiny sizes themselves,
+and what runs is exactly what a reader copies; the real-model form of each walk-through is a ```console block
+beside it.
 
 A ```console block cannot run here, but its `laionkit` commands are checked against the CLI: each subcommand
 and option must exist, so a renamed or removed flag fails here too. docs/BENCHMARKS.md is not collected: every
@@ -29,6 +30,8 @@ import pytest
 from conftest import REPO
 
 NOT_RUN_FILES = {"docs/BENCHMARKS.md", "docs/CLI.md"}
+# Documents whose ```bash blocks another test runs, the same way (run_script), and checks what they made.
+RUN_BY = {"README.md": "tests/test_demo.py's demo fixture (`laionkit demo`, whose output it checks)"}
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 CHECKOUT_FOLDERS = ("laionkit", "pipelines", "train", "scripts")
 # A command in a block fenced neither bash nor console would dodge the rule: its lines look like these.
@@ -115,7 +118,7 @@ def test_shown_commands_name_real_subcommands_and_options(document):
     assert not wrong, f"{document}: ```console commands with words the CLI does not have: {wrong}"
 
 
-@pytest.mark.parametrize("document", [d for d in documents() if script_of((REPO / d).read_text())])
+@pytest.mark.parametrize("document", [d for d in documents() if script_of((REPO / d).read_text()) and d not in RUN_BY])
 def test_the_documented_commands_run(document, tmp_path):
     result = run_script(script_of((REPO / document).read_text()), tmp_path, timeout=900)
     assert result.returncode == 0, f"{document}: a documented command failed\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
