@@ -260,7 +260,7 @@ sys.argv = ["laionkit", *sys.argv[1:]]
 try:
     main()
 finally:
-    print("imported:", *sorted(name for name in ("deepspeed", "deepspeed.runtime") if name in sys.modules))
+    print("imported deepspeed:", "deepspeed" in sys.modules)
 """
 
 
@@ -273,7 +273,7 @@ def test_a_run_without_deepspeed_does_not_import_it(latent_shards, tmp_path):
                              "--max-steps", "2", "--checkpoint-every", "2", "--workers", "0"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == "imported:", result.stdout[-500:]
+    assert result.stdout.splitlines()[-1] == "imported deepspeed: False", result.stdout[-500:]
     assert (run / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
     assert (run / "checkpoints" / "step-00000002").is_dir()
 

@@ -51,12 +51,11 @@ def honor_fsdp_on_cpu(accelerator) -> bool:
     it did (and says so). Called right after the Accelerator is built, before anything is prepared."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     if (accelerator.distributed_type != DistributedType.MULTI_CPU
             or not fsdp_launch()):
         return False
-    from torch.distributed.fsdp import CPUOffloadPolicy  # only under an FSDP launch (half a second to import)
-
     plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment, as Accelerator builds it
     if plugin.fsdp_version != 2:
         raise LaionkitError("FSDP on CPU ranks runs FSDP2 only: set fsdp_version: 2 in the accelerate config "

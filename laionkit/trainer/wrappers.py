@@ -1,9 +1,10 @@
 """The model inside what accelerate wrapped it in, without importing what could not have wrapped it.
 
-``accelerator.unwrap_model`` imports DeepSpeed and FSDP's first version on every call, to test whether the model
-is one of their wrappers: about a second of every training process's start on a machine where both are installed,
-when the run uses neither (the CPU tests start hundreds of such processes). A model can only be in a DeepSpeed
-engine or an FSDP1 module if the run was launched so; a compiled model keeps accelerate's own handling.
+``accelerator.unwrap_model`` (and ``get_state_dict``, through it) imports DeepSpeed on every call, to test whether
+the model is in a DeepSpeed engine: about half a second of every training process's start where DeepSpeed is
+installed and the run does not use it (the CPU tests start hundreds of such processes). A model can only be in a
+DeepSpeed engine or an FSDP module if the run was launched so, and those launches keep accelerate's own calls, as
+a compiled model does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ import torch
 
 
 def unwrap(accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """``accelerator.unwrap_model(model)``: the same module, with DeepSpeed and FSDP imported only under their
-    launches (and compiled models left to accelerate)."""
-    from accelerate.utils import DistributedType
-
-    if (accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-            or "_orig_mod" in model.__dict__):  # torch.compile's wrapper: accelerate unwraps what is inside it
+    """``accelerator.unwrap_model(model)``: the same module, DDP unwrapped here; DeepSpeed and FSDP launches and
+    compiled models go to accelerate."""
+    # "_orig_mod": torch.compile's wrapper, inside which accelerate unwraps and puts the result back
+    if _accelerate_wraps(accelerator) or "_orig_mod" in model.__dict__:
         return accelerator.unwrap_model(model)
     while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         model = model.module
@@ -26,8 +25,13 @@ def unwrap(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 def state_dict_of(accelerator, model: torch.nn.Module) -> dict:
     """``accelerator.get_state_dict(model)`` (whole weights; a collective under FSDP and ZeRO-3), by way of unwrap."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+    if _accelerate_wraps(accelerator):
         return accelerator.get_state_dict(model)
     return unwrap(accelerator, model).state_dict()
+
+
+def _accelerate_wraps(accelerator) -> bool:
+    """Whether the run was launched under DeepSpeed or FSDP, whose wrappers and gathers accelerate handles."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
