@@ -266,7 +266,7 @@ finally:
 
 def test_a_run_without_deepspeed_does_not_import_it(latent_shards, tmp_path):
     """accelerate's unwrap_model and get_state_dict import DeepSpeed (installed here, as the ops extra installs it)
-    to test for its wrapper: half a second of every training process's start, hundreds of times in this suite.
+    to test for its wrapper: an import at every training process's start, hundreds of times in this suite.
     A run launched without DeepSpeed exports its pipeline without importing it (laionkit/trainer/wrappers.py)."""
     run = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", MODULES_AFTER, "train", latent_shards, "--output", run, *TINY,

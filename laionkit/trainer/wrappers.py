@@ -1,8 +1,8 @@
 """The model inside what accelerate wrapped it in, without importing what could not have wrapped it.
 
 ``accelerator.unwrap_model`` (and ``get_state_dict``, through it) imports DeepSpeed on every call, to test whether
-the model is in a DeepSpeed engine: about half a second of every training process's start where DeepSpeed is
-installed and the run does not use it (the CPU tests start hundreds of such processes). A model can only be in a
+the model is in a DeepSpeed engine: a DeepSpeed import in every training process where DeepSpeed is installed
+and the run does not use it (the CPU tests start hundreds of such processes). A model can only be in a
 DeepSpeed engine or an FSDP module if the run was launched so, and those launches keep accelerate's own calls, as
 a compiled model does.
 """
