@@ -442,13 +442,32 @@ def compile_on_cpu(monkeypatch, backend: str) -> list[tuple[object, dict]]:
     return calls
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A free local TCP port for a launcher's rendezvous."""
+    """A free local TCP port for a launcher's rendezvous, drawn below Linux's ephemeral range (32768-60999), from
+    a range of this xdist worker's own. A port the kernel picked (bind to 0) could be given to another process's
+    outgoing connection (gloo's, another test's) between this probe and the launcher's bind: EADDRINUSE, seen in CI.
+    Ports outside the ephemeral range are never handed out so, and the workers' ranges do not overlap."""
+    import random
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 20000 + 2000 * (worker % 6)
+    draw = random.Random()
+    for _ in range(200):
+        port = draw.randrange(low, low + 2000)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{low + 2000}")
 
 
 def steps_done(run: Path) -> int:
