@@ -269,7 +269,7 @@ def test_compiled_frozen_linears_save_no_dequantized_weight_for_the_backward(fmt
     module = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).bfloat16()
     torch._dynamo.reset()
     with torch.autocast("cpu", torch.bfloat16):
-        out = torch.compile(module, backend=backend)(torch.randn(2, 32, 128, requires_grad=True))
+        out = torch.compile(module, backend=backend, fullgraph=True)(torch.randn(2, 32, 128, requires_grad=True))
     out.float().sum().backward()
     codes = layers[0].weight  # saved as it is or as a view (fp8's float8 view of its bytes): no copy
     weight_sized = [(tuple(t.shape), t.dtype) for t in saved if t.numel() >= 128 * 128 and not

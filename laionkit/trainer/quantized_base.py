@@ -170,9 +170,14 @@ def _float8_weight(fmt: str, codes: torch.Tensor, scale, rowwise: bool,
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    kind = x.device.type  # meta included (train's FLOP count), where autocast does not exist
-    return torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) \
-        else x.dtype
+    """The dtype the matmul runs in: autocast's where it is on for ``x``'s device, else ``x``'s own. Meta tensors
+    (train's FLOP count) have no autocast to ask. The test is a string comparison, not
+    ``torch.amp.is_autocast_available``: torch 2.11's Dynamo cannot trace that builtin, so every FrozenLinear broke
+    the compiled graph (``--fp8 --lora-rank`` ran slower than bf16 instead of faster)."""
+    kind = x.device.type
+    if kind == "meta":
+        return x.dtype
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 class FrozenMatmul(torch.autograd.Function):
