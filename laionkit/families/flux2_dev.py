@@ -53,8 +53,8 @@ def tokenize(tokenizers: Sequence, captions: Sequence[str],
     (processor,) = tokenizers
     found = processor.apply_chat_template(
         format_input(prompts=list(captions), system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
-        tokenize=True, return_dict=True, return_tensors="pt", padding="max_length", truncation=True,
-        max_length=max_sequence_length)
+        tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": "max_length", "truncation": True, "max_length": max_sequence_length})
     return [flux2.masked_ids(found["input_ids"], found["attention_mask"])]
 
 
