@@ -10,7 +10,10 @@ same latents with the same seed (so the same noise and timesteps step by step):
 (fp8-tw)    the same with ``--fp8`` (``--fp8-recipe tensorwise``): the bf16 base's block matmuls in float8.
 (fp8-rw)    the same with ``--fp8-recipe rowwise``.
 (nf4, int8) ``--base-dtype nf4`` / ``int8``: the base's block linears stored so, dequantized per matmul (bf16).
-(fp8-base)  ``--base-dtype fp8 --fp8``: the stored float8 weights straight into float8 matmuls (tensorwise).
+(fp8-base)  ``--base-dtype fp8 --fp8``: the stored float8 weights straight into float8 matmuls (tensorwise: the
+            per-channel weight scales multiply an fp32 output).
+(fp8-base-rw) the same with ``--fp8-recipe rowwise``: the per-channel weight scales go into the rowwise GEMM, and
+            no weight is cast in the step.
 (flux2)     FLUX.2 [dev] (32B, random init drawn block by block straight into ``--flux2-dtype``, nf4 by default:
             its 64 GB of bf16 never exist) LoRA-64 at 1024 px, batch 1, ``--checkpointing blocks``, eager.
 (bare-flux2) its ceiling: the bare diffusers step, PEFT rank 64, the block linears as torchao's NF4Tensor (as
@@ -50,7 +53,8 @@ from bench_train_sdxl import prepare  # noqa: E402
 LORA = ("--lora-rank", "64", "--lora-random-base")
 # row -> `laionkit train` flags besides LORA (Flux-12B, compiled)
 ROWS = {"bf16": (), "fp8-tw": ("--fp8", "--fp8-recipe", "tensorwise"), "fp8-rw": ("--fp8", "--fp8-recipe", "rowwise"),
-        "nf4": ("--base-dtype", "nf4"), "fp8-base": ("--base-dtype", "fp8", "--fp8"), "int8": ("--base-dtype", "int8")}
+        "nf4": ("--base-dtype", "nf4"), "fp8-base": ("--base-dtype", "fp8", "--fp8"), "int8": ("--base-dtype", "int8"),
+        "fp8-base-rw": ("--base-dtype", "fp8", "--fp8", "--fp8-recipe", "rowwise")}
 ORDER = "bare,bf16,fp8-tw,fp8-rw,flux2,nf4,fp8-base,int8"
 # rows of the 20-32B families, eager at batch 1 with checkpointed blocks: row -> (family, base dtype, bare or not)
 LARGE = {"flux2": ("flux2-dev", None, False), "bare-flux2": ("flux2-dev", "nf4", True),
@@ -67,7 +71,7 @@ WITHOUT_BNB = [sys.executable, "-c", "import runpy, sys; sys.modules['bitsandbyt
 
 def main() -> None:
     parser = family_bench_parser(__doc__)
-    parser.add_argument("--rows", default=ORDER, help=f"comma list of {ORDER} and {','.join(LARGE)}")
+    parser.add_argument("--rows", default=ORDER, help=f"comma list of {','.join(['bare', *ROWS, *LARGE])} (default: {ORDER})")
     parser.add_argument("--batch-size", type=int, default=2, help="Flux-12B's batch")
     parser.add_argument("--flux2-dtype", default="nf4", choices=["nf4", "int8", "fp8"])
     parser.set_defaults(resolutions=[1024], images=64, steps=24, budget=470)
