@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -357,9 +356,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def test_sigterm_leaves_a_usable_checkpoint_and_metrics_are_served_meanwhile(latent_shards, tmp_path):
     run = tmp_path / "run"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(_train(latent_shards, run, "--max-steps", "1000", "--checkpoint-every", "1000",
                                       "--metrics-port", port),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
