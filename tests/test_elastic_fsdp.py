@@ -34,6 +34,8 @@ def test_fsdp_checkpoint_of_two_ranks_resumes_on_three_with_its_weights_and_the_
     resharded = load_file(run / "unet" / "diffusion_pytorch_model.safetensors")
     assert resharded.keys() == exported.keys()
     assert all(resharded[name].equal(exported[name]) for name in exported)
+    if writer == "accelerate":  # the epoch's rest comes from the rank records, which both writers write alike
+        return
     # on to the end of epoch 0 and into epoch 1 on 3 ranks: every sample of epoch 0 trained once
     finish(launch(3, latents, run, "--batch-size", 1, "--max-steps", 6, "--resume", "latest", *args))
     epochs = collections.defaultdict(collections.Counter)
