@@ -1,7 +1,8 @@
 """Elastic resume under FSDP2: a checkpoint of 2 sharded ranks resumes on 3 ranks (the model and AdamW
 state resharded by torch.distributed.checkpoint), with the checkpoint writers users get (accelerate's
-sharded state dict, the default) and laionkit's DCP writer; the keys trained in the interrupted epoch are
-one epoch, none twice (tests/test_elastic.py shows the same under DDP, with signals and buckets)."""
+sharded state dict, the default) and laionkit's DCP writer; with the DCP writer the run goes on through the
+interrupted epoch, whose keys are trained once, none twice (the epoch's rest comes from the rank records, which
+both writers write alike; tests/test_elastic.py shows the same under DDP, with signals and buckets)."""
 
 from __future__ import annotations
 
